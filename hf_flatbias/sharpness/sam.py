@@ -1,0 +1,101 @@
+"""SAM / ASAM perturbations as pure tensor functions.
+
+SAM (Foret et al., 2021) steps with the gradient taken at ``w + e`` where ``e = rho * g / ||g||``.
+ASAM (Kwon et al., 2021) measures the neighbourhood relative to the weights: with ``T = |w| + eta``,
+``e = rho * T^2 g / ||T g||``.
+
+The functions take parallel lists of parameters and gradients so that callers decide which tensors take part
+(trainable parameters only, a ZeRO shard, ...). ``sq_norm_reducer`` lets a caller whose parameters are sharded
+across processes sum the squared norm over the shards before it is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+SquaredNormReducer = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Perturbation:
+    """The weights ``w`` saved while the parameters hold ``w + e``; ``restore`` puts ``w`` back bit for bit."""
+
+    params: list[torch.Tensor]
+    saved_weights: list[torch.Tensor]
+    grad_norm: float
+    norm: float
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        torch._foreach_copy_(self.params, self.saved_weights)
+
+
+def squared_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum of squared entries of all tensors, accumulated in float32 or wider."""
+    if not tensors:
+        return torch.zeros(())
+    return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float32)).square().sum()
+
+
+def asam_scale(param: torch.Tensor, eta: float) -> torch.Tensor:
+    """ASAM's elementwise operator ``T_w = |w| + eta``."""
+    return param.detach().abs().add_(eta)
+
+
+def scaled_grad_norm(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    *,
+    adaptive: bool = False,
+    eta: float = 0.01,
+    sq_norm_reducer: SquaredNormReducer | None = None,
+) -> torch.Tensor:
+    """``||g||`` for SAM or ``||T_w g||`` for ASAM, reduced over shards when ``sq_norm_reducer`` is given."""
+    if adaptive:
+        sq = sum(
+            (squared_norm([asam_scale(p, eta).mul_(g)]) for p, g in zip(params, grads, strict=True)),
+            torch.zeros(()),
+        )
+    else:
+        sq = squared_norm(grads)
+    if sq_norm_reducer is not None:
+        sq = sq_norm_reducer(sq)
+    return sq.sqrt()
+
+
+@torch.no_grad()
+def perturb_weights(
+    params: Sequence[torch.Tensor],
+    grads: list[torch.Tensor],
+    rho: float,
+    *,
+    adaptive: bool = False,
+    eta: float = 0.01,
+    sq_norm_reducer: SquaredNormReducer | None = None,
+) -> Perturbation | None:
+    """Move ``params`` in place to ``w + e`` and return what is needed to restore them.
+
+    ``grads`` is consumed: its buffers are reused to hold the saved weights, so the whole step needs at most one
+    extra copy of the parameters. Returns ``None``, leaving the parameters untouched, when the gradient norm is zero
+    or not finite (an fp16 overflow, a diverged batch): a perturbation along such a direction is meaningless.
+    """
+    params = list(params)
+    norm = scaled_grad_norm(params, grads, adaptive=adaptive, eta=eta, sq_norm_reducer=sq_norm_reducer)
+    norm_value = float(norm)
+    if not torch.isfinite(norm) or norm_value == 0.0:
+        return None
+    scale = rho / norm_value
+    perturbation_sq = torch.zeros(())
+    for param, grad in zip(params, grads, strict=True):
+        step = grad.mul(scale)
+        if adaptive:
+            step.mul_(asam_scale(param, eta).square_())
+        perturbation_sq += squared_norm([step])
+        grad.copy_(param)
+        param.add_(step)
+    if sq_norm_reducer is not None:
+        perturbation_sq = sq_norm_reducer(perturbation_sq)
+    return Perturbation(params, grads, grad_norm=norm_value, norm=float(perturbation_sq.sqrt()))

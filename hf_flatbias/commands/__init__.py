@@ -1,0 +1,1 @@
+"""Sub-commands of the ``hf-flatbias`` CLI: each module here defines ``register(subparsers)``."""

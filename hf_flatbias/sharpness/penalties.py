@@ -36,6 +36,11 @@ from .sam import squared_norm
 IGNORE_INDEX = -100
 
 
+def _at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """Half precision goes up to float32; float32 and float64 stay (the finite difference needs every digit)."""
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
+
+
 def labelled_logits(logits: torch.Tensor, labels: torch.Tensor, *, shift: bool = False) -> torch.Tensor:
     """The rows of ``logits`` at positions whose label is not ``-100``, as an ``(N, vocabulary)`` tensor.
 
@@ -58,13 +63,13 @@ def labelled_logits(logits: torch.Tensor, labels: torch.Tensor, *, shift: bool =
 @torch.no_grad()
 def sample_model_labels(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One label per row drawn from the model's own predictive distribution ``softmax(logits)``."""
-    probabilities = torch.softmax(logits.detach().float(), dim=-1)
+    probabilities = torch.softmax(logits.detach().float(), dim=-1)  # float32 softmax: draws identical in any dtype
     return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
 
 
 def sampled_label_loss(logits: torch.Tensor, sampled_labels: torch.Tensor) -> torch.Tensor:
-    """Mean negative log-likelihood of ``sampled_labels``, in float32 so half-precision logits do not round it."""
-    return F.cross_entropy(logits.float(), sampled_labels, reduction="mean")
+    """Mean negative log-likelihood of ``sampled_labels``, in float32 or wider so half precision does not round it."""
+    return F.cross_entropy(_at_least_float32(logits), sampled_labels, reduction="mean")
 
 
 def fisher_trace_from_mean_gradient(mean_gradient_sq_norm: float, n_labels: int) -> float:
@@ -91,15 +96,14 @@ def linear_term(params: Sequence[torch.Tensor], vectors: Sequence[torch.Tensor])
 
     Its backward is one elementwise multiply per parameter, negligible next to a forward/backward pass.
     """
-    total = torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)
-    for param, vector in zip(params, vectors, strict=True):
-        total = total + (param.float() * vector.detach().float()).sum()
-    return total
+    terms = [(_at_least_float32(p) * _at_least_float32(v.detach())).sum() for p, v in zip(params, vectors, strict=True)]
+    return torch.stack(terms).sum() if terms else torch.zeros(())
 
 
 def dot(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> torch.Tensor:
     """``<a, b>`` over lists of tensors, accumulated in float32."""
-    return sum(((x.float() * y.float()).sum() for x, y in zip(a, b, strict=True)), torch.zeros(()))
+    terms = [(_at_least_float32(x) * _at_least_float32(y)).sum() for x, y in zip(a, b, strict=True)]
+    return torch.stack(terms).sum() if terms else torch.zeros(())
 
 
 @torch.no_grad()
@@ -115,7 +119,9 @@ def orthogonal_direction(
     if not torch.isfinite(g_sq) or float(g_sq) == 0.0:
         return None
     along = dot(sam_gradient, gradient) / g_sq
-    orthogonal = [s.float() - along * g.float() for s, g in zip(sam_gradient, gradient, strict=True)]
+    orthogonal = [
+        _at_least_float32(s) - along * _at_least_float32(g) for s, g in zip(sam_gradient, gradient, strict=True)
+    ]
     norm = squared_norm(orthogonal).sqrt()
     if not torch.isfinite(norm) or float(norm) == 0.0:
         return None

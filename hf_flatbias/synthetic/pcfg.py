@@ -21,12 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .tokenizer import MASK_ID, N_SPECIAL
-
-#: value of a masked position in a word-id array: marginalised over all words by the inside algorithm
-MASKED_WORD = -2
-#: value of a padding position in a word-id array
-PAD_WORD = -1
+from .tokenizer import MASK_ID, MASKED_WORD, N_SPECIAL, PAD_WORD
 
 
 @dataclass
@@ -417,6 +412,12 @@ class PCFG:
                 z, _, _, joint = self._inside(ids[s : s + batch_size], lengths[s : s + batch_size])
             out.append((joint / z[:, None]).numpy())
         return np.concatenate(out)
+
+    def target_conditionals(self, word_ids, positions, lengths=None) -> np.ndarray:
+        """``Pr(x_t = . | x_-t)`` at ``positions[i]`` of sentence ``i``: ``(n, n_words)``."""
+        ids, lengths = self._as_batch(word_ids, lengths)
+        rows = torch.arange(len(ids))
+        return self.masked_conditionals(ids, lengths)[rows.numpy(), np.asarray(positions)]
 
     def entropy_bound(self, word_ids, positions, lengths=None, *, batch_size: int = 256) -> float:
         """Mean of ``-log Pr(x_t | x_-t)`` over the given (sentence, position) pairs, in nats.

@@ -17,6 +17,11 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD, UNK, CLS, SEP, MASK)
 N_SPECIAL = len(SPECIAL_TOKENS)
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = range(N_SPECIAL)
 
+#: value of a masked position in a word-id array: exact inference marginalises it over all words
+MASKED_WORD = -2
+#: value of a padding position in a word-id array
+PAD_WORD = -1
+
 
 def make_tokenizer(words: Sequence[str], *, model_max_length: int = 64) -> PreTrainedTokenizerFast:
     """A whitespace word-level tokenizer over ``words`` that wraps each sentence as ``[CLS] ... [SEP]``.

@@ -164,7 +164,9 @@ def test_dataset_tokenizer_roundtrip_and_contexts():
     text = tok.decode(row["input_ids"], skip_special_tokens=True)
     assert tok(text)["input_ids"] == row["input_ids"]
     contexts = masked_contexts(ds["validation"], seed=0)
-    for ids, labels, original in zip(contexts["input_ids"], contexts["labels"], ds["validation"]["input_ids"]):
+    for ids, labels, original in zip(
+        contexts["input_ids"], contexts["labels"], ds["validation"]["input_ids"], strict=True
+    ):
         assert sum(i == tok.mask_token_id for i in ids) == 1
         (pos,) = [i for i, lab in enumerate(labels) if lab != -100]
         assert ids[pos] == tok.mask_token_id and labels[pos] == original[pos] and 0 < pos < len(ids) - 1

@@ -38,7 +38,7 @@ def sentences_to_dataset(word_ids: np.ndarray, lengths: np.ndarray | None = None
     word_ids = np.asarray(word_ids)
     if lengths is None:
         lengths = (word_ids != PAD_WORD).sum(1)
-    input_ids = [[CLS_ID, *(row[:n] + N_SPECIAL).tolist(), SEP_ID] for row, n in zip(word_ids, lengths)]
+    input_ids = [[CLS_ID, *(row[:n] + N_SPECIAL).tolist(), SEP_ID] for row, n in zip(word_ids, lengths, strict=True)]
     data = {
         "input_ids": input_ids,
         "attention_mask": [[1] * len(r) for r in input_ids],
@@ -62,7 +62,7 @@ def build_pcfg_dataset(pcfg: PCFG, n_train: int, n_validation: int = 2000, *, se
     over the first 2 words).
     """
     splits = {}
-    for name, n, split_seed in zip(("train", "validation"), (n_train, n_validation), _split_seeds(seed)):
+    for name, n, split_seed in zip(("train", "validation"), (n_train, n_validation), _split_seeds(seed), strict=True):
         sample = pcfg.sample(n, seed=split_seed, span_label_lengths=(2, 4))
         splits[name] = sentences_to_dataset(
             sample.word_ids,
@@ -79,7 +79,7 @@ def build_hmm_dataset(
 ) -> DatasetDict:
     """Train/validation sequences of ``hmm``; column ``states`` holds the hidden states (task-k = ``states[k]``)."""
     splits = {}
-    for name, n, split_seed in zip(("train", "validation"), (n_train, n_validation), _split_seeds(seed)):
+    for name, n, split_seed in zip(("train", "validation"), (n_train, n_validation), _split_seeds(seed), strict=True):
         sample = hmm.sample(n, length, seed=split_seed)
         splits[name] = sentences_to_dataset(sample.word_ids, states=sample.states)
     return DatasetDict(splits)
@@ -88,7 +88,7 @@ def build_hmm_dataset(
 def build_dyck_dataset(dyck: Dyck, n_train: int, n_validation: int = 2000, *, seed: int = 0) -> DatasetDict:
     """Train/validation Dyck strings; column ``depth`` is the bracket count before each position."""
     splits = {}
-    for name, n, split_seed in zip(("train", "validation"), (n_train, n_validation), _split_seeds(seed)):
+    for name, n, split_seed in zip(("train", "validation"), (n_train, n_validation), _split_seeds(seed), strict=True):
         words = dyck.sample(n, seed=split_seed).word_ids
         splits[name] = sentences_to_dataset(words, depth=Dyck.depth(words))
     return DatasetDict(splits)
@@ -109,7 +109,7 @@ def masked_contexts(dataset: Dataset, *, seed: int = 0, n_contexts: int | None =
     word_counts = np.array([len(r) - 2 for r in dataset["input_ids"]])
     positions = (rng.random(len(word_counts)) * word_counts).astype(np.int64)
     input_ids, labels = [], []
-    for row, position in zip(dataset["input_ids"], positions):
+    for row, position in zip(dataset["input_ids"], positions, strict=True):
         row = list(row)
         label = [IGNORE_INDEX] * len(row)
         label[position + 1] = row[position + 1]
@@ -127,7 +127,7 @@ def context_word_ids(contexts: Dataset) -> tuple[np.ndarray, np.ndarray]:
     labels = [np.asarray(r[1:-1]) for r in contexts["labels"]]
     word_ids = np.full((len(rows), max(len(r) for r in rows)), PAD_WORD, dtype=np.int64)
     positions = np.empty(len(rows), dtype=np.int64)
-    for i, (row, label) in enumerate(zip(rows, labels)):
+    for i, (row, label) in enumerate(zip(rows, labels, strict=True)):
         word_ids[i, : len(row)] = np.where(row == MASK_ID, MASKED_WORD, row - N_SPECIAL)
         positions[i] = int(np.flatnonzero(label != IGNORE_INDEX)[0])
     return word_ids, positions
@@ -137,7 +137,7 @@ def target_conditionals(language: Language, contexts: Dataset) -> np.ndarray:
     """Exact ``Pr(masked word = w | rest)`` of every masked context: ``(n, n_words)``."""
     word_ids, positions = context_word_ids(contexts)
     if isinstance(language, Dyck):
-        labels = np.array([r[p + 1] for r, p in zip(contexts["labels"], positions)]) - N_SPECIAL
+        labels = np.array([r[p + 1] for r, p in zip(contexts["labels"], positions, strict=True)]) - N_SPECIAL
         word_ids[np.arange(len(word_ids)), positions] = labels  # Dyck's checker fills the position itself
     return language.target_conditionals(word_ids, positions)
 
@@ -146,7 +146,7 @@ def entropy_bound(language: Language, contexts: Dataset) -> float:
     """Mean ``-log Pr(x_t | x_-t)`` (nats) of the masked words: the lowest one-mask MLM loss on these contexts."""
     cond = target_conditionals(language, contexts)
     _, positions = context_word_ids(contexts)
-    targets = np.array([r[p + 1] for r, p in zip(contexts["labels"], positions)]) - N_SPECIAL
+    targets = np.array([r[p + 1] for r, p in zip(contexts["labels"], positions, strict=True)]) - N_SPECIAL
     return float(-np.log(cond[np.arange(len(cond)), targets]).mean())
 
 
@@ -184,7 +184,10 @@ class OracleMLM(torch.nn.Module):
             # column of the masked word among the words: every row starts with [CLS]
             if isinstance(self.language, Dyck):
                 cond = np.stack(
-                    [_dyck_mask_conditional(self.language, word_ids[i], c - 1) for i, c in zip(sentence_index, cols)]
+                    [
+                        _dyck_mask_conditional(self.language, word_ids[i], c - 1)
+                        for i, c in zip(sentence_index, cols, strict=True)
+                    ]
                 )
             elif isinstance(self.language, PCFG):
                 cond = self.language.masked_conditionals(word_ids)[sentence_index, cols - 1]

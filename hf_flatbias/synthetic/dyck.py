@@ -9,7 +9,7 @@ count (depth) at the masked position.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
@@ -111,7 +111,7 @@ class Dyck:
         return float(-np.log(cond[rows, np.asarray(word_ids)[rows, positions]]).mean())
 
 
-@lru_cache(maxsize=None)
+@cache
 def _path_count(steps: int, height: int) -> int:
     """Paths of ``steps`` +-1 steps from ``height`` to 0 that never go below 0 (ballot numbers)."""
     if height < 0 or height > steps or (steps - height) % 2:

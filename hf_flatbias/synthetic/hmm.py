@@ -63,7 +63,9 @@ class HMM:
         transition = np.zeros((n_states, n_states))
         emission = np.zeros((n_states, n_words))
         for h in range(n_states):
-            transition[h, rng.choice(n_states, successors, replace=False)] = rng.dirichlet(np.full(successors, concentration))
+            transition[h, rng.choice(n_states, successors, replace=False)] = rng.dirichlet(
+                np.full(successors, concentration)
+            )
             emission[h, rng.choice(n_words, words_per_state, replace=False)] = rng.dirichlet(
                 np.full(words_per_state, concentration)
             )

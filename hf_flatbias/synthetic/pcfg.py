@@ -42,7 +42,7 @@ class PCFGSample:
     span_labels: dict[int, np.ndarray] = field(default_factory=dict)
 
     def sentences(self) -> list[np.ndarray]:
-        return [row[:n] for row, n in zip(self.word_ids, self.lengths)]
+        return [row[:n] for row, n in zip(self.word_ids, self.lengths, strict=True)]
 
 
 @dataclass
@@ -277,7 +277,9 @@ class PCFG:
                 hit = (start == 0) & (node_length == k)
                 labels[node_sentence[hit]] = level_symbols[level][hit] + offsets[level]
             if level > 0:
-                node_length = np.bincount(level_parents[level], weights=node_length, minlength=len(level_symbols[level - 1]))
+                node_length = np.bincount(
+                    level_parents[level], weights=node_length, minlength=len(level_symbols[level - 1])
+                )
                 node_length = node_length.astype(np.int64)
         return PCFGSample(word_ids=word_ids, lengths=lengths, sentence_type=types, span_labels=span_labels)
 

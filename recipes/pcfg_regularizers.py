@@ -36,11 +36,11 @@ from hf_flatbias.synthetic import PCFG, build_pcfg_dataset, entropy_bound, make_
 # name -> FlatBiasConfig overrides; every run shares the rest of the arguments.
 METHODS: dict[str, dict] = {
     "adamw": {"flatness_method": "none"},
-    "sam": {"flatness_method": "sam", "sam_rho": 0.05},
-    "sam_every_4": {"flatness_method": "sam", "sam_rho": 0.05, "sam_every_k": 4},
-    "looksam_every_4": {"flatness_method": "looksam", "sam_rho": 0.05, "sam_every_k": 4},
-    "fisher_penalty": {"flatness_method": "fisher_penalty", "penalty_lambda": 0.01, "penalty_fd_step": 0.01},
-    "grad_norm_penalty": {"flatness_method": "grad_norm_penalty", "penalty_lambda": 0.1, "penalty_fd_step": 0.05},
+    "sam": {"flatness_method": "sam", "sam_rho": 0.1},
+    "sam_every_4": {"flatness_method": "sam", "sam_rho": 0.1, "sam_every_k": 4},
+    "looksam_every_4": {"flatness_method": "looksam", "sam_rho": 0.1, "sam_every_k": 4},
+    "fisher_penalty": {"flatness_method": "fisher_penalty", "penalty_lambda": 0.001, "penalty_fd_step": 0.01},
+    "grad_norm_penalty": {"flatness_method": "grad_norm_penalty", "penalty_lambda": 0.08, "penalty_fd_step": 0.1},
 }
 
 
@@ -123,11 +123,12 @@ def _naive_fisher_trace(model: torch.nn.Module, rows, *, n_draws: int, seed: int
 
 
 class Checkpoints(TrainerCallback):
-    """Validation one-mask loss and a copy of the weights every ``every`` steps."""
+    """Validation one-mask loss and a copy of the weights every ``every`` steps; stops once at ``stop_below``."""
 
-    def __init__(self, contexts, every: int) -> None:
+    def __init__(self, contexts, every: int, stop_below: float | None = None) -> None:
         self.contexts = contexts
         self.every = every
+        self.stop_below = stop_below
         self.history: list[tuple[int, float, dict]] = []
         self.model = None
 
@@ -135,6 +136,9 @@ class Checkpoints(TrainerCallback):
         if state.global_step % self.every == 0:
             loss = one_mask_loss(model, self.contexts)
             self.history.append((state.global_step, loss, copy.deepcopy(model.state_dict())))
+            print(f"  step {state.global_step}: validation one-mask loss {loss:.4f}", flush=True)
+            if self.stop_below is not None and loss <= self.stop_below:
+                control.should_training_stop = True  # matched: the later checkpoints would not be compared
 
 
 def matched_checkpoint(history, target: float) -> tuple[int, float, dict, bool]:
@@ -146,8 +150,9 @@ def matched_checkpoint(history, target: float) -> tuple[int, float, dict, bool]:
     return step, loss, state, False
 
 
-def train(method: str, overrides: dict, data, collator, eval_contexts, *, steps: int, every: int, args) -> list:
-    checkpoints = Checkpoints(eval_contexts, every)
+def train(method: str, overrides: dict, data, collator, eval_contexts, *, steps: int, every: int, target, args) -> list:
+    print(f"{method}: up to {steps} steps", flush=True)
+    checkpoints = Checkpoints(eval_contexts, every, stop_below=target)
     config = FlatBiasConfig(
         output_dir=str(Path(args.out) / method),
         max_steps=steps,
@@ -191,6 +196,9 @@ def main() -> None:
     parser.add_argument("--n-draws", type=int, default=2)
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--target", type=float, default=None, help="target loss from an earlier AdamW run (then 'adamw' is not rerun)"
+    )
     parser.add_argument("--out", default="runs/pcfg_regularizers")
     args = parser.parse_args()
     steps = args.steps or (200 if args.quick else 1500)
@@ -198,8 +206,11 @@ def main() -> None:
     n_contexts = args.n_contexts or (200 if args.quick else 1000)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(methods) - set(METHODS))
-    if unknown or "adamw" not in methods:
-        raise ValueError(f"--methods must include 'adamw' (the target loss) and only {list(METHODS)}; got {unknown}.")
+    if unknown or ("adamw" not in methods and args.target is None):
+        raise ValueError(
+            f"--methods must be among {list(METHODS)} (got unknown {unknown}) and include 'adamw' unless --target "
+            "gives the AdamW loss to match."
+        )
     torch.set_num_threads(1)
     started = time.time()
 
@@ -213,11 +224,13 @@ def main() -> None:
     probe_rows = data["validation"]
 
     results = []
-    target = None
-    for method in methods if methods[0] == "adamw" else ["adamw", *[m for m in methods if m != "adamw"]]:
+    target = args.target
+    for method in sorted(methods, key=lambda m: m != "adamw"):
         t0 = time.time()
         budget = steps if method == "adamw" else int(round(steps * args.extra))
-        history = train(method, METHODS[method], data, collator, eval_contexts, steps=budget, every=every, args=args)
+        history = train(
+            method, METHODS[method], data, collator, eval_contexts, steps=budget, every=every, target=target, args=args
+        )
         if method == "adamw":
             target = history[-1][1]
             step, loss, state, reached = history[-1][0], history[-1][1], history[-1][2], True
@@ -238,6 +251,7 @@ def main() -> None:
             **trace,
             **{f"probe_{k}": v for k, v in probes.items()},
             "overrides": METHODS[method],
+            "loss_curve": [(s, round(v, 4)) for s, v, _ in history],
             "seconds": time.time() - t0,
         }
         results.append(row)

@@ -6,7 +6,9 @@ a forward finite difference along the unit vector ``u = v / ||v||``::
     H v ~= ||v|| * (grad L(w + h u) - grad L(w)) / h
 
 so a step costs two forward/backward passes, like SAM: the first gradient at ``w`` (which also gives ``v``) and one
-pass at ``w + h u``. The known vector ``-c * grad L(w)`` is added to the second pass through a linear term
+pass at ``w + h u``; double backward would cost about two more backward passes' worth and keep the whole graph of the
+first pass alive. Memory: two extra copies of the trainable parameters during the step (the saved weights and
+``v``). The known vector ``-c * grad L(w)`` is added to the second pass through a linear term
 ``<w, -c * grad L(w)>`` (its gradient is the constant vector), so the whole combination reaches ``.grad`` through one
 ordinary backward, with accumulation, gradient sync and loss scaling handled by whatever runs that backward.
 
@@ -14,14 +16,16 @@ ordinary backward, with accumulation, gradient sync and loss scaling handled by 
   flatness measure). With ``y^`` drawn from the model's own prediction at each of the ``N`` labelled positions and
   ``g = grad mean_i -log p(y^_i)``, ``N * ||g||^2`` is an unbiased estimate of the mean per-position Fisher trace:
   ``E_{y ~ p} grad log p(y) = 0``, so the cross terms between positions vanish in expectation. Its gradient (labels
-  held fixed) is ``2 lambda N H_y^ g``.
+  held fixed) is ``2 lambda N H_y^ g``. The data loss shares the second pass, so its gradient is taken at
+  ``w + h u`` rather than ``w``: a shift of order ``h``, the price of not spending a third pass.
 * Gradient-norm penalty ``lambda * ||grad L||`` (Zhao, Zhang & Hu, "Penalizing Gradient Norm for Efficiently
   Improving Generalization in Deep Learning", ICML 2022). Its gradient is ``lambda * H g / ||g||``, so the step is
   ``(1 - lambda / h) g(w) + (lambda / h) g(w + h g / ||g||)``; ``lambda = h`` is SAM with ``rho = h``.
 * LookSAM (Liu, Mai, Chen, Hsieh & You, "Towards Efficient and Scalable Sharpness-Aware Minimization", CVPR 2022):
   every k-th update is a SAM update, which also stores the direction ``g_v`` of the part of the SAM gradient ``g_s``
   orthogonal to the plain gradient ``g``; the updates in between take one pass and use
-  ``g + alpha * ||g|| * g_v / ||g_v||``.
+  ``g + alpha * ||g|| * g_v / ||g_v||``. Cost per update: 2 passes on SAM updates, 1 (plus a few elementwise
+  operations over the parameters) between, so ``1 + 1/k`` plain steps; one parameter-sized buffer holds ``g_v``.
 """
 
 from __future__ import annotations

@@ -80,9 +80,7 @@ def build_masked_contexts(
         input_ids = _as_list(row["input_ids"])
         attention_mask = _as_list(row["attention_mask"]) if "attention_mask" in row else [1] * len(input_ids)
         candidates = [
-            t
-            for t in range(first_allowed, len(input_ids))
-            if attention_mask[t] and input_ids[t] not in excluded
+            t for t in range(first_allowed, len(input_ids)) if attention_mask[t] and input_ids[t] not in excluded
         ]
         if not candidates:
             raise ValueError(

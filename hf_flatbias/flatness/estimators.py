@@ -122,7 +122,11 @@ class TraceContexts:
                 if "attention_mask" in row
                 else torch.ones_like(ids)
             )
-            types = torch.as_tensor(row["token_type_ids"], dtype=torch.long).reshape(-1) if "token_type_ids" in row else None
+            types = (
+                torch.as_tensor(row["token_type_ids"], dtype=torch.long).reshape(-1)
+                if "token_type_ids" in row
+                else None
+            )
             if has_token_types is None:
                 has_token_types = types is not None
             labelled = (labels != IGNORE_INDEX).nonzero().flatten().tolist()
@@ -503,10 +507,13 @@ def _hutchinson_batch(
     values = torch.empty(1, n_draws, dtype=torch.float64)
     for k in range(n_draws):
         probes = [
-            (torch.randint(0, 2, p.shape, generator=generator) * 2 - 1).to(device=p.device, dtype=p.dtype) for p in params
+            (torch.randint(0, 2, p.shape, generator=generator) * 2 - 1).to(device=p.device, dtype=p.dtype)
+            for p in params
         ]
         hvp = torch.autograd.grad(grads, params, grad_outputs=probes, retain_graph=k < n_draws - 1, allow_unused=True)
-        quadratic = sum(float((v.double() * h.double()).sum()) for v, h in zip(probes, hvp) if h is not None)
+        quadratic = sum(
+            float((v.double() * h.double()).sum()) for v, h in zip(probes, hvp, strict=True) if h is not None
+        )
         values[0, k] = quadratic / len(indices)
     return values
 
@@ -635,7 +642,9 @@ def estimate_hessian_trace(
     contexts = TraceContexts.from_rows(dataset, causal=causal)
     if n_contexts is not None:
         if n_contexts < 1 or n_contexts > len(contexts):
-            raise ValueError(f"n_contexts={n_contexts} but the data holds {len(contexts)} contexts (labelled positions).")
+            raise ValueError(
+                f"n_contexts={n_contexts} but the data holds {len(contexts)} contexts (labelled positions)."
+            )
         indices = list(range(n_contexts))
     else:
         indices = list(range(len(contexts)))

@@ -102,7 +102,10 @@ def _hessian_diagonal_sum(param: nn.Parameter, grad: torch.Tensor) -> float:
         units[torch.arange(stop - start), torch.arange(start, stop)] = 1.0
         try:
             (rows,) = torch.autograd.grad(
-                grad, param, grad_outputs=units.reshape(stop - start, *param.shape), retain_graph=True,
+                grad,
+                param,
+                grad_outputs=units.reshape(stop - start, *param.shape),
+                retain_graph=True,
                 is_grads_batched=True,
             )
             total += float(rows.reshape(stop - start, n)[torch.arange(stop - start), torch.arange(start, stop)].sum())

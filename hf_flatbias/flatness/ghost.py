@@ -215,7 +215,7 @@ class GhostNormRecorder:
             for i, (call_i, factors_i) in enumerate(use.outer):
                 if call_i is not exclude_self_terms_of:
                     total += _outer_squared_norm(factors_i).double()
-                for call_j, factors_j in use.outer[i + 1 :]:
+                for _, factors_j in use.outer[i + 1 :]:
                     total += 2 * _outer_inner_product(factors_i, factors_j).double()
             for i, (call_i, vector_i) in enumerate(use.vectors):
                 if call_i is not exclude_self_terms_of:

@@ -438,9 +438,12 @@ def _validate_against_autograd(
     ghost = float(recorder.squared_norms()[0])
     reference = float(_naive_squared_norms(model, contexts, index, params, torch.tensor([label]))[0])
     if not math.isclose(ghost, reference, rel_tol=1e-3, abs_tol=1e-6 * max(1.0, abs(reference))):
+        unsupported = f" Parameters outside those layers: {recorder.unsupported[:8]}." if recorder.unsupported else ""
         raise ValueError(
             f"Per-sample gradient norms do not match a plain backward on {type(model).__name__} ({ghost:.6g} vs "
-            f"{reference:.6g}): some parameter is used outside the layers the hooks see. Use estimator='naive'."
+            f"{reference:.6g}): estimator='per_sample' sees the parameters of Linear, Conv1D, Embedding and LayerNorm "
+            f"layers used inside those layers only.{unsupported} Use estimator='naive' (exact for any model, "
+            "slower), or freeze the other parameters (requires_grad=False) to leave them out of the trace."
         )
 
 

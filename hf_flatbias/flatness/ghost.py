@@ -89,9 +89,9 @@ class GhostNormRecorder:
 
     Args:
         model: the module whose parameters are measured.
-        params: the parameters that count (usually the trainable ones). Each must belong to a supported layer
-            (`nn.Linear`, transformers' `Conv1D`, `nn.Embedding`, `nn.LayerNorm`); otherwise a `ValueError` names
-            it, since its gradient would silently be missed.
+        params: the parameters that count (usually the trainable ones). Only those of supported layers
+            (`nn.Linear`, transformers' `Conv1D`, `nn.Embedding`, `nn.LayerNorm`) are seen; the names of the others
+            are in `unsupported`, for the caller to check that they receive no gradient.
 
     Use as a context manager around the forward; then call `outputs()` for the tensors to differentiate,
     `set_grad_outputs(...)` with their gradients, and `squared_norms(...)`.
@@ -115,14 +115,10 @@ class GhostNormRecorder:
                 continue
             self._modules.append(module)
             covered.update(id(p) for p in own)
-        missing = [name for name, p in model.named_parameters() if id(p) in wanted and id(p) not in covered]
-        if missing:
-            raise ValueError(
-                f"estimator='per_sample' computes per-sample gradient norms for parameters of "
-                f"{[t.__name__ for t in SUPPORTED_MODULE_TYPES]} layers only; these trainable parameters belong to "
-                f"other layers: {missing[:8]}{' ...' if len(missing) > 8 else ''}. Use estimator='naive' (exact for "
-                "any model, slower), or freeze them (requires_grad=False) to leave them out of the trace."
-            )
+        # Parameters outside the supported layers are left out of the per-sample norms. That is right when they
+        # get no gradient (e.g. BERT's untied output bias, which the forward never uses) and wrong otherwise; the
+        # estimator compares one context against a plain backward to tell the two apart.
+        self.unsupported = [name for name, p in model.named_parameters() if id(p) in wanted and id(p) not in covered]
         self.calls: list[_LayerCall] = []
         self.batch_size: int | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []

@@ -55,33 +55,64 @@ def _flatten_positions(tensor: torch.Tensor, batch_size: int) -> torch.Tensor:
     return tensor.reshape(batch_size, -1, tensor.shape[-1])
 
 
-def _left_gram(a: _OuterFactors, b: _OuterFactors) -> torch.Tensor:
+class _GramCache:
+    """Gram matrices of tensors fixed by the forward (layer inputs, token ids), computed once for all draws.
+
+    Only the output-gradient side of a ghost norm changes from one draw to the next; Q, K and V projections even
+    share one input tensor. Keys are tensor identities, valid while the recorder holds the forward's tensors.
+    """
+
+    def __init__(self) -> None:
+        self.static_ids: set[int] = set()
+        self._grams: dict[tuple[int, int], torch.Tensor] = {}
+
+    def get(self, x: torch.Tensor, y: torch.Tensor, compute) -> torch.Tensor:
+        if id(x) in self.static_ids and id(y) in self.static_ids:
+            key = (id(x), id(y))
+            if key not in self._grams:
+                self._grams[key] = compute()
+            return self._grams[key]
+        return compute()
+
+    def is_static(self, x: torch.Tensor | None) -> bool:
+        return x is not None and id(x) in self.static_ids
+
+
+def _dense_gram(x: torch.Tensor, y: torch.Tensor, cache: _GramCache) -> torch.Tensor:
+    return cache.get(x, y, lambda: torch.bmm(x, y.transpose(1, 2)))
+
+
+def _left_gram(a: _OuterFactors, b: _OuterFactors, cache: _GramCache) -> torch.Tensor:
     """(B, T_a, T_b) inner products of the left factors, one-hot rows handled without materialising them."""
     if a.left_ids is not None and b.left_ids is not None:
-        return (a.left_ids.unsqueeze(2) == b.left_ids.unsqueeze(1)).to(a.right.dtype)
+        return cache.get(
+            a.left_ids, b.left_ids, lambda: (a.left_ids.unsqueeze(2) == b.left_ids.unsqueeze(1)).to(a.right.dtype)
+        )
     if a.left_ids is not None:
         # <onehot(id_t), left_s> = left_s[id_t]
         dense = b.left.transpose(1, 2)  # (B, rows, T_b)
         return torch.gather(dense, 1, a.left_ids.unsqueeze(2).expand(-1, -1, dense.shape[2]))
     if b.left_ids is not None:
-        return _left_gram(b, a).transpose(1, 2)
-    return torch.bmm(a.left, b.left.transpose(1, 2))
+        return _left_gram(b, a, cache).transpose(1, 2)
+    return _dense_gram(a.left, b.left, cache)
 
 
-def _outer_inner_product(a: _OuterFactors, b: _OuterFactors) -> torch.Tensor:
+def _outer_inner_product(a: _OuterFactors, b: _OuterFactors, cache: _GramCache) -> torch.Tensor:
     """Per-sample Frobenius inner product of two outer-product gradients, shape (B,)."""
-    right_gram = torch.bmm(a.right, b.right.transpose(1, 2))
-    return (_left_gram(a, b) * right_gram).sum(dim=(1, 2))
+    right_gram = _dense_gram(a.right, b.right, cache)
+    return (_left_gram(a, b, cache) * right_gram).sum(dim=(1, 2))
 
 
-def _outer_squared_norm(a: _OuterFactors) -> torch.Tensor:
-    """Per-sample squared norm, through the T x T Gram form or the materialised gradient, whichever is cheaper."""
+def _outer_squared_norm(a: _OuterFactors, cache: _GramCache) -> torch.Tensor:
+    """Per-sample squared norm, through the T x T Gram form or the materialised gradient, whichever is cheaper
+    (a Gram of a forward-fixed factor is free after the first draw)."""
     positions, cols = a.right.shape[1], a.right.shape[2]
     if a.left is not None:
         rows = a.left.shape[2]
-        if rows * cols < positions * (rows + cols):
+        gram_cost = (0 if cache.is_static(a.left) else rows) + (0 if cache.is_static(a.right) else cols)
+        if rows * cols < positions * gram_cost:
             return torch.einsum("btr,btc->brc", a.left, a.right).square().sum(dim=(1, 2))
-    return _outer_inner_product(a, a)
+    return _outer_inner_product(a, a, cache)
 
 
 class GhostNormRecorder:
@@ -125,6 +156,8 @@ class GhostNormRecorder:
 
     def __enter__(self) -> GhostNormRecorder:
         self.calls = []
+        self._cache = _GramCache()
+        self._static_views: dict[int, dict] = {}
         for module in self._modules:
             self._handles.append(module.register_forward_hook(self._record))
         return self
@@ -150,7 +183,8 @@ class GhostNormRecorder:
             # here gives each sample its own gradient at the output.
             output = output.expand(self.batch_size, *output.shape[1:])
             inputs = inputs.expand(self.batch_size, *inputs.shape[1:])
-        self.calls.append(_LayerCall(module=module, inputs=inputs.detach(), output=output))
+        call = _LayerCall(module=module, inputs=inputs.detach(), output=output)
+        self.calls.append(call)
         return output
 
     def outputs(self) -> list[torch.Tensor]:
@@ -159,6 +193,15 @@ class GhostNormRecorder:
     def set_grad_outputs(self, grads: Sequence[torch.Tensor | None]) -> None:
         for call, grad in zip(self.calls, grads, strict=True):
             call.grad_output = grad
+
+    def _static(self, tensor: torch.Tensor, call: _LayerCall) -> torch.Tensor:
+        """The same tensor object for every draw (so Gram matrices of it can be cached), marked as forward-fixed."""
+        views = self._static_views.setdefault(id(call), {})
+        key = (tensor.shape, tensor.dtype)
+        if key not in views:
+            views[key] = tensor
+            self._cache.static_ids.add(id(tensor))
+        return views[key]
 
     def _uses(self) -> dict[int, _ParamUses]:
         wanted = {id(p) for p in self.params}
@@ -176,15 +219,15 @@ class GhostNormRecorder:
             g = _flatten_positions(grad, batch)
             if isinstance(module, nn.Linear):
                 if weight is not None and id(weight) in wanted:
-                    x = _flatten_positions(call.inputs, batch).to(g.dtype)
+                    x = self._static(_flatten_positions(call.inputs, batch).to(g.dtype), call)
                     entry(weight).outer.append((call, _OuterFactors(left=g, right=x)))
             elif isinstance(module, Conv1D):
                 if id(weight) in wanted:
-                    x = _flatten_positions(call.inputs, batch).to(g.dtype)
+                    x = self._static(_flatten_positions(call.inputs, batch).to(g.dtype), call)
                     entry(weight).outer.append((call, _OuterFactors(left=x, right=g)))
             elif isinstance(module, nn.Embedding):
                 if id(weight) in wanted:
-                    ids = call.inputs.reshape(batch, -1)
+                    ids = self._static(call.inputs.reshape(batch, -1), call)
                     if module.padding_idx is not None:
                         # the padding row never receives a gradient
                         g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
@@ -210,9 +253,9 @@ class GhostNormRecorder:
                 raise ValueError("a parameter used both as a matrix and as a vector is not supported")
             for i, (call_i, factors_i) in enumerate(use.outer):
                 if call_i is not exclude_self_terms_of:
-                    total += _outer_squared_norm(factors_i).double()
+                    total += _outer_squared_norm(factors_i, self._cache).double()
                 for _, factors_j in use.outer[i + 1 :]:
-                    total += 2 * _outer_inner_product(factors_i, factors_j).double()
+                    total += 2 * _outer_inner_product(factors_i, factors_j, self._cache).double()
             for i, (call_i, vector_i) in enumerate(use.vectors):
                 if call_i is not exclude_self_terms_of:
                     total += vector_i.square().sum(dim=1).double()

@@ -35,8 +35,14 @@ def _data(tokenizer, n, seed):
 def _model(tokenizer):
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-        max_position_embeddings=16, pad_token_id=tokenizer.pad_token_id, hidden_dropout_prob=0.1,
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_dropout_prob=0.1,
     )
     return BertForMaskedLM(config)
 
@@ -51,13 +57,26 @@ class _LogRecorder(TrainerCallback):
 
 def _train(tmp_path, tokenizer, callbacks, trainer_class=Trainer, bind=True):
     args = TrainingArguments(
-        output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, learning_rate=1e-3, logging_steps=1,
-        eval_strategy="steps", eval_steps=3, save_strategy="no", report_to=[], seed=7, use_cpu=True,
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=3,
+        save_strategy="no",
+        report_to=[],
+        seed=7,
+        use_cpu=True,
         dataloader_num_workers=0,
     )
     trainer = trainer_class(
-        model=_model(tokenizer), args=args, train_dataset=_data(tokenizer, 24, 0), eval_dataset=_data(tokenizer, 8, 1),
-        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3), processing_class=tokenizer,
+        model=_model(tokenizer),
+        args=args,
+        train_dataset=_data(tokenizer, 24, 0),
+        eval_dataset=_data(tokenizer, 8, 1),
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3),
+        processing_class=tokenizer,
         callbacks=callbacks,
     )
     if bind:
@@ -120,7 +139,11 @@ def test_bad_arguments_fail_before_training(tmp_path, tokenizer):
     small = make_tokenizer(WORDS[:3], model_max_length=16)
     callback = HessianTraceCallback(n_contexts=2)
     with pytest.raises(ValueError, match="do not belong together"):
-        trainer = Trainer(model=_model(small), args=TrainingArguments(str(tmp_path), report_to=[], use_cpu=True),
-                          eval_dataset=_data(tokenizer, 4, 0), processing_class=tokenizer)
+        trainer = Trainer(
+            model=_model(small),
+            args=TrainingArguments(str(tmp_path), report_to=[], use_cpu=True),
+            eval_dataset=_data(tokenizer, 4, 0),
+            processing_class=tokenizer,
+        )
         callback.bind_trainer(trainer)
         callback.measure()

@@ -1,9 +1,9 @@
 """How many draws per context, and what the output-layer expectation buys, on a model that uses its context.
 
-A small BERT is trained for a few hundred steps on sentences of a synthetic HMM language (hidden states make the
-masked word depend on its neighbours), then `per_sample` is run with and without the exact expectation of the
-output layer's term. Prints the one-draw and between-context variances, the suggested draws per context and the
-efficiency (stderr^2 x CPU seconds) at 1, 2 and 8 draws, all from one run.
+A small BERT is trained on sentences of a synthetic Markov chain (an HMM with one word per state and two
+successors per state, so the masked word depends strongly on its neighbours), then `per_sample` is run with and
+without the exact expectation of the output layer's term. Prints the one-draw and between-context variances, the
+suggested draws per context and the efficiency (stderr^2 x CPU seconds) at 1, 2 and 8 draws, all from one run.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/trace_draws.py
 """
@@ -55,8 +55,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    # few words per state and few successors: the masked word is well predicted from its neighbours
-    hmm = HMM.from_seed(args.seed, n_words=N_WORDS, successors=2, words_per_state=3)
+    # one word per state and two successors each: a Markov chain whose masked word its neighbours nearly determine
+    hmm = HMM.from_seed(args.seed, n_states=N_WORDS, n_words=N_WORDS, successors=2, words_per_state=1)
     sample = hmm.sample(4000, LENGTH, seed=args.seed)
     sequences = torch.tensor([word_ids_to_token_ids(row) for row in sample.word_ids])
     torch.manual_seed(args.seed)

@@ -296,3 +296,12 @@ def test_per_sample_refuses_parameters_it_cannot_see_and_ignores_unused_ones():
     with pytest.raises(ValueError, match="estimator='naive'.*"):
         estimate_hessian_trace(model, rows, n_draws=1)
     assert math.isfinite(estimate_hessian_trace(model, rows, n_draws=1, estimator="naive").mean)
+
+
+def test_a_datasets_dataset_gives_the_same_estimate_as_a_list(bert_case):
+    from datasets import Dataset
+
+    model, rows, _ = bert_case
+    as_list = estimate_hessian_trace(model, rows[:8], n_draws=2, seed=1)
+    as_dataset = estimate_hessian_trace(model, Dataset.from_list(rows[:8]), n_draws=2, seed=1)
+    assert (as_dataset.mean, as_dataset.stderr) == (as_list.mean, as_list.stderr)

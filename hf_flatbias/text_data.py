@@ -177,4 +177,3 @@ def check_real_tokenizer(tokenizer: PreTrainedTokenizerBase, source: str) -> Non
             "has no tokenizer files. Save the tokenizer next to the model (tokenizer.save_pretrained(folder)) or "
             "pass a tokenizer path explicitly."
         )
-

@@ -21,6 +21,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 from datasets import Dataset, DatasetDict
 from transformers import BertTokenizer, PreTrainedTokenizerBase
 
@@ -177,3 +178,133 @@ def check_real_tokenizer(tokenizer: PreTrainedTokenizerBase, source: str) -> Non
             "has no tokenizer files. Save the tokenizer next to the model (tokenizer.save_pretrained(folder)) or "
             "pass a tokenizer path explicitly."
         )
+
+
+# --- masked-LM data ------------------------------------------------------------------------------------------------
+
+
+def tokenize_into_blocks(
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    block_size: int,
+    text_column: str = "text",
+    num_proc: int | None = None,
+) -> Dataset:
+    """Concatenate the tokenized texts and cut them into ``[CLS] ... [SEP]`` blocks of exactly ``block_size``.
+
+    BERT's pre-training packs running text this way; fixed-length blocks need no padding, so every position of a
+    batch is real text. A trailing remainder shorter than a block is dropped.
+    """
+    if block_size < 8:
+        raise ValueError(f"block_size must be at least 8 tokens, got {block_size}.")
+    if text_column not in dataset.column_names:
+        raise ValueError(f"The dataset has no {text_column!r} column (it has {dataset.column_names}): set text_column.")
+    body = block_size - 2
+
+    def pack(batch: dict[str, list]) -> dict[str, list]:
+        encoded = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
+        stream = [token for ids in encoded for token in ids]
+        blocks = [
+            [tokenizer.cls_token_id, *stream[start : start + body], tokenizer.sep_token_id]
+            for start in range(0, len(stream) - body + 1, body)
+        ]
+        return {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks]}
+
+    return dataset.map(
+        pack,
+        batched=True,
+        batch_size=1000,
+        remove_columns=dataset.column_names,
+        num_proc=num_proc,
+        desc=f"Packing text into {block_size}-token blocks",
+    )
+
+
+def maskable_positions(input_ids: torch.Tensor, tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
+    """Boolean mask of the positions that hold text (not [CLS], [SEP], [PAD] or other special tokens)."""
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=input_ids.dtype)
+    return ~torch.isin(input_ids, special)
+
+
+def mask_blocks_once(
+    blocks: Dataset, tokenizer: PreTrainedTokenizerBase, *, mlm_probability: float = 0.15, seed: int = 0
+) -> Dataset:
+    """``blocks`` with BERT's masking applied once, with a fixed seed, and ``labels`` set.
+
+    Evaluating the pre-training loss on the same masked tokens every time makes losses comparable across steps and
+    checkpoints (a fresh random masking adds noise of its own). BERT's 80/10/10 rule is used, so the number is the
+    pre-training objective itself.
+    """
+    if not 0 < mlm_probability < 1:
+        raise ValueError(f"mlm_probability must be in (0, 1), got {mlm_probability!r}.")
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.tensor(blocks["input_ids"])
+    candidates = maskable_positions(input_ids, tokenizer)
+    chosen = (torch.rand(input_ids.shape, generator=generator) < mlm_probability) & candidates
+    labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
+    draw = torch.rand(input_ids.shape, generator=generator)
+    random_tokens = torch.randint(len(tokenizer), input_ids.shape, generator=generator)
+    masked = input_ids.clone()
+    masked[chosen & (draw < 0.8)] = tokenizer.mask_token_id
+    replace = chosen & (draw >= 0.8) & (draw < 0.9)
+    masked[replace] = random_tokens[replace]
+    return Dataset.from_dict(
+        {"input_ids": masked.tolist(), "attention_mask": blocks["attention_mask"], "labels": labels.tolist()}
+    )
+
+
+def single_mask_contexts(
+    blocks: Dataset, tokenizer: PreTrainedTokenizerBase, *, n_contexts: int, seed: int = 0
+) -> Dataset:
+    """``n_contexts`` rows with one masked position each: the contexts of the paper's trace estimator (App. B.1).
+
+    Each row is a block with one text position replaced by ``[MASK]``; ``labels`` is -100 except there (the original
+    token). Blocks are drawn without replacement while there are enough, then reused with other positions.
+    """
+    if n_contexts < 1:
+        raise ValueError(f"n_contexts must be at least 1, got {n_contexts}.")
+    if len(blocks) == 0:
+        raise ValueError("No text blocks to draw trace contexts from: the evaluation text is shorter than one block.")
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.cat([torch.randperm(len(blocks), generator=generator) for _ in range(-(-n_contexts // len(blocks)))])
+    rows = blocks.select(order[:n_contexts].tolist())
+    input_ids = torch.tensor(rows["input_ids"])
+    candidates = maskable_positions(input_ids, tokenizer).float()
+    if (candidates.sum(-1) == 0).any():
+        raise ValueError("A block holds only special tokens; it has no position to mask.")
+    positions = torch.multinomial(candidates, 1, generator=generator).squeeze(-1)
+    rows_index = torch.arange(len(positions))
+    labels = torch.full_like(input_ids, -100)
+    labels[rows_index, positions] = input_ids[rows_index, positions]
+    input_ids[rows_index, positions] = tokenizer.mask_token_id
+    return Dataset.from_dict(
+        {"input_ids": input_ids.tolist(), "attention_mask": rows["attention_mask"], "labels": labels.tolist()}
+    )
+
+
+def masked_lm_loss(model, dataset: Dataset, *, batch_size: int = 32) -> float:
+    """Mean cross-entropy over every labelled token of ``dataset`` (rows of equal length, ``labels`` -100 elsewhere).
+
+    Averaged over tokens, not over batches, so the value does not depend on ``batch_size``.
+    """
+    import torch.nn.functional as F
+
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(dataset), batch_size):
+            batch = dataset[start : start + batch_size]
+            labels = torch.tensor(batch["labels"], device=device)
+            logits = model(
+                input_ids=torch.tensor(batch["input_ids"], device=device),
+                attention_mask=torch.tensor(batch["attention_mask"], device=device),
+            ).logits
+            total += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum").item()
+            count += int((labels != -100).sum())
+    model.train(was_training)
+    if count == 0:
+        raise ValueError("The dataset has no labelled (masked) token to score.")
+    return total / count

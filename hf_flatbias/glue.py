@@ -387,12 +387,16 @@ def finetune_glue(
         max_train_samples / max_eval_samples: cap the splits (the same rows for every seed).
         warmup_steps: linear warm-up, in steps (>= 1) or as a fraction of all steps (< 1).
         reinitialize_head: replace an existing classification head whose label count differs from the task's.
-        training_kwargs: any further ``TrainingArguments`` (e.g. ``{"use_cpu": True}``).
+        training_kwargs: any further [`FlatBiasConfig`] / ``TrainingArguments`` fields, e.g. ``{"use_cpu": True}``
+            or ``{"flatness_method": "sam", "sam_rho": 0.05}`` to fine-tune with SAM.
 
     Returns:
         A [`GlueResult`] with the main metric per seed, its mean and std, and every metric per seed.
     """
-    from transformers import DataCollatorWithPadding, Trainer, TrainingArguments, set_seed
+    from transformers import DataCollatorWithPadding, set_seed
+
+    from .config import FlatBiasConfig
+    from .trainer import FlatBiasTrainer
 
     spec = get_glue_task(task)
     if mode not in FINETUNE_MODES:
@@ -470,9 +474,9 @@ def finetune_glue(
                 "logging_strategy": "no",
                 **(training_kwargs or {}),
             }
-            trainer = Trainer(
+            trainer = FlatBiasTrainer(
                 model=model,
-                args=TrainingArguments(**arguments),
+                args=FlatBiasConfig(**arguments),
                 train_dataset=train,
                 eval_dataset=evaluation,
                 processing_class=tokenizer,

@@ -109,6 +109,7 @@ SMOKE_SETTINGS = {
     "validation_texts": 200,
     "trace_contexts": 16,
     "trace_draws": 2,
+    "trace_every_n_steps": 15,
     "max_steps": 30,
     "per_device_train_batch_size": 16,
     "per_device_eval_batch_size": 32,

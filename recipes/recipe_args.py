@@ -56,7 +56,7 @@ def parse_recipe_args(
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(argv)
     flags: list[str] = []
@@ -67,7 +67,8 @@ def parse_recipe_args(
     )
     if smoke_requested and smoke_settings:
         flags += _as_flags(smoke_settings)
-    parser = HfArgumentParser(tuple(dataclass_types), description=description)
+    # No abbreviations: a misspelt YAML key such as learning_rat must fail, not quietly set learning_rate.
+    parser = HfArgumentParser(tuple(dataclass_types), description=description, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of argument values (recipes/configs/*.yaml).")
     *parsed, namespace = parser.parse_args_into_dataclasses(args=flags + rest, look_for_args_file=False)
     del namespace  # only --config, already applied

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import urllib.request
 
 import numpy as np
@@ -29,6 +30,7 @@ def _no_network(monkeypatch):
     monkeypatch.setattr(urllib.request, "urlopen", refuse)
     glue.hub_is_reachable.cache_clear()
     yield
+    monkeypatch.undo()  # a test may have replaced hub_is_reachable itself
     glue.hub_is_reachable.cache_clear()
 
 
@@ -230,3 +232,40 @@ def test_finetune_glue_checks_before_training(tiny_checkpoint):
     bad["train"] = bad["train"].map(lambda row: {"label": 5})
     with pytest.raises(ValueError, match="2 classes"):
         glue.finetune_glue(str(tiny_checkpoint), "sst2", dataset=bad, max_steps=1)
+
+
+def test_cli_fine_tunes_from_local_files(tiny_checkpoint, tmp_path, capsys):
+    from hf_flatbias.cli import main
+
+    rows = "sentence,label\n" + "".join(f'"{s}",{int("best" in s or "gripping" in s)}\n' for s in SENTENCES)
+    (tmp_path / "train.csv").write_text(rows)
+    (tmp_path / "validation.csv").write_text(rows)
+    argv = [
+        "glue", str(tiny_checkpoint), "--task", "sst2", "--data_dir", str(tmp_path), "--seeds", "3",
+        "--max_steps", "2", "--batch_size", "8", "--json",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(printed[printed.index('{\n  "model"') :])  # the Trainer prints its own logs first
+    assert result["seeds"] == [3] and result["task"] == "sst2" and 0 <= result["mean"] <= 1
+
+
+def test_hub_metric_failure_falls_back_to_the_local_module(monkeypatch):
+    import evaluate
+
+    real_load = evaluate.load
+    asked = []
+
+    def fake_load(path, *args, **kwargs):
+        asked.append(path)
+        if path == "glue":
+            raise ConnectionError("simulated Hub failure")
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "load", fake_load)
+    monkeypatch.setattr(glue, "hub_is_reachable", lambda: True)
+    metric = glue.load_glue_metric("cola")
+    assert asked[0] == "glue" and asked[1].endswith("metrics/glue")
+    assert metric.compute(predictions=[0, 1, 1, 0], references=[0, 1, 1, 0]) == {"matthews_correlation": 1.0}
+    with pytest.raises(ConnectionError):
+        glue.load_glue_metric("cola", use_hub=True)

@@ -50,8 +50,8 @@ class StoredFile:
     def blob_id(self) -> str:
         if self.lfs_sha256 is None:
             return git_blob_sha1(self.content)
-        pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{self.lfs_sha256}\nsize {len(self.content)}\n"
-        return git_blob_sha1(pointer.encode())
+        pointer = f"version https://git-lfs.github.com/spec/v1\noid sha256:{self.lfs_sha256}\n"
+        return git_blob_sha1(pointer.encode() + b"size %d\n" % len(self.content))
 
 
 @dataclass
@@ -235,11 +235,17 @@ class HubRequestHandler(BaseHTTPRequestHandler):
             (rf"/api/{kind}/{repo}/commit/(?P<revision>[^/]+)", ("POST",), HubRequestHandler.commit),
             (rf"/api/{kind}/{repo}/tree/(?P<revision>[^/]+)(?:/(?P<subpath>.*))?", ("GET",), HubRequestHandler.tree),
             (rf"/api/{kind}/{repo}(?:/revision/(?P<revision>[^/]+))?", ("GET",), HubRequestHandler.repo_info),
-            (rf"/(?:(?P<kind>datasets|spaces)/)?{repo}\.git/info/lfs/objects/batch", ("POST",),
-             HubRequestHandler.lfs_batch),
+            (
+                rf"/(?:(?P<kind>datasets|spaces)/)?{repo}\.git/info/lfs/objects/batch",
+                ("POST",),
+                HubRequestHandler.lfs_batch,
+            ),
             (r"/_lfs/(?P<oid>[0-9a-f]{64})", ("PUT",), HubRequestHandler.lfs_upload),
-            (rf"/(?:(?P<kind>datasets|spaces)/)?{repo}/resolve/(?P<revision>[^/]+)/(?P<filename>.+)", ("GET", "HEAD"),
-             HubRequestHandler.resolve),
+            (
+                rf"/(?:(?P<kind>datasets|spaces)/)?{repo}/resolve/(?P<revision>[^/]+)/(?P<filename>.+)",
+                ("GET", "HEAD"),
+                HubRequestHandler.resolve,
+            ),
         ]
 
     @staticmethod
@@ -268,8 +274,12 @@ class HubRequestHandler(BaseHTTPRequestHandler):
             # The Hub initialises every repository with a .gitattributes commit.
             attributes = "".join(f"*{suffix} filter=lfs diff=lfs merge=lfs -text\n" for suffix in LFS_SUFFIXES)
             repo.commits.append(
-                Commit(uuid.uuid4().hex + uuid.uuid4().hex[:8], "initial commit",
-                       {".gitattributes": StoredFile(attributes.encode(), None)}, _now())
+                Commit(
+                    uuid.uuid4().hex + uuid.uuid4().hex[:8],
+                    "initial commit",
+                    {".gitattributes": StoredFile(attributes.encode(), None)},
+                    _now(),
+                )
             )
             self.state.repos[(repo_type, repo_id)] = repo
         self._json(200, {"url": self._repo_url(repo), "name": repo_id, "id": repo_id})
@@ -353,8 +363,9 @@ class HubRequestHandler(BaseHTTPRequestHandler):
                     raise HubError(400, f"Unknown commit operation {key!r}")
             commit = Commit(uuid.uuid4().hex + uuid.uuid4().hex[:8], header["summary"], files, _now())
             repo.commits.append(commit)
-        self._json(200, {"success": True, "commitOid": commit.sha,
-                         "commitUrl": f"{self._repo_url(repo)}/commit/{commit.sha}"})
+        self._json(
+            200, {"success": True, "commitOid": commit.sha, "commitUrl": f"{self._repo_url(repo)}/commit/{commit.sha}"}
+        )
 
     def repo_info(self, method: str, query: dict, kind: str, repo_id: str, revision: str | None = None) -> None:
         self._check_fault("model_info")
@@ -391,14 +402,15 @@ class HubRequestHandler(BaseHTTPRequestHandler):
         for path in sorted(commit.files):
             if not path.startswith(prefix):
                 continue
-            rest = path[len(prefix):]
+            rest = path[len(prefix) :]
             parts = rest.split("/")
             for depth in range(1, len(parts)):
                 folder = prefix + "/".join(parts[:depth])
                 if (recursive or depth == 1) and folder not in folders:
                     folders.add(folder)
-                    entries.append({"type": "directory", "oid": git_blob_sha1(folder.encode()), "size": 0,
-                                    "path": folder})
+                    entries.append(
+                        {"type": "directory", "oid": git_blob_sha1(folder.encode()), "size": 0, "path": folder}
+                    )
             if recursive or len(parts) == 1:
                 stored = commit.files[path]
                 entry = {"type": "file", "oid": stored.blob_id, "size": len(stored.content), "path": path}
@@ -409,8 +421,9 @@ class HubRequestHandler(BaseHTTPRequestHandler):
             raise HubError(404, f"{subpath} does not exist on {revision}", "EntryNotFound")
         self._json(200, entries)
 
-    def resolve(self, method: str, query: dict, repo_id: str, revision: str, filename: str,
-                kind: str | None = None) -> None:
+    def resolve(
+        self, method: str, query: dict, repo_id: str, revision: str, filename: str, kind: str | None = None
+    ) -> None:
         head_only = method == "HEAD"
         self._check_fault("resolve")
         repo = self.state.repo(self._repo_type(kind), repo_id)

@@ -17,6 +17,7 @@ from collections import defaultdict
 from typing import Any
 
 import torch
+from huggingface_hub.errors import HfHubHTTPError
 from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.utils import logging
@@ -258,9 +259,21 @@ class FlatBiasTrainer(Trainer):
         if self.is_world_process_zero():
             card_kwargs = {k: v for k, v in kwargs.items() if k in _CARD_KWARGS and v is not None}
             self.flatness_card(**card_kwargs).validate()
-        return super().push_to_hub(
-            commit_message=commit_message, blocking=blocking, token=token, revision=revision, private=private, **kwargs
-        )
+        try:
+            return super().push_to_hub(
+                commit_message=commit_message,
+                blocking=blocking,
+                token=token,
+                revision=revision,
+                private=private,
+                **kwargs,
+            )
+        except HfHubHTTPError as error:
+            error.append_to_message(
+                f"\nThe push to {self.hub_model_id} did not complete; the saved model in {self.args.output_dir} is "
+                "intact. Call trainer.push_to_hub() again to retry (files the Hub already has are skipped)."
+            )
+            raise
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         # Every save path of the 5.x Trainer (checkpoints, save_model, push_to_hub, DeepSpeed, FSDP full state)

@@ -13,6 +13,7 @@ This module orchestrates; the numbers come from `hf_flatbias.sharpness`. A SAM s
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from typing import Any
 
@@ -293,6 +294,21 @@ class FlatBiasTrainer(Trainer):
         if self.is_world_process_zero() and self.args.hub_strategy != "end":
             self.flatness_card().save(self.args.output_dir)
         super()._push_from_checkpoint(checkpoint_folder)
+        # transformers runs these pushes in the background and never reads their result, so a failed upload would
+        # go unnoticed: report it as soon as it happens.
+        for job in getattr(self.push_in_progress, "jobs", None) or []:
+            if not getattr(job, "_flatbias_watched", False):
+                job._flatbias_watched = True
+                job.add_done_callback(functools.partial(_report_failed_push, checkpoint_folder=checkpoint_folder))
+
+
+def _report_failed_push(job, checkpoint_folder: str) -> None:
+    error = None if job.cancelled() else job.exception()
+    if error is not None:
+        logger.warning(
+            f"Pushing checkpoint {checkpoint_folder} to the Hub failed: {error}\nThe checkpoint on disk is intact; the "
+            "next checkpoint push or trainer.push_to_hub() uploads the current state again."
+        )
 
 
 _CARD_KWARGS = ("language", "license", "tags", "model_name", "finetuned_from", "dataset", "glue_results")

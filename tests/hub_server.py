@@ -449,7 +449,9 @@ class HubServer:
         handler = type("BoundHubRequestHandler", (HubRequestHandler,), {"state": self.state})
         self._httpd = ThreadingHTTPServer(("127.0.0.1", port), handler)
         self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="fake-hub", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="fake-hub", daemon=True
+        )
 
     @property
     def url(self) -> str:

@@ -15,6 +15,7 @@ built, tested and rendered on its own.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -24,6 +25,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import jinja2
+import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 HESSIAN_TRACE_METRIC = "hessian_trace"
@@ -39,6 +42,7 @@ TRACE_STDERR_LOG_KEY = "flatness/hessian_trace_stderr"
 # GLUE results in the trainer's log history: "glue/<task>/<metric>", optionally with the Trainer's "eval_" prefix.
 GLUE_LOG_KEY = re.compile(r"^(?:eval_)?glue/(?P<task>[a-z0-9_-]+)/(?P<metric>[a-z0-9_]+)$")
 KNOWN_METHODS = ("none", "sam", "asam")
+_YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 PAPER_CITATION = """@inproceedings{liu2023same,
   title     = {Same Pre-training Loss, Better Downstream: Implicit Bias Matters for Language Models},
@@ -204,13 +208,15 @@ class FlatnessCard:
 
     # ---------------------------------------------------------------- rendering and files
 
-    def to_model_card(self) -> ModelCard:
-        """Render the card from the package's template (after [`validate`])."""
+    def render(self) -> str:
+        """The README text, rendered from the package's template (after [`validate`])."""
         self.validate()
-        template = resources.files("hf_flatbias").joinpath("templates", TEMPLATE_NAME).read_text(encoding="utf-8")
-        return ModelCard.from_template(
-            self.to_card_data(),
-            template_str=template,
+        # libyaml's dumper when present: the pure-Python one dominated the cost of writing a card.
+        metadata = yaml.dump(
+            self.to_card_data().to_dict(), Dumper=_YAML_DUMPER, sort_keys=False, allow_unicode=True
+        ).strip()
+        return _card_template().render(
+            card_data=metadata,
             card=self,
             trace_text=_format_trace(self.hessian_trace, self.hessian_trace_stderr),
             loss_text=_format_number(self.pretraining_loss),
@@ -220,14 +226,16 @@ class FlatnessCard:
             citation=PAPER_CITATION,
         )
 
-    def render(self) -> str:
-        return str(self.to_model_card())
+    def to_model_card(self) -> ModelCard:
+        """The rendered card as a `huggingface_hub.ModelCard` (to validate or push it with that API)."""
+        return ModelCard(self.render())
 
     def save(self, directory: str | os.PathLike) -> Path:
         """Write the card as ``README.md`` in ``directory`` (created if missing); returns the file's path."""
-        card = self.to_model_card()
+        text = self.render()
         path = Path(directory) / CARD_FILENAME
-        card.save(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
         return path
 
     @classmethod
@@ -460,6 +468,13 @@ def _training_hyperparameters(args: Any) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------- formatting
+
+
+@functools.cache
+def _card_template() -> jinja2.Template:
+    # Compiling the template costs more than rendering it; cards are written at every checkpoint.
+    source = resources.files("hf_flatbias").joinpath("templates", TEMPLATE_NAME).read_text(encoding="utf-8")
+    return jinja2.Template(source, keep_trailing_newline=True)
 
 
 def _format_number(value: float | None, digits: int = 4) -> str:

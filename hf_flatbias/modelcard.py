@@ -134,6 +134,10 @@ class FlatnessCard:
             "pretraining_loss_source": self.pretraining_loss_source,
             "trace_seconds": self.trace_seconds,
             "global_step": self.global_step,
+            "epoch": self.epoch,
+            "model_type": self.model_type,
+            "num_parameters": self.num_parameters,
+            "training": dict(self.training_hyperparameters) or None,
         }
 
     def eval_results(self) -> list[EvalResult]:
@@ -269,6 +273,10 @@ class FlatnessCard:
             n_draws=_optional_int(flatness.get("n_draws")),
             trace_seconds=_optional_float(flatness.get("trace_seconds")),
             global_step=_optional_int(flatness.get("global_step")),
+            epoch=_optional_float(flatness.get("epoch")),
+            model_type=flatness.get("model_type"),
+            num_parameters=_optional_int(flatness.get("num_parameters")),
+            training_hyperparameters=dict(flatness.get("training") or {}),
             glue=glue,
             base_model=base_model,
             datasets=list(datasets),
@@ -319,6 +327,21 @@ def load_flatness_card(
         card_path = Path(hf_hub_download(name, CARD_FILENAME, revision=revision, token=token, cache_dir=cache_dir))
     card = ModelCard(card_path.read_text(encoding="utf-8"))
     return FlatnessCard.from_model_card(card, source=str(repo_id_or_path))
+
+
+def add_glue_results(path: str | os.PathLike, glue_results: Mapping[str, Mapping[str, float]]) -> FlatnessCard:
+    """Merge GLUE results (``{"sst2": {"accuracy": 0.91}}``) into the card of a local checkpoint and rewrite it.
+
+    For results measured after pre-training, e.g. by fine-tuning the checkpoint; push the folder again to publish.
+    """
+    card = load_flatness_card(path)
+    glue = {task: dict(metrics) for task, metrics in card.glue.items()}
+    for task, metrics in glue_results.items():
+        glue.setdefault(task, {}).update({metric: float(value) for metric, value in metrics.items()})
+    card.glue = glue
+    card_path = Path(path) / CARD_FILENAME if Path(path).is_dir() else Path(path)
+    card_path.write_text(card.render(), encoding="utf-8")
+    return card
 
 
 # -------------------------------------------------------------------- from a trainer
@@ -458,7 +481,8 @@ def _training_hyperparameters(args: Any) -> dict[str, Any]:
         value = getattr(args, name, None)
         if value is None:
             continue
-        values[name] = value if isinstance(value, (int, float, str, bool)) else str(getattr(value, "value", value))
+        value = getattr(value, "value", value)  # transformers' str enums (SchedulerType, OptimizerNames)
+        values[name] = value if type(value) in (int, float, str, bool) else str(value)
     world_size = getattr(args, "world_size", None)
     if world_size is not None and "per_device_train_batch_size" in values:
         values["total_train_batch_size"] = (
@@ -558,6 +582,7 @@ def _unique(values: Iterable[str]) -> list[str]:
 
 __all__ = [
     "FlatnessCard",
+    "add_glue_results",
     "HESSIAN_TRACE_METRIC",
     "PAPER_CITATION",
     "flatness_card_from_trainer",

@@ -68,7 +68,10 @@ def test_card_pushed_with_the_client_is_read_back_by_repo_id(hub, tmp_path):
 def test_push_trained_checkpoint_and_load_it_back_by_repo_id(hub, tmp_path):
     model, data = tiny_mlm_setup()
     output_dir = tmp_path / "run"
-    args = tiny_args(output_dir, push_to_hub=True, hub_model_id="user/tiny-sam", hub_strategy="checkpoint")
+    # hub_always_push: without it the Trainer skips a checkpoint push while the previous one is still uploading.
+    args = tiny_args(
+        output_dir, push_to_hub=True, hub_model_id="user/tiny-sam", hub_strategy="checkpoint", hub_always_push=True
+    )
     trainer = FlatBiasTrainer(model=model, args=args, train_dataset=data, callbacks=[FixedTraceCallback(12.5)])
     trainer.train()
     trainer.push_to_hub(license="mit")

@@ -12,7 +12,13 @@ from transformers import BertConfig, BertForMaskedLM, TrainerCallback
 
 from hf_flatbias.cli import main as cli_main
 from hf_flatbias.config import FlatBiasConfig
-from hf_flatbias.modelcard import FlatnessCard, flatness_card_from_trainer, format_comparison_table, load_flatness_card
+from hf_flatbias.modelcard import (
+    FlatnessCard,
+    add_glue_results,
+    flatness_card_from_trainer,
+    format_comparison_table,
+    load_flatness_card,
+)
 from hf_flatbias.trainer import FlatBiasTrainer
 
 
@@ -38,6 +44,11 @@ def full_card(**changes):
         datasets=["bookcorpus"],
         license="apache-2.0",
         tags=["bert"],
+        global_step=40,
+        epoch=2.0,
+        model_type="bert",
+        num_parameters=1234,
+        training_hyperparameters={"learning_rate": 0.001, "seed": 3},
     )
     values.update(changes)
     return FlatnessCard(**values)
@@ -82,6 +93,7 @@ def test_card_reads_back_as_the_same_typed_object(tmp_path):
     for source in (tmp_path, tmp_path / "README.md"):
         loaded = load_flatness_card(source)
         assert isinstance(loaded, FlatnessCard)
+        assert loaded == card
         for name in (
             "model_name",
             "method",
@@ -98,6 +110,29 @@ def test_card_reads_back_as_the_same_typed_object(tmp_path):
             "tags",
         ):
             assert getattr(loaded, name) == getattr(card, name), name
+
+
+def test_glue_results_added_later_are_merged_into_the_card(tmp_path):
+    full_card().save(tmp_path)
+    add_glue_results(tmp_path, {"sst2": {"f1": 0.5}, "rte": {"accuracy": 0.625}})
+    meta = front_matter(tmp_path / "README.md")
+    glue = {
+        (r["dataset"]["config"], m["type"]): m["value"]
+        for r in meta["model-index"][0]["results"]
+        if r["dataset"]["type"] == "glue"
+        for m in r["metrics"]
+    }
+    assert glue == {
+        ("rte", "accuracy"): 0.625,
+        ("sst2", "accuracy"): 0.875,
+        ("sst2", "f1"): 0.5,
+        ("stsb", "pearson"): 0.5,
+        ("stsb", "spearmanr"): 0.25,
+    }
+    assert meta["flatness"]["hessian_trace"] == 123.25, "the rest of the card is unchanged"
+    with pytest.raises(ValueError, match="not a finite number"):
+        add_glue_results(tmp_path, {"rte": {"accuracy": float("nan")}})
+    assert load_flatness_card(tmp_path).glue["rte"] == {"accuracy": 0.625}
 
 
 def test_card_without_trace_or_sam_is_still_a_card(tmp_path):

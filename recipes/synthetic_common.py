@@ -244,8 +244,18 @@ def evaluate_checkpoint(
 class CheckpointEvaluator(TrainerCallback):
     """Evaluates the live model every ``every`` optimizer steps (main process only) and keeps the records."""
 
-    def __init__(self, setup: LanguageSetup, *, every: int, trace_contexts: int, trace_draws: int, label: str = ""):
+    def __init__(
+        self,
+        setup: LanguageSetup,
+        *,
+        every: int,
+        trace_contexts: int,
+        trace_draws: int,
+        label: str = "",
+        partial_path: Path | None = None,
+    ):
         self.setup = setup
+        self.partial_path = partial_path
         self.every = every
         self.trace_contexts = trace_contexts
         self.trace_draws = trace_draws
@@ -265,6 +275,9 @@ class CheckpointEvaluator(TrainerCallback):
             )
             self.records.append(record)
             print(f"[{self.label}] " + format_record(record), flush=True)
+            if self.partial_path is not None:
+                # a long run that is stopped early still leaves its evaluated checkpoints behind
+                write_json(self.partial_path, {"label": self.label, "records": self.records})
 
 
 def format_record(r: dict[str, Any]) -> str:
@@ -389,7 +402,12 @@ def train_and_evaluate(
         len(setup.tokenizer), hidden=spec.hidden, layers=spec.layers, dropout=spec.dropout, seed=spec.seed
     )
     evaluator = CheckpointEvaluator(
-        setup, every=spec.eval_every, trace_contexts=trace_contexts, trace_draws=trace_draws, label=spec.label
+        setup,
+        every=spec.eval_every,
+        trace_contexts=trace_contexts,
+        trace_draws=trace_draws,
+        label=spec.label,
+        partial_path=output_dir / f"partial_{spec.label}.json",
     )
     args = FlatBiasConfig(
         output_dir=str(output_dir / spec.label),

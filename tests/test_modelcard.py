@@ -259,6 +259,12 @@ def test_cli_card_and_compare(tmp_path, capsys):
     shown = json.loads(capsys.readouterr().out)
     assert shown["hessian_trace"] == 50.0 and shown["glue"]["sst2"]["accuracy"] == 0.875
 
+    assert cli_main(["card", str(flat)]) == 0
+    summary = capsys.readouterr().out
+    assert "| Hessian trace ± stderr | 50 ± 4.5 |" in summary
+    assert "| estimator | per_sample, 64 contexts × 2 draws |" in summary
+    assert "| GLUE stsb/spearmanr | 0.2500 |" in summary
+
     assert cli_main(["compare", str(sharp), str(flat), "--sort", "trace"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 4

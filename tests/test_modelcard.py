@@ -347,6 +347,29 @@ def test_trainer_writes_the_flatness_card_with_every_checkpoint_and_save(tmp_pat
     assert meta["license"] == "mit" and meta["datasets"] == ["synthetic"], "metadata given once is kept"
 
 
+class LogsTraceCallback(TrainerCallback):
+    """Logs the trace through the trainer at every step, as HessianTraceCallback does, and keeps no estimate."""
+
+    def bind_trainer(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.log({"flatness/hessian_trace": 10.0 * state.global_step, "flatness/hessian_trace_stderr": 1.0})
+
+
+def test_trainer_card_reads_a_trace_logged_through_the_trainer(tmp_path):
+    model, data = tiny_mlm_setup()
+    trainer = FlatBiasTrainer(
+        model=model, args=tiny_args(tmp_path), train_dataset=data, callbacks=[LogsTraceCallback()]
+    )
+    trainer.train()
+    for step in (2, 4):
+        meta = front_matter(tmp_path / f"checkpoint-{step}" / "README.md")
+        assert (meta["flatness"]["hessian_trace"], meta["flatness"]["hessian_trace_stderr"]) == (10.0 * step, 1.0)
+    card_size = front_matter(tmp_path / "checkpoint-4" / "README.md")["flatness"]["num_parameters"]
+    assert card_size == model.num_parameters()
+
+
 def test_trainer_keeps_checkpoints_but_skips_a_non_finite_card(tmp_path, caplog):
     model, data = tiny_mlm_setup()
     trainer = FlatBiasTrainer(

@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import set_seed
     from transformers.trainer_utils import get_last_checkpoint
 
+    from hf_flatbias.modelcard import TRACE_LOG_KEY, TRACE_STDERR_LOG_KEY
     from hf_flatbias.text_data import mask_blocks_once, masked_lm_loss, single_mask_contexts, tokenize_into_blocks
     from hf_flatbias.trainer import FlatBiasTrainer
 
@@ -290,7 +291,6 @@ def main(argv: list[str] | None = None) -> dict:
         if resume:
             logger.info("Resuming from %s", resume)
     trainer.train(resume_from_checkpoint=resume)
-    trainer.save_model()
 
     summary = {
         "model_size": model_args.model_size,
@@ -302,6 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
     if trainer.is_world_process_zero():
         unwrapped = trainer.accelerator.unwrap_model(trainer.model)
         summary["eval_mlm_loss"] = masked_lm_loss(unwrapped, evaluation)
+        final_logs = {"eval_loss": summary["eval_mlm_loss"]}
         if contexts is not None:
             trace = estimate_trace(unwrapped, contexts, flatness, training_args.seed)
             summary.update(
@@ -312,8 +313,12 @@ def main(argv: list[str] | None = None) -> dict:
                     "trace_draws": trace.n_draws,
                 }
             )
+            final_logs.update({TRACE_LOG_KEY: trace.mean, TRACE_STDERR_LOG_KEY: trace.stderr})
+        # Logged before the final save so the flatness card written next to the weights carries these numbers.
+        trainer.log(final_logs)
         Path(training_args.output_dir, "pretraining_summary.json").write_text(json.dumps(summary, indent=2))
         logger.info("Summary: %s", summary)
+    trainer.save_model()
     if training_args.push_to_hub:
         trainer.push_to_hub()
     return summary

@@ -75,7 +75,7 @@ class CompareArguments:
     loss_texts: int = field(default=2000, metadata={"help": "Held-out texts used for loss and trace contexts."})
     max_seq_length: int = field(default=128, metadata={"help": "Tokens per block of held-out text."})
     trace_contexts: int = field(default=1000, metadata={"help": "Masked contexts for the trace (paper: 10,000)."})
-    trace_draws: int = field(default=8, metadata={"help": "Labels drawn per context (paper: 50)."})
+    trace_draws: int = field(default=2, metadata={"help": "Labels drawn per context (paper: 50)."})
     trace_estimator: str = field(default="per_sample", metadata={"help": "Estimator of estimate_hessian_trace."})
     update_cards: bool = field(
         default=False,
@@ -142,8 +142,9 @@ def pretraining_measurements(
     model_name_or_path: str, raw_text, args: CompareArguments, *, seed: int, device: str
 ) -> dict:
     """Masked-LM loss (fixed masking) and Hessian trace of a checkpoint on held-out text."""
+    from hf_flatbias.flatness.contexts import build_masked_contexts
     from hf_flatbias.flatness.estimators import estimate_hessian_trace
-    from hf_flatbias.text_data import mask_blocks_once, masked_lm_loss, single_mask_contexts, tokenize_into_blocks
+    from hf_flatbias.text_data import mask_blocks_once, masked_lm_loss, tokenize_into_blocks
 
     model, tokenizer = load_masked_lm(model_name_or_path)
     model.to(device)
@@ -151,7 +152,13 @@ def pretraining_measurements(
     if len(blocks) == 0:
         raise ValueError("The held-out text is shorter than one block: raise --loss_texts or lower --max_seq_length.")
     loss = masked_lm_loss(model, mask_blocks_once(blocks, tokenizer, seed=seed))
-    contexts = single_mask_contexts(blocks, tokenizer, n_contexts=args.trace_contexts, seed=seed)
+    contexts = build_masked_contexts(
+        blocks,
+        mask_token_id=tokenizer.mask_token_id,
+        n_contexts=args.trace_contexts,
+        seed=seed,
+        special_token_ids=tokenizer.all_special_ids,
+    )
     trace = estimate_hessian_trace(model, contexts, n_draws=args.trace_draws, estimator=args.trace_estimator, seed=seed)
     return {"pretrain_loss": loss, "trace": trace.mean, "trace_stderr": trace.stderr}
 

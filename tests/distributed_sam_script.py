@@ -38,7 +38,11 @@ N_ROWS = 48
 
 @dataclass
 class Case:
-    """One training run. ``engine`` is "ddp" or "zero0".."zero3"; ``args`` override the FlatBiasConfig defaults."""
+    """One training run; ``args`` override the FlatBiasConfig defaults.
+
+    ``engine``: "ddp", "zero0".."zero3" (the DeepSpeed JSON in recipes/configs passed as ``deepspeed=``), or
+    "launcher" (whatever the ``accelerate launch`` config set up).
+    """
 
     name: str
     engine: str
@@ -158,12 +162,15 @@ def trained_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def run_case(case: Case, out_dir: Path, rank: int) -> dict:
     from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
+    from hf_flatbias.sharpness.engines import deepspeed_zero_stage
 
     work = out_dir / "work" / case.name
     values = base_arguments(str(work))
     values.update(case.args)
     if case.engine == "ddp":
         values["use_cpu"] = True
+    elif case.engine == "launcher":
+        pass  # the engine comes from the `accelerate launch` config (ACCELERATE_* variables)
     else:
         values["deepspeed"] = deepspeed_config(int(case.engine.removeprefix("zero")), case.deepspeed_overrides)
     if case.resume_from_step is not None:
@@ -185,6 +192,7 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
         trainer = resumed
     result["log_history"] = trainer.state.log_history
     result["world_size"] = trainer.args.world_size
+    result["zero_stage"] = deepspeed_zero_stage(trainer._deepspeed_engine())
     return result
 
 

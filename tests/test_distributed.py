@@ -65,6 +65,8 @@ if HAS_DEEPSPEED:
         {"name": "zero3-per_rank-rejected", "engine": "zero3", "args": {"sam_perturbation": "per_rank"}},
         {"name": "zero2-bf16-rejected", "engine": "zero2", "deepspeed_overrides": {"bf16.enabled": True}},
     ]
+# The user's path: the engine set up by `accelerate launch --config_file accelerate_deepspeed_zero3.yaml`.
+LAUNCHER_CASE = {"name": "launcher-zero3-sam_batch_acc2", "engine": "launcher", "args": SAM_CASES["sam_batch_acc2"]}
 ONE_PROCESS_CASES = [
     {"name": f"{engine}-{variant}", "engine": engine, "args": SAM_CASES[variant]}
     for engine in ENGINES
@@ -96,6 +98,11 @@ def two_process_runs(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def one_process_runs(tmp_path_factory) -> Path:
     return launch("accelerate_cpu_1proc.yaml", ONE_PROCESS_CASES, tmp_path_factory.mktemp("one_process"))
+
+
+@pytest.fixture(scope="session")
+def launcher_runs(tmp_path_factory) -> Path:
+    return launch("accelerate_deepspeed_zero3.yaml", [LAUNCHER_CASE], tmp_path_factory.mktemp("launcher"))
 
 
 def load(out_dir: Path, name: str, rank: int = 0) -> dict[str, dict[str, torch.Tensor]]:
@@ -258,3 +265,24 @@ def test_unsupported_deepspeed_setups_fail_at_start(two_process_runs, name, matc
         error = two_process_runs / f"{name}.rank{rank}.error"
         assert error.exists(), f"{name} trained instead of raising"
         assert match in error.read_text()
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize(
+    "case", [c for c in TWO_PROCESS_CASES if c["engine"].startswith("zero") and "rejected" not in c["name"]],
+    ids=lambda c: c["name"],
+)
+def test_runs_used_the_engine_they_asked_for(two_process_runs, case):
+    """A DeepSpeed config silently ignored would make every DeepSpeed test above a DDP test."""
+    path = two_process_runs / f"{case['name']}.rank0.json"
+    info = json.loads(path.read_text())
+    assert info["zero_stage"] == int(case["engine"].removeprefix("zero")) and info["world_size"] == 2
+
+
+@pytest.mark.deepspeed
+def test_accelerate_launch_with_the_zero3_recipe_config(launcher_runs):
+    info = json.loads((launcher_runs / f"{LAUNCHER_CASE['name']}.rank0.json").read_text())
+    assert info["zero_stage"] == 3 and info["world_size"] == 2
+    rank0, rank1 = (load(launcher_runs, LAUNCHER_CASE["name"], rank)["params"] for rank in (0, 1))
+    assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
+    assert max_difference(rank0, reference_sam_sgd(world_size=2, **LAUNCHER_CASE["args"])) < 1e-5

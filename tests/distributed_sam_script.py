@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
 import torch  # noqa: E402
-from transformers import BertConfig, BertForSequenceClassification  # noqa: E402
+from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = REPO_ROOT / "recipes" / "configs"
@@ -50,6 +50,10 @@ class Case:
     deepspeed_overrides: dict = field(default_factory=dict)
     #: Train to ``max_steps`` saving at ``resume_from_step``, then train again resuming from that checkpoint.
     resume_from_step: int | None = None
+    #: "sam": train and save the weights; "trace": set up the engine on a masked LM, then every rank calls
+    #: estimate_hessian_trace(across_processes=True) with ``trace`` as keyword arguments.
+    kind: str = "sam"
+    trace: dict = field(default_factory=dict)
 
 
 def tiny_classifier(seed: int = 0) -> BertForSequenceClassification:
@@ -76,6 +80,28 @@ def classification_rows(n: int = N_ROWS, seed: int = 1) -> list[dict[str, torch.
         {"input_ids": ids[i], "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long), "labels": labels[i]}
         for i in range(n)
     ]
+
+
+def tiny_masked_lm(seed: int = 0) -> BertForMaskedLM:
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=16)
+    return BertForMaskedLM(config)
+
+
+def masked_rows(n: int = 7, seed: int = 2) -> list[dict[str, torch.Tensor]]:
+    """One masked position per row (token 4 stands for [MASK]): each row is one trace context."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, VOCAB, (n, SEQ_LEN), generator=g)
+    rows = []
+    for i in range(n):
+        position = i % SEQ_LEN
+        labels = torch.full((SEQ_LEN,), -100)
+        labels[position] = ids[i, position]
+        input_ids = ids[i].clone()
+        input_ids[position] = 4
+        rows.append({"input_ids": input_ids, "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long), "labels": labels})
+    return rows
 
 
 def base_arguments(output_dir: str) -> dict:
@@ -160,6 +186,35 @@ def trained_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in params.items()}
 
 
+def run_trace_case(case: Case, values: dict) -> dict:
+    """The engine is set up by one training step at learning rate 0, so the weights stay those of `tiny_masked_lm`."""
+    from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
+    from hf_flatbias.flatness import estimators
+    from hf_flatbias.sharpness.engines import deepspeed_zero_stage
+
+    values.update(flatness_method="none", learning_rate=0.0, max_steps=1)
+    trainer = FlatBiasTrainer(model=tiny_masked_lm(), args=FlatBiasConfig(**values), train_dataset=masked_rows())
+    trainer.train()
+    summarized = []
+    real_summary = estimators.summarize_trace_samples
+
+    def keep_samples(samples, **kwargs):
+        summarized.append(samples)
+        return real_summary(samples, **kwargs)
+
+    estimators.summarize_trace_samples = keep_samples
+    try:
+        estimate = estimators.estimate_hessian_trace(trainer.model, masked_rows(), across_processes=True, **case.trace)
+    finally:
+        estimators.summarize_trace_samples = real_summary
+    return {
+        "estimate": estimate.to_dict(),
+        "per_context_values": summarized[0].values,
+        "world_size": trainer.args.world_size,
+        "zero_stage": deepspeed_zero_stage(trainer._deepspeed_engine()),
+    }
+
+
 def run_case(case: Case, out_dir: Path, rank: int) -> dict:
     from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
     from hf_flatbias.sharpness.engines import deepspeed_zero_stage
@@ -175,6 +230,8 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
         values["deepspeed"] = deepspeed_config(int(case.engine.removeprefix("zero")), case.deepspeed_overrides)
     if case.resume_from_step is not None:
         values.update(save_strategy="steps", save_steps=case.resume_from_step)
+    if case.kind == "trace":
+        return run_trace_case(case, values)
 
     def train(resume_from_checkpoint: str | None = None) -> FlatBiasTrainer:
         args = FlatBiasConfig(**values)
@@ -212,7 +269,7 @@ def main(cases_file: str, out: str) -> None:
         except ValueError as error:
             (out_dir / f"{stem}.error").write_text(str(error))
             continue
-        tensors = {key: result.pop(key) for key in ("params", "resumed_params") if key in result}
+        tensors = {key: result.pop(key) for key in ("params", "resumed_params", "per_context_values") if key in result}
         torch.save(tensors, out_dir / f"{stem}.pt")
         result.update(case=asdict(case), seconds=time.perf_counter() - start)
         (out_dir / f"{stem}.json").write_text(json.dumps(result, default=str))

@@ -65,6 +65,20 @@ if HAS_DEEPSPEED:
         {"name": "zero3-per_rank-rejected", "engine": "zero3", "args": {"sam_perturbation": "per_rank"}},
         {"name": "zero2-bf16-rejected", "engine": "zero2", "deepspeed_overrides": {"bf16.enabled": True}},
     ]
+TRACE_CASES = [
+    {"name": "trace-ddp-per_sample", "engine": "ddp", "kind": "trace", "trace": {"n_draws": 2, "batch_size": 2}},
+]
+if HAS_DEEPSPEED:
+    TRACE_CASES += [
+        {"name": "trace-zero2-per_sample", "engine": "zero2", "kind": "trace",
+         "trace": {"n_draws": 2, "batch_size": 2}},
+        {"name": "trace-zero3-naive", "engine": "zero3", "kind": "trace",
+         "trace": {"n_draws": 2, "estimator": "naive"}},
+        {"name": "trace-zero3-per_sample-rejected", "engine": "zero3", "kind": "trace", "trace": {"n_draws": 2}},
+    ]
+TWO_PROCESS_CASES += TRACE_CASES
+SAM_TWO_PROCESS_CASES = [c for c in TWO_PROCESS_CASES if c.get("kind", "sam") == "sam"]
+
 # The user's path: the engine set up by `accelerate launch --config_file accelerate_deepspeed_zero3.yaml`.
 LAUNCHER_CASE = {"name": "launcher-zero3-sam_batch_acc2", "engine": "launcher", "args": SAM_CASES["sam_batch_acc2"]}
 ONE_PROCESS_CASES = [
@@ -205,7 +219,7 @@ def marks_for(engine: str) -> list:
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in TWO_PROCESS_CASES
+    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in SAM_TWO_PROCESS_CASES
              if "rejected" not in c["name"] and "resume" not in c["name"]],
 )
 def test_two_processes_match_reference(two_process_runs, case):
@@ -215,7 +229,7 @@ def test_two_processes_match_reference(two_process_runs, case):
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in TWO_PROCESS_CASES
+    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in SAM_TWO_PROCESS_CASES
              if "rejected" not in c["name"]],
 )
 def test_ranks_end_bit_identical(two_process_runs, case):
@@ -258,7 +272,12 @@ def test_checkpoint_resume_continues_exactly(two_process_runs, name):
 
 @pytest.mark.deepspeed
 @pytest.mark.parametrize(
-    "name,match", [("zero3-per_rank-rejected", "per_rank"), ("zero2-bf16-rejected", "fp32 weights only")]
+    "name,match",
+    [
+        ("zero3-per_rank-rejected", "per_rank"),
+        ("zero2-bf16-rejected", "fp32 weights only"),
+        ("trace-zero3-per_sample-rejected", "estimator='naive'"),
+    ],
 )
 def test_unsupported_deepspeed_setups_fail_at_start(two_process_runs, name, match):
     for rank in (0, 1):
@@ -286,3 +305,27 @@ def test_accelerate_launch_with_the_zero3_recipe_config(launcher_runs):
     rank0, rank1 = (load(launcher_runs, LAUNCHER_CASE["name"], rank)["params"] for rank in (0, 1))
     assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
     assert max_difference(rank0, reference_sam_sgd(world_size=2, **LAUNCHER_CASE["args"])) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in TRACE_CASES
+             if "rejected" not in c["name"]],
+)
+def test_trace_across_processes_equals_one_process(two_process_runs, case):
+    """Each rank measured its share of the contexts; the gathered estimate is the one-process estimate."""
+    from hf_flatbias.flatness.estimators import TraceContexts, compute_trace_samples, estimate_hessian_trace
+    from tests.distributed_sam_script import masked_rows, tiny_masked_lm
+
+    infos = [json.loads((two_process_runs / f"{case['name']}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert infos[0]["estimate"] == infos[1]["estimate"]
+    assert infos[0]["world_size"] == 2
+    one_process = estimate_hessian_trace(tiny_masked_lm(), masked_rows(), **case["trace"])
+    shared = infos[0]["estimate"]
+    assert shared["n_contexts"] == one_process.n_contexts == len(masked_rows())
+    assert shared["mean"] == pytest.approx(one_process.mean, rel=1e-6)
+    assert shared["stderr"] == pytest.approx(one_process.stderr, rel=1e-5)
+    # context by context, in the original order (fp32 batches of different composition: 1e-6 relative)
+    gathered = load(two_process_runs, case["name"])["per_context_values"]
+    model = tiny_masked_lm().eval()
+    reference = compute_trace_samples(model, TraceContexts.from_rows(masked_rows(), causal=False), **case["trace"])
+    torch.testing.assert_close(gathered, reference.values, rtol=1e-6, atol=0)

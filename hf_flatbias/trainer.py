@@ -27,7 +27,14 @@ from transformers.utils import logging
 
 from .config import FlatBiasConfig
 from .modelcard import FlatnessCard, flatness_card_from_trainer
-from .sharpness.engines import average_across_processes, gradients_of, trainable_parameters
+from .sharpness.engines import (
+    average_across_processes,
+    check_deepspeed_supports_sam,
+    deepspeed_backward,
+    gradients_of,
+    perturbable_parameters,
+    trainable_parameters,
+)
 from .sharpness.penalties import (
     add_looksam_component,
     fisher_penalty_coefficient,
@@ -107,9 +114,8 @@ class FlatBiasTrainer(Trainer):
         from accelerate.utils import DistributedType
 
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            raise ValueError(
-                "flatness_method='sam'/'asam' is not supported with DeepSpeed yet; run it with DDP "
-                "(accelerate launch --multi_gpu) or a single process."
+            check_deepspeed_supports_sam(
+                self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args.sam_perturbation
             )
 
     def _check_regularizer_is_supported(self) -> None:
@@ -120,6 +126,11 @@ class FlatBiasTrainer(Trainer):
                 f"flatness_method={self.args.flatness_method!r} is not supported with DeepSpeed; run it with DDP "
                 "(accelerate launch --multi_gpu) or a single process."
             )
+
+    def _deepspeed_engine(self):
+        """The DeepSpeed engine once accelerate has prepared the model, else ``None``."""
+        wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+        return None if wrapped is None else wrapped.engine
 
     # ------------------------------------------------------------------ training step
 
@@ -173,6 +184,10 @@ class FlatBiasTrainer(Trainer):
             if perturbation is not None and restore_now:
                 perturbation.restore()
                 self._batch_perturbation = None
+        engine = self._deepspeed_engine()
+        if engine is not None and self.accelerator.sync_gradients:
+            # Only now that w is back: DeepSpeed's step reads the module weights at ZeRO-0.
+            engine.step()
         return loss.detach()
 
     def _scaled_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
@@ -195,12 +210,17 @@ class FlatBiasTrainer(Trainer):
         return loss
 
     def _backward(self, loss: torch.Tensor) -> None:
-        self.accelerator.backward(loss)
+        engine = self._deepspeed_engine()
+        if engine is not None:
+            deepspeed_backward(engine, loss, is_boundary=self.accelerator.sync_gradients)
+        else:
+            self.accelerator.backward(loss)
 
     def _perturb(self, model: nn.Module, micro_batches: list[dict[str, Any]], num_items_in_batch) -> Perturbation | None:
         """Compute the first gradient over ``micro_batches`` and move the weights to ``w + e``."""
         module = self.accelerator.unwrap_model(model)
-        params = trainable_parameters(module)
+        perturbable = perturbable_parameters(module, self._deepspeed_engine())
+        params = perturbable.params
         scaler = self.accelerator.scaler
         grads: list[torch.Tensor] | None = None
         for batch in micro_batches:
@@ -218,8 +238,8 @@ class FlatBiasTrainer(Trainer):
             torch._foreach_div_(grads, scaler.get_scale())
         if self.args.sam_perturbation == "global":
             average_across_processes(grads)
-        perturbation = perturb_weights(
-            params, grads, self.args.sam_rho, adaptive=self.args.flatness_method == "asam", eta=self.args.asam_eta
+        perturbation = perturbable.perturb(
+            grads, self.args.sam_rho, adaptive=self.args.flatness_method == "asam", eta=self.args.asam_eta
         )
         if perturbation is None:
             self._skipped_perturbations += 1

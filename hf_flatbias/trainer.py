@@ -1,0 +1,218 @@
+"""`FlatBiasTrainer`: the transformers `Trainer` with flatness-seeking steps.
+
+This module orchestrates; the numbers come from `hf_flatbias.sharpness`. A SAM step inside the Trainer loop:
+
+1. first gradient ``g`` on the *unwrapped* model with ``torch.autograd.grad`` (no DDP/DeepSpeed hook fires, no
+   ``.grad`` is written, the optimizer is not involved), averaged over processes when ``sam_perturbation="global"``;
+2. move the weights to ``w + e``;
+3. the usual forward/backward through the accelerator at ``w + e``, so accumulation, gradient sync, loss scaling and
+   clipping happen exactly as in a plain step;
+4. restore ``w`` (bit for bit) before the Trainer loop steps the optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainingArguments
+from transformers.utils import logging
+
+from .config import FlatBiasConfig
+from .sharpness.engines import average_across_processes, gradients_of, trainable_parameters
+from .sharpness.sam import Perturbation, perturb_weights
+from .utils import forward_normalizes_by_num_items
+
+logger = logging.get_logger(__name__)
+
+
+class FlatBiasTrainer(Trainer):
+    """A drop-in replacement for [`~transformers.Trainer`] whose steps seek flat minima.
+
+    Use it with a [`FlatBiasConfig`] exactly as you would use `Trainer` with `TrainingArguments`:
+
+    ```python
+    args = FlatBiasConfig("out", flatness_method="sam", sam_rho=0.05)
+    trainer = FlatBiasTrainer(model=model, args=args, train_dataset=train, data_collator=collator)
+    trainer.train()
+    ```
+
+    Callbacks that define ``bind_trainer(trainer)`` (such as `HessianTraceCallback`) are bound to this trainer so
+    they can log through it.
+    """
+
+    _tag_names = ["hf_flatbias"]
+
+    def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None, **kwargs: Any):
+        args = _as_flatbias_config(args)
+        if model is not None and not any(p.requires_grad for p in model.parameters()):
+            raise ValueError(
+                "The model has no trainable parameter (every requires_grad is False): unfreeze some parameters or "
+                "attach adapters (e.g. peft.get_peft_model) before building the trainer."
+            )
+        super().__init__(model=model, args=args, **kwargs)
+        self._fix_loss_scaling_for_models_ignoring_num_items()
+        self._sam_metrics: dict[str, list[float]] = defaultdict(list)
+        self._update_micro_batches: list[dict[str, Any]] | None = None
+        self._batch_perturbation: Perturbation | None = None
+        self._skipped_perturbations = 0
+        if self.args.uses_sam:
+            self._check_sam_is_supported()
+        for callback in self.callback_handler.callbacks:
+            self._bind_callback(callback)
+
+    # ------------------------------------------------------------------ setup
+
+    def add_callback(self, callback) -> None:
+        super().add_callback(callback)
+        for registered in self.callback_handler.callbacks:
+            self._bind_callback(registered)
+
+    def _bind_callback(self, callback) -> None:
+        bind = getattr(callback, "bind_trainer", None)
+        if callable(bind):
+            bind(self)
+
+    def _fix_loss_scaling_for_models_ignoring_num_items(self) -> None:
+        # transformers 5 assumes any forward with **kwargs normalises by num_items_in_batch and then skips the
+        # division by the accumulation steps; for models that ignore it the gradient grows k-fold with k steps.
+        if self.model_accepts_loss_kwargs and forward_normalizes_by_num_items(self.model) is False:
+            self.model_accepts_loss_kwargs = False
+
+    def _check_sam_is_supported(self) -> None:
+        from accelerate.utils import DistributedType
+
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError(
+                "flatness_method='sam'/'asam' is not supported with DeepSpeed yet; run it with DDP "
+                "(accelerate launch --multi_gpu) or a single process."
+            )
+
+    # ------------------------------------------------------------------ training step
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        # The loop prefetches every micro-batch of an update; "batch"-scope SAM needs all of them before the first
+        # backward, so keep them for the first training_step of the update.
+        self._update_micro_batches = batch_samples if self.args.uses_sam and self.args.sam_scope == "batch" else None
+        return batch_samples, num_items_in_batch
+
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        if not self.args.uses_sam:
+            return super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        inputs = self._prepare_inputs(inputs)
+
+        if self.args.sam_scope == "batch":
+            if self._update_micro_batches is not None:
+                micro_batches = [self._prepare_inputs(batch) for batch in self._update_micro_batches]
+                self._update_micro_batches = None
+                self._batch_perturbation = self._perturb(model, micro_batches, num_items_in_batch)
+            perturbation = self._batch_perturbation
+            restore_now = self.accelerator.sync_gradients
+        else:
+            perturbation = self._perturb(model, [inputs], num_items_in_batch)
+            restore_now = True
+
+        try:
+            loss = self._scaled_loss(model, inputs, num_items_in_batch)
+            self._backward(loss)
+        except BaseException:
+            restore_now = True
+            raise
+        finally:
+            if perturbation is not None and restore_now:
+                perturbation.restore()
+                self._batch_perturbation = None
+        return loss.detach()
+
+    def _scaled_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
+        """The loss exactly as `Trainer.training_step` scales it before backward."""
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if self.args.n_gpu > 1:
+            loss = loss.mean()
+        if self.loss_is_scaled_for_ga is not None:
+            scaled_for_accumulation = self.loss_is_scaled_for_ga
+        else:
+            scaled_for_accumulation = (
+                self.model_accepts_loss_kwargs and num_items_in_batch is not None
+            ) or self.compute_loss_func is not None
+        if not scaled_for_accumulation:
+            loss = loss / self.current_gradient_accumulation_steps
+        return loss
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)
+
+    def _perturb(self, model: nn.Module, micro_batches: list[dict[str, Any]], num_items_in_batch) -> Perturbation | None:
+        """Compute the first gradient over ``micro_batches`` and move the weights to ``w + e``."""
+        module = self.accelerator.unwrap_model(model)
+        params = trainable_parameters(module)
+        scaler = self.accelerator.scaler
+        grads: list[torch.Tensor] | None = None
+        for batch in micro_batches:
+            loss = self._scaled_loss(module, batch, num_items_in_batch)
+            if scaler is not None:
+                # Without the fp16 loss scale the small gradients underflow; unscaled right below, on our own copy,
+                # so the optimizer's GradScaler never sees (or double-unscales) these gradients.
+                loss = scaler.scale(loss)
+            batch_grads = gradients_of(loss, params)
+            if grads is None:
+                grads = batch_grads
+            else:
+                torch._foreach_add_(grads, batch_grads)
+        if scaler is not None:
+            torch._foreach_div_(grads, scaler.get_scale())
+        if self.args.sam_perturbation == "global":
+            average_across_processes(grads)
+        perturbation = perturb_weights(
+            params, grads, self.args.sam_rho, adaptive=self.args.flatness_method == "asam", eta=self.args.asam_eta
+        )
+        if perturbation is None:
+            self._skipped_perturbations += 1
+            logger.warning(
+                "SAM: the first gradient is zero or not finite at step %d; this step is taken without perturbation "
+                "(%d skipped so far).",
+                self.state.global_step,
+                self._skipped_perturbations,
+            )
+            return None
+        self._sam_metrics["sam/first_grad_norm"].append(perturbation.grad_norm)
+        self._sam_metrics["sam/perturbation_norm"].append(perturbation.norm)
+        return perturbation
+
+    # ------------------------------------------------------------------ logging
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._sam_metrics:
+            for key, values in self._sam_metrics.items():
+                logs[key] = sum(values) / len(values)
+            self._sam_metrics.clear()
+        super().log(logs, start_time)
+
+
+def _as_flatbias_config(args: TrainingArguments | None) -> FlatBiasConfig:
+    if args is None:
+        return FlatBiasConfig(output_dir="trainer_output")
+    if isinstance(args, FlatBiasConfig):
+        return args
+    if isinstance(args, TrainingArguments):
+        # A plain TrainingArguments means "no flatness method"; keep every value the user set.
+        init_fields = {f.name for f in dataclasses.fields(args) if f.init}
+        values = {name: getattr(args, name) for name in init_fields}
+        return FlatBiasConfig(**values)
+    raise TypeError(f"args must be a FlatBiasConfig or TrainingArguments, got {type(args).__name__}.")
+
+
+__all__ = ["FlatBiasTrainer"]

@@ -23,7 +23,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from pcfg_common import ModelSize, build_data, format_table, measure, set_threads, train_mlm  # noqa: E402
+from pcfg_common import (  # noqa: E402
+    ModelSize,
+    StopAtLoss,
+    build_data,
+    format_table,
+    measure,
+    set_threads,
+    train_mlm,
+)
 from transformers import BertForMaskedLM  # noqa: E402
 
 from hf_flatbias.adversarial import AdversarialPretrainingModel  # noqa: E402
@@ -39,27 +47,26 @@ def run(args: argparse.Namespace) -> dict:
         torch.manual_seed(args.seed)
         model = BertForMaskedLM(size.config(data.vocab_size))
         start = time.perf_counter()
-        if weight is None:
-            train_mlm(
-                model,
-                data,
-                steps=args.steps,
-                learning_rate=args.learning_rate,
-                batch_size=args.batch_size,
-                seed=args.seed,
-            )
-        else:
-            wrapper = AdversarialPretrainingModel(model, n_classes, adversary_weight=weight)
-            train_mlm(
-                wrapper,
-                data,
-                steps=args.steps,
-                learning_rate=args.learning_rate,
-                batch_size=args.batch_size,
-                seed=args.seed,
-                task_column=args.task,
-            )
-        row = {"training": name, "adversary_weight": weight or 0.0, "train_seconds": time.perf_counter() - start}
+        stopper = StopAtLoss(model, data.contexts, args.target_loss)
+        trained = model if weight is None else AdversarialPretrainingModel(model, n_classes, adversary_weight=weight)
+        train_mlm(
+            trained,
+            data,
+            steps=args.steps,
+            learning_rate=args.learning_rate,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            task_column=None if weight is None else args.task,
+            callbacks=[stopper],
+            eval_strategy="steps",
+            eval_steps=args.eval_steps,
+        )
+        row = {
+            "training": name,
+            "adversary_weight": weight or 0.0,
+            "train_seconds": time.perf_counter() - start,
+            "steps": stopper.final_step,
+        }
         model.eval()
         row.update(measure(model, data, n_trace_contexts=args.trace_contexts, n_probe_train=args.probe_train))
         rows.append(row)
@@ -86,7 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--task", default="task_a", help="the downstream label the adversary hides")
     parser.add_argument("--adversary-weight", type=float, default=1.0, help="lambda of the confusion term")
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=3000, help="most training steps")
+    parser.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help="stop each model once its one-mask validation loss is at or below this (matched loss); checked every "
+        "--eval-steps. Default: train every model for --steps.",
+    )
+    parser.add_argument("--eval-steps", type=int, default=200)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--n-train", type=int, default=20000)
@@ -104,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.hidden, args.layers, args.steps, args.n_train, args.n_validation = 16, 1, 20, 200, 100
-        args.trace_contexts, args.probe_train = 20, 100
+        args.trace_contexts, args.probe_train, args.eval_steps = 20, 100, 10
     result = run(args)
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

@@ -28,7 +28,7 @@ from hf_flatbias.flatness.estimators import estimate_hessian_trace
 from hf_flatbias.probe import extract_features, probe_accuracy
 from hf_flatbias.synthetic import PCFG, build_pcfg_dataset, entropy_bound, masked_contexts
 from hf_flatbias.synthetic.tokenizer import CLS_ID, MASK_ID, N_SPECIAL, PAD_ID, SEP_ID
-from transformers import BertConfig
+from transformers import BertConfig, TrainerCallback
 
 from hf_flatbias.config import FlatBiasConfig
 from hf_flatbias.trainer import FlatBiasTrainer
@@ -234,6 +234,28 @@ def measure(model, data: PCFGData, *, n_trace_contexts: int, trace_model=None, n
         **probe_tasks(model, data, n_probe_train=n_probe_train),
         "measure_seconds": time.perf_counter() - start,
     }
+
+
+class StopAtLoss(TrainerCallback):
+    """Stop training once the one-mask validation loss of ``model`` reaches ``target``: matched loss, not steps.
+
+    It measures the wrapped masked LM itself (not the Trainer's eval loss, which for the adversarial wrapper also
+    holds the adversarial terms). ``history`` keeps ``(step, loss)`` of every evaluation.
+    """
+
+    def __init__(self, model: torch.nn.Module, contexts: Any, target: float | None):
+        self.model, self.contexts, self.target = model, contexts, target
+        self.history: list[tuple[int, float]] = []
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        loss = one_mask_loss(self.model, self.contexts)
+        self.history.append((state.global_step, loss))
+        if self.target is not None and loss <= self.target:
+            control.should_training_stop = True
+
+    @property
+    def final_step(self) -> int | None:
+        return self.history[-1][0] if self.history else None
 
 
 def set_threads() -> None:

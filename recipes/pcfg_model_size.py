@@ -22,7 +22,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from pcfg_common import ModelSize, build_data, format_table, measure, set_threads, train_mlm  # noqa: E402
+from pcfg_common import (  # noqa: E402
+    ModelSize,
+    StopAtLoss,
+    build_data,
+    format_table,
+    measure,
+    set_threads,
+    train_mlm,
+)
 from transformers import BertForMaskedLM  # noqa: E402
 
 from hf_flatbias.enlarge import enlarge  # noqa: E402
@@ -56,13 +64,27 @@ def run(args: argparse.Namespace) -> dict:
         torch.manual_seed(args.seed)
         model = BertForMaskedLM(size.config(data.vocab_size))
         start = time.perf_counter()
+        stopper = StopAtLoss(model, data.contexts, args.target_loss)
         train_mlm(
-            model, data, steps=args.steps, learning_rate=args.learning_rate, batch_size=args.batch_size, seed=args.seed
+            model,
+            data,
+            steps=args.steps,
+            learning_rate=args.learning_rate,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            callbacks=[stopper],
+            eval_strategy="steps",
+            eval_steps=args.eval_steps,
         )
         train_seconds = time.perf_counter() - start
         model.eval()
         embedded = enlarge(model, target_config)
-        row = {"size": size.name, "parameters": model.num_parameters(), "train_seconds": train_seconds}
+        row = {
+            "size": size.name,
+            "parameters": model.num_parameters(),
+            "train_seconds": train_seconds,
+            "steps": stopper.final_step,
+        }
         row.update(
             measure(
                 model, data, n_trace_contexts=args.trace_contexts, trace_model=embedded, n_probe_train=args.probe_train
@@ -98,7 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), help="HIDDENxLAYERS per model")
     parser.add_argument("--head-dim", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=3000, help="most training steps")
+    parser.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help="stop each model once its one-mask validation loss is at or below this (matched loss); checked every "
+        "--eval-steps. Default: train every model for --steps.",
+    )
+    parser.add_argument("--eval-steps", type=int, default=200)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--n-train", type=int, default=20000)
@@ -116,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.sizes, args.steps, args.n_train, args.n_validation = ["16x1", "32x2"], 20, 200, 100
-        args.trace_contexts, args.probe_train = 20, 100
+        args.trace_contexts, args.probe_train, args.eval_steps = 20, 100, 10
     result = run(args)
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)

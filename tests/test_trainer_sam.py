@@ -75,7 +75,9 @@ def train(model, args, rows=None):
     return trainer
 
 
-def reference_sam_sgd(model, rows, *, steps, batch_size, accumulation, lr, rho, scope, adaptive=False, eta=0.01):
+def reference_sam_sgd(
+    model, rows, *, steps, batch_size, accumulation, lr, rho, scope, adaptive=False, eta=0.01, max_grad_norm=0.0
+):
     """Textbook SAM with SGD on sequential batches; the loss of each micro-batch is divided by `accumulation`."""
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -111,6 +113,9 @@ def reference_sam_sgd(model, rows, *, steps, batch_size, accumulation, lr, rho, 
             with torch.no_grad():
                 for p, s in zip(params, saved):
                     p.copy_(s)
+        if max_grad_norm > 0:
+            norm = math.sqrt(sum(float((g * g).sum()) for g in total))
+            total = [g * min(1.0, max_grad_norm / (norm + 1e-6)) for g in total]
         with torch.no_grad():
             for p, g in zip(params, total):
                 p.sub_(lr * g)
@@ -262,3 +267,81 @@ def test_model_without_trainable_parameters_is_rejected(tmp_path):
     model.requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameter"):
         FlatBiasTrainer(model=model, args=config(tmp_path), train_dataset=classification_rows())
+
+
+def test_clipping_applies_to_the_second_gradient(tmp_path):
+    rows = classification_rows()
+    reference = reference_sam_sgd(tiny_classifier(), rows, steps=3, batch_size=4, accumulation=1, lr=0.1, rho=0.05,
+                                  scope="micro_batch", max_grad_norm=0.05)
+    trained = train(tiny_classifier(), config(tmp_path, max_grad_norm=0.05), rows).model
+    assert max_param_diff(trained, reference) < 1e-5
+
+
+class ScaledLossTrainer(FlatBiasTrainer):
+    """accelerate gives fp16 a GradScaler on GPUs only. A CPU GradScaler in fp32, unscaled before clipping as
+    accelerate's fp16 branch does, drives the same loss-scaling path with exact arithmetic (powers of two)."""
+
+    def __init__(self, *args, init_scale: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        accelerator = self.accelerator
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+
+        def unscale_gradients(optimizer=None):
+            for wrapped in accelerator._optimizers:
+                accelerator.scaler.unscale_(wrapped.optimizer)
+
+        accelerator.unscale_gradients = unscale_gradients
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.05])
+def test_grad_scaler_is_unscaled_once(tmp_path, max_grad_norm):
+    rows = classification_rows()
+    reference = reference_sam_sgd(tiny_classifier(), rows, steps=3, batch_size=4, accumulation=1, lr=0.1, rho=0.05,
+                                  scope="micro_batch", max_grad_norm=max_grad_norm)
+    trainer = ScaledLossTrainer(model=tiny_classifier(), args=config(tmp_path, max_grad_norm=max_grad_norm),
+                                train_dataset=rows, init_scale=2.0**12)
+    trainer.train()
+    assert trainer._skipped_perturbations == 0
+    assert max_param_diff(trainer.model, reference) < 1e-5
+
+
+def test_lora_perturbs_and_trains_adapters_only(tmp_path):
+    peft = pytest.importorskip("peft")
+    rows = classification_rows()
+    lora = peft.LoraConfig(task_type="SEQ_CLS", r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["query", "value"])
+    model = peft.get_peft_model(tiny_classifier(), lora)
+    frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    reference = reference_sam_sgd(copy.deepcopy(model), rows, steps=3, batch_size=4, accumulation=1, lr=0.1, rho=0.05,
+                                  scope="micro_batch")
+    trained = train(model, config(tmp_path), rows).model
+    assert max_param_diff(trained, reference) < 1e-5
+    for name, param in trained.named_parameters():
+        if name in frozen_before:
+            assert torch.equal(param, frozen_before[name]), name
+
+
+def test_gradient_checkpointing_gives_the_same_step(tmp_path):
+    rows = classification_rows()
+    reference = reference_sam_sgd(tiny_classifier(), rows, steps=3, batch_size=4, accumulation=1, lr=0.1, rho=0.05,
+                                  scope="micro_batch")
+    trained = train(tiny_classifier(), config(tmp_path, gradient_checkpointing=True), rows).model
+    assert max_param_diff(trained, reference) < 1e-5
+
+
+def test_resume_from_checkpoint_continues_identically(tmp_path):
+    """Dropout and shuffling on: the SAM first pass draws from the RNG, and the resumed run must replay it."""
+    def dropout_model():
+        model = tiny_classifier()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.1
+        return model
+
+    rows = classification_rows(24)
+    common = dict(max_steps=4, train_sampling_strategy="random", optim="adamw_torch", learning_rate=1e-2)
+    straight = train(dropout_model(), config(tmp_path / "straight", **common), rows).model
+    first = config(tmp_path / "resumed", save_strategy="steps", save_steps=2, **common)
+    FlatBiasTrainer(model=dropout_model(), args=first, train_dataset=rows).train()
+    resumed = FlatBiasTrainer(model=dropout_model(), args=first, train_dataset=rows)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-2"))
+    assert max_param_diff(resumed.model, straight) < 1e-6

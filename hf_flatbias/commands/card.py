@@ -1,0 +1,38 @@
+"""``hf-flatbias card REPO_OR_PATH``: print the flatness card of a checkpoint folder, card file or Hub repo."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "card",
+        help="Show the flatness card (trace, loss, method, GLUE) of a checkpoint or Hub repo.",
+        description="Read the flatness metadata of a local checkpoint folder, a README.md, or a Hub repository "
+        "(HF_ENDPOINT is honoured) and print it.",
+    )
+    parser.add_argument("repo_or_path", help="Checkpoint folder, card file, or Hub repo id (user/model).")
+    parser.add_argument("--revision", default=None, help="Branch, tag or commit of a Hub repository.")
+    parser.add_argument("--json", action="store_true", help="Print the card as JSON instead of a table.")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from ..modelcard import format_comparison_table, load_flatness_card
+
+    try:
+        card = load_flatness_card(args.repo_or_path, revision=args.revision)
+    except (ValueError, OSError, HfHubHTTPError) as error:  # not a card, no such file, Hub errors
+        print(f"hf-flatbias card: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(dataclasses.asdict(card), indent=2, sort_keys=True))
+    else:
+        print(format_comparison_table([(args.repo_or_path, card)]))
+    return 0

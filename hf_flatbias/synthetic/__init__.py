@@ -1,0 +1,33 @@
+"""Synthetic languages with exact conditionals (PCFG, HMM, Dyck), their datasets and downstream tasks."""
+
+from .data import (
+    OracleMLM,
+    build_dyck_dataset,
+    build_hmm_dataset,
+    build_pcfg_dataset,
+    context_word_ids,
+    entropy_bound,
+    masked_contexts,
+    sentences_to_dataset,
+    target_conditionals,
+)
+from .dyck import Dyck
+from .hmm import HMM
+from .pcfg import PCFG
+from .tokenizer import make_tokenizer
+
+__all__ = [
+    "HMM",
+    "PCFG",
+    "Dyck",
+    "OracleMLM",
+    "build_dyck_dataset",
+    "build_hmm_dataset",
+    "build_pcfg_dataset",
+    "context_word_ids",
+    "entropy_bound",
+    "make_tokenizer",
+    "masked_contexts",
+    "sentences_to_dataset",
+    "target_conditionals",
+]

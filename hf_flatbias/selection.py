@@ -17,7 +17,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -33,6 +33,9 @@ __all__ = [
 ]
 
 SELECTION_FILE = "flatness_selection.json"
+# The keys HessianTraceCallback logs (and hf_flatbias.modelcard reads): one name for the trace across the package.
+TRACE_LOG_KEY = "flatness/hessian_trace"
+TRACE_STDERR_LOG_KEY = "flatness/hessian_trace_stderr"
 
 
 @dataclass(frozen=True)
@@ -165,8 +168,8 @@ def records_from_log_history(
     log_history: Iterable[Mapping[str, Any]],
     *,
     loss_key: str = "eval_loss",
-    trace_key: str = "eval_hessian_trace",
-    stderr_key: str = "eval_hessian_trace_stderr",
+    trace_key: str = TRACE_LOG_KEY,
+    stderr_key: str = TRACE_STDERR_LOG_KEY,
     checkpoint_dir: str | None = None,
 ) -> list[CheckpointRecord]:
     """Merge a Trainer ``log_history`` (as in ``trainer_state.json``) into one record per evaluated step.
@@ -206,9 +209,10 @@ class FlatnessCheckpointSelector(TrainerCallback):
     checkpoint instead of the lowest-loss one. At the end of training it writes the selection to
     ``<output_dir>/flatness_selection.json``.
 
-    The trace comes from the evaluation metrics (``trace_metric``, e.g. logged by a ``HessianTraceCallback`` placed
-    before this callback) or, when absent there, from ``trace_fn(model)``, which returns an object with ``mean``
-    and ``stderr`` (such as a ``TraceEstimate``) or a ``(mean, stderr)`` pair.
+    Where the trace comes from, first found wins: a ``trace_metric`` entry logged at the step (what
+    ``HessianTraceCallback`` logs on every evaluation, ``flatness/hessian_trace``), the same key in the evaluation
+    metrics, or ``trace_fn(model)``, which returns an object with ``mean`` and ``stderr`` (such as a
+    ``TraceEstimate``) or a ``(mean, stderr)`` pair.
 
     Use with ``save_total_limit=None``: the Trainer's checkpoint rotation protects the lowest-loss checkpoint only.
     """
@@ -220,16 +224,20 @@ class FlatnessCheckpointSelector(TrainerCallback):
     trace_margin: float = field(
         default=0.0, metadata={"help": "Traces within this many combined standard errors count as equally flat."}
     )
-    loss_metric: str = field(default="eval_loss", metadata={"help": "Metric holding the validation loss."})
-    trace_metric: str = field(default="eval_hessian_trace", metadata={"help": "Metric holding the trace estimate."})
+    loss_metric: str = field(default="eval_loss", metadata={"help": "Evaluation metric holding the validation loss."})
+    trace_metric: str = field(
+        default=TRACE_LOG_KEY, metadata={"help": "Logged (or evaluation) key holding the trace estimate."}
+    )
     stderr_metric: str = field(
-        default="eval_hessian_trace_stderr", metadata={"help": "Metric holding the trace's standard error."}
+        default=TRACE_STDERR_LOG_KEY, metadata={"help": "Logged (or evaluation) key holding its standard error."}
     )
     trace_fn: TraceFunction | None = field(
-        default=None, metadata={"help": "Called with the model when the metrics carry no trace."}
+        default=None, metadata={"help": "Called with the model at an evaluation that logged no trace."}
     )
-    records: dict[int, CheckpointRecord] = field(default_factory=dict, init=False)
     selection: CheckpointSelection | None = field(default=None, init=False)
+    _losses: dict[int, float] = field(default_factory=dict, init=False, repr=False)
+    _traces: dict[int, tuple[float, float | None]] = field(default_factory=dict, init=False, repr=False)
+    _paths: dict[int, str] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # Fail at construction, not after the first evaluation has been paid for.
@@ -240,6 +248,15 @@ class FlatnessCheckpointSelector(TrainerCallback):
             trace_margin=self.trace_margin,
         )
 
+    @property
+    def records(self) -> dict[int, CheckpointRecord]:
+        """One record per evaluated step: its loss, its trace when one was measured, its checkpoint when saved."""
+        records = {}
+        for step, loss in sorted(self._losses.items()):
+            trace, stderr = self._traces.get(step, (None, None))
+            records[step] = CheckpointRecord(step, loss, trace, stderr, self._paths.get(step))
+        return records
+
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if args.save_total_limit is not None:
             raise ValueError(
@@ -249,23 +266,28 @@ class FlatnessCheckpointSelector(TrainerCallback):
         if args.eval_strategy == "no":
             raise ValueError("FlatnessCheckpointSelector needs evaluations: set eval_strategy to 'steps' or 'epoch'.")
 
+    def on_log(self, args, state, control, logs: dict[str, float] | None = None, **kwargs):
+        if logs and self.trace_metric in logs:
+            self._traces[state.global_step] = (float(logs[self.trace_metric]), _optional(logs.get(self.stderr_metric)))
+
     def on_evaluate(self, args, state, control, metrics: dict[str, float] | None = None, model=None, **kwargs):
         metrics = metrics or {}
         if self.loss_metric not in metrics:
             return
-        trace, stderr = metrics.get(self.trace_metric), metrics.get(self.stderr_metric)
-        if trace is None and self.trace_fn is not None and model is not None:
-            trace, stderr = _mean_and_stderr(self.trace_fn(model))
-        self.records[state.global_step] = CheckpointRecord(
-            step=state.global_step, eval_loss=float(metrics[self.loss_metric]), hessian_trace=trace, stderr=stderr
-        )
+        step = state.global_step
+        self._losses[step] = float(metrics[self.loss_metric])
+        if self.trace_metric in metrics:
+            self._traces[step] = (float(metrics[self.trace_metric]), _optional(metrics.get(self.stderr_metric)))
+        elif step not in self._traces and self.trace_fn is not None and model is not None:
+            # A HessianTraceCallback placed after this one logs later in the same evaluation and overwrites this.
+            self._traces[step] = _mean_and_stderr(self.trace_fn(model))
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
-        if state.global_step in self.records and os.path.isdir(folder):
-            self.records[state.global_step] = replace(self.records[state.global_step], path=folder)
-        saved = [record for record in self.records.values() if record.path and os.path.isdir(record.path)]
-        if not any(record.hessian_trace is not None for record in saved):
+        if os.path.isdir(folder):
+            self._paths[state.global_step] = folder
+        saved = [r for r in self.records.values() if r.path and os.path.isdir(r.path) and r.hessian_trace is not None]
+        if not saved:
             return
         self.selection = self._select(saved)
         state.best_model_checkpoint = self.selection.chosen.path
@@ -289,6 +311,10 @@ class FlatnessCheckpointSelector(TrainerCallback):
             relative_tolerance=self.relative_tolerance,
             trace_margin=self.trace_margin,
         )
+
+
+def _optional(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _mean_and_stderr(estimate: Any) -> tuple[float, float | None]:

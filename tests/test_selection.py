@@ -94,9 +94,9 @@ def test_records_from_log_history_merges_entries_of_one_step(tmp_path):
     history = [
         {"loss": 3.0, "step": 10},
         {"eval_loss": 2.5, "step": 10},
-        {"eval_hessian_trace": 4.0, "eval_hessian_trace_stderr": 0.2, "step": 10},
-        {"eval_loss": 2.4, "eval_hessian_trace": 6.0, "step": 20},
-        {"eval_hessian_trace": 1.0, "step": 30},  # a trace without a loss is not a candidate
+        {"flatness/hessian_trace": 4.0, "flatness/hessian_trace_stderr": 0.2, "step": 10},
+        {"eval_loss": 2.4, "flatness/hessian_trace": 6.0, "step": 20},
+        {"flatness/hessian_trace": 1.0, "step": 30},  # a trace without a loss is not a candidate
     ]
     records = records_from_log_history(history, checkpoint_dir=str(tmp_path))
     assert records == [
@@ -195,7 +195,7 @@ def _write_state(folder, history):
 
 
 def test_cli_reads_newest_checkpoint_state(tmp_path, capsys):
-    history = [{"eval_loss": r.eval_loss, "eval_hessian_trace": r.hessian_trace, "step": r.step} for r in RECORDS]
+    history = [{"eval_loss": r.eval_loss, "flatness/hessian_trace": r.hessian_trace, "step": r.step} for r in RECORDS]
     _write_state(tmp_path / "checkpoint-200", history[:2])
     for record in RECORDS:
         (tmp_path / f"checkpoint-{record.step}").mkdir(exist_ok=True)
@@ -229,3 +229,29 @@ def test_cli_entry_point_runs_as_a_process(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "chosen: step 1" in result.stdout
+
+
+def test_callback_takes_traces_logged_by_another_callback_in_either_order(tmp_path):
+    """HessianTraceCallback logs ``flatness/hessian_trace`` during the evaluation, before or after this callback."""
+    from transformers import TrainerControl, TrainerState
+
+    selector = FlatnessCheckpointSelector(loss_tolerance=0.05, trace_fn=lambda model: (999.0, 0.0))
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    state, control = TrainerState(), TrainerControl()
+    for step, loss, trace, log_first in [(10, 2.00, 9.0, True), (20, 2.03, 4.0, False), (30, 2.01, 6.0, True)]:
+        state.global_step = step
+        logs = {"flatness/hessian_trace": trace, "flatness/hessian_trace_stderr": 0.5}
+        if log_first:
+            selector.on_log(args, state, control, logs=logs)
+        selector.on_evaluate(args, state, control, metrics={"eval_loss": loss}, model=object())
+        if not log_first:  # logged after our on_evaluate: replaces the trace_fn fallback
+            selector.on_log(args, state, control, logs=logs)
+    selector.on_log(args, state, control, logs={"loss": 1.0})  # unrelated logs are ignored
+    assert [(r.step, r.hessian_trace, r.stderr) for r in selector.records.values()] == [
+        (10, 9.0, 0.5),
+        (20, 4.0, 0.5),
+        (30, 6.0, 0.5),
+    ]
+    selector.on_train_end(args, state, control)
+    assert selector.selection.chosen.step == 20
+    assert json.loads((tmp_path / "flatness_selection.json").read_text())["lowest_loss"]["step"] == 10

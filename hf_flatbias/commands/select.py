@@ -7,7 +7,13 @@ import json
 import os
 import sys
 
-from ..selection import CheckpointRecord, records_from_log_history, select_flattest_checkpoint
+from ..selection import (
+    TRACE_LOG_KEY,
+    TRACE_STDERR_LOG_KEY,
+    CheckpointRecord,
+    records_from_log_history,
+    select_flattest_checkpoint,
+)
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -37,8 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "loss among them wins (default 0: smallest trace wins)",
     )
     parser.add_argument("--loss-key", default="eval_loss", help="log_history key of the validation loss")
-    parser.add_argument("--trace-key", default="eval_hessian_trace", help="log_history key of the trace")
-    parser.add_argument("--stderr-key", default="eval_hessian_trace_stderr", help="log_history key of its stderr")
+    parser.add_argument("--trace-key", default=TRACE_LOG_KEY, help=f"log_history key of the trace ({TRACE_LOG_KEY})")
+    parser.add_argument("--stderr-key", default=TRACE_STDERR_LOG_KEY, help="log_history key of its standard error")
     parser.add_argument("--json", action="store_true", help="print the selection as JSON")
     parser.set_defaults(func=run)
 

@@ -216,7 +216,9 @@ class FlatBiasTrainer(Trainer):
         else:
             self.accelerator.backward(loss)
 
-    def _perturb(self, model: nn.Module, micro_batches: list[dict[str, Any]], num_items_in_batch) -> Perturbation | None:
+    def _perturb(
+        self, model: nn.Module, micro_batches: list[dict[str, Any]], num_items_in_batch
+    ) -> Perturbation | None:
         """Compute the first gradient over ``micro_batches`` and move the weights to ``w + e``."""
         module = self.accelerator.unwrap_model(model)
         perturbable = perturbable_parameters(module, self._deepspeed_engine())

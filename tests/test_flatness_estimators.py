@@ -212,7 +212,7 @@ def _reference_fisher_subset(model, rows):
         total = 0.0
         for label in range(VOCAB):
             grads = torch.autograd.grad(log_probs[label], params, retain_graph=True)
-            total += float(log_probs[label].exp()) * sum(float(g.double().square().sum()) for g in grads)
+            total += float(log_probs[label].detach().exp()) * sum(float(g.double().square().sum()) for g in grads)
         traces.append(total)
     return torch.tensor(traces, dtype=torch.float64)
 
@@ -318,3 +318,24 @@ def test_a_datasets_dataset_gives_the_same_estimate_as_a_list(bert_case):
     as_list = estimate_hessian_trace(model, rows[:8], n_draws=2, seed=1)
     as_dataset = estimate_hessian_trace(model, Dataset.from_list(rows[:8]), n_draws=2, seed=1)
     assert (as_dataset.mean, as_dataset.stderr) == (as_list.mean, as_list.stderr)
+
+
+def test_summary_statistics_match_a_hand_computation():
+    values = torch.tensor([[1.0, 3.0], [4.0, 8.0], [10.0, 6.0]], dtype=torch.float64)
+    samples = TraceSamples(values, torch.ones(3), n_draws=2, estimator="x", forward_seconds=3.0, draw_seconds=1.5)
+    summary = summarize_trace_samples(samples, seconds=2.0)
+    # unit means 2, 6, 8 -> mean 16/3; sample variance of the means 28/3; within-context variances 2, 8, 8
+    assert summary.mean == pytest.approx(16 / 3)
+    assert summary.stderr == pytest.approx(math.sqrt(28 / 3 / 3))
+    assert summary.draw_variance == pytest.approx(6.0)
+    assert summary.context_variance == pytest.approx(28 / 3 - 6.0 / 2)
+    # K* = sqrt(draw var / context var * forward per context / draw per context) = sqrt(6 / (19/3) * 1 / 0.25)
+    assert summary.suggested_n_draws == round(math.sqrt(6 / (19 / 3) * 1.0 / 0.25))
+    assert summary.n_contexts == 3 and summary.seconds == 2.0
+
+    # units of unequal size (summed / hutchinson batches): weighted mean and the ratio-estimator standard error
+    weighted = summarize_trace_samples(TraceSamples(torch.tensor([[2.0], [5.0]]), torch.tensor([1.0, 3.0]), 1, "x"))
+    assert weighted.mean == pytest.approx((2 + 15) / 4)
+    spread = (1 * (2 - 17 / 4) ** 2 + 9 * (5 - 17 / 4) ** 2) * 2 / 1
+    assert weighted.stderr == pytest.approx(math.sqrt(spread) / 4)
+    assert weighted.n_contexts == 4 and weighted.draw_variance is None

@@ -112,8 +112,7 @@ class FlatBiasConfig(TrainingArguments):
             raise ValueError(f"sam_scope={self.sam_scope!r} is not supported; choose one of {list(SAM_SCOPES)}.")
         if self.sam_perturbation not in SAM_PERTURBATIONS:
             raise ValueError(
-                f"sam_perturbation={self.sam_perturbation!r} is not supported; choose one of "
-                f"{list(SAM_PERTURBATIONS)}."
+                f"sam_perturbation={self.sam_perturbation!r} is not supported; choose one of {list(SAM_PERTURBATIONS)}."
             )
         self._validate_regularizer_arguments()
 

@@ -13,10 +13,12 @@ This module orchestrates; the numbers come from `hf_flatbias.sharpness`. A SAM s
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from typing import Any
 
 import torch
+from huggingface_hub.errors import HfHubHTTPError
 from torch import nn
 from transformers import Trainer, TrainingArguments
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -24,7 +26,15 @@ from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
 from .config import FlatBiasConfig
-from .sharpness.engines import average_across_processes, gradients_of, trainable_parameters
+from .modelcard import FlatnessCard, flatness_card_from_trainer
+from .sharpness.engines import (
+    average_across_processes,
+    check_deepspeed_supports_sam,
+    deepspeed_backward,
+    gradients_of,
+    perturbable_parameters,
+    trainable_parameters,
+)
 from .sharpness.penalties import (
     add_looksam_component,
     fisher_penalty_coefficient,
@@ -104,9 +114,8 @@ class FlatBiasTrainer(Trainer):
         from accelerate.utils import DistributedType
 
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            raise ValueError(
-                "flatness_method='sam'/'asam' is not supported with DeepSpeed yet; run it with DDP "
-                "(accelerate launch --multi_gpu) or a single process."
+            check_deepspeed_supports_sam(
+                self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args.sam_perturbation
             )
 
     def _check_regularizer_is_supported(self) -> None:
@@ -117,6 +126,11 @@ class FlatBiasTrainer(Trainer):
                 f"flatness_method={self.args.flatness_method!r} is not supported with DeepSpeed; run it with DDP "
                 "(accelerate launch --multi_gpu) or a single process."
             )
+
+    def _deepspeed_engine(self):
+        """The DeepSpeed engine once accelerate has prepared the model, else ``None``."""
+        wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+        return None if wrapped is None else wrapped.engine
 
     # ------------------------------------------------------------------ training step
 
@@ -170,6 +184,10 @@ class FlatBiasTrainer(Trainer):
             if perturbation is not None and restore_now:
                 perturbation.restore()
                 self._batch_perturbation = None
+        engine = self._deepspeed_engine()
+        if engine is not None and self.accelerator.sync_gradients:
+            # Only now that w is back: DeepSpeed's step reads the module weights at ZeRO-0.
+            engine.step()
         return loss.detach()
 
     def _scaled_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
@@ -192,12 +210,19 @@ class FlatBiasTrainer(Trainer):
         return loss
 
     def _backward(self, loss: torch.Tensor) -> None:
-        self.accelerator.backward(loss)
+        engine = self._deepspeed_engine()
+        if engine is not None:
+            deepspeed_backward(engine, loss, is_boundary=self.accelerator.sync_gradients)
+        else:
+            self.accelerator.backward(loss)
 
-    def _perturb(self, model: nn.Module, micro_batches: list[dict[str, Any]], num_items_in_batch) -> Perturbation | None:
+    def _perturb(
+        self, model: nn.Module, micro_batches: list[dict[str, Any]], num_items_in_batch
+    ) -> Perturbation | None:
         """Compute the first gradient over ``micro_batches`` and move the weights to ``w + e``."""
         module = self.accelerator.unwrap_model(model)
-        params = trainable_parameters(module)
+        perturbable = perturbable_parameters(module, self._deepspeed_engine())
+        params = perturbable.params
         scaler = self.accelerator.scaler
         grads: list[torch.Tensor] | None = None
         for batch in micro_batches:
@@ -215,8 +240,8 @@ class FlatBiasTrainer(Trainer):
             torch._foreach_div_(grads, scaler.get_scale())
         if self.args.sam_perturbation == "global":
             average_across_processes(grads)
-        perturbation = perturb_weights(
-            params, grads, self.args.sam_rho, adaptive=self.args.flatness_method == "asam", eta=self.args.asam_eta
+        perturbation = perturbable.perturb(
+            grads, self.args.sam_rho, adaptive=self.args.flatness_method == "asam", eta=self.args.asam_eta
         )
         if perturbation is None:
             self._skipped_perturbations += 1
@@ -395,6 +420,115 @@ class FlatBiasTrainer(Trainer):
                 logs[key] = sum(values) / len(values)
             self._sam_metrics.clear()
         super().log(logs, start_time)
+
+    # ------------------------------------------------------------------ flatness model card
+    # transformers' own card keeps only whitelisted metric names and would drop the Hessian trace, so every card
+    # this trainer writes (checkpoints, final save, pushes) is the flatness card of `hf_flatbias.modelcard`.
+
+    def flatness_card(self, **card_kwargs: Any) -> FlatnessCard:
+        """The flatness card of the current state (trace, loss, method, GLUE); see `flatness_card_from_trainer`."""
+        kwargs = {**getattr(self, "_flatness_card_kwargs", {}), **card_kwargs}
+        return flatness_card_from_trainer(self, **kwargs)
+
+    def create_model_card(
+        self,
+        language: str | None = None,
+        license: str | None = None,  # noqa: A002 - transformers' parameter name
+        tags: str | list[str] | None = None,
+        model_name: str | None = None,
+        finetuned_from: str | None = None,
+        tasks: str | list[str] | None = None,
+        dataset_tags: str | list[str] | None = None,
+        dataset: str | list[str] | None = None,
+        dataset_args: str | list[str] | None = None,
+        glue_results: dict[str, dict[str, float]] | None = None,
+    ) -> None:
+        """Write the flatness card to ``output_dir/README.md`` in place of transformers' card (world rank 0 only).
+
+        Raises ``ValueError`` (writing nothing) if the card would publish a non-finite trace or loss. The metadata
+        given here is remembered for the cards of later checkpoints. ``tasks`` and ``dataset_args`` are accepted for
+        compatibility with `Trainer.push_to_hub` and not used.
+        """
+        if not self.is_world_process_zero():
+            return
+        given = {
+            "language": language,
+            "license": license,
+            "tags": tags,
+            "model_name": model_name,
+            "finetuned_from": finetuned_from,
+            "dataset": dataset if dataset is not None else dataset_tags,
+            "glue_results": glue_results,
+        }
+        remembered = getattr(self, "_flatness_card_kwargs", {})
+        self._flatness_card_kwargs = {**remembered, **{k: v for k, v in given.items() if v is not None}}
+        self.flatness_card().save(self.args.output_dir)
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs: Any,
+    ):
+        # Refuse a card with a non-finite trace before the weights are saved again and anything is uploaded.
+        if self.is_world_process_zero():
+            card_kwargs = {k: v for k, v in kwargs.items() if k in _CARD_KWARGS and v is not None}
+            self.flatness_card(**card_kwargs).validate()
+        try:
+            return super().push_to_hub(
+                commit_message=commit_message,
+                blocking=blocking,
+                token=token,
+                revision=revision,
+                private=private,
+                **kwargs,
+            )
+        except HfHubHTTPError as error:
+            error.append_to_message(
+                f"\nThe push to {self.hub_model_id} did not complete; the saved model in {self.args.output_dir} is "
+                "intact. Call trainer.push_to_hub() again to retry (files the Hub already has are skipped)."
+            )
+            raise
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        # Every save path of the 5.x Trainer (checkpoints, save_model, push_to_hub, DeepSpeed, FSDP full state)
+        # ends in _save, so the card always sits next to the weights it describes.
+        super()._save(output_dir, state_dict=state_dict)
+        if not self.is_world_process_zero():
+            return
+        try:
+            self.flatness_card().save(output_dir if output_dir is not None else self.args.output_dir)
+        except ValueError as error:
+            # A local checkpoint is never lost over its card; pushes re-check and refuse (see _push_from_checkpoint).
+            logger.warning(f"Saved the checkpoint without a flatness card: {error}")
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # hub_strategy pushes upload output_dir (its README.md included) besides the checkpoint folder, whose card
+        # _save wrote; a non-finite trace stops the push with the card's ValueError before any upload starts.
+        if self.is_world_process_zero() and self.args.hub_strategy != "end":
+            self.flatness_card().save(self.args.output_dir)
+        super()._push_from_checkpoint(checkpoint_folder)
+        # transformers runs these pushes in the background and never reads their result, so a failed upload would
+        # go unnoticed: report it as soon as it happens.
+        for job in getattr(self.push_in_progress, "jobs", None) or []:
+            if not getattr(job, "_flatbias_watched", False):
+                job._flatbias_watched = True
+                job.add_done_callback(functools.partial(_report_failed_push, checkpoint_folder=checkpoint_folder))
+
+
+def _report_failed_push(job, checkpoint_folder: str) -> None:
+    error = None if job.cancelled() else job.exception()
+    if error is not None:
+        logger.warning(
+            f"Pushing checkpoint {checkpoint_folder} to the Hub failed: {error}\nThe checkpoint on disk is intact; the "
+            "next checkpoint push or trainer.push_to_hub() uploads the current state again."
+        )
+
+
+_CARD_KWARGS = ("language", "license", "tags", "model_name", "finetuned_from", "dataset", "glue_results")
 
 
 def _grads_materialized(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:

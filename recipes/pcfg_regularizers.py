@@ -83,12 +83,14 @@ def one_mask_loss(model: torch.nn.Module, contexts, batch_size: int = 256) -> fl
     return total / count
 
 
-def fisher_trace(model: torch.nn.Module, contexts, *, n_draws: int, seed: int) -> dict:
-    """The paper's flatness measure, through `hf_flatbias.flatness` when it is installed, else a reference loop."""
-    try:
-        from hf_flatbias.flatness.estimators import estimate_hessian_trace
-    except ImportError:
-        estimate_hessian_trace = None
+def fisher_trace(model: torch.nn.Module, contexts, *, n_draws: int, seed: int, naive: bool = False) -> dict:
+    """The paper's flatness measure by `hf_flatbias.flatness` if available; else, or with ``naive``, by a loop."""
+    estimate_hessian_trace = None
+    if not naive:
+        try:
+            from hf_flatbias.flatness.estimators import estimate_hessian_trace
+        except ImportError:
+            pass
     rows = [{k: contexts[i][k] for k in ("input_ids", "attention_mask", "labels")} for i in range(len(contexts))]
     if estimate_hessian_trace is not None:
         estimate = estimate_hessian_trace(model, rows, n_draws=n_draws, seed=seed)
@@ -194,6 +196,11 @@ def main() -> None:
     parser.add_argument("--n-train", type=int, default=20000)
     parser.add_argument("--n-contexts", type=int, default=None, help="validation contexts for loss and trace")
     parser.add_argument("--n-draws", type=int, default=2)
+    parser.add_argument(
+        "--naive-trace",
+        action="store_true",
+        help="measure the trace with the recipe's one-backward-per-draw loop instead of the package estimator",
+    )
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -238,7 +245,7 @@ def main() -> None:
             step, loss, state, reached = matched_checkpoint(history, target)
         model = build_model(len(tokenizer), args.seed)
         model.load_state_dict(state)
-        trace = fisher_trace(model, eval_contexts, n_draws=args.n_draws, seed=args.seed)
+        trace = fisher_trace(model, eval_contexts, n_draws=args.n_draws, seed=args.seed, naive=args.naive_trace)
         features = extract_features(model, probe_rows["input_ids"], pooling="mean")
         probes = {
             task: probe_accuracy(features, probe_rows[task], seed=args.seed).accuracy for task in ("task_a", "task_b")

@@ -508,3 +508,37 @@ def test_fisher_penalty_without_labels_names_the_fix(tmp_path):
     )
     with pytest.raises(ValueError, match="labels"):
         trainer.train()
+
+
+@pytest.mark.slow
+def test_pcfg_regularizers_recipe_runs(tmp_path):
+    """Smoke run of the evidence recipe at toy size: it trains, matches a loss, measures and writes its table."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        str(root / "recipes" / "pcfg_regularizers.py"),
+        "--quick",
+        "--steps",
+        "20",
+        "--eval-every",
+        "10",
+        "--n-train",
+        "400",
+        "--n-contexts",
+        "40",
+        "--methods",
+        "adamw,grad_norm_penalty",
+        "--out",
+        str(tmp_path),
+    ]
+    subprocess.run(command, check=True, env=env, cwd=tmp_path, capture_output=True, timeout=900)
+    summary = json.loads((tmp_path / "results.json").read_text())
+    assert [r["method"] for r in summary["results"]] == ["adamw", "grad_norm_penalty"]
+    assert all(r["trace"] > 0 and 0 <= r["probe_task_a"] <= 1 for r in summary["results"])

@@ -81,9 +81,11 @@ SAM_TWO_PROCESS_CASES = [c for c in TWO_PROCESS_CASES if c.get("kind", "sam") ==
 
 # The user's path: the engine set up by `accelerate launch --config_file accelerate_deepspeed_zero3.yaml`.
 LAUNCHER_CASE = {"name": "launcher-zero3-sam_batch_acc2", "engine": "launcher", "args": SAM_CASES["sam_batch_acc2"]}
+# DDP in one process is the in-process single-process path (tests/test_trainer_sam.py)
 ONE_PROCESS_CASES = [
     {"name": f"{engine}-{variant}", "engine": engine, "args": SAM_CASES[variant]}
     for engine in ENGINES
+    if engine != "ddp"
     for variant in ("sam_batch_acc2", "asam_micro_acc2")
 ]
 
@@ -104,9 +106,27 @@ def launch(config: str, cases: list[dict], out_dir: Path) -> Path:
     return out_dir
 
 
+class TwoProcessRuns:
+    """Launches the 2-process cases lazily, DDP and DeepSpeed cases separately, so that a run selecting only the
+    DDP tests (``-m "distributed and not deepspeed"``) pays for one small launch."""
+
+    def __init__(self, tmp_path_factory):
+        self._tmp_path_factory = tmp_path_factory
+        self._dirs: dict[str, Path] = {}
+
+    def __call__(self, name: str) -> Path:
+        engine = next(c for c in TWO_PROCESS_CASES if c["name"] == name)["engine"]
+        group = "ddp" if engine == "ddp" else "deepspeed"
+        if group not in self._dirs:
+            cases = [c for c in TWO_PROCESS_CASES if (c["engine"] == "ddp") == (group == "ddp")]
+            out_dir = self._tmp_path_factory.mktemp(f"two_processes_{group}")
+            self._dirs[group] = launch("accelerate_cpu_2proc.yaml", cases, out_dir)
+        return self._dirs[group]
+
+
 @pytest.fixture(scope="session")
-def two_process_runs(tmp_path_factory) -> Path:
-    return launch("accelerate_cpu_2proc.yaml", TWO_PROCESS_CASES, tmp_path_factory.mktemp("two_processes"))
+def two_process_runs(tmp_path_factory) -> TwoProcessRuns:
+    return TwoProcessRuns(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -119,7 +139,8 @@ def launcher_runs(tmp_path_factory) -> Path:
     return launch("accelerate_deepspeed_zero3.yaml", [LAUNCHER_CASE], tmp_path_factory.mktemp("launcher"))
 
 
-def load(out_dir: Path, name: str, rank: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+def load(runs: Path | TwoProcessRuns, name: str, rank: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    out_dir = runs(name) if isinstance(runs, TwoProcessRuns) else runs
     path = out_dir / f"{name}.rank{rank}.pt"
     if not path.exists():
         error = out_dir / f"{name}.rank{rank}.error"
@@ -281,7 +302,7 @@ def test_checkpoint_resume_continues_exactly(two_process_runs, name):
 )
 def test_unsupported_deepspeed_setups_fail_at_start(two_process_runs, name, match):
     for rank in (0, 1):
-        error = two_process_runs / f"{name}.rank{rank}.error"
+        error = two_process_runs(name) / f"{name}.rank{rank}.error"
         assert error.exists(), f"{name} trained instead of raising"
         assert match in error.read_text()
 
@@ -293,7 +314,7 @@ def test_unsupported_deepspeed_setups_fail_at_start(two_process_runs, name, matc
 )
 def test_runs_used_the_engine_they_asked_for(two_process_runs, case):
     """A DeepSpeed config silently ignored would make every DeepSpeed test above a DDP test."""
-    path = two_process_runs / f"{case['name']}.rank0.json"
+    path = two_process_runs(case["name"]) / f"{case['name']}.rank0.json"
     info = json.loads(path.read_text())
     assert info["zero_stage"] == int(case["engine"].removeprefix("zero")) and info["world_size"] == 2
 
@@ -316,7 +337,10 @@ def test_trace_across_processes_equals_one_process(two_process_runs, case):
     from hf_flatbias.flatness.estimators import TraceContexts, compute_trace_samples, estimate_hessian_trace
     from tests.distributed_sam_script import masked_rows, tiny_masked_lm
 
-    infos = [json.loads((two_process_runs / f"{case['name']}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    out_dir = two_process_runs(case["name"])
+    infos = [json.loads((out_dir / f"{case['name']}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    for info in infos:
+        info["estimate"].pop("seconds")
     assert infos[0]["estimate"] == infos[1]["estimate"]
     assert infos[0]["world_size"] == 2
     one_process = estimate_hessian_trace(tiny_masked_lm(), masked_rows(), **case["trace"])

@@ -386,8 +386,9 @@ def flatness_card_from_trainer(
         hub_model_id = getattr(args, "hub_model_id", None)
         model_name = hub_model_id.split("/")[-1] if hub_model_id else Path(args.output_dir).name
     num_parameters = None
-    if hasattr(model, "num_parameters"):
-        num_parameters = int(model.num_parameters())
+    if hasattr(model, "parameters"):
+        # Under DeepSpeed ZeRO-3 a parameter's numel() is its local shard (often 0); ds_numel is the full size.
+        num_parameters = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
 
     return FlatnessCard(
         model_name=model_name,

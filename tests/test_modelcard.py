@@ -259,6 +259,12 @@ def test_cli_card_and_compare(tmp_path, capsys):
     shown = json.loads(capsys.readouterr().out)
     assert shown["hessian_trace"] == 50.0 and shown["glue"]["sst2"]["accuracy"] == 0.875
 
+    assert cli_main(["card", str(flat)]) == 0
+    summary = capsys.readouterr().out
+    assert "| Hessian trace ± stderr | 50 ± 4.5 |" in summary
+    assert "| estimator | per_sample, 64 contexts × 2 draws |" in summary
+    assert "| GLUE stsb/spearmanr | 0.2500 |" in summary
+
     assert cli_main(["compare", str(sharp), str(flat), "--sort", "trace"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 4
@@ -339,6 +345,29 @@ def test_trainer_writes_the_flatness_card_with_every_checkpoint_and_save(tmp_pat
     trainer.save_model(str(tmp_path / "final"))
     meta = front_matter(tmp_path / "final" / "README.md")
     assert meta["license"] == "mit" and meta["datasets"] == ["synthetic"], "metadata given once is kept"
+
+
+class LogsTraceCallback(TrainerCallback):
+    """Logs the trace through the trainer at every step, as HessianTraceCallback does, and keeps no estimate."""
+
+    def bind_trainer(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.log({"flatness/hessian_trace": 10.0 * state.global_step, "flatness/hessian_trace_stderr": 1.0})
+
+
+def test_trainer_card_reads_a_trace_logged_through_the_trainer(tmp_path):
+    model, data = tiny_mlm_setup()
+    trainer = FlatBiasTrainer(
+        model=model, args=tiny_args(tmp_path), train_dataset=data, callbacks=[LogsTraceCallback()]
+    )
+    trainer.train()
+    for step in (2, 4):
+        meta = front_matter(tmp_path / f"checkpoint-{step}" / "README.md")
+        assert (meta["flatness"]["hessian_trace"], meta["flatness"]["hessian_trace_stderr"]) == (10.0 * step, 1.0)
+    card_size = front_matter(tmp_path / "checkpoint-4" / "README.md")["flatness"]["num_parameters"]
+    assert card_size == model.num_parameters()
 
 
 def test_trainer_keeps_checkpoints_but_skips_a_non_finite_card(tmp_path, caplog):

@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from huggingface_hub.errors import HfHubHTTPError
 
-    from ..modelcard import format_comparison_table, load_flatness_card
+    from ..modelcard import load_flatness_card
 
     try:
         card = load_flatness_card(args.repo_or_path, revision=args.revision)
@@ -34,5 +34,40 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(dataclasses.asdict(card), indent=2, sort_keys=True))
     else:
-        print(format_comparison_table([(args.repo_or_path, card)]))
+        print(format_card_summary(args.repo_or_path, card))
     return 0
+
+
+def format_card_summary(label: str, card) -> str:
+    """A two-column markdown table of what the card records (unknown fields left out)."""
+    trace = None
+    if card.hessian_trace is not None:
+        trace = f"{card.hessian_trace:.6g}"
+        if card.hessian_trace_stderr is not None:
+            trace += f" ± {card.hessian_trace_stderr:.3g}"
+    estimator = None
+    if card.estimator is not None or card.n_contexts is not None:
+        estimator = f"{card.estimator or '?'}, {card.n_contexts or '?'} contexts × {card.n_draws or '?'} draws"
+    loss = None
+    if card.pretraining_loss is not None:
+        loss = f"{card.pretraining_loss:.6g}" + (
+            f" ({card.pretraining_loss_source})" if card.pretraining_loss_source else ""
+        )
+    rows = [
+        ("model", label),
+        ("method", card.method),
+        ("sam_rho", card.sam_rho),
+        ("asam_eta", card.asam_eta),
+        ("pre-training loss", loss),
+        ("Hessian trace ± stderr", trace),
+        ("estimator", estimator),
+        ("step", card.global_step),
+    ]
+    rows += [
+        (f"GLUE {task}/{metric}", f"{value:.4f}")
+        for task in sorted(card.glue)
+        for metric, value in sorted(card.glue[task].items())
+    ]
+    lines = ["| field | value |", "| --- | --- |"]
+    lines += [f"| {name} | {value} |" for name, value in rows if value is not None]
+    return "\n".join(lines)

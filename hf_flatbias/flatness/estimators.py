@@ -223,9 +223,15 @@ def summarize_trace_samples(samples: TraceSamples, *, seconds: float = float("na
 
 
 def is_causal_lm(model: nn.Module) -> bool:
-    """Whether the model predicts the next token (its labels are shifted inside the forward)."""
-    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) or bool(
-        getattr(getattr(model, "config", None), "is_decoder", False)
+    """Whether the model predicts the next token (its labels are shifted inside the forward). PEFT wrappers are
+    looked through."""
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
+    name = type(base).__name__
+    return (
+        name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+        or name.endswith("ForCausalLM")
+        or bool(getattr(getattr(base, "config", None), "is_decoder", False))
     )
 
 

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,28 @@ if HAS_DEEPSPEED:
         {"name": "zero3-per_rank-rejected", "engine": "zero3", "args": {"sam_perturbation": "per_rank"}},
         {"name": "zero2-bf16-rejected", "engine": "zero2", "deepspeed_overrides": {"bf16.enabled": True}},
     ]
+# grad_norm_penalty with penalty_lambda = penalty_fd_step = h is the SAM step with rho = h (an exact reference);
+# fisher_penalty samples labels, so its DeepSpeed runs are compared with its DDP run.
+PENALTY_CASES = {
+    "grad_norm_penalty_acc2": {"flatness_method": "grad_norm_penalty", "penalty_lambda": 0.05,
+                               "penalty_fd_step": 0.05, "gradient_accumulation_steps": 2},
+    "fisher_penalty_acc2": {"flatness_method": "fisher_penalty", "penalty_lambda": 0.1, "penalty_fd_step": 0.01,
+                            "gradient_accumulation_steps": 2},
+}
+PENALTY_ENGINES = ["ddp", "zero1", "zero2"] if HAS_DEEPSPEED else ["ddp"]
+PENALTY_TWO_PROCESS_CASES = [
+    {"name": f"{engine}-{variant}", "engine": engine, "args": args}
+    for engine in PENALTY_ENGINES
+    for variant, args in PENALTY_CASES.items()
+]
+if HAS_DEEPSPEED:
+    PENALTY_TWO_PROCESS_CASES += [
+        {"name": "zero3-grad_norm_penalty-rejected", "engine": "zero3",
+         "args": PENALTY_CASES["grad_norm_penalty_acc2"]},
+        {"name": "zero2-looksam-rejected", "engine": "zero2", "args": {"flatness_method": "looksam"}},
+    ]
+TWO_PROCESS_CASES += PENALTY_TWO_PROCESS_CASES
+
 TRACE_CASES = [
     {"name": "trace-ddp-per_sample", "engine": "ddp", "kind": "trace", "trace": {"n_draws": 2, "batch_size": 2}},
 ]
@@ -78,6 +101,7 @@ if HAS_DEEPSPEED:
     ]
 TWO_PROCESS_CASES += TRACE_CASES
 SAM_TWO_PROCESS_CASES = [c for c in TWO_PROCESS_CASES if c.get("kind", "sam") == "sam"]
+SAM_REFERENCE_CASES = [c for c in SAM_TWO_PROCESS_CASES if c not in PENALTY_TWO_PROCESS_CASES]
 
 # The user's path: the engine set up by `accelerate launch --config_file accelerate_deepspeed_zero3.yaml`.
 LAUNCHER_CASE = {"name": "launcher-zero3-sam_batch_acc2", "engine": "launcher", "args": SAM_CASES["sam_batch_acc2"]}
@@ -90,14 +114,23 @@ ONE_PROCESS_CASES = [
 ]
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def launch(config: str, cases: list[dict], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     cases_file = out_dir / "cases.json"
     cases_file.write_text(json.dumps(cases))
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+    # a free port, not the config's: other test sessions on the machine may be launching at the same time
+    port = free_port()
+    env.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1",
+               MASTER_PORT=str(port))
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-               str(SCRIPT), str(cases_file), str(out_dir)]
+               "--main_process_port", str(port), str(SCRIPT), str(cases_file), str(out_dir)]
     completed = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
                                timeout=LAUNCH_TIMEOUT_S)
     (out_dir / "launch.log").write_text(completed.stdout + completed.stderr)
@@ -240,7 +273,7 @@ def marks_for(engine: str) -> list:
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in SAM_TWO_PROCESS_CASES
+    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in SAM_REFERENCE_CASES
              if "rejected" not in c["name"] and "resume" not in c["name"]],
 )
 def test_two_processes_match_reference(two_process_runs, case):
@@ -298,6 +331,8 @@ def test_checkpoint_resume_continues_exactly(two_process_runs, name):
         ("zero3-per_rank-rejected", "per_rank"),
         ("zero2-bf16-rejected", "fp32 weights only"),
         ("trace-zero3-per_sample-rejected", "estimator='naive'"),
+        ("zero3-grad_norm_penalty-rejected", "ZeRO-3"),
+        ("zero2-looksam-rejected", "looksam"),
     ],
 )
 def test_unsupported_deepspeed_setups_fail_at_start(two_process_runs, name, match):
@@ -353,3 +388,24 @@ def test_trace_across_processes_equals_one_process(two_process_runs, case):
     model = tiny_masked_lm().eval()
     reference = compute_trace_samples(model, TraceContexts.from_rows(masked_rows(), causal=False), **case["trace"])
     torch.testing.assert_close(gathered, reference.values, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    "engine", [pytest.param(e, marks=marks_for(e)) for e in PENALTY_ENGINES]
+)
+def test_grad_norm_penalty_with_lambda_equal_to_step_is_sam(two_process_runs, engine):
+    name = f"{engine}-grad_norm_penalty_acc2"
+    params = load(two_process_runs, name)["params"]
+    reference = reference_sam_sgd(world_size=2, sam_rho=0.05, gradient_accumulation_steps=2)
+    assert max_difference(params, reference) < 1e-5
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("engine", [e for e in PENALTY_ENGINES if e != "ddp"])
+def test_fisher_penalty_under_deepspeed_equals_ddp(two_process_runs, engine):
+    deepspeed = load(two_process_runs, f"{engine}-fisher_penalty_acc2")["params"]
+    ddp = load(two_process_runs, "ddp-fisher_penalty_acc2")["params"]
+    assert max_difference(deepspeed, ddp) < 1e-5
+    # and the penalty did something: the plain SGD run lands elsewhere
+    plain = reference_sam_sgd(world_size=2, flatness_method="none", gradient_accumulation_steps=2)
+    assert max_difference(ddp, plain) > 1e-4

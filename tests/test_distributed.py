@@ -99,7 +99,12 @@ if HAS_DEEPSPEED:
          "trace": {"n_draws": 2, "estimator": "naive"}},
         {"name": "trace-zero3-per_sample-rejected", "engine": "zero3", "kind": "trace", "trace": {"n_draws": 2}},
     ]
-TWO_PROCESS_CASES += TRACE_CASES
+TRACE_CALLBACK_CASE = {"name": "tracecb-ddp", "engine": "ddp", "kind": "trace_callback",
+                       "trace": {"n_contexts": 7, "n_draws": 2, "batch_size": 2}}
+TWO_PROCESS_CASES += [*TRACE_CASES, TRACE_CALLBACK_CASE]
+if HAS_DEEPSPEED:
+    TWO_PROCESS_CASES.append({"name": "tracecb-zero3-per_sample-rejected", "engine": "zero3", "kind": "trace_callback",
+                              "trace": {"n_contexts": 7, "n_draws": 2}})
 SAM_TWO_PROCESS_CASES = [c for c in TWO_PROCESS_CASES if c.get("kind", "sam") == "sam"]
 SAM_REFERENCE_CASES = [c for c in SAM_TWO_PROCESS_CASES if c not in PENALTY_TWO_PROCESS_CASES]
 
@@ -333,6 +338,7 @@ def test_checkpoint_resume_continues_exactly(two_process_runs, name):
         ("trace-zero3-per_sample-rejected", "estimator='naive'"),
         ("zero3-grad_norm_penalty-rejected", "ZeRO-3"),
         ("zero2-looksam-rejected", "looksam"),
+        ("tracecb-zero3-per_sample-rejected", "estimator='naive'"),
     ],
 )
 def test_unsupported_deepspeed_setups_fail_at_start(two_process_runs, name, match):
@@ -409,3 +415,18 @@ def test_fisher_penalty_under_deepspeed_equals_ddp(two_process_runs, engine):
     # and the penalty did something: the plain SGD run lands elsewhere
     plain = reference_sam_sgd(world_size=2, flatness_method="none", gradient_accumulation_steps=2)
     assert max_difference(ddp, plain) > 1e-4
+
+
+def test_trace_callback_logs_the_one_process_estimate(two_process_runs):
+    """HessianTraceCallback runs on every rank; each logs the estimate of all contexts, as one process would."""
+    from hf_flatbias.flatness.estimators import estimate_hessian_trace
+    from tests.distributed_sam_script import tiny_masked_lm
+
+    name = TRACE_CALLBACK_CASE["name"]
+    infos = [json.loads((two_process_runs(name) / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert infos[0]["world_size"] == 2 and infos[0]["logged_trace"] == infos[1]["logged_trace"]
+    trace = TRACE_CALLBACK_CASE["trace"]
+    one_process = estimate_hessian_trace(tiny_masked_lm(), infos[0]["contexts"], n_draws=trace["n_draws"],
+                                         batch_size=trace["batch_size"])
+    assert infos[0]["estimate"]["n_contexts"] == one_process.n_contexts == trace["n_contexts"]
+    assert infos[0]["logged_trace"] == [pytest.approx(one_process.mean, rel=1e-6)]

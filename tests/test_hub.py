@@ -208,6 +208,7 @@ def test_cli_compares_hub_repos_in_a_fresh_process(tmp_path):
     assert rows[3].startswith("| user/b |") and "50 ± 4.5" in rows[3]
 
 
+@pytest.mark.slow  # about 1-2 minutes: two processes each import transformers and train
 @pytest.mark.distributed
 def test_only_rank_zero_writes_and_pushes_cards_with_two_processes(hub, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}

@@ -38,9 +38,14 @@ class StepTimer(TrainerCallback):
 
 def build_model(hidden: int, layers: int, vocab: int, seq_len: int) -> BertForMaskedLM:
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=max(1, hidden // 64), intermediate_size=4 * hidden,
-                        max_position_embeddings=seq_len)
+    config = BertConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        intermediate_size=4 * hidden,
+        max_position_embeddings=seq_len,
+    )
     return BertForMaskedLM(config)
 
 
@@ -57,11 +62,20 @@ def mlm_rows(n: int, seq_len: int, vocab: int) -> list[dict[str, torch.Tensor]]:
 def time_steps(method: str, rows, model_kwargs, steps: int, batch_size: int) -> list[float]:
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as out:
-        args = FlatBiasConfig(out, flatness_method=method, max_steps=steps, per_device_train_batch_size=batch_size,
-                              optim="adamw_torch", report_to="none", save_strategy="no", logging_strategy="no",
-                              use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
-        trainer = FlatBiasTrainer(model=build_model(**model_kwargs), args=args, train_dataset=rows,
-                                  callbacks=[timer])
+        args = FlatBiasConfig(
+            out,
+            flatness_method=method,
+            max_steps=steps,
+            per_device_train_batch_size=batch_size,
+            optim="adamw_torch",
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+        )
+        trainer = FlatBiasTrainer(model=build_model(**model_kwargs), args=args, train_dataset=rows, callbacks=[timer])
         trainer.train()
     return timer.durations[2:]  # the first steps pay for allocation and lazy initialisation
 
@@ -84,12 +98,16 @@ def main() -> None:
         plain += time_steps("none", rows, model_kwargs, steps, batch)
         sam += time_steps("sam", rows, model_kwargs, steps, batch)
     plain_median, sam_median = statistics.median(plain), statistics.median(sam)
-    print(f"model: BERT-MLM {n_params / 1e6:.2f}M parameters, batch {batch} x {model_kwargs['seq_len']} tokens, "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"model: BERT-MLM {n_params / 1e6:.2f}M parameters, batch {batch} x {model_kwargs['seq_len']} tokens, "
+        f"torch threads {torch.get_num_threads()}"
+    )
     print(f"plain AdamW step: median {plain_median * 1e3:.1f} ms over {len(plain)} steps")
     print(f"SAM step:         median {sam_median * 1e3:.1f} ms over {len(sam)} steps")
-    print(f"extra memory held during the SAM step: one parameter copy ({4 * n_params / 2**20:.1f} MiB in fp32): "
-          "the first-gradient buffers are reused to save the weights")
+    print(
+        f"extra memory held during the SAM step: one parameter copy ({4 * n_params / 2**20:.1f} MiB in fp32): "
+        "the first-gradient buffers are reused to save the weights"
+    )
     print(f"sam_step_ratio={sam_median / plain_median:.3f}")
 
 

@@ -254,35 +254,6 @@ def mask_blocks_once(
     )
 
 
-def single_mask_contexts(
-    blocks: Dataset, tokenizer: PreTrainedTokenizerBase, *, n_contexts: int, seed: int = 0
-) -> Dataset:
-    """``n_contexts`` rows with one masked position each: the contexts of the paper's trace estimator (App. B.1).
-
-    Each row is a block with one text position replaced by ``[MASK]``; ``labels`` is -100 except there (the original
-    token). Blocks are drawn without replacement while there are enough, then reused with other positions.
-    """
-    if n_contexts < 1:
-        raise ValueError(f"n_contexts must be at least 1, got {n_contexts}.")
-    if len(blocks) == 0:
-        raise ValueError("No text blocks to draw trace contexts from: the evaluation text is shorter than one block.")
-    generator = torch.Generator().manual_seed(seed)
-    order = torch.cat([torch.randperm(len(blocks), generator=generator) for _ in range(-(-n_contexts // len(blocks)))])
-    rows = blocks.select(order[:n_contexts].tolist())
-    input_ids = torch.tensor(rows["input_ids"])
-    candidates = maskable_positions(input_ids, tokenizer).float()
-    if (candidates.sum(-1) == 0).any():
-        raise ValueError("A block holds only special tokens; it has no position to mask.")
-    positions = torch.multinomial(candidates, 1, generator=generator).squeeze(-1)
-    rows_index = torch.arange(len(positions))
-    labels = torch.full_like(input_ids, -100)
-    labels[rows_index, positions] = input_ids[rows_index, positions]
-    input_ids[rows_index, positions] = tokenizer.mask_token_id
-    return Dataset.from_dict(
-        {"input_ids": input_ids.tolist(), "attention_mask": rows["attention_mask"], "labels": labels.tolist()}
-    )
-
-
 def masked_lm_loss(model, dataset: Dataset, *, batch_size: int = 32) -> float:
     """Mean cross-entropy over every labelled token of ``dataset`` (rows of equal length, ``labels`` -100 elsewhere).
 

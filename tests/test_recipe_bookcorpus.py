@@ -17,7 +17,6 @@ from hf_flatbias import text_data
 from hf_flatbias.text_data import (
     mask_blocks_once,
     masked_lm_loss,
-    single_mask_contexts,
     tokenize_into_blocks,
     train_wordpiece_tokenizer,
 )
@@ -135,19 +134,6 @@ def test_fixed_masking_follows_bert_rules(tokenizer):
     assert 0.12 < fraction < 0.18
     share_masked = (inputs[chosen] == tokenizer.mask_token_id).float().mean()
     assert 0.7 < share_masked < 0.9
-
-
-def test_trace_contexts_have_one_masked_position(tokenizer):
-    blocks = tokenize_into_blocks(Dataset.from_dict({"text": TEXTS}), tokenizer, block_size=16)
-    contexts = single_mask_contexts(blocks, tokenizer, n_contexts=2 * len(blocks) + 1, seed=0)
-    assert len(contexts) == 2 * len(blocks) + 1
-    for row in contexts:
-        targets = [i for i, label in enumerate(row["labels"]) if label != -100]
-        assert len(targets) == 1
-        position = targets[0]
-        assert row["input_ids"][position] == tokenizer.mask_token_id
-        assert 0 < position < 15
-        assert row["labels"][position] not in tokenizer.all_special_ids
 
 
 def test_masked_lm_loss_averages_over_tokens(tokenizer):

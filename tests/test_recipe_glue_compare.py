@@ -96,11 +96,12 @@ def test_outputs_hold_every_number(tmp_path):
                     "scores": values,
                 }
             )
-    paths = glue_compare.write_outputs(rows, ["sst2", "rte"], tmp_path)
+    paths = glue_compare.write_outputs(rows, ["sst2", "rte"], tmp_path, standin_tasks=["sst2"])
     assert paths["plot"].stat().st_size > 10_000  # a rendered figure, not an empty file
 
     table = paths["markdown"].read_text().splitlines()
-    assert table[0] == "| checkpoint | pre-training loss | Tr(H) ± s.e. | sst2 (accuracy) | rte (accuracy) | average |"
+    assert table[0] == "| checkpoint | pre-training loss | Tr(H) ± s.e. | sst2* (accuracy) | rte (accuracy) | average |"
+    assert table[-1].startswith("* Offline stand-in, not GLUE")
     sam = next(line for line in table if "runs/sam" in line)
     # sst2 mean 85.00, std 7.07; rte 61.00 ± 1.41; average of the task means 73.00
     assert "| 85.00 ± 7.07 | 61.00 ± 1.41 | 73.00 |" in sam
@@ -144,3 +145,8 @@ def test_glue_compare_smoke_on_checkpoints_saved_by_the_recipe(tmp_path):
     assert (output / "glue_compare.png").stat().st_size > 10_000
     assert "adamw_dropout_wd" in (output / "glue_compare.md").read_text()
     assert torch.isfinite(torch.tensor([float(r["trace_stderr"]) for r in rows])).all()
+
+
+def test_standin_scores_never_go_into_a_card(tmp_path):
+    with pytest.raises(ValueError, match="stand-in scores as GLUE SST-2"):
+        glue_compare.main(["some/model", "--tasks", "sst2", "--update_cards", "--output_dir", str(tmp_path)])

@@ -223,9 +223,15 @@ def summarize_trace_samples(samples: TraceSamples, *, seconds: float = float("na
 
 
 def is_causal_lm(model: nn.Module) -> bool:
-    """Whether the model predicts the next token (its labels are shifted inside the forward)."""
-    return type(model).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) or bool(
-        getattr(getattr(model, "config", None), "is_decoder", False)
+    """Whether the model predicts the next token (its labels are shifted inside the forward). PEFT wrappers are
+    looked through."""
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
+    name = type(base).__name__
+    return (
+        name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+        or name.endswith("ForCausalLM")
+        or bool(getattr(getattr(base, "config", None), "is_decoder", False))
     )
 
 
@@ -353,7 +359,8 @@ def _squared_norm(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
 
 
 def _check_vocabulary(model: nn.Module, contexts: TraceContexts, indices: Sequence[int]) -> None:
-    vocab_size = check_lm_model(model).weight.shape[0]
+    weight = check_lm_model(model).weight
+    vocab_size = getattr(weight, "ds_shape", weight.shape)[0]  # a ZeRO-3 parameter is empty between forwards
     largest = max(max(int(contexts.input_ids[i].max()), contexts.targets[i]) for i in indices)
     if largest >= vocab_size:
         raise ValueError(
@@ -606,6 +613,7 @@ def estimate_hessian_trace(
     batch_size: int = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,
     causal: bool | None = None,
+    across_processes: bool = False,
 ) -> TraceEstimate:
     """Estimate the paper's flatness measure, the trace of the Hessian (Fisher) of the pre-training loss.
 
@@ -628,6 +636,10 @@ def estimate_hessian_trace(
             over ``y`` (unbiased, less noise). ``False`` gives the plain sampled norms, draw for draw equal to
             ``naive``.
         causal: whether the model is a causal LM; detected from the model class by default.
+        across_processes: with several processes (DDP, DeepSpeed), every process calls this with the same
+            arguments, measures every world-size-th context and gets the whole estimate: the one-process estimate
+            on the same contexts and draws. Per-context estimators (``per_sample``, ``naive``) only; under
+            DeepSpeed ZeRO-3 (partitioned parameters, the ranks kept in step) ``naive`` only.
 
     Returns:
         A `TraceEstimate`.
@@ -651,15 +663,48 @@ def estimate_hessian_trace(
         indices = list(range(n_contexts))
     else:
         indices = list(range(len(contexts)))
+    _check_partitioned_model(model, estimator, across_processes)
+    measure = dict(n_draws=n_draws, estimator=estimator, seed=seed, batch_size=batch_size,
+                   exact_output_expectation=exact_output_expectation)
     with evaluation_mode(model), preserved_global_rng():
-        samples = compute_trace_samples(
-            model,
-            contexts,
-            indices=indices,
-            n_draws=n_draws,
-            estimator=estimator,
-            seed=seed,
-            batch_size=batch_size,
-            exact_output_expectation=exact_output_expectation,
-        )
+        if across_processes:
+            samples = _samples_across_processes(model, contexts, indices, measure)
+        else:
+            samples = compute_trace_samples(model, contexts, indices=indices, **measure)
     return summarize_trace_samples(samples, seconds=time.perf_counter() - start)
+
+
+def _check_partitioned_model(model: nn.Module, estimator: str, across_processes: bool) -> None:
+    from .distributed import needs_lockstep
+
+    if not needs_lockstep(model):
+        return
+    if not across_processes:
+        raise ValueError(
+            "The model's parameters are partitioned by DeepSpeed ZeRO-3: every forward is a collective over all "
+            "processes. Call estimate_hessian_trace on every process with across_processes=True."
+        )
+    if estimator == "per_sample":
+        raise ValueError(
+            "estimator='per_sample' does not support DeepSpeed ZeRO-3 (its backward stops at layer outputs, where "
+            "ZeRO-3 has already released the parameters). Use estimator='naive' under ZeRO-3 (same values, one "
+            "backward per draw), or measure under ZeRO 0-2 / on the consolidated model in one process."
+        )
+
+
+def _samples_across_processes(
+    model: nn.Module, contexts: TraceContexts, indices: list[int], measure: dict[str, Any]
+) -> TraceSamples:
+    from .distributed import gather_trace_samples, needs_lockstep, share_of_contexts, world
+
+    rank, world_size = world()
+    if world_size == 1:
+        return compute_trace_samples(model, contexts, indices=indices, **measure)
+    if measure["estimator"] not in ("per_sample", "naive"):
+        raise ValueError(
+            f"across_processes=True needs a per-context estimator ('per_sample' or 'naive'), got "
+            f"{measure['estimator']!r}: its units are batches of contexts, which would differ from one process."
+        )
+    share = share_of_contexts(indices, rank, world_size, lockstep=needs_lockstep(model))
+    local = compute_trace_samples(model, contexts, indices=share.indices, **measure) if share.indices else None
+    return gather_trace_samples(local, share.n_measured, world_size)

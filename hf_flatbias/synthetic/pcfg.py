@@ -367,10 +367,12 @@ class PCFG:
         for s in range(0, len(ids), batch_size):
             chunk, chunk_len = ids[s : s + batch_size], lengths[s : s + batch_size]
             t = int(chunk_len.max())
-            z, leaf, _, _ = self._inside(chunk[:, :t], chunk_len)
-            if not torch.all(z > 0):
-                raise ValueError("some sentences have probability 0 under this grammar: they cannot come from it.")
-            (outside,) = torch.autograd.grad(z.sum(), leaf)
+            # outside probabilities are gradients of the inside pass: needed even when called under no_grad
+            with torch.enable_grad():
+                z, leaf, _, _ = self._inside(chunk[:, :t], chunk_len)
+                if not torch.all(z > 0):
+                    raise ValueError("some sentences have probability 0 under this grammar: they cannot come from it.")
+                (outside,) = torch.autograd.grad(z.sum(), leaf)
             unnormalised = outside @ emissions  # (b, t, n_words)
             total = unnormalised.sum(-1, keepdim=True)
             cond = torch.where(total > 0, unnormalised / total.clamp(min=1e-300), torch.zeros_like(unnormalised))
@@ -394,8 +396,9 @@ class PCFG:
             t = max(int(chunk_len.max()), span_length)
             if t > chunk.shape[1]:
                 chunk = torch.nn.functional.pad(chunk, (0, t - chunk.shape[1]), value=PAD_WORD)
-            z, _, spans, _ = self._inside(chunk[:, :t], chunk_len, keep_spans=True)
-            z.sum().backward()
+            with torch.enable_grad():
+                z, _, spans, _ = self._inside(chunk[:, :t], chunk_len, keep_spans=True)
+                z.sum().backward()
             for level, m in enumerate(spans):
                 joint = (m * m.grad)[:, :, 0, span_length]
                 if level == 0:

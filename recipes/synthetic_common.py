@@ -1,0 +1,444 @@
+"""Shared pieces of the synthetic-language recipes: language setup, model, per-checkpoint evaluation, reports.
+
+Every recipe trains BERT-style masked LMs on a synthetic language whose exact conditionals are known, and at each
+evaluated checkpoint records ``{step, loss, loss_gap_to_entropy, hessian_trace, hessian_trace_stderr,
+probe_accuracy}``: the one-mask MLM loss on fixed validation contexts, its gap to the exact entropy floor, the
+Fisher trace of the pre-training loss (paper App. B.1) and linear-probe accuracy of the frozen encoder on the
+language's downstream tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, TrainerCallback  # noqa: E402
+
+from hf_flatbias.probe import extract_features, probe_accuracy  # noqa: E402
+from hf_flatbias.synthetic import (  # noqa: E402
+    HMM,
+    PCFG,
+    build_hmm_dataset,
+    build_pcfg_dataset,
+    entropy_bound,
+    make_tokenizer,
+    masked_contexts,
+)
+
+IGNORE_INDEX = -100
+
+
+# ---------------------------------------------------------------------------------------------------- language
+@dataclass
+class LanguageSetup:
+    """A language, its datasets, fixed evaluation contexts and probe tasks."""
+
+    name: str
+    language: Any
+    tokenizer: Any
+    train: Dataset
+    contexts: Dataset
+    probe_rows: list[list[int]]
+    probe_tasks: dict[str, np.ndarray]
+    entropy: float
+    probe_test_rows: list[list[int]] = field(default_factory=list)
+    probe_test_tasks: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def setup_language(
+    name: str, *, n_train: int, n_contexts: int, n_probe: int, seed: int = 0, hmm_length: int = 24
+) -> LanguageSetup:
+    """Build the language from ``seed``, its training set and the fixed evaluation material.
+
+    The probe is fitted on ``n_probe`` held-out sentences and scored on ``n_probe`` others; contexts are a third,
+    disjoint set so the loss and the trace are measured on sentences the probe never saw either.
+    """
+    n_eval = n_contexts + 2 * n_probe
+    if name == "pcfg":
+        language = PCFG.from_seed(seed)
+        data = build_pcfg_dataset(language, n_train, n_eval, seed=seed)
+        task_columns = {"A": "task_a", "B": "task_b", "C": "task_c"}
+    elif name == "hmm":
+        language = HMM.from_seed(seed)
+        data = build_hmm_dataset(language, n_train, n_eval, length=hmm_length, seed=seed)
+        task_columns = {}
+    else:
+        raise ValueError(f"unknown language {name!r}; choose 'pcfg' or 'hmm'.")
+    evaluation = data["validation"]
+    contexts = masked_contexts(evaluation.select(range(n_contexts)), seed=seed + 1)
+    probe_fit = evaluation.select(range(n_contexts, n_contexts + n_probe))
+    probe_test = evaluation.select(range(n_contexts + n_probe, n_eval))
+
+    def tasks(split: Dataset) -> dict[str, np.ndarray]:
+        if name == "pcfg":
+            return {task: np.asarray(split[column]) for task, column in task_columns.items()}
+        states = np.asarray(split["states"])
+        # Task-k: the hidden state at position k, at the start, the middle and the end of the sequence
+        return {f"state@{k}": states[:, k] for k in (0, hmm_length // 2, hmm_length - 1)}
+
+    return LanguageSetup(
+        name=name,
+        language=language,
+        tokenizer=make_tokenizer(language.words()),
+        train=data["train"].select_columns(["input_ids", "attention_mask"]),
+        contexts=contexts,
+        probe_rows=list(probe_fit["input_ids"]),
+        probe_tasks=tasks(probe_fit),
+        probe_test_rows=list(probe_test["input_ids"]),
+        probe_test_tasks=tasks(probe_test),
+        entropy=entropy_bound(language, contexts),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- model
+def build_model(vocab_size: int, *, hidden: int = 128, layers: int = 4, dropout: float = 0.0, seed: int = 0):
+    """A small BERT masked LM built from a config (nothing is downloaded)."""
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 32),
+        intermediate_size=4 * hidden,
+        max_position_embeddings=64,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        type_vocab_size=1,
+    )
+    return BertForMaskedLM(config)
+
+
+def mlm_collator(tokenizer, mlm_probability: float = 0.15) -> DataCollatorForLanguageModeling:
+    return DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=mlm_probability)
+
+
+def pad_contexts(contexts: Dataset, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    rows, labels = contexts["input_ids"], contexts["labels"]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    lab = torch.full_like(ids, IGNORE_INDEX)
+    for i, (r, y) in enumerate(zip(rows, labels, strict=True)):
+        ids[i, : len(r)] = torch.as_tensor(r)
+        mask[i, : len(r)] = 1
+        lab[i, : len(y)] = torch.as_tensor(y)
+    return {"input_ids": ids, "attention_mask": mask, "labels": lab}
+
+
+@torch.no_grad()
+def one_mask_loss(model, batch: dict[str, torch.Tensor], chunk: int = 256) -> float:
+    """Mean cross-entropy at the single masked position of each context (eval mode, no dropout)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for s in range(0, len(batch["input_ids"]), chunk):
+        part = {k: v[s : s + chunk] for k, v in batch.items()}
+        logits = model(input_ids=part["input_ids"], attention_mask=part["attention_mask"]).logits
+        total += torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), part["labels"].reshape(-1), reduction="sum"
+        ).item()
+        count += int((part["labels"] != IGNORE_INDEX).sum())
+    model.train(was_training)
+    return total / count
+
+
+# ---------------------------------------------------------------------------------------------------- trace
+def hessian_trace(model, contexts: Dataset, *, n_contexts: int, n_draws: int, seed: int) -> dict[str, Any]:
+    """Fisher trace of the pre-training loss through issue 3's estimator, or a naive stand-in until it lands.
+
+    The stand-in is the paper's estimator written plainly: for each context, ``n_draws`` labels ``y`` drawn from
+    the model's own prediction at the masked position, one backward each, ``||grad log f(x_-t)_y||^2`` averaged.
+    """
+    try:
+        from hf_flatbias.flatness.estimators import estimate_hessian_trace
+    except ImportError:
+        estimate_hessian_trace = None
+    subset = contexts.select(range(min(n_contexts, len(contexts)))).select_columns(
+        ["input_ids", "attention_mask", "labels"]
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        if estimate_hessian_trace is not None:
+            est = estimate_hessian_trace(model, subset, n_contexts=len(subset), n_draws=n_draws, seed=seed)
+            return {"mean": float(est.mean), "stderr": float(est.stderr), "estimator": str(est.estimator)}
+        return _naive_fisher_trace(model, subset, n_draws=n_draws, seed=seed)
+    finally:
+        model.train(was_training)
+
+
+def _naive_fisher_trace(model, contexts: Dataset, *, n_draws: int, seed: int) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    per_context = []
+    for row, labels in zip(contexts["input_ids"], contexts["labels"], strict=True):
+        ids = torch.as_tensor([row])
+        position = int(np.flatnonzero(np.asarray(labels) != IGNORE_INDEX)[0])
+        log_probs = torch.log_softmax(model(input_ids=ids).logits[0, position], -1)
+        draws = torch.multinomial(log_probs.detach().exp(), n_draws, replacement=True, generator=generator)
+        values = []
+        for j, y in enumerate(draws):
+            grads = torch.autograd.grad(log_probs[y], params, retain_graph=j < n_draws - 1)
+            values.append(sum(float(g.pow(2).sum()) for g in grads))
+        per_context.append(np.mean(values))
+    per_context = np.asarray(per_context)
+    return {
+        "mean": float(per_context.mean()),
+        "stderr": float(per_context.std(ddof=1) / math.sqrt(len(per_context))) if len(per_context) > 1 else math.nan,
+        "estimator": "recipe_naive_fallback",
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- probes
+def probe_scores(model, setup: LanguageSetup, *, pooling: str = "mean") -> dict[str, dict[str, float]]:
+    fit = extract_features(model, setup.probe_rows, pooling=pooling)
+    test = extract_features(model, setup.probe_test_rows, pooling=pooling)
+    return features_probe_scores(fit, test, setup)
+
+
+def features_probe_scores(fit: np.ndarray, test: np.ndarray, setup: LanguageSetup) -> dict[str, dict[str, float]]:
+    out = {}
+    for task, labels in setup.probe_tasks.items():
+        result = probe_accuracy(fit, labels, test_features=test, test_labels=setup.probe_test_tasks[task])
+        out[task] = result.to_dict()
+    return out
+
+
+def evaluate_checkpoint(
+    model, setup: LanguageSetup, batch: dict[str, torch.Tensor], *, step: int, trace_contexts: int, trace_draws: int
+) -> dict[str, Any]:
+    """The per-checkpoint record of the recipes' JSON."""
+    start = time.perf_counter()
+    loss = one_mask_loss(model, batch)
+    trace = (
+        hessian_trace(model, setup.contexts, n_contexts=trace_contexts, n_draws=trace_draws, seed=step)
+        if trace_contexts > 0
+        else {"mean": None, "stderr": None, "estimator": None}
+    )
+    probes = probe_scores(model, setup)
+    return {
+        "step": step,
+        "loss": loss,
+        "loss_gap_to_entropy": loss - setup.entropy,
+        "hessian_trace": trace["mean"],
+        "hessian_trace_stderr": trace["stderr"],
+        "hessian_trace_estimator": trace["estimator"],
+        "probe_accuracy": float(np.mean([p["accuracy"] for p in probes.values()])),
+        "probe": probes,
+        "eval_seconds": time.perf_counter() - start,
+    }
+
+
+class CheckpointEvaluator(TrainerCallback):
+    """Evaluates the live model every ``every`` optimizer steps (main process only) and keeps the records."""
+
+    def __init__(
+        self,
+        setup: LanguageSetup,
+        *,
+        every: int,
+        trace_contexts: int,
+        trace_draws: int,
+        label: str = "",
+        partial_path: Path | None = None,
+    ):
+        self.setup = setup
+        self.partial_path = partial_path
+        self.every = every
+        self.trace_contexts = trace_contexts
+        self.trace_draws = trace_draws
+        self.label = label
+        self.batch = pad_contexts(setup.contexts, setup.tokenizer.pad_token_id)
+        self.records: list[dict[str, Any]] = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every == 0 and state.is_world_process_zero:
+            record = evaluate_checkpoint(
+                model,
+                self.setup,
+                self.batch,
+                step=state.global_step,
+                trace_contexts=self.trace_contexts,
+                trace_draws=self.trace_draws,
+            )
+            self.records.append(record)
+            print(f"[{self.label}] " + format_record(record), flush=True)
+            if self.partial_path is not None:
+                # a long run that is stopped early still leaves its evaluated checkpoints behind
+                write_json(self.partial_path, {"label": self.label, "records": self.records})
+
+
+def format_record(r: dict[str, Any]) -> str:
+    trace = "n/a" if r["hessian_trace"] is None else f"{r['hessian_trace']:.1f}+-{r['hessian_trace_stderr']:.1f}"
+    tasks = " ".join(f"{k}={v['accuracy']:.3f}" for k, v in r["probe"].items())
+    return f"step {r['step']}: loss {r['loss']:.4f} (gap {r['loss_gap_to_entropy']:.4f}) trace {trace} probe {tasks}"
+
+
+# ---------------------------------------------------------------------------------------------------- reports
+def spearman(x, y) -> float | None:
+    from scipy.stats import spearmanr
+
+    pairs = [(a, b) for a, b in zip(x, y, strict=True) if a is not None and b is not None]
+    if len(pairs) < 3:
+        return None
+    rho = spearmanr(*zip(*pairs, strict=True)).statistic
+    return None if rho is None or not np.isfinite(rho) else float(rho)
+
+
+def matched_loss(records: list[dict[str, Any]], tolerance: float) -> list[dict[str, Any]]:
+    """Checkpoints whose loss is within ``tolerance`` nats of the best: the 'same pre-training loss' set."""
+    best = min(r["loss"] for r in records)
+    return [r for r in records if r["loss"] <= best + tolerance]
+
+
+def correlations(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    accuracy = [r["probe_accuracy"] for r in records]
+    return {
+        "spearman_trace_vs_accuracy": spearman([r["hessian_trace"] for r in records], accuracy),
+        "spearman_loss_vs_accuracy": spearman([r["loss"] for r in records], accuracy),
+        "n_checkpoints": len(records),
+    }
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=float))
+
+
+def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path, title: str, matched: dict[str, list] | None = None):
+    """Left: trace vs step; middle: probe accuracy vs step; right: accuracy vs trace at matched loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for label, records in runs.items():
+        steps = [r["step"] for r in records]
+        if any(r["hessian_trace"] is not None for r in records):
+            axes[0].plot(steps, [r["hessian_trace"] for r in records], marker="o", label=label)
+        axes[1].plot(steps, [r["probe_accuracy"] for r in records], marker="o", label=label)
+        chosen = (matched or {}).get(label, records)
+        if any(r["hessian_trace"] is not None for r in chosen):
+            axes[2].scatter([r["hessian_trace"] for r in chosen], [r["probe_accuracy"] for r in chosen], label=label)
+    axes[0].set(xlabel="step", ylabel="Tr(H) (Fisher)", title="trace vs step")
+    axes[1].set(xlabel="step", ylabel="mean probe accuracy", title="probe accuracy vs step")
+    axes[2].set(xlabel="Tr(H) (Fisher)", ylabel="mean probe accuracy", title="accuracy vs trace (matched loss)")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------- training
+@dataclass
+class RunSpec:
+    """One training run of a recipe."""
+
+    label: str
+    steps: int
+    eval_every: int
+    batch_size: int = 64
+    learning_rate: float = 1e-3
+    warmup_steps: int = 100
+    dropout: float = 0.0
+    weight_decay: float = 0.0
+    flatness_method: str = "none"
+    sam_rho: float = 0.05
+    hidden: int = 128
+    layers: int = 4
+    seed: int = 0
+
+
+def add_common_arguments(parser, *, steps: int, eval_every: int) -> None:
+    parser.add_argument("--language", choices=["pcfg", "hmm"], default="pcfg")
+    parser.add_argument("--steps", type=int, default=steps, help="optimizer steps of each run")
+    parser.add_argument("--eval-every", type=int, default=eval_every, help="steps between evaluated checkpoints")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
+    parser.add_argument("--hidden", type=int, default=128, help="BERT hidden size (128 x 4 layers: 0.82M params)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--n-train", type=int, default=100_000, help="training sentences")
+    parser.add_argument("--n-contexts", type=int, default=1000, help="masked validation contexts for the loss")
+    parser.add_argument("--n-probe", type=int, default=1000, help="sentences to fit the probe (and as many to score)")
+    parser.add_argument("--trace-contexts", type=int, default=200, help="contexts of the trace estimate (0: skip)")
+    parser.add_argument("--trace-draws", type=int, default=2, help="labels drawn per context for the trace")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (under 2 minutes) for tests")
+
+
+def apply_smoke(args) -> None:
+    """Shrink everything so the whole recipe runs in well under 2 minutes on one thread."""
+    args.steps, args.eval_every = 20, 10
+    args.batch_size, args.hidden, args.layers = 16, 32, 1
+    args.n_train, args.n_contexts, args.n_probe = 400, 64, 100
+    args.trace_contexts, args.trace_draws = 8, 1
+
+
+def train_and_evaluate(
+    setup: LanguageSetup, spec: RunSpec, output_dir: Path, *, trace_contexts: int, trace_draws: int
+) -> list[dict[str, Any]]:
+    """Train one masked LM with ``FlatBiasTrainer`` and evaluate it every ``spec.eval_every`` steps (and at 0)."""
+    from hf_flatbias import FlatBiasConfig
+    from hf_flatbias.trainer import FlatBiasTrainer
+
+    model = build_model(
+        len(setup.tokenizer), hidden=spec.hidden, layers=spec.layers, dropout=spec.dropout, seed=spec.seed
+    )
+    evaluator = CheckpointEvaluator(
+        setup,
+        every=spec.eval_every,
+        trace_contexts=trace_contexts,
+        trace_draws=trace_draws,
+        label=spec.label,
+        partial_path=output_dir / f"partial_{spec.label}.json",
+    )
+    args = FlatBiasConfig(
+        output_dir=str(output_dir / spec.label),
+        max_steps=spec.steps,
+        per_device_train_batch_size=spec.batch_size,
+        learning_rate=spec.learning_rate,
+        lr_scheduler_type="constant_with_warmup",  # constant: training continues at full speed after convergence
+        warmup_steps=spec.warmup_steps,
+        weight_decay=spec.weight_decay,
+        flatness_method=spec.flatness_method,
+        sam_rho=spec.sam_rho,
+        save_strategy="no",
+        report_to=[],
+        logging_steps=max(1, spec.eval_every),
+        disable_tqdm=True,
+        seed=spec.seed,
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
+    trainer = FlatBiasTrainer(
+        model=model,
+        args=args,
+        train_dataset=setup.train,
+        data_collator=mlm_collator(setup.tokenizer),
+        callbacks=[evaluator],
+    )
+    evaluator.records.append(
+        evaluate_checkpoint(
+            model, setup, evaluator.batch, step=0, trace_contexts=trace_contexts, trace_draws=trace_draws
+        )
+    )
+    print(f"[{spec.label}] " + format_record(evaluator.records[-1]), flush=True)
+    trainer.train()
+    return evaluator.records

@@ -83,6 +83,7 @@ class HessianTraceCallback(TrainerCallback):
         self.last_estimate: TraceEstimate | None = None
         self._trainer = None
         self._contexts: list[dict[str, list[int]]] | None = None
+        self._measured_step: int | None = None
 
     def bind_trainer(self, trainer) -> None:
         """Give the callback the trainer it logs through (`FlatBiasTrainer` does this itself)."""
@@ -98,14 +99,21 @@ class HessianTraceCallback(TrainerCallback):
                 "creating the trainer."
             )
         self._contexts = self._build_contexts()
+        self._measured_step = None
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if self.every_n_steps is not None and state.global_step % self.every_n_steps == 0:
-            self.measure()
+            self._measure_once_at(state.global_step)
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if self.measure_on_evaluate:
+            self._measure_once_at(state.global_step)
+
+    def _measure_once_at(self, step: int) -> None:
+        # an evaluation right after a scheduled measurement sees the same weights: measuring again only costs time
+        if self._measured_step != step:
             self.measure()
+            self._measured_step = step
 
     # ------------------------------------------------------------------ measuring
 

@@ -211,8 +211,8 @@ def test_finetune_glue_reports_every_seed(tiny_checkpoint, mode):
         mode=mode,
         seeds=[0, 1],
         dataset=_toy_sst2(),
-        max_steps=40 if mode == "full" else 5,  # only full fine-tuning is checked for learning
-        learning_rate=3e-3,
+        max_steps=20 if mode == "full" else 5,  # only full fine-tuning is checked for learning
+        learning_rate=5e-3,
         per_device_train_batch_size=8,
         training_kwargs={"disable_tqdm": True, "use_cpu": True},
     )

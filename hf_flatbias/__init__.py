@@ -13,6 +13,7 @@ from .flatness import (
     exact_fisher_trace,
     exact_hessian_trace,
 )
+from .glue import GlueResult, finetune_glue, load_glue_dataset, load_glue_metric
 from .modelcard import FlatnessCard, add_glue_results, format_comparison_table, load_flatness_card
 from .trainer import FlatBiasTrainer
 
@@ -22,6 +23,7 @@ __all__ = [
     "FlatBiasConfig",
     "FlatBiasTrainer",
     "FlatnessCard",
+    "GlueResult",
     "HessianTraceCallback",
     "TraceEstimate",
     "__version__",
@@ -30,6 +32,9 @@ __all__ = [
     "estimate_hessian_trace",
     "exact_fisher_trace",
     "exact_hessian_trace",
+    "finetune_glue",
     "format_comparison_table",
+    "load_glue_dataset",
+    "load_glue_metric",
     "load_flatness_card",
 ]

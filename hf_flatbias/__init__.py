@@ -6,6 +6,7 @@ After Liu, Xie, Li & Ma, "Same Pre-training Loss, Better Downstream: Implicit Bi
 
 from .callbacks import HessianTraceCallback
 from .config import FlatBiasConfig
+from .enlarge import check_enlargeable, enlarge
 from .flatness import (
     TraceEstimate,
     build_masked_contexts,
@@ -15,26 +16,33 @@ from .flatness import (
 )
 from .glue import GlueResult, finetune_glue, load_glue_dataset, load_glue_metric
 from .modelcard import FlatnessCard, add_glue_results, format_comparison_table, load_flatness_card
+from .selection import CheckpointRecord, CheckpointSelection, FlatnessCheckpointSelector, select_flattest_checkpoint
 from .trainer import FlatBiasTrainer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "FlatBiasConfig",
-    "FlatBiasTrainer",
-    "FlatnessCard",
-    "GlueResult",
-    "HessianTraceCallback",
-    "TraceEstimate",
-    "__version__",
     "add_glue_results",
     "build_masked_contexts",
+    "check_enlargeable",
+    "CheckpointRecord",
+    "CheckpointSelection",
+    "enlarge",
     "estimate_hessian_trace",
     "exact_fisher_trace",
     "exact_hessian_trace",
     "finetune_glue",
+    "FlatBiasConfig",
+    "FlatBiasTrainer",
+    "FlatnessCard",
+    "FlatnessCheckpointSelector",
     "format_comparison_table",
+    "GlueResult",
+    "HessianTraceCallback",
+    "load_flatness_card",
     "load_glue_dataset",
     "load_glue_metric",
-    "load_flatness_card",
+    "select_flattest_checkpoint",
+    "TraceEstimate",
+    "__version__",
 ]

@@ -526,8 +526,10 @@ class FlatBiasTrainer(Trainer):
             self.flatness_card().save(self.args.output_dir)
         super()._push_from_checkpoint(checkpoint_folder)
         # transformers runs these pushes in the background and never reads their result, so a failed upload would
-        # go unnoticed: report it as soon as it happens.
-        for job in getattr(self.push_in_progress, "jobs", None) or []:
+        # go unnoticed: report it as soon as it happens. Only world rank 0 pushes and has `push_in_progress`.
+        if not self.is_world_process_zero() or self.push_in_progress is None:
+            return
+        for job in self.push_in_progress.jobs:
             if not getattr(job, "_flatbias_watched", False):
                 job._flatbias_watched = True
                 job.add_done_callback(functools.partial(_report_failed_push, checkpoint_folder=checkpoint_folder))

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-SAM_METHODS = ("sam", "asam")
-FLATNESS_METHODS = ("none", *SAM_METHODS)
+SAM_METHODS = ("sam", "asam", "looksam")
+PENALTY_METHODS = ("fisher_penalty", "grad_norm_penalty")
+FLATNESS_METHODS = ("none", *SAM_METHODS, *PENALTY_METHODS)
 SAM_SCOPES = ("micro_batch", "batch")
 SAM_PERTURBATIONS = ("global", "per_rank")
 
@@ -26,7 +27,11 @@ class FlatBiasConfig(TrainingArguments):
         metadata={
             "help": "How training seeks flat minima. 'none': the plain Trainer step; 'sam': sharpness-aware "
             "minimization (Foret et al., 2021), the gradient taken at w + rho * g / ||g||; 'asam': adaptive SAM "
-            "(Kwon et al., 2021), the neighbourhood scaled elementwise by |w| + asam_eta.",
+            "(Kwon et al., 2021), the neighbourhood scaled elementwise by |w| + asam_eta; 'looksam': LookSAM "
+            "(Liu et al., CVPR 2022), a SAM update every sam_every_k updates and one-pass updates in between that "
+            "reuse the stored SAM direction; 'fisher_penalty': adds penalty_lambda x the sampled-label Fisher trace "
+            "of the micro-batch to the loss; 'grad_norm_penalty': adds penalty_lambda x ||grad L|| (Zhao et al., "
+            "ICML 2022). Every method but 'none' costs two forward/backward passes per step (see sam_every_k).",
             "choices": list(FLATNESS_METHODS),
         },
     )
@@ -58,6 +63,38 @@ class FlatBiasConfig(TrainingArguments):
         },
     )
 
+    sam_every_k: int = field(
+        default=1,
+        metadata={
+            "help": "Run the SAM/ASAM/LookSAM second pass on every k-th optimizer update only (updates 0, k, 2k, ...); "
+            "the updates in between are plain steps (LookSAM: its cheap reuse step). Costs about 1 + 1/k plain "
+            "steps. 1 = every update."
+        },
+    )
+    looksam_alpha: float = field(
+        default=0.7,
+        metadata={
+            "help": "LookSAM's weight on the reused direction: between SAM updates the gradient is "
+            "g + looksam_alpha * ||g|| * g_v / ||g_v||. The LookSAM paper uses 0.7."
+        },
+    )
+    penalty_lambda: float = field(
+        default=0.01,
+        metadata={
+            "help": "Weight of the explicit penalty: lambda x Tr F (sampled-label Fisher trace per labelled position) "
+            "for 'fisher_penalty', lambda x ||grad L|| for 'grad_norm_penalty' (lambda = penalty_fd_step is then "
+            "exactly SAM with rho = penalty_fd_step)."
+        },
+    )
+    penalty_fd_step: float = field(
+        default=0.01,
+        metadata={
+            "help": "Length h of the finite-difference step that replaces double backward in the penalties' "
+            "gradient: H v ~ ||v|| (grad L(w + h v/||v||) - grad L(w)) / h. Too small loses float precision, too "
+            "large biases the curvature; 0.01 suits float32 weights of O(0.02-1)."
+        },
+    )
+
     def __post_init__(self) -> None:
         self._validate_flatness_arguments()
         super().__post_init__()
@@ -75,10 +112,38 @@ class FlatBiasConfig(TrainingArguments):
             raise ValueError(f"sam_scope={self.sam_scope!r} is not supported; choose one of {list(SAM_SCOPES)}.")
         if self.sam_perturbation not in SAM_PERTURBATIONS:
             raise ValueError(
-                f"sam_perturbation={self.sam_perturbation!r} is not supported; choose one of "
-                f"{list(SAM_PERTURBATIONS)}."
+                f"sam_perturbation={self.sam_perturbation!r} is not supported; choose one of {list(SAM_PERTURBATIONS)}."
+            )
+        self._validate_regularizer_arguments()
+
+    def _validate_regularizer_arguments(self) -> None:
+        if isinstance(self.sam_every_k, bool) or not isinstance(self.sam_every_k, int) or self.sam_every_k < 1:
+            raise ValueError(
+                f"sam_every_k must be an integer >= 1 (got {self.sam_every_k!r}); 1 runs SAM on every update."
+            )
+        if self.sam_every_k > 1 and self.flatness_method not in SAM_METHODS:
+            raise ValueError(
+                f"sam_every_k={self.sam_every_k} only applies to flatness_method in {list(SAM_METHODS)}, not "
+                f"{self.flatness_method!r}; leave sam_every_k=1."
+            )
+        if not isinstance(self.looksam_alpha, (int, float)) or not math.isfinite(self.looksam_alpha):
+            raise ValueError(f"looksam_alpha must be a finite number (got {self.looksam_alpha!r}); LookSAM uses 0.7.")
+        if self.looksam_alpha < 0:
+            raise ValueError(f"looksam_alpha must be >= 0 (got {self.looksam_alpha!r}); LookSAM uses 0.7.")
+        for name in ("penalty_lambda", "penalty_fd_step"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a finite number > 0 (got {value!r}); the default is 0.01.")
+        if self.flatness_method in (*PENALTY_METHODS, "looksam") and self.sam_scope != "micro_batch":
+            raise ValueError(
+                f"flatness_method={self.flatness_method!r} works per micro-batch; set sam_scope='micro_batch' "
+                "(sam_scope='batch' is implemented for 'sam' and 'asam' only)."
             )
 
     @property
     def uses_sam(self) -> bool:
         return self.flatness_method in SAM_METHODS
+
+    @property
+    def uses_penalty(self) -> bool:
+        return self.flatness_method in PENALTY_METHODS

@@ -86,8 +86,8 @@ def reference_sam_sgd(
 
     def perturbation(grads):
         scales = [p.detach().abs() + eta if adaptive else torch.ones_like(p) for p in params]
-        norm = math.sqrt(sum(float(((s * g) ** 2).sum()) for s, g in zip(scales, grads)))
-        return [rho * s * s * g / norm for s, g in zip(scales, grads)]
+        norm = math.sqrt(sum(float(((s * g) ** 2).sum()) for s, g in zip(scales, grads, strict=False)))
+        return [rho * s * s * g / norm for s, g in zip(scales, grads, strict=False)]
 
     micro = batch_size
     for step in range(steps):
@@ -98,32 +98,32 @@ def reference_sam_sgd(
             first = [torch.zeros_like(p) for p in params]
             for batch in micro_batches:
                 grads = torch.autograd.grad(loss_of(batch), params, allow_unused=True)
-                first = [f + (torch.zeros_like(f) if g is None else g) for f, g in zip(first, grads)]
+                first = [f + (torch.zeros_like(f) if g is None else g) for f, g in zip(first, grads, strict=False)]
             eps = perturbation(first)
         for batch in micro_batches:
             if scope == "micro_batch":
                 grads = torch.autograd.grad(loss_of(batch), params, allow_unused=True)
-                eps = perturbation([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
+                eps = perturbation([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=False)])
             saved = [p.detach().clone() for p in params]
             with torch.no_grad():
-                for p, e in zip(params, eps):
+                for p, e in zip(params, eps, strict=False):
                     p.add_(e)
             grads = torch.autograd.grad(loss_of(batch), params, allow_unused=True)
-            total = [t + (torch.zeros_like(t) if g is None else g) for t, g in zip(total, grads)]
+            total = [t + (torch.zeros_like(t) if g is None else g) for t, g in zip(total, grads, strict=False)]
             with torch.no_grad():
-                for p, s in zip(params, saved):
+                for p, s in zip(params, saved, strict=False):
                     p.copy_(s)
         if max_grad_norm > 0:
             norm = math.sqrt(sum(float((g * g).sum()) for g in total))
             total = [g * min(1.0, max_grad_norm / (norm + 1e-6)) for g in total]
         with torch.no_grad():
-            for p, g in zip(params, total):
+            for p, g in zip(params, total, strict=False):
                 p.sub_(lr * g)
     return model
 
 
 def max_param_diff(a, b) -> float:
-    return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+    return max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=False))
 
 
 @pytest.mark.parametrize(

@@ -7,11 +7,14 @@ unwrapped module, and anything the engine would normally do for them (averaging 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .sam import Perturbation, SquaredNormReducer, perturb_weights
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -37,3 +40,209 @@ def average_across_processes(tensors: list[torch.Tensor]) -> None:
     flat.div_(dist.get_world_size())
     for tensor, averaged in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
         tensor.copy_(averaged)
+
+
+def deepspeed_zero_stage(engine: object | None) -> int | None:
+    """The ZeRO stage of a DeepSpeed engine (0 when ZeRO is off), or ``None`` when ``engine`` is not one."""
+    stage_of = getattr(engine, "zero_optimization_stage", None)
+    return int(stage_of()) if callable(stage_of) else None
+
+
+def _sum_over_group(group: dist.ProcessGroup | None) -> SquaredNormReducer:
+    def reduce(value: torch.Tensor) -> torch.Tensor:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+        return value
+
+    return reduce
+
+
+class PerturbableParameters:
+    """The tensors a flatness step moves to ``w + e``, in the layout the engine keeps them.
+
+    With plain PyTorch, DDP and DeepSpeed ZeRO 0-2 every rank holds whole parameters and the module's own
+    tensors are edited: ZeRO 1/2 keep separate fp32 master partitions in the optimizer, which a flatness step never
+    touches, so the optimizer steps from the restored ``w`` whatever happens to the module's copy. ZeRO-3 overrides
+    this to edit each rank's partition instead (see `ZeroStage3Parameters`).
+    """
+
+    #: Whether the engine keeps gathered copies of the edited tensors that must be dropped around every edit.
+    has_gathered_copies: bool = False
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]):
+        self.params = list(params)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """What ``perturb_weights`` edits, one tensor per parameter."""
+        return self.params
+
+    @property
+    def sq_norm_reducer(self) -> SquaredNormReducer | None:
+        """How a squared norm over ``tensors`` becomes the squared norm over the whole model."""
+        return None
+
+    def local_gradients(self, full_gradients: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients of the whole parameters, cut to the layout of ``tensors`` (may reuse the buffers)."""
+        return full_gradients
+
+    def release_gathered(self) -> None:
+        """Drop any gathered copy that would hide an edit of ``tensors`` from the next forward."""
+
+    def perturb(
+        self, full_gradients: list[torch.Tensor], rho: float, *, adaptive: bool = False, eta: float = 0.01
+    ) -> Perturbation | None:
+        """Move the parameters to ``w + e`` along ``full_gradients``; see `perturb_weights`."""
+        self.release_gathered()
+        perturbation = perturb_weights(
+            self.tensors,
+            self.local_gradients(full_gradients),
+            rho,
+            adaptive=adaptive,
+            eta=eta,
+            sq_norm_reducer=self.sq_norm_reducer,
+        )
+        if perturbation is None or not self.has_gathered_copies:
+            return perturbation
+        return _ReleasingPerturbation(
+            perturbation.params,
+            perturbation.saved_weights,
+            grad_norm=perturbation.grad_norm,
+            norm=perturbation.norm,
+            release_gathered=self.release_gathered,
+        )
+
+
+class ZeroStage3Parameters(PerturbableParameters):
+    """ZeRO-3: each rank edits its own partition ``param.ds_tensor`` of every parameter.
+
+    The module's parameters are empty between forwards and are gathered from the partitions on use, so an edit of
+    the partitions reaches the next forward once every gathered copy is dropped; that includes the small parameters
+    ZeRO-3 keeps gathered ("persistent") across forwards. The squared norm is summed over the partition group.
+    """
+
+    has_gathered_copies = True
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], optimizer: object, *, rank: int | None = None):
+        """``optimizer`` is the engine's ZeRO-3 optimizer; ``rank`` this process's index in the partition group."""
+        super().__init__(params)
+        missing = [i for i, p in enumerate(self.params) if getattr(p, "ds_tensor", None) is None]
+        if missing:
+            raise ValueError(
+                f"{len(missing)} trainable parameters are not partitioned by ZeRO-3 (no ds_tensor); pass the "
+                "model through deepspeed.initialize (or the Trainer) before building a ZeRO-3 flatness step."
+            )
+        self._optimizer = optimizer
+        self._group = getattr(self.params[0], "ds_process_group", None) if self.params else None
+        if rank is None:
+            rank = dist.get_rank(group=self._group) if dist.is_available() and dist.is_initialized() else 0
+        self.rank = rank
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [p.ds_tensor for p in self.params]
+
+    @property
+    def sq_norm_reducer(self) -> SquaredNormReducer | None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group=self._group) == 1:
+            return None
+        return _sum_over_group(self._group)
+
+    def local_gradients(self, full_gradients: list[torch.Tensor]) -> list[torch.Tensor]:
+        shards = []
+        for param, grad in zip(self.params, full_gradients, strict=True):
+            partition = param.ds_tensor
+            size = partition.numel()
+            flat = grad.reshape(-1)
+            start = min(self.rank * size, flat.numel())
+            stop = min(start + size, flat.numel())
+            # Padding at the end of the last partition gets a zero gradient: it takes no part in norms or steps.
+            shard = torch.zeros(size, dtype=partition.dtype, device=partition.device)
+            shard[: stop - start].copy_(flat[start:stop])
+            shards.append(shard.view_as(partition))
+        return shards
+
+    def release_gathered(self) -> None:
+        # The optimizer's method, not the engine's: the engine's also runs gc.collect() on every call (5x slower
+        # steps on a small model).
+        self._optimizer.empty_partition_cache()
+
+
+@dataclass
+class _ReleasingPerturbation(Perturbation):
+    release_gathered: Callable[[], None] = lambda: None
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        self.release_gathered()
+        super().restore()
+
+
+def perturbable_parameters(model: torch.nn.Module, engine: object | None = None) -> PerturbableParameters:
+    """The trainable parameters of ``model`` (the unwrapped module) in the layout ``engine`` keeps them.
+
+    ``engine`` is the DeepSpeed engine wrapping ``model``, or ``None`` for plain PyTorch and DDP.
+    """
+    params = trainable_parameters(model)
+    if deepspeed_zero_stage(engine) == 3:
+        return ZeroStage3Parameters(params, engine.optimizer)
+    return PerturbableParameters(params)
+
+
+def deepspeed_backward(engine: object, loss: torch.Tensor, *, is_boundary: bool) -> None:
+    """Backward through a DeepSpeed engine without its optimizer step.
+
+    accelerate's DeepSpeed backward also steps on the last micro-batch, which under SAM would happen at ``w + e``.
+    The loss is already divided by the accumulation steps (the Trainer does it), hence ``scale_wrt_gas=False``.
+    Call ``engine.step()`` yourself on the boundary, after restoring ``w``.
+    """
+    engine.set_gradient_accumulation_boundary(is_boundary=is_boundary)
+    engine.backward(loss, scale_wrt_gas=False)
+
+
+def _config_value(config: dict, dotted: str, default: object = None) -> object:
+    node: object = config
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return default
+        node = node[key]
+    return node
+
+
+def check_deepspeed_supports_sam(config: dict, sam_perturbation: str = "global") -> None:
+    """Raise a ``ValueError`` naming the fix when a DeepSpeed ``config`` cannot run an exact SAM/ASAM step.
+
+    Checked before training so that no compute is spent on a run that would be silently wrong.
+    """
+    half = [name for name in ("fp16", "bf16") if _config_value(config, f"{name}.enabled") in (True, "true")]
+    if half:
+        raise ValueError(
+            f"SAM/ASAM under DeepSpeed supports fp32 weights only, but {half[0]} is enabled: a {half[0]} weight "
+            "cannot hold a perturbation of rho/sqrt(#parameters) per coordinate, and DeepSpeed's fp32 master "
+            f"copies are not what the forward reads. Set '{half[0]}': {{'enabled': false}} in the DeepSpeed config "
+            f"and {half[0]}=False in the arguments, or use DDP (accelerate launch --multi_gpu), where {half[0]} "
+            "autocast keeps fp32 weights."
+        )
+    stage = int(_config_value(config, "zero_optimization.stage", 0) or 0)
+    if stage != 3:
+        return
+    if sam_perturbation == "per_rank":
+        raise ValueError(
+            "sam_perturbation='per_rank' cannot be exact under ZeRO-3: every forward gathers each parameter from "
+            "all ranks' partitions, so rank-specific perturbations would be mixed. Use sam_perturbation='global' "
+            "or ZeRO stage 0-2."
+        )
+    if _config_value(config, "zero_optimization.offload_param.device") == "nvme":
+        raise ValueError(
+            "SAM/ASAM under ZeRO-3 edits each rank's parameter partition in place, which NVMe offload swaps out of "
+            "memory. Use 'offload_param': {'device': 'cpu'} or 'none'."
+        )
+    if int(_config_value(config, "zero_optimization.zero_hpz_partition_size", 1) or 1) > 1:
+        raise ValueError(
+            "SAM/ASAM under ZeRO-3 does not support hierarchical partitioning (zero_hpz_partition_size > 1): "
+            "forwards gather from a secondary copy that an in-place perturbation would not reach. Set it to 1."
+        )
+    if _config_value(config, "zero_optimization.zero_quantized_weights") in (True, "true"):
+        raise ValueError(
+            "SAM/ASAM under ZeRO-3 cannot perturb quantized weights (zero_quantized_weights); set it to false."
+        )

@@ -37,7 +37,10 @@ def squared_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Sum of squared entries of all tensors, accumulated in float32 or wider."""
     if not tensors:
         return torch.zeros(())
-    return torch.stack(torch._foreach_norm(list(tensors), 2, dtype=torch.float32)).square().sum()
+    tensors = list(tensors)
+    # float32 at least (half-precision squares overflow); float64 stays float64, which _foreach_norm cannot narrow.
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=dtype)).square().sum()
 
 
 def asam_scale(param: torch.Tensor, eta: float) -> torch.Tensor:

@@ -1,0 +1,153 @@
+"""Cost of every flatness method relative to a plain AdamW step on the same small BERT, measured in one run.
+
+Expected from the pass counts: SAM, ASAM and both penalties about 2 (two forward/backward passes per step); SAM or
+LookSAM every k updates about 1 + 1/k (goal: <= 1 + 1.1/k). Runs of all methods are interleaved, repeat by repeat,
+so load on a shared machine hits them alike; a run's cost is its mean CPU time per step (one torch thread) over a
+whole number of k-cycles, and
+each ratio is the median over repeats of (method run / plain run of the same repeat).
+
+    python benchmarks/flatness_cost.py [--quick] [--repeats N]
+
+Prints a markdown table and one ``ratio[method]=X`` line per method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from transformers import BertConfig, BertForMaskedLM, TrainerCallback  # noqa: E402
+
+from hf_flatbias import FlatBiasConfig, FlatBiasTrainer  # noqa: E402
+
+WARMUP_STEPS = 2
+# (label, config overrides, expected ratio from the pass count)
+METHODS = [
+    ("sam", {"flatness_method": "sam"}, 2.0),
+    ("asam", {"flatness_method": "asam", "sam_rho": 0.5}, 2.0),
+    ("fisher_penalty", {"flatness_method": "fisher_penalty"}, 2.0),
+    ("grad_norm_penalty", {"flatness_method": "grad_norm_penalty"}, 2.0),
+    ("sam_every_2", {"flatness_method": "sam", "sam_every_k": 2}, 1.5),
+    ("sam_every_4", {"flatness_method": "sam", "sam_every_k": 4}, 1.25),
+    ("sam_every_8", {"flatness_method": "sam", "sam_every_k": 8}, 1.125),
+    ("looksam_every_4", {"flatness_method": "looksam", "sam_every_k": 4}, 1.25),
+]
+
+
+class StepClock(TrainerCallback):
+    """CPU time of this process from the first timed step's start to the last step's end.
+
+    With one torch thread, CPU time is the step's compute; wall time on a machine shared with other jobs also counts
+    the time the process waited for a core, which varied 3x between identical runs here.
+    """
+
+    def __init__(self) -> None:
+        self.start: float | None = None
+        self.end = 0.0
+        self.timed_steps = 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == WARMUP_STEPS:
+            self.start = time.process_time()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.start is not None:
+            self.end = time.process_time()
+            self.timed_steps += 1
+
+    @property
+    def seconds_per_step(self) -> float:
+        return (self.end - self.start) / self.timed_steps
+
+
+def build_model(hidden: int, layers: int, vocab: int, seq_len: int) -> BertForMaskedLM:
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 32),
+        intermediate_size=4 * hidden,
+        max_position_embeddings=seq_len,
+    )
+    return BertForMaskedLM(config)
+
+
+def masked_rows(n: int, seq_len: int, vocab: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, vocab, (n, seq_len), generator=g)
+    masked = torch.rand(ids.shape, generator=g) < 0.15
+    labels = torch.where(masked, ids, torch.full_like(ids, -100))
+    return [{"input_ids": ids[i].masked_fill(masked[i], 4), "labels": labels[i]} for i in range(n)]
+
+
+def seconds_per_step(overrides: dict, rows, model_kwargs: dict, timed_steps: int, batch_size: int) -> float:
+    clock = StepClock()
+    with tempfile.TemporaryDirectory() as out:
+        args = FlatBiasConfig(
+            out,
+            max_steps=WARMUP_STEPS + timed_steps,
+            per_device_train_batch_size=batch_size,
+            optim="adamw_torch",
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            **overrides,
+        )
+        trainer = FlatBiasTrainer(model=build_model(**model_kwargs), args=args, train_dataset=rows, callbacks=[clock])
+        trainer.train()
+    return clock.seconds_per_step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer steps (under 2 minutes)")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+    if args.quick:
+        model_kwargs = dict(hidden=64, layers=2, vocab=1000, seq_len=32)
+        repeats, timed_steps, batch = args.repeats or 3, 8, 16
+    else:
+        model_kwargs = dict(hidden=128, layers=2, vocab=2000, seq_len=64)
+        repeats, timed_steps, batch = args.repeats or 5, 16, 16
+    rows = masked_rows((WARMUP_STEPS + timed_steps) * batch, model_kwargs["seq_len"], model_kwargs["vocab"])
+    n_params = sum(p.numel() for p in build_model(**model_kwargs).parameters())
+
+    plain_runs: list[float] = []
+    ratios: dict[str, list[float]] = {label: [] for label, _, _ in METHODS}
+    started = time.perf_counter()
+    for _ in range(repeats):
+        plain = seconds_per_step({"flatness_method": "none"}, rows, model_kwargs, timed_steps, batch)
+        plain_runs.append(plain)
+        for label, overrides, _ in METHODS:
+            ratios[label].append(seconds_per_step(overrides, rows, model_kwargs, timed_steps, batch) / plain)
+
+    print(
+        f"model: BERT-MLM {n_params / 1e6:.2f}M parameters, batch {batch} x {model_kwargs['seq_len']} tokens, "
+        f"torch threads {torch.get_num_threads()}, {repeats} repeats x {timed_steps} timed steps, "
+        f"plain AdamW step median {statistics.median(plain_runs) * 1e3:.1f} ms, "
+        f"benchmark wall time {time.perf_counter() - started:.0f} s"
+    )
+    print("| method | passes per step | expected ratio | median ratio | min-max over repeats |")
+    print("|---|---|---|---|---|")
+    for label, _, expected in METHODS:
+        values = ratios[label]
+        print(
+            f"| {label} | {expected:g} | {expected:.3f} | **{statistics.median(values):.3f}** | "
+            f"{min(values):.3f}-{max(values):.3f} |"
+        )
+    for label, _, _ in METHODS:
+        print(f"ratio[{label}]={statistics.median(ratios[label]):.3f}")
+
+
+if __name__ == "__main__":
+    main()

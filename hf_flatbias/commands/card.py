@@ -1,0 +1,73 @@
+"""``hf-flatbias card REPO_OR_PATH``: print the flatness card of a checkpoint folder, card file or Hub repo."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "card",
+        help="Show the flatness card (trace, loss, method, GLUE) of a checkpoint or Hub repo.",
+        description="Read the flatness metadata of a local checkpoint folder, a README.md, or a Hub repository "
+        "(HF_ENDPOINT is honoured) and print it.",
+    )
+    parser.add_argument("repo_or_path", help="Checkpoint folder, card file, or Hub repo id (user/model).")
+    parser.add_argument("--revision", default=None, help="Branch, tag or commit of a Hub repository.")
+    parser.add_argument("--json", action="store_true", help="Print the card as JSON instead of a table.")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from ..modelcard import load_flatness_card
+
+    try:
+        card = load_flatness_card(args.repo_or_path, revision=args.revision)
+    except (ValueError, OSError, HfHubHTTPError) as error:  # not a card, no such file, Hub errors
+        print(f"hf-flatbias card: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(dataclasses.asdict(card), indent=2, sort_keys=True))
+    else:
+        print(format_card_summary(args.repo_or_path, card))
+    return 0
+
+
+def format_card_summary(label: str, card) -> str:
+    """A two-column markdown table of what the card records (unknown fields left out)."""
+    trace = None
+    if card.hessian_trace is not None:
+        trace = f"{card.hessian_trace:.6g}"
+        if card.hessian_trace_stderr is not None:
+            trace += f" ± {card.hessian_trace_stderr:.3g}"
+    estimator = None
+    if card.estimator is not None or card.n_contexts is not None:
+        estimator = f"{card.estimator or '?'}, {card.n_contexts or '?'} contexts × {card.n_draws or '?'} draws"
+    loss = None
+    if card.pretraining_loss is not None:
+        loss = f"{card.pretraining_loss:.6g}" + (
+            f" ({card.pretraining_loss_source})" if card.pretraining_loss_source else ""
+        )
+    rows = [
+        ("model", label),
+        ("method", card.method),
+        ("sam_rho", card.sam_rho),
+        ("asam_eta", card.asam_eta),
+        ("pre-training loss", loss),
+        ("Hessian trace ± stderr", trace),
+        ("estimator", estimator),
+        ("step", card.global_step),
+    ]
+    rows += [
+        (f"GLUE {task}/{metric}", f"{value:.4f}")
+        for task in sorted(card.glue)
+        for metric, value in sorted(card.glue[task].items())
+    ]
+    lines = ["| field | value |", "| --- | --- |"]
+    lines += [f"| {name} | {value} |" for name, value in rows if value is not None]
+    return "\n".join(lines)

@@ -1,0 +1,59 @@
+"""``hf-flatbias glue MODEL --task sst2``: fine-tune a checkpoint on one GLUE task over several seeds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "glue",
+        help="Fine-tune a checkpoint on a GLUE task over several seeds (mean and std of the validation metric).",
+        description="Fine-tune (or linearly probe) a checkpoint on one GLUE task once per seed. Offline, SST-2 is "
+        "replaced by Rotten Tomatoes snippets and other tasks need --data_dir.",
+    )
+    parser.add_argument("model", help="Checkpoint folder or Hub id (with its tokenizer).")
+    parser.add_argument("--task", required=True, help="cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte or wnli.")
+    parser.add_argument("--mode", default="full", choices=["full", "linear_probe"])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--data_dir", default=None, help="Local GLUE files (train.* and validation.*).")
+    parser.add_argument("--learning_rate", type=float, default=None, help="Default: 2e-5 full, 1e-3 probe.")
+    parser.add_argument("--num_train_epochs", type=float, default=3.0)
+    parser.add_argument("--max_steps", type=int, default=-1)
+    parser.add_argument("--batch_size", type=int, default=32)
+    parser.add_argument("--max_length", type=int, default=128)
+    parser.add_argument("--max_train_samples", type=int, default=None)
+    parser.add_argument("--max_eval_samples", type=int, default=None)
+    parser.add_argument("--output_dir", default=None, help="Keep the runs here (default: a temporary folder).")
+    parser.add_argument("--json", action="store_true", help="Print the result as JSON.")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..glue import finetune_glue
+
+    result = finetune_glue(
+        args.model,
+        args.task,
+        mode=args.mode,
+        seeds=args.seeds,
+        data_dir=args.data_dir,
+        output_dir=args.output_dir,
+        learning_rate=args.learning_rate,
+        num_train_epochs=args.num_train_epochs,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        max_length=args.max_length,
+        max_train_samples=args.max_train_samples,
+        max_eval_samples=args.max_eval_samples,
+    )
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        scores = ", ".join(f"{100 * s:.2f}" for s in result.scores)
+        print(
+            f"{result.model} {result.task} ({result.mode}) {result.metric}: "
+            f"{100 * result.mean:.2f} ± {100 * result.std:.2f} over seeds {result.seeds} [{scores}]"
+        )
+    return 0

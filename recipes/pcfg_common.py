@@ -1,0 +1,275 @@
+"""Shared pieces of the PCFG paper-comparison recipes: data, MLM collator, training, and the three measurements.
+
+The three numbers every recipe reports for a model, as in Liu et al. (2023):
+
+* ``mlm_loss``: the one-mask MLM loss on validation contexts (one masked word per sentence), next to the grammar's
+  exact entropy floor (``entropy_bound``), so "same pre-training loss" can be checked against the optimum;
+* ``trace``: the Hessian (Fisher) trace of that loss, `estimate_hessian_trace` on the same kind of contexts;
+* ``task_a`` (and B, C): held-out accuracy of a linear probe on the frozen ``[CLS]`` feature of the last layer.
+
+Sizes are the smallest that show the effects on a shared 2-core machine; every recipe takes ``--quick`` for a smoke
+run (used by the tests) and prints its results as JSON.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from hf_flatbias.flatness.estimators import estimate_hessian_trace
+from hf_flatbias.probe import extract_features, probe_accuracy
+from hf_flatbias.synthetic import PCFG, build_pcfg_dataset, entropy_bound, masked_contexts
+from hf_flatbias.synthetic.tokenizer import CLS_ID, MASK_ID, N_SPECIAL, PAD_ID, SEP_ID
+from transformers import BertConfig, TrainerCallback
+
+from hf_flatbias.config import FlatBiasConfig
+from hf_flatbias.trainer import FlatBiasTrainer
+
+IGNORE_INDEX = -100
+TASKS = ("task_a", "task_b", "task_c")
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    hidden: int
+    layers: int
+    heads: int
+
+    @property
+    def name(self) -> str:
+        return f"H{self.hidden}-L{self.layers}-A{self.heads}"
+
+    def config(self, vocab_size: int, max_positions: int = 64) -> BertConfig:
+        return BertConfig(
+            vocab_size=vocab_size,
+            hidden_size=self.hidden,
+            num_hidden_layers=self.layers,
+            num_attention_heads=self.heads,
+            intermediate_size=4 * self.hidden,
+            max_position_embeddings=max_positions,
+            # Dropout changes the function between train and eval; the paper's synthetic runs train without it.
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+
+
+@dataclass
+class PCFGData:
+    language: PCFG
+    train: Any
+    validation: Any
+    contexts: Any  # one-mask validation contexts: the loss, floor and trace are measured on them
+    floor: float
+
+    @property
+    def vocab_size(self) -> int:
+        return N_SPECIAL + self.language.n_words
+
+
+def build_data(n_train: int, n_validation: int, *, grammar_seed: int = 0, data_seed: int = 0) -> PCFGData:
+    language = PCFG.from_seed(grammar_seed)
+    splits = build_pcfg_dataset(language, n_train, n_validation, seed=data_seed)
+    contexts = masked_contexts(splits["validation"], seed=data_seed)
+    return PCFGData(language, splits["train"], splits["validation"], contexts, entropy_bound(language, contexts))
+
+
+class MLMCollator:
+    """Pads rows and masks words (never ``[CLS]``/``[SEP]``/padding) with probability ``mask_probability``.
+
+    Every masked word becomes ``[MASK]`` (no random or kept tokens: the one-mask evaluation only ever shows
+    ``[MASK]``). At least one word per row is masked. Rows that already carry ``labels`` (masked contexts) are padded
+    as they are. With ``task_column`` the batch carries ``task_labels`` (for adversarial training).
+    """
+
+    def __init__(self, mask_probability: float = 0.15, *, seed: int = 0, task_column: str | None = None):
+        self.mask_probability = mask_probability
+        self.generator = torch.Generator().manual_seed(seed)
+        self.task_column = task_column
+
+    def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        width = max(len(row["input_ids"]) for row in rows)
+        input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        labels = torch.full_like(input_ids, IGNORE_INDEX)
+        for i, row in enumerate(rows):
+            ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
+            input_ids[i, : len(ids)] = ids
+            attention_mask[i, : len(ids)] = 1
+            if "labels" in row:
+                labels[i, : len(ids)] = torch.as_tensor(row["labels"], dtype=torch.long)
+        if not any("labels" in row for row in rows):
+            is_word = (input_ids != PAD_ID) & (input_ids != CLS_ID) & (input_ids != SEP_ID)
+            chosen = (torch.rand(input_ids.shape, generator=self.generator) < self.mask_probability) & is_word
+            # Guarantee one masked word per row: a random word where none was drawn.
+            scores = torch.rand(input_ids.shape, generator=self.generator).masked_fill(~is_word, -1.0)
+            fallback = F.one_hot(scores.argmax(1), width).bool() & ~chosen.any(1, keepdim=True)
+            chosen |= fallback
+            labels = torch.where(chosen, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+            input_ids = torch.where(chosen, torch.full_like(input_ids, MASK_ID), input_ids)
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if self.task_column is not None:
+            batch["task_labels"] = torch.as_tensor([row[self.task_column] for row in rows], dtype=torch.long)
+        return batch
+
+
+def training_arguments(output_dir: str, *, steps: int, batch_size: int, learning_rate: float, seed: int, **extra):
+    settings = dict(
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=256,
+        learning_rate=learning_rate,
+        weight_decay=0.01,
+        warmup_steps=min(100, steps // 10),
+        lr_scheduler_type="constant_with_warmup",
+        seed=seed,
+        data_seed=seed,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_steps=max(1, steps // 10),
+        save_strategy="no",
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+    )
+    settings.update(extra)
+    return FlatBiasConfig(**settings)
+
+
+def train_mlm(
+    model: torch.nn.Module,
+    data: PCFGData,
+    *,
+    steps: int,
+    batch_size: int = 64,
+    learning_rate: float = 1e-3,
+    seed: int = 0,
+    task_column: str | None = None,
+    output_dir: str | None = None,
+    callbacks: Sequence[Any] = (),
+    **extra_arguments,
+) -> FlatBiasTrainer:
+    """Train ``model`` on the PCFG's training sentences with the MLM objective (or the adversarial wrapper)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        args = training_arguments(
+            output_dir or scratch,
+            steps=steps,
+            batch_size=batch_size,
+            learning_rate=learning_rate,
+            seed=seed,
+            **extra_arguments,
+        )
+        trainer = FlatBiasTrainer(
+            model=model,
+            args=args,
+            train_dataset=data.train,
+            eval_dataset=data.contexts,
+            data_collator=MLMCollator(seed=seed, task_column=task_column),
+            callbacks=list(callbacks),
+        )
+        trainer.train()
+    return trainer
+
+
+@torch.no_grad()
+def one_mask_loss(model: torch.nn.Module, contexts: Any, *, batch_size: int = 256) -> float:
+    """Mean cross-entropy at the masked word of each validation context (nats)."""
+    was_training = model.training
+    model.eval()
+    collate = MLMCollator()
+    total, count = 0.0, 0
+    for start in range(0, len(contexts), batch_size):
+        batch = collate([contexts[i] for i in range(start, min(start + batch_size, len(contexts)))])
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        losses = F.cross_entropy(logits.transpose(1, 2), batch["labels"], ignore_index=IGNORE_INDEX, reduction="sum")
+        total += float(losses)
+        count += int((batch["labels"] != IGNORE_INDEX).sum())
+    model.train(was_training)
+    return total / count
+
+
+def probe_tasks(
+    model: torch.nn.Module, data: PCFGData, *, n_probe_train: int = 2000, tasks: Sequence[str] = TASKS, seed: int = 0
+) -> dict[str, float]:
+    """Held-out accuracy of a linear probe on the frozen last-layer ``[CLS]`` feature, per task."""
+    n_probe_train = min(n_probe_train, len(data.train))
+    train_rows = data.train.select(range(n_probe_train))
+    train_features = extract_features(model, train_rows["input_ids"], pooling="cls", pad_token_id=PAD_ID)
+    test_features = extract_features(model, data.validation["input_ids"], pooling="cls", pad_token_id=PAD_ID)
+    accuracies = {}
+    for task in tasks:
+        result = probe_accuracy(
+            train_features,
+            np.asarray(train_rows[task]),
+            test_features=test_features,
+            test_labels=np.asarray(data.validation[task]),
+            seed=seed,
+        )
+        accuracies[task] = result.accuracy
+    return accuracies
+
+
+def trace_of(model: torch.nn.Module, data: PCFGData, *, n_contexts: int, n_draws: int = 2, seed: int = 0):
+    """The paper's flatness measure on the first ``n_contexts`` validation contexts."""
+    return estimate_hessian_trace(model, data.contexts, n_contexts=n_contexts, n_draws=n_draws, seed=seed)
+
+
+def measure(model, data: PCFGData, *, n_trace_contexts: int, trace_model=None, n_probe_train: int = 2000) -> dict:
+    """Loss, trace (of ``trace_model`` when given, e.g. the model embedded in a larger architecture) and probes."""
+    start = time.perf_counter()
+    estimate = trace_of(trace_model if trace_model is not None else model, data, n_contexts=n_trace_contexts)
+    return {
+        "mlm_loss": one_mask_loss(model, data.contexts),
+        "floor": data.floor,
+        "trace": estimate.mean,
+        "trace_stderr": estimate.stderr,
+        **probe_tasks(model, data, n_probe_train=n_probe_train),
+        "measure_seconds": time.perf_counter() - start,
+    }
+
+
+class StopAtLoss(TrainerCallback):
+    """Stop training once the one-mask validation loss of ``model`` reaches ``target``: matched loss, not steps.
+
+    It measures the wrapped masked LM itself (not the Trainer's eval loss, which for the adversarial wrapper also
+    holds the adversarial terms). ``history`` keeps ``(step, loss)`` of every evaluation.
+    """
+
+    def __init__(self, model: torch.nn.Module, contexts: Any, target: float | None):
+        self.model, self.contexts, self.target = model, contexts, target
+        self.history: list[tuple[int, float]] = []
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        loss = one_mask_loss(self.model, self.contexts)
+        self.history.append((state.global_step, loss))
+        if self.target is not None and loss <= self.target:
+            control.should_training_stop = True
+
+    @property
+    def final_step(self) -> int | None:
+        return self.history[-1][0] if self.history else None
+
+
+def set_threads() -> None:
+    """One thread: tiny ops are 40-70x slower with two on the shared machine (docs: NOTES.md)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return "nan" if math.isnan(value) else f"{value:.4g}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)

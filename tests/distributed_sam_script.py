@@ -1,0 +1,285 @@
+"""Runs FlatBiasTrainer SAM/ASAM cases inside one launched process group and saves each rank's final weights.
+
+Started by `tests/test_distributed.py` through ``accelerate launch`` (1 or 2 CPU processes); launching is the slow
+part (imports, DeepSpeed start-up), so one launch runs every case in turn and the tests only read the files:
+
+    accelerate launch --config_file recipes/configs/accelerate_cpu_2proc.yaml \
+        tests/distributed_sam_script.py CASES.json OUT_DIR
+
+CASES.json is a list of cases (see `Case`); for each case the script writes ``OUT_DIR/<name>.rank<r>.pt`` (the
+trained parameters, gathered under ZeRO-3) or ``OUT_DIR/<name>.rank<r>.error`` (the message of a ValueError the
+trainer raised), and ``OUT_DIR/<name>.rank<r>.json`` (SAM metrics, timing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+import torch  # noqa: E402
+from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = REPO_ROOT / "recipes" / "configs"
+
+VOCAB = 30
+SEQ_LEN = 6
+N_ROWS = 48
+
+
+@dataclass
+class Case:
+    """One training run; ``args`` override the FlatBiasConfig defaults.
+
+    ``engine``: "ddp", "zero0".."zero3" (the DeepSpeed JSON in recipes/configs passed as ``deepspeed=``), or
+    "launcher" (whatever the ``accelerate launch`` config set up).
+    """
+
+    name: str
+    engine: str
+    args: dict = field(default_factory=dict)
+    deepspeed_overrides: dict = field(default_factory=dict)
+    #: Train to ``max_steps`` saving at ``resume_from_step``, then train again resuming from that checkpoint.
+    resume_from_step: int | None = None
+    #: "sam": train and save the weights; "trace": set up the engine on a masked LM, then every rank calls
+    #: estimate_hessian_trace(across_processes=True) with ``trace`` as keyword arguments.
+    kind: str = "sam"
+    trace: dict = field(default_factory=dict)
+
+
+def tiny_classifier(seed: int = 0) -> BertForSequenceClassification:
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+    )
+    return BertForSequenceClassification(config)
+
+
+def classification_rows(n: int = N_ROWS, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (n, SEQ_LEN), generator=g)
+    labels = torch.randint(0, 3, (n,), generator=g)
+    return [
+        {"input_ids": ids[i], "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long), "labels": labels[i]}
+        for i in range(n)
+    ]
+
+
+def tiny_masked_lm(seed: int = 0) -> BertForMaskedLM:
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=16)
+    return BertForMaskedLM(config)
+
+
+def masked_rows(n: int = 7, seed: int = 2) -> list[dict[str, torch.Tensor]]:
+    """One masked position per row (token 4 stands for [MASK]): each row is one trace context."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, VOCAB, (n, SEQ_LEN), generator=g)
+    rows = []
+    for i in range(n):
+        position = i % SEQ_LEN
+        labels = torch.full((SEQ_LEN,), -100)
+        labels[position] = ids[i, position]
+        input_ids = ids[i].clone()
+        input_ids[position] = 4
+        rows.append({"input_ids": input_ids, "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long), "labels": labels})
+    return rows
+
+
+def base_arguments(output_dir: str) -> dict:
+    return dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        max_steps=3,
+        learning_rate=0.1,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        train_sampling_strategy="sequential",
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        flatness_method="sam",
+        sam_rho=0.05,
+        disable_tqdm=True,
+    )
+
+
+def deepspeed_config(stage: int, overrides: dict) -> dict:
+    config = json.loads((CONFIGS / f"deepspeed_zero{stage}.json").read_text())
+    for dotted, value in overrides.items():
+        node = config
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    return config
+
+
+def work_around_accelerate_cpu_world_size() -> None:
+    """Test harness only: accelerate 1.15 reports world size 1 to DeepSpeed on CPU.
+
+    Without a GPU, accelerate picks no backend for a DeepSpeed launch and then counts one process although
+    DeepSpeed set up all of them, so DeepSpeed rejects ``train_batch_size`` (``8 != 8 * 1 * 2``). When a
+    DeepSpeed run sees several processes and accelerate found no backend, answer gloo as a multi-CPU run does.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    original = PartialState._prepare_backend
+    if getattr(original, "_hf_flatbias_patched", False):
+        return
+
+    def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        chosen, distributed_type = original(self, cpu, sagemaker_dp, backend)
+        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+        if chosen is None and deepspeed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return "gloo", DistributedType.MULTI_CPU
+        return chosen, distributed_type
+
+    prepare_backend._hf_flatbias_patched = True
+    PartialState._prepare_backend = prepare_backend
+
+
+def reset_accelerate(launch_environment: dict[str, str]) -> None:
+    """Forget the previous case: accelerate keeps its state in class attributes and flags in the environment."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    for key in [k for k in os.environ if k.startswith("ACCELERATE_")]:
+        del os.environ[key]
+    os.environ.update({k: v for k, v in launch_environment.items() if k.startswith("ACCELERATE_")})
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+    unset_hf_deepspeed_config()
+
+
+def trained_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters())
+    if any(hasattr(p, "ds_tensor") for p in params.values()):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(params.values())):
+            return {name: p.detach().clone() for name, p in params.items()}
+    return {name: p.detach().clone() for name, p in params.items()}
+
+
+def run_trace_case(case: Case, values: dict) -> dict:
+    """The engine is set up by one training step at learning rate 0, so the weights stay those of `tiny_masked_lm`."""
+    from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
+    from hf_flatbias.flatness import estimators
+    from hf_flatbias.sharpness.engines import deepspeed_zero_stage
+
+    values.update(flatness_method="none", learning_rate=0.0, max_steps=1)
+    trainer = FlatBiasTrainer(model=tiny_masked_lm(), args=FlatBiasConfig(**values), train_dataset=masked_rows())
+    trainer.train()
+    summarized = []
+    real_summary = estimators.summarize_trace_samples
+
+    def keep_samples(samples, **kwargs):
+        summarized.append(samples)
+        return real_summary(samples, **kwargs)
+
+    estimators.summarize_trace_samples = keep_samples
+    try:
+        estimate = estimators.estimate_hessian_trace(trainer.model, masked_rows(), across_processes=True, **case.trace)
+    finally:
+        estimators.summarize_trace_samples = real_summary
+    return {
+        "estimate": estimate.to_dict(),
+        "per_context_values": summarized[0].values,
+        "world_size": trainer.args.world_size,
+        "zero_stage": deepspeed_zero_stage(trainer._deepspeed_engine()),
+    }
+
+
+def run_case(case: Case, out_dir: Path, rank: int) -> dict:
+    from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
+    from hf_flatbias.sharpness.engines import deepspeed_zero_stage
+
+    work = out_dir / "work" / case.name
+    values = base_arguments(str(work))
+    values.update(case.args)
+    if case.engine == "ddp":
+        values["use_cpu"] = True
+    elif case.engine == "launcher":
+        pass  # the engine comes from the `accelerate launch` config (ACCELERATE_* variables)
+    else:
+        values["deepspeed"] = deepspeed_config(int(case.engine.removeprefix("zero")), case.deepspeed_overrides)
+    if case.resume_from_step is not None:
+        values.update(save_strategy="steps", save_steps=case.resume_from_step)
+    if case.kind == "trace":
+        return run_trace_case(case, values)
+
+    def train(resume_from_checkpoint: str | None = None) -> FlatBiasTrainer:
+        args = FlatBiasConfig(**values)
+        trainer = FlatBiasTrainer(model=tiny_classifier(), args=args, train_dataset=classification_rows())
+        trainer.train(resume_from_checkpoint=resume_from_checkpoint)
+        return trainer
+
+    trainer = train()
+    result = {"params": trained_parameters(trainer.model)}
+    if case.resume_from_step is not None:
+        checkpoint = work / f"checkpoint-{case.resume_from_step}"
+        trainer.accelerator.wait_for_everyone()
+        resumed = train(resume_from_checkpoint=str(checkpoint))
+        result["resumed_params"] = trained_parameters(resumed.model)
+        trainer = resumed
+    result["log_history"] = trainer.state.log_history
+    result["world_size"] = trainer.args.world_size
+    result["zero_stage"] = deepspeed_zero_stage(trainer._deepspeed_engine())
+    return result
+
+
+def main(cases_file: str, out: str) -> None:
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cases = [Case(**c) for c in json.loads(Path(cases_file).read_text())]
+    launch_environment = dict(os.environ)
+    work_around_accelerate_cpu_world_size()
+    rank = int(os.environ.get("RANK", "0"))
+    for case in cases:
+        reset_accelerate(launch_environment)
+        start = time.perf_counter()
+        stem = f"{case.name}.rank{rank}"
+        try:
+            result = run_case(case, out_dir, rank)
+        except ValueError as error:
+            (out_dir / f"{stem}.error").write_text(str(error))
+            continue
+        tensors = {key: result.pop(key) for key in ("params", "resumed_params", "per_context_values") if key in result}
+        torch.save(tensors, out_dir / f"{stem}.pt")
+        result.update(case=asdict(case), seconds=time.perf_counter() - start)
+        (out_dir / f"{stem}.json").write_text(json.dumps(result, default=str))
+        print(f"[rank {rank}] {case.name}: {result['seconds']:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    if "RANK" not in os.environ:
+        # A plain one-process start (`python script` or accelerate with one process): DeepSpeed still needs the
+        # variables a launcher would set, or it tries MPI.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29531")
+    main(sys.argv[1], sys.argv[2])

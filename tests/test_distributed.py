@@ -1,0 +1,331 @@
+"""FlatBiasTrainer's SAM/ASAM with real processes: DDP over gloo and DeepSpeed ZeRO 0-3 on CPU, 1 and 2 ranks.
+
+Each launch runs `tests/distributed_sam_script.py` once for all cases (starting processes is what costs time);
+the tests below compare its saved weights with a plain-PyTorch SAM written here, on the same global batches.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed_sam_script import classification_rows, tiny_classifier
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = REPO_ROOT / "tests" / "distributed_sam_script.py"
+CONFIGS = REPO_ROOT / "recipes" / "configs"
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+LAUNCH_TIMEOUT_S = 1200
+
+pytestmark = pytest.mark.distributed
+
+# Defaults of the launched runs (see distributed_sam_script.base_arguments): SGD lr 0.1, 3 steps, rho 0.05,
+# 2 examples per process and micro-batch, sequential data.
+PER_DEVICE = 2
+STEPS = 3
+LR = 0.1
+
+SAM_CASES = {
+    "sam_micro_acc1": {},
+    "sam_batch_acc2": {"sam_scope": "batch", "gradient_accumulation_steps": 2},
+    "asam_micro_acc2": {"flatness_method": "asam", "sam_rho": 0.5, "gradient_accumulation_steps": 2},
+    "asam_batch_acc2": {"flatness_method": "asam", "sam_rho": 0.5, "sam_scope": "batch",
+                        "gradient_accumulation_steps": 2},
+    "sam_per_rank_acc2": {"sam_perturbation": "per_rank", "gradient_accumulation_steps": 2},
+    "sam_per_rank_batch_acc2": {"sam_perturbation": "per_rank", "sam_scope": "batch",
+                                "gradient_accumulation_steps": 2},
+}
+ENGINES = ["ddp", "zero0", "zero1", "zero2", "zero3"] if HAS_DEEPSPEED else ["ddp"]
+
+
+def supported(engine: str, variant: str) -> bool:
+    return not (engine == "zero3" and "per_rank" in variant)
+
+
+TWO_PROCESS_CASES = [
+    {"name": f"{engine}-{variant}", "engine": engine, "args": args}
+    for engine in ENGINES
+    for variant, args in SAM_CASES.items()
+    if supported(engine, variant)
+]
+if HAS_DEEPSPEED:
+    TWO_PROCESS_CASES += [
+        {"name": "zero3-plain", "engine": "zero3", "args": {"flatness_method": "none"}},
+        {"name": "zero2-resume", "engine": "zero2", "resume_from_step": 2},
+        {"name": "zero3-resume", "engine": "zero3", "args": {"sam_scope": "batch", "gradient_accumulation_steps": 2},
+         "resume_from_step": 2},
+        {"name": "zero3-per_rank-rejected", "engine": "zero3", "args": {"sam_perturbation": "per_rank"}},
+        {"name": "zero2-bf16-rejected", "engine": "zero2", "deepspeed_overrides": {"bf16.enabled": True}},
+    ]
+TRACE_CASES = [
+    {"name": "trace-ddp-per_sample", "engine": "ddp", "kind": "trace", "trace": {"n_draws": 2, "batch_size": 2}},
+]
+if HAS_DEEPSPEED:
+    TRACE_CASES += [
+        {"name": "trace-zero2-per_sample", "engine": "zero2", "kind": "trace",
+         "trace": {"n_draws": 2, "batch_size": 2}},
+        {"name": "trace-zero3-naive", "engine": "zero3", "kind": "trace",
+         "trace": {"n_draws": 2, "estimator": "naive"}},
+        {"name": "trace-zero3-per_sample-rejected", "engine": "zero3", "kind": "trace", "trace": {"n_draws": 2}},
+    ]
+TWO_PROCESS_CASES += TRACE_CASES
+SAM_TWO_PROCESS_CASES = [c for c in TWO_PROCESS_CASES if c.get("kind", "sam") == "sam"]
+
+# The user's path: the engine set up by `accelerate launch --config_file accelerate_deepspeed_zero3.yaml`.
+LAUNCHER_CASE = {"name": "launcher-zero3-sam_batch_acc2", "engine": "launcher", "args": SAM_CASES["sam_batch_acc2"]}
+ONE_PROCESS_CASES = [
+    {"name": f"{engine}-{variant}", "engine": engine, "args": SAM_CASES[variant]}
+    for engine in ENGINES
+    for variant in ("sam_batch_acc2", "asam_micro_acc2")
+]
+
+
+def launch(config: str, cases: list[dict], out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cases_file = out_dir / "cases.json"
+    cases_file.write_text(json.dumps(cases))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
+               str(SCRIPT), str(cases_file), str(out_dir)]
+    completed = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+                               timeout=LAUNCH_TIMEOUT_S)
+    (out_dir / "launch.log").write_text(completed.stdout + completed.stderr)
+    if completed.returncode != 0:
+        pytest.fail(f"launch failed ({completed.returncode}):\n{completed.stderr[-4000:]}")
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def two_process_runs(tmp_path_factory) -> Path:
+    return launch("accelerate_cpu_2proc.yaml", TWO_PROCESS_CASES, tmp_path_factory.mktemp("two_processes"))
+
+
+@pytest.fixture(scope="session")
+def one_process_runs(tmp_path_factory) -> Path:
+    return launch("accelerate_cpu_1proc.yaml", ONE_PROCESS_CASES, tmp_path_factory.mktemp("one_process"))
+
+
+@pytest.fixture(scope="session")
+def launcher_runs(tmp_path_factory) -> Path:
+    return launch("accelerate_deepspeed_zero3.yaml", [LAUNCHER_CASE], tmp_path_factory.mktemp("launcher"))
+
+
+def load(out_dir: Path, name: str, rank: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    path = out_dir / f"{name}.rank{rank}.pt"
+    if not path.exists():
+        error = out_dir / f"{name}.rank{rank}.error"
+        pytest.fail(error.read_text() if error.exists() else f"{path.name} missing; see {out_dir / 'launch.log'}")
+    return torch.load(path)
+
+
+# ---------------------------------------------------------------------------------------- independent reference
+
+
+def reference_sam_sgd(
+    *, world_size: int, flatness_method: str = "sam", sam_rho: float = 0.05, sam_scope: str = "micro_batch",
+    gradient_accumulation_steps: int = 1, sam_perturbation: str = "global", eta: float = 0.01,
+) -> dict[str, torch.Tensor]:
+    """SGD with SAM/ASAM on ``world_size`` simulated ranks, as the textbook and the options define it.
+
+    Micro-batch ``m`` of rank ``r`` holds rows ``(m * world_size + r) * PER_DEVICE`` onwards (how accelerate
+    shards a sequential loader); each rank's loss is its mean divided by the accumulation steps, and gradients are
+    averaged over ranks. ``global``: one perturbation from the rank-averaged first gradient; ``per_rank``: rank r
+    is perturbed along its own first gradient.
+    """
+    if flatness_method != "none":
+        assert flatness_method in ("sam", "asam")
+    model = tiny_classifier()
+    rows = classification_rows()
+    params = [p for p in model.parameters() if p.requires_grad]
+    k = gradient_accumulation_steps
+    adaptive = flatness_method == "asam"
+
+    def batch(micro_index: int, rank: int) -> dict[str, torch.Tensor]:
+        start = (micro_index * world_size + rank) * PER_DEVICE
+        chunk = rows[start: start + PER_DEVICE]
+        return {key: torch.stack([row[key] for row in chunk]) for key in chunk[0]}
+
+    def grad(b) -> list[torch.Tensor]:
+        loss = model(**b).loss / k
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads, strict=True)]
+
+    def add(*gradient_lists):
+        return [sum(gs) for gs in zip(*gradient_lists, strict=True)]
+
+    def rank_mean(gradient_lists):
+        return [g / len(gradient_lists) for g in add(*gradient_lists)]
+
+    def direction(g):
+        scales = [p.detach().abs() + eta if adaptive else torch.ones_like(p) for p in params]
+        norm = math.sqrt(sum(float(((s * x) ** 2).sum()) for s, x in zip(scales, g, strict=True)))
+        return [sam_rho * s * s * x / norm for s, x in zip(scales, g, strict=True)]
+
+    def grad_at(eps, b):
+        saved = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, e in zip(params, eps, strict=True):
+                p.add_(e)
+        g = grad(b)
+        with torch.no_grad():
+            for p, s in zip(params, saved, strict=True):
+                p.copy_(s)
+        return g
+
+    def first_gradient(micro_indices, rank):
+        """What defines rank ``rank``'s perturbation: its own or the rank average, one or all micro-batches."""
+        sources = ranks if sam_perturbation == "global" else [rank]
+        return add(*[rank_mean([grad(batch(m, q)) for q in sources]) for m in micro_indices])
+
+    ranks = range(world_size)
+    for step in range(STEPS):
+        micro = [step * k + j for j in range(k)]
+        total = [torch.zeros_like(p) for p in params]
+        if sam_scope == "batch":
+            eps = {r: direction(first_gradient(micro, r)) for r in ranks}
+        for m in micro:
+            if sam_scope == "micro_batch":
+                eps = {r: direction(first_gradient([m], r)) for r in ranks}
+            if flatness_method == "none":
+                second = rank_mean([grad(batch(m, r)) for r in ranks])
+            else:
+                second = rank_mean([grad_at(eps[r], batch(m, r)) for r in ranks])
+            total = add(total, second)
+        with torch.no_grad():
+            for p, g in zip(params, total, strict=True):
+                p.sub_(LR * g)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+def marks_for(engine: str) -> list:
+    return [pytest.mark.deepspeed] if engine.startswith("zero") else []
+
+
+# ---------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in SAM_TWO_PROCESS_CASES
+             if "rejected" not in c["name"] and "resume" not in c["name"]],
+)
+def test_two_processes_match_reference(two_process_runs, case):
+    params = load(two_process_runs, case["name"])["params"]
+    reference = reference_sam_sgd(world_size=2, **case.get("args", {}))
+    assert max_difference(params, reference) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in SAM_TWO_PROCESS_CASES
+             if "rejected" not in c["name"]],
+)
+def test_ranks_end_bit_identical(two_process_runs, case):
+    rank0, rank1 = load(two_process_runs, case["name"], 0), load(two_process_runs, case["name"], 1)
+    for key in rank0:
+        assert all(torch.equal(rank0[key][n], rank1[key][n]) for n in rank0[key]), key
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in ONE_PROCESS_CASES],
+)
+def test_one_process_matches_reference(one_process_runs, case):
+    params = load(one_process_runs, case["name"])["params"]
+    reference = reference_sam_sgd(world_size=1, **case.get("args", {}))
+    assert max_difference(params, reference) < 1e-5
+
+
+def test_reference_tells_the_variants_apart():
+    """The 1e-5 tolerance above is meaningful: SAM, plain SGD, the scopes and per-rank all differ by more."""
+    sam = reference_sam_sgd(world_size=2, gradient_accumulation_steps=2)
+    for other in ({"flatness_method": "none"}, {"sam_scope": "batch"}, {"sam_perturbation": "per_rank"}):
+        assert max_difference(sam, reference_sam_sgd(world_size=2, gradient_accumulation_steps=2, **other)) > 1e-4
+
+
+@pytest.mark.deepspeed
+def test_zero3_plain_step_differs_from_sam(two_process_runs):
+    plain = load(two_process_runs, "zero3-plain")["params"]
+    assert max_difference(plain, reference_sam_sgd(world_size=2, flatness_method="none")) < 1e-5
+    assert max_difference(plain, load(two_process_runs, "zero3-sam_micro_acc1")["params"]) > 1e-4
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("name", ["zero2-resume", "zero3-resume"])
+def test_checkpoint_resume_continues_exactly(two_process_runs, name):
+    saved = load(two_process_runs, name)
+    assert max_difference(saved["resumed_params"], saved["params"]) < 1e-6
+    args = next(c for c in TWO_PROCESS_CASES if c["name"] == name).get("args", {})
+    assert max_difference(saved["resumed_params"], reference_sam_sgd(world_size=2, **args)) < 1e-5
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize(
+    "name,match",
+    [
+        ("zero3-per_rank-rejected", "per_rank"),
+        ("zero2-bf16-rejected", "fp32 weights only"),
+        ("trace-zero3-per_sample-rejected", "estimator='naive'"),
+    ],
+)
+def test_unsupported_deepspeed_setups_fail_at_start(two_process_runs, name, match):
+    for rank in (0, 1):
+        error = two_process_runs / f"{name}.rank{rank}.error"
+        assert error.exists(), f"{name} trained instead of raising"
+        assert match in error.read_text()
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize(
+    "case", [c for c in TWO_PROCESS_CASES if c["engine"].startswith("zero") and "rejected" not in c["name"]],
+    ids=lambda c: c["name"],
+)
+def test_runs_used_the_engine_they_asked_for(two_process_runs, case):
+    """A DeepSpeed config silently ignored would make every DeepSpeed test above a DDP test."""
+    path = two_process_runs / f"{case['name']}.rank0.json"
+    info = json.loads(path.read_text())
+    assert info["zero_stage"] == int(case["engine"].removeprefix("zero")) and info["world_size"] == 2
+
+
+@pytest.mark.deepspeed
+def test_accelerate_launch_with_the_zero3_recipe_config(launcher_runs):
+    info = json.loads((launcher_runs / f"{LAUNCHER_CASE['name']}.rank0.json").read_text())
+    assert info["zero_stage"] == 3 and info["world_size"] == 2
+    rank0, rank1 = (load(launcher_runs, LAUNCHER_CASE["name"], rank)["params"] for rank in (0, 1))
+    assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
+    assert max_difference(rank0, reference_sam_sgd(world_size=2, **LAUNCHER_CASE["args"])) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in TRACE_CASES
+             if "rejected" not in c["name"]],
+)
+def test_trace_across_processes_equals_one_process(two_process_runs, case):
+    """Each rank measured its share of the contexts; the gathered estimate is the one-process estimate."""
+    from hf_flatbias.flatness.estimators import TraceContexts, compute_trace_samples, estimate_hessian_trace
+    from tests.distributed_sam_script import masked_rows, tiny_masked_lm
+
+    infos = [json.loads((two_process_runs / f"{case['name']}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert infos[0]["estimate"] == infos[1]["estimate"]
+    assert infos[0]["world_size"] == 2
+    one_process = estimate_hessian_trace(tiny_masked_lm(), masked_rows(), **case["trace"])
+    shared = infos[0]["estimate"]
+    assert shared["n_contexts"] == one_process.n_contexts == len(masked_rows())
+    assert shared["mean"] == pytest.approx(one_process.mean, rel=1e-6)
+    assert shared["stderr"] == pytest.approx(one_process.stderr, rel=1e-5)
+    # context by context, in the original order (fp32 batches of different composition: 1e-6 relative)
+    gathered = load(two_process_runs, case["name"])["per_context_values"]
+    model = tiny_masked_lm().eval()
+    reference = compute_trace_samples(model, TraceContexts.from_rows(masked_rows(), causal=False), **case["trace"])
+    torch.testing.assert_close(gathered, reference.values, rtol=1e-6, atol=0)

@@ -1,0 +1,298 @@
+"""Trace estimators against exact references computed here, on models small enough to enumerate the vocabulary."""
+
+import math
+
+import pytest
+import torch
+from torch.func import functional_call, jacrev
+from transformers import BertConfig, BertForMaskedLM, BertModel, GPT2Config, GPT2LMHeadModel
+
+from hf_flatbias.flatness.contexts import IGNORE_INDEX, build_masked_contexts
+from hf_flatbias.flatness.estimators import (
+    ESTIMATORS,
+    TraceContexts,
+    compute_trace_samples,
+    estimate_hessian_trace,
+    is_causal_lm,
+)
+from hf_flatbias.flatness.exact import exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
+
+VOCAB, MASK = 14, 1
+
+
+def _tiny_bert(seed=0, **overrides):
+    torch.manual_seed(seed)
+    # a wide initialisation makes the predictions far from uniform, as in a trained model
+    config = dict(
+        vocab_size=VOCAB,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=16,
+        pad_token_id=0,
+        initializer_range=0.4,
+        attn_implementation="eager",
+    )
+    config.update(overrides)
+    return BertForMaskedLM(BertConfig(**config)).eval()
+
+
+def _tiny_gpt2(seed=0):
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=8,
+        n_layer=1,
+        n_head=2,
+        n_positions=16,
+        bos_token_id=2,
+        eos_token_id=2,
+        initializer_range=0.4,
+        attn_implementation="eager",
+    )
+    return GPT2LMHeadModel(config).eval()
+
+
+def _rows(n_rows, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n_rows):
+        length = int(torch.randint(4, 9, (1,), generator=generator))
+        rows.append({"input_ids": torch.randint(2, VOCAB, (length,), generator=generator).tolist()})
+    return rows
+
+
+def _contexts(n, causal=False, seed=0):
+    return build_masked_contexts(_rows(n, seed), mask_token_id=None if causal else MASK, causal=causal, seed=seed)
+
+
+def _reference_fisher(model, rows):
+    """sum_y p_y ||J^T (e_y - p)||^2 = tr(Cov J J^T) with the full logit Jacobian from torch.func, per context."""
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    traces = []
+    for row in rows:
+        (position,) = [t for t, label in enumerate(row["labels"]) if label != IGNORE_INDEX]
+        ids = torch.tensor([row["input_ids"]])
+        if is_causal_lm(model):
+            ids, position = ids[:, :position], position - 1
+
+        def logits_at(p, ids=ids, position=position):
+            return functional_call(model, p, (ids,)).logits[0, position]
+
+        jacobian = jacrev(logits_at)(params)
+        flat = torch.cat([j.reshape(VOCAB, -1) for j in jacobian.values()], dim=1).double()
+        probs = torch.softmax(logits_at(params).double(), dim=-1)
+        covariance = torch.diag(probs) - torch.outer(probs, probs)
+        traces.append(float(torch.trace(covariance @ flat @ flat.T)))
+    return torch.tensor(traces, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def bert_case():
+    model, rows = _tiny_bert(), _contexts(24)
+    return model, rows, exact_fisher_trace(model, rows)
+
+
+def test_exact_fisher_matches_a_jacobian_reference():
+    model, rows = _tiny_bert(seed=1), _contexts(4, seed=1)
+    torch.testing.assert_close(
+        per_context_fisher_traces(model, rows), _reference_fisher(model, rows), rtol=1e-4, atol=0
+    )
+
+
+def test_exact_fisher_matches_a_jacobian_reference_for_causal_lm():
+    model, rows = _tiny_gpt2(seed=1), _contexts(4, causal=True, seed=1)
+    torch.testing.assert_close(
+        per_context_fisher_traces(model, rows), _reference_fisher(model, rows), rtol=1e-4, atol=0
+    )
+
+
+def test_hessian_with_model_labels_averages_to_the_fisher_trace():
+    """sum_y p_y Tr H_y = Tr F for each context: checks both exact helpers against each other exactly."""
+    model = _tiny_bert(seed=2, hidden_size=4, intermediate_size=4, vocab_size=6, num_attention_heads=1)
+    (row,) = build_masked_contexts([{"input_ids": [2, 3, 4, 5]}], mask_token_id=MASK, seed=2)
+    (position,) = [t for t, label in enumerate(row["labels"]) if label != IGNORE_INDEX]
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=torch.tensor([row["input_ids"]])).logits[0, position].double(), -1)
+    weighted = 0.0
+    for label in range(6):
+        labels = [IGNORE_INDEX] * 4
+        labels[position] = label
+        weighted += float(probs[label]) * exact_hessian_trace(model, [{**row, "labels": labels}])
+    assert weighted == pytest.approx(exact_fisher_trace(model, [row]), rel=1e-4)
+
+
+def test_exact_hessian_matches_a_finite_difference_of_the_gradient_on_a_single_weight():
+    model = _tiny_bert(seed=3, hidden_size=4, intermediate_size=4, num_attention_heads=1)
+    generator = torch.Generator().manual_seed(3)
+    same_length = [{"input_ids": torch.randint(2, VOCAB, (6,), generator=generator).tolist()} for _ in range(3)]
+    rows = build_masked_contexts(same_length, mask_token_id=MASK, seed=3)
+    frozen = [p for name, p in model.named_parameters() if name != "cls.predictions.transform.dense.bias"]
+    for p in frozen:
+        p.requires_grad_(False)
+    bias = model.cls.predictions.transform.dense.bias
+    contexts = TraceContexts.from_rows(rows, causal=False)
+
+    def loss_gradient():
+        logits = model(input_ids=torch.stack(contexts.input_ids)).logits
+        picked = logits[torch.arange(len(rows)), torch.tensor(contexts.positions)]
+        loss = torch.nn.functional.cross_entropy(picked.double(), torch.tensor(contexts.targets))
+        return torch.autograd.grad(loss, bias)[0].double()
+
+    eps, diagonal = 1e-3, 0.0
+    for entry in range(bias.numel()):
+        with torch.no_grad():
+            bias[entry] += eps
+        plus = loss_gradient()[entry]
+        with torch.no_grad():
+            bias[entry] -= 2 * eps
+        minus = loss_gradient()[entry]
+        with torch.no_grad():
+            bias[entry] += eps
+        diagonal += float(plus - minus) / (2 * eps)
+    assert exact_hessian_trace(model, rows) == pytest.approx(diagonal, rel=2e-2)
+
+
+@pytest.mark.parametrize("estimator", ["per_sample", "summed", "naive"])
+def test_fisher_estimators_are_within_four_standard_errors_of_the_exact_trace(bert_case, estimator):
+    model, rows, exact = bert_case
+    # summed and hutchinson sample one value per batch: small batches give enough units for a standard error
+    estimate = estimate_hessian_trace(model, rows, n_draws=6, estimator=estimator, batch_size=2, seed=11)
+    assert estimate.n_contexts == 24 and estimate.n_draws == 6 and estimate.estimator == estimator
+    assert 0 < estimate.stderr < 0.5 * exact
+    assert abs(estimate.mean - exact) < 4 * estimate.stderr
+
+
+def test_per_sample_without_output_expectation_equals_naive_draw_for_draw(bert_case):
+    model, rows, _ = bert_case
+    contexts = TraceContexts.from_rows(rows, causal=False)
+    naive = compute_trace_samples(model, contexts, n_draws=3, estimator="naive", seed=5)
+    ghost = compute_trace_samples(
+        model, contexts, n_draws=3, estimator="per_sample", seed=5, batch_size=5, exact_output_expectation=False
+    )
+    torch.testing.assert_close(ghost.values, naive.values, rtol=1e-4, atol=1e-6)
+
+
+def test_per_sample_equals_naive_for_a_causal_lm_with_conv1d_layers():
+    model, rows = _tiny_gpt2(), _contexts(10, causal=True)
+    contexts = TraceContexts.from_rows(rows, causal=True)
+    naive = compute_trace_samples(model, contexts, n_draws=2, estimator="naive", seed=1)
+    ghost = compute_trace_samples(
+        model, contexts, n_draws=2, estimator="per_sample", seed=1, batch_size=4, exact_output_expectation=False
+    )
+    torch.testing.assert_close(ghost.values, naive.values, rtol=1e-4, atol=1e-6)
+    estimate = estimate_hessian_trace(model, rows, n_draws=8, seed=2)
+    assert abs(estimate.mean - exact_fisher_trace(model, rows)) < 4 * estimate.stderr
+
+
+def test_output_expectation_removes_the_decoder_draw_noise():
+    """With the untied decoder and everything but the head frozen, the expectation makes every draw exact."""
+    model = _tiny_bert(seed=4, tie_word_embeddings=False)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("cls.predictions.decoder"))
+    rows = _contexts(6, seed=4)
+    contexts = TraceContexts.from_rows(rows, causal=False)
+    samples = compute_trace_samples(model, contexts, n_draws=4, seed=0)
+    expected = _reference_fisher_subset(model, rows).unsqueeze(1).expand(-1, 4)
+    torch.testing.assert_close(samples.values, expected, rtol=1e-5, atol=1e-6)
+    for p in model.parameters():
+        p.requires_grad_(True)
+
+
+def _reference_fisher_subset(model, rows):
+    """Fisher trace over the decoder weight and bias only: (1 - ||p||^2)(||h||^2 + 1), by brute force over y."""
+    traces = []
+    params = [p for p in model.parameters() if p.requires_grad]
+    for row in rows:
+        (position,) = [t for t, label in enumerate(row["labels"]) if label != IGNORE_INDEX]
+        log_probs = torch.log_softmax(model(input_ids=torch.tensor([row["input_ids"]])).logits[0, position], -1)
+        total = 0.0
+        for label in range(VOCAB):
+            grads = torch.autograd.grad(log_probs[label], params, retain_graph=True)
+            total += float(log_probs[label].exp()) * sum(float(g.double().square().sum()) for g in grads)
+        traces.append(total)
+    return torch.tensor(traces, dtype=torch.float64)
+
+
+def test_hutchinson_is_within_four_standard_errors_of_the_exact_hessian():
+    model, rows = _tiny_bert(seed=7, hidden_size=4, intermediate_size=8, num_attention_heads=1), _contexts(12, seed=7)
+    estimate = estimate_hessian_trace(model, rows, n_draws=30, estimator="hutchinson", batch_size=2, seed=3)
+    exact = exact_hessian_trace(model, rows)
+    assert abs(estimate.mean - exact) < 4 * estimate.stderr
+
+
+def test_standard_error_covers_the_population_trace_about_95_percent_of_the_time():
+    """Contexts drawn at random from a population whose exact per-context traces are known: the interval
+    mean +- 2 stderr must contain the population mean about 95% of the time (t with 19 d.o.f.: 94%)."""
+    model = _tiny_bert(seed=5, initializer_range=0.1)  # wider ones give heavy tails that n=20 cannot average
+    population = _contexts(60, seed=5)
+    exact = per_context_fisher_traces(model, population)
+    target = float(exact.mean())
+    generator = torch.Generator().manual_seed(0)
+    trials, covered = 100, 0
+    for trial in range(trials):
+        chosen = torch.randint(len(population), (20,), generator=generator).tolist()
+        estimate = estimate_hessian_trace(model, [population[i] for i in chosen], n_draws=2, seed=trial)
+        covered += abs(estimate.mean - target) <= 2 * estimate.stderr
+    assert 0.87 <= covered / trials <= 0.99  # +-3 binomial sd around 0.94
+
+
+def test_draws_depend_only_on_seed_and_context_index(bert_case):
+    model, rows, _ = bert_case
+    contexts = TraceContexts.from_rows(rows, causal=False)
+    whole = compute_trace_samples(model, contexts, n_draws=2, seed=9, batch_size=7)
+    halves = [
+        compute_trace_samples(model, contexts, indices=part, n_draws=2, seed=9, batch_size=3)
+        for part in (range(0, 24, 2), range(1, 24, 2))
+    ]
+    torch.testing.assert_close(halves[0].values, whole.values[0::2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(halves[1].values, whole.values[1::2], rtol=1e-5, atol=1e-6)
+
+
+def test_measurement_leaves_modes_gradients_and_random_streams_alone(bert_case):
+    model, rows, _ = bert_case
+    model.train()
+    model.cls.eval()
+    state = torch.random.get_rng_state()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    estimate_hessian_trace(model, rows[:4], n_draws=2)
+    assert model.training and not model.cls.training and model.bert.training
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    model.eval()
+
+
+def test_bad_input_raises_clear_errors(bert_case):
+    model, rows, _ = bert_case
+    with pytest.raises(ValueError, match="no language-model head"):
+        estimate_hessian_trace(BertModel(model.config), rows)
+    with pytest.raises(ValueError, match="no labelled position"):
+        estimate_hessian_trace(model, [{**rows[0], "labels": [IGNORE_INDEX] * len(rows[0]["labels"])}])
+    with pytest.raises(ValueError, match="n_draws must be an integer >= 1"):
+        estimate_hessian_trace(model, rows, n_draws=0)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        estimate_hessian_trace(model, [{**rows[0], "input_ids": [VOCAB + 5] + rows[0]["input_ids"][1:]}])
+    with pytest.raises(ValueError, match="estimator="):
+        estimate_hessian_trace(model, rows, estimator="exact")
+    with pytest.raises(ValueError, match="n_contexts=99"):
+        estimate_hessian_trace(model, rows, n_contexts=99)
+    assert set(ESTIMATORS) == {"per_sample", "summed", "hutchinson", "naive"}
+
+
+def test_per_sample_refuses_parameters_it_cannot_see_and_ignores_unused_ones():
+    model = _tiny_bert(seed=6)
+    temperature = torch.nn.Parameter(torch.full((1,), 2.0))
+    model.cls.predictions.temperature = temperature
+    rows = _contexts(3)
+    # registered but unused: no gradient, nothing missed
+    unused = estimate_hessian_trace(model, rows, n_draws=2, exact_output_expectation=False)
+    naive = estimate_hessian_trace(model, rows, n_draws=2, estimator="naive")
+    assert unused.mean == pytest.approx(naive.mean, rel=1e-4)
+    # used outside any supported layer: the gradient would be missed, so per_sample refuses
+    decoder = model.cls.predictions.decoder
+    decoder.register_forward_hook(lambda module, args, output: output * temperature)
+    with pytest.raises(ValueError, match="estimator='naive'.*"):
+        estimate_hessian_trace(model, rows, n_draws=1)
+    assert math.isfinite(estimate_hessian_trace(model, rows, n_draws=1, estimator="naive").mean)

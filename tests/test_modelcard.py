@@ -1,0 +1,396 @@
+"""Flatness model cards: rendering, reading back, building from a trainer, the CLI, and FlatBiasTrainer's saves."""
+
+import json
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+from transformers import BertConfig, BertForMaskedLM, TrainerCallback
+
+from hf_flatbias.cli import main as cli_main
+from hf_flatbias.config import FlatBiasConfig
+from hf_flatbias.modelcard import (
+    FlatnessCard,
+    add_glue_results,
+    flatness_card_from_trainer,
+    format_comparison_table,
+    load_flatness_card,
+)
+from hf_flatbias.trainer import FlatBiasTrainer
+
+
+def front_matter(readme_path):
+    text = open(readme_path, encoding="utf-8").read()
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("---\n")[1])
+
+
+def full_card(**changes):
+    values = dict(
+        model_name="tiny-sam",
+        method="sam",
+        sam_rho=0.05,
+        pretraining_loss=2.5,
+        pretraining_loss_source="eval",
+        hessian_trace=123.25,
+        hessian_trace_stderr=4.5,
+        estimator="per_sample",
+        n_contexts=64,
+        n_draws=2,
+        glue={"sst2": {"accuracy": 0.875}, "stsb": {"pearson": 0.5, "spearmanr": 0.25}},
+        datasets=["bookcorpus"],
+        license="apache-2.0",
+        tags=["bert"],
+        global_step=40,
+        epoch=2.0,
+        model_type="bert",
+        num_parameters=1234,
+        training_hyperparameters={"learning_rate": 0.001, "seed": 3},
+    )
+    values.update(changes)
+    return FlatnessCard(**values)
+
+
+# ----------------------------------------------------------------------------- the card file
+
+
+def test_card_metadata_matches_the_issue_spec(tmp_path):
+    full_card().save(tmp_path)
+    meta = front_matter(tmp_path / "README.md")
+
+    assert meta["flatness"]["hessian_trace"] == 123.25
+    assert meta["flatness"]["hessian_trace_stderr"] == 4.5
+    assert meta["flatness"]["estimator"] == "per_sample"
+    assert (meta["flatness"]["n_contexts"], meta["flatness"]["n_draws"]) == (64, 2)
+    assert (meta["flatness"]["method"], meta["flatness"]["sam_rho"]) == ("sam", 0.05)
+    assert meta["flatness"]["pretraining_loss"] == 2.5
+    assert {"hf_flatbias", "sam", "bert"} <= set(meta["tags"])
+
+    metrics = {
+        (r["dataset"]["type"], r["dataset"].get("config"), m["type"]): m
+        for entry in meta["model-index"]
+        for r in entry["results"]
+        for m in r["metrics"]
+    }
+    trace = metrics[("bookcorpus", None, "hessian_trace")]
+    assert trace["value"] == 123.25 and trace["args"]["stderr"] == 4.5 and trace["args"]["n_draws"] == 2
+    assert metrics[("bookcorpus", None, "loss")]["value"] == 2.5
+    assert metrics[("glue", "sst2", "accuracy")]["value"] == 0.875
+    assert metrics[("glue", "stsb", "spearmanr")]["value"] == 0.25
+
+    body = (tmp_path / "README.md").read_text(encoding="utf-8")
+    assert "123.2 ± 4.5" in body and "SAM (rho = 0.05)" in body
+    assert "arXiv" in body or "arxiv.org/abs/2210.14199" in body
+    assert "| sst2 | accuracy | 0.8750 |" in body
+
+
+def test_card_reads_back_as_the_same_typed_object(tmp_path):
+    card = full_card()
+    card.save(tmp_path)
+    for source in (tmp_path, tmp_path / "README.md"):
+        loaded = load_flatness_card(source)
+        assert isinstance(loaded, FlatnessCard)
+        assert loaded == card
+        for name in (
+            "model_name",
+            "method",
+            "sam_rho",
+            "pretraining_loss",
+            "hessian_trace",
+            "hessian_trace_stderr",
+            "estimator",
+            "n_contexts",
+            "n_draws",
+            "glue",
+            "datasets",
+            "license",
+            "tags",
+        ):
+            assert getattr(loaded, name) == getattr(card, name), name
+
+
+def test_glue_results_added_later_are_merged_into_the_card(tmp_path):
+    full_card().save(tmp_path)
+    add_glue_results(tmp_path, {"sst2": {"f1": 0.5}, "rte": {"accuracy": 0.625}})
+    meta = front_matter(tmp_path / "README.md")
+    glue = {
+        (r["dataset"]["config"], m["type"]): m["value"]
+        for r in meta["model-index"][0]["results"]
+        if r["dataset"]["type"] == "glue"
+        for m in r["metrics"]
+    }
+    assert glue == {
+        ("rte", "accuracy"): 0.625,
+        ("sst2", "accuracy"): 0.875,
+        ("sst2", "f1"): 0.5,
+        ("stsb", "pearson"): 0.5,
+        ("stsb", "spearmanr"): 0.25,
+    }
+    assert meta["flatness"]["hessian_trace"] == 123.25, "the rest of the card is unchanged"
+    with pytest.raises(ValueError, match="not a finite number"):
+        add_glue_results(tmp_path, {"rte": {"accuracy": float("nan")}})
+    assert load_flatness_card(tmp_path).glue["rte"] == {"accuracy": 0.625}
+
+
+def test_card_without_trace_or_sam_is_still_a_card(tmp_path):
+    FlatnessCard(model_name="plain", pretraining_loss=3.0, pretraining_loss_source="train").save(tmp_path)
+    meta = front_matter(tmp_path / "README.md")
+    assert meta["flatness"]["hessian_trace"] is None and meta["flatness"]["method"] == "none"
+    assert "sam" not in meta["tags"]
+    metric_types = [m["type"] for r in meta["model-index"][0]["results"] for m in r["metrics"]]
+    assert metric_types == ["loss"]
+    assert load_flatness_card(tmp_path).hessian_trace is None
+
+
+@pytest.mark.parametrize(
+    "changes, field_name",
+    [
+        ({"hessian_trace": float("nan")}, "hessian_trace"),
+        ({"hessian_trace": float("inf")}, "hessian_trace"),
+        ({"hessian_trace_stderr": float("nan")}, "hessian_trace_stderr"),
+        ({"pretraining_loss": float("-inf")}, "pretraining_loss"),
+    ],
+)
+def test_non_finite_numbers_are_refused_and_nothing_is_written(tmp_path, changes, field_name):
+    with pytest.raises(ValueError, match=rf"{field_name}=.*not finite"):
+        full_card(**changes).save(tmp_path)
+    assert not (tmp_path / "README.md").exists()
+
+
+def test_bad_cards_and_missing_cards_raise_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="stderr must be >= 0"):
+        full_card(hessian_trace_stderr=-1.0).validate()
+    with pytest.raises(ValueError, match="method"):
+        full_card(method="sgd").validate()
+    with pytest.raises(ValueError, match="has no README.md"):
+        load_flatness_card(tmp_path)
+    (tmp_path / "README.md").write_text("---\nlicense: mit\n---\n# someone else's model\n")
+    with pytest.raises(ValueError, match="no `flatness:` metadata block"):
+        load_flatness_card(tmp_path)
+    with pytest.raises(ValueError, match="neither an existing file or folder nor a Hub repo id"):
+        load_flatness_card(str(tmp_path / "missing" / "deeper"))
+
+
+def test_comparison_table_has_one_row_per_model_and_the_union_of_glue_columns():
+    table = format_comparison_table(
+        [
+            ("a", full_card()),
+            ("b", full_card(hessian_trace=None, hessian_trace_stderr=None, glue={"rte": {"accuracy": 0.5}})),
+        ]
+    )
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()]
+    header, a, b = rows[0], rows[2], rows[3]
+    assert header[:3] == ["model", "pre-training loss", "Hessian trace ± stderr"]
+    assert header[5:] == ["rte/accuracy", "sst2/accuracy", "stsb/pearson", "stsb/spearmanr"]
+    assert a[:3] == ["a", "2.5", "123.2 ± 4.5"] and a[5:] == ["-", "0.8750", "0.5000", "0.2500"]
+    assert b[2] == "-" and b[5:] == ["0.5000", "-", "-", "-"]
+
+
+# ----------------------------------------------------------------------------- from a trainer, duck-typed
+
+
+def fake_trainer(log_history, callbacks=(), method="sam"):
+    args = SimpleNamespace(
+        flatness_method=method,
+        sam_rho=0.1,
+        asam_eta=0.01,
+        output_dir="/runs/my-run",
+        hub_model_id=None,
+        learning_rate=1e-3,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        world_size=1,
+        seed=3,
+    )
+    state = SimpleNamespace(log_history=log_history, global_step=7, epoch=1.0)
+    return SimpleNamespace(
+        args=args, state=state, model=None, callback_handler=SimpleNamespace(callbacks=list(callbacks))
+    )
+
+
+def test_trainer_card_prefers_the_callback_estimate_and_eval_loss():
+    estimate = SimpleNamespace(mean=9.0, stderr=0.25, n_contexts=10, n_draws=3, estimator="per_sample", seconds=1.5)
+    history = [
+        {"loss": 4.0, "step": 1},
+        {"eval_loss": 3.5, "step": 2},
+        {"flatness/hessian_trace": 100.0, "flatness/hessian_trace_stderr": 1.0, "step": 2},
+        {"loss": 3.0, "step": 3},
+        {"eval_glue/sst2/accuracy": 0.75, "glue/rte/accuracy": 0.5, "step": 3},
+    ]
+    trainer = fake_trainer(
+        history, callbacks=[SimpleNamespace(last_estimate=None), SimpleNamespace(last_estimate=estimate)]
+    )
+    card = flatness_card_from_trainer(trainer, glue_results={"rte": {"accuracy": 0.625}})
+
+    assert (card.hessian_trace, card.hessian_trace_stderr, card.n_contexts, card.n_draws) == (9.0, 0.25, 10, 3)
+    assert (card.pretraining_loss, card.pretraining_loss_source) == (3.5, "eval")
+    assert card.glue == {"sst2": {"accuracy": 0.75}, "rte": {"accuracy": 0.625}}
+    assert (card.method, card.sam_rho, card.asam_eta) == ("sam", 0.1, None)
+    assert card.model_name == "my-run" and card.global_step == 7
+    assert card.training_hyperparameters["total_train_batch_size"] == 8
+
+
+def test_trainer_card_falls_back_to_the_log_history_and_train_loss():
+    history = [
+        {"flatness/hessian_trace": 100.0, "flatness/hessian_trace_stderr": 1.0, "step": 2},
+        {"loss": 4.0, "step": 3},
+        {"flatness/hessian_trace": 80.0, "flatness/hessian_trace_stderr": 2.0, "step": 4},
+        {"loss": 3.0, "step": 5},
+    ]
+    card = flatness_card_from_trainer(fake_trainer(history, method="none"))
+    assert (card.hessian_trace, card.hessian_trace_stderr) == (80.0, 2.0)
+    assert (card.pretraining_loss, card.pretraining_loss_source) == (3.0, "train")
+    assert card.method == "none" and card.sam_rho is None
+    assert flatness_card_from_trainer(fake_trainer([])).hessian_trace is None
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_cli_card_and_compare(tmp_path, capsys):
+    flat, sharp = tmp_path / "flat", tmp_path / "sharp"
+    full_card(hessian_trace=50.0).save(flat)
+    full_card(hessian_trace=500.0, method="none", sam_rho=None).save(sharp)
+
+    assert cli_main(["card", str(flat), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["hessian_trace"] == 50.0 and shown["glue"]["sst2"]["accuracy"] == 0.875
+
+    assert cli_main(["card", str(flat)]) == 0
+    summary = capsys.readouterr().out
+    assert "| Hessian trace ± stderr | 50 ± 4.5 |" in summary
+    assert "| estimator | per_sample, 64 contexts × 2 draws |" in summary
+    assert "| GLUE stsb/spearmanr | 0.2500 |" in summary
+
+    assert cli_main(["compare", str(sharp), str(flat), "--sort", "trace"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4
+    assert lines[2].startswith(f"| {flat} |") and lines[3].startswith(f"| {sharp} |")
+    assert "SAM (rho = 0.05)" in lines[2] and "| none |" in lines[3]
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "README.md").write_text("# no metadata\n")
+    assert cli_main(["compare", str(flat), str(tmp_path / "other")]) == 2
+    assert "no `flatness:` metadata block" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- FlatBiasTrainer writes the card
+
+
+class FixedTraceCallback(TrainerCallback):
+    """Stands in for HessianTraceCallback: only its `last_estimate` matters to the card."""
+
+    def __init__(self, mean, stderr=0.5):
+        self.last_estimate = SimpleNamespace(
+            mean=mean, stderr=stderr, n_contexts=8, n_draws=2, estimator="per_sample", seconds=0.01
+        )
+
+
+def tiny_mlm_setup(seed=0):
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=40,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
+    model = BertForMaskedLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 40, (16, 8), generator=generator)
+    labels = torch.full_like(ids, -100)
+    labels[:, 3] = ids[:, 3]
+    data = [{"input_ids": row, "labels": target} for row, target in zip(ids, labels, strict=True)]
+    return model, data
+
+
+def tiny_args(output_dir, **overrides):
+    values = dict(
+        flatness_method="sam",
+        sam_rho=0.05,
+        max_steps=4,
+        per_device_train_batch_size=4,
+        save_steps=2,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    values.update(overrides)
+    return FlatBiasConfig(str(output_dir), **values)
+
+
+def test_trainer_writes_the_flatness_card_with_every_checkpoint_and_save(tmp_path):
+    model, data = tiny_mlm_setup()
+    trainer = FlatBiasTrainer(
+        model=model, args=tiny_args(tmp_path), train_dataset=data, callbacks=[FixedTraceCallback(12.5)]
+    )
+    trainer.train()
+
+    train_losses = {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+    for step in (2, 4):
+        meta = front_matter(tmp_path / f"checkpoint-{step}" / "README.md")
+        assert meta["flatness"]["hessian_trace"] == 12.5 and meta["flatness"]["method"] == "sam"
+        assert meta["flatness"]["global_step"] == step
+        assert math.isclose(meta["flatness"]["pretraining_loss"], train_losses[step], rel_tol=1e-6)
+        assert "generated_from_trainer" not in meta["tags"]  # transformers' card would carry this tag
+
+    trainer.create_model_card(license="mit", tags=["tiny"], dataset="synthetic")
+    meta = front_matter(tmp_path / "README.md")
+    assert meta["license"] == "mit" and {"hf_flatbias", "sam", "tiny"} <= set(meta["tags"])
+    trainer.save_model(str(tmp_path / "final"))
+    meta = front_matter(tmp_path / "final" / "README.md")
+    assert meta["license"] == "mit" and meta["datasets"] == ["synthetic"], "metadata given once is kept"
+
+
+class LogsTraceCallback(TrainerCallback):
+    """Logs the trace through the trainer at every step, as HessianTraceCallback does, and keeps no estimate."""
+
+    def bind_trainer(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.log({"flatness/hessian_trace": 10.0 * state.global_step, "flatness/hessian_trace_stderr": 1.0})
+
+
+def test_trainer_card_reads_a_trace_logged_through_the_trainer(tmp_path):
+    model, data = tiny_mlm_setup()
+    trainer = FlatBiasTrainer(
+        model=model, args=tiny_args(tmp_path), train_dataset=data, callbacks=[LogsTraceCallback()]
+    )
+    trainer.train()
+    for step in (2, 4):
+        meta = front_matter(tmp_path / f"checkpoint-{step}" / "README.md")
+        assert (meta["flatness"]["hessian_trace"], meta["flatness"]["hessian_trace_stderr"]) == (10.0 * step, 1.0)
+    card_size = front_matter(tmp_path / "checkpoint-4" / "README.md")["flatness"]["num_parameters"]
+    assert card_size == model.num_parameters()
+
+
+def test_trainer_keeps_checkpoints_but_skips_a_non_finite_card(tmp_path, caplog):
+    model, data = tiny_mlm_setup()
+    trainer = FlatBiasTrainer(
+        model=model,
+        args=tiny_args(tmp_path, max_steps=2),
+        train_dataset=data,
+        callbacks=[FixedTraceCallback(float("nan"))],
+    )
+    trainer.train()
+    assert os.path.isfile(tmp_path / "checkpoint-2" / "model.safetensors")
+    assert not os.path.exists(tmp_path / "checkpoint-2" / "README.md")
+    with pytest.raises(ValueError, match="hessian_trace=nan.*not finite"):
+        trainer.create_model_card()
+
+
+def test_only_world_rank_zero_writes_cards(tmp_path, monkeypatch):
+    model, data = tiny_mlm_setup()
+    trainer = FlatBiasTrainer(
+        model=model, args=tiny_args(tmp_path), train_dataset=data, callbacks=[FixedTraceCallback(1.0)]
+    )
+    monkeypatch.setattr(trainer, "is_world_process_zero", lambda: False)
+    trainer.create_model_card()
+    trainer.save_model(str(tmp_path / "saved"))
+    assert not (tmp_path / "README.md").exists() and not (tmp_path / "saved" / "README.md").exists()

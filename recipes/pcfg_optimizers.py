@@ -42,7 +42,12 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
     output_dir = args.output_dir or Path("results") / f"{args.language}_optimizers"
     start = time.perf_counter()
     setup = setup_language(
-        args.language, n_train=args.n_train, n_contexts=args.n_contexts, n_probe=args.n_probe, seed=args.seed
+        args.language,
+        n_train=args.n_train,
+        n_contexts=args.n_contexts,
+        n_probe=args.n_probe,
+        seed=args.seed,
+        probe_pooling=args.probe_pooling,
     )
     common = dict(
         steps=args.steps,

@@ -21,6 +21,7 @@ from synthetic_common import (
     add_common_arguments,
     apply_smoke,
     correlations,
+    is_main_process,
     matched_loss,
     plot_runs,
     setup_language,
@@ -63,6 +64,8 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
     records = train_and_evaluate(
         setup, spec, output_dir, trace_contexts=args.trace_contexts, trace_draws=args.trace_draws
     )
+    if not is_main_process():
+        return {}  # other processes of `accelerate launch` only trained
     matched = matched_loss(records, args.matched_tolerance)
     payload = {
         "recipe": "continue_training",

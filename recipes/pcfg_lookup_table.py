@@ -26,6 +26,7 @@ from synthetic_common import (
     add_common_arguments,
     apply_smoke,
     features_probe_scores,
+    is_main_process,
     one_mask_loss,
     pad_contexts,
     setup_language,
@@ -98,6 +99,9 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
     records = train_and_evaluate(
         setup, spec, output_dir, trace_contexts=args.trace_contexts, trace_draws=args.trace_draws
     )
+
+    if not is_main_process():
+        return {}  # other processes of `accelerate launch` only trained
 
     def mean_accuracy(scores):
         return float(np.mean([s["accuracy"] for s in scores.values()]))

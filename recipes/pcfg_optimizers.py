@@ -20,6 +20,7 @@ from synthetic_common import (
     add_common_arguments,
     apply_smoke,
     correlations,
+    is_main_process,
     matched_loss,
     plot_runs,
     setup_language,
@@ -70,6 +71,8 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
         )
         for spec in specs
     }
+    if not is_main_process():
+        return {}  # other processes of `accelerate launch` only trained
     pooled = [r for records in runs.values() for r in records if r["step"] > 0]
     finals = {label: records[-1] for label, records in runs.items()}
     payload = {

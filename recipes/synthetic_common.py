@@ -321,6 +321,13 @@ def correlations(records: list[dict[str, Any]]) -> dict[str, float | None]:
     }
 
 
+def is_main_process() -> bool:
+    """True on the process that writes results (the only one under plain ``python``)."""
+    from accelerate import PartialState
+
+    return PartialState().is_main_process
+
+
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=float))
@@ -449,6 +456,9 @@ def train_and_evaluate(
         data_collator=mlm_collator(setup.tokenizer),
         callbacks=[evaluator],
     )
+    if not trainer.is_world_process_zero():
+        trainer.train()  # under `accelerate launch` with several processes only the main one evaluates
+        return []
     evaluator.records.append(
         evaluate_checkpoint(
             model, setup, evaluator.batch, step=0, trace_contexts=trace_contexts, trace_draws=trace_draws

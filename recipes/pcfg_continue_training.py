@@ -5,7 +5,7 @@ keeps lowering the trace of the Hessian, and downstream (probe) accuracy keeps r
 model at a constant learning rate well past convergence, evaluates checkpoints and reports Spearman correlations of
 trace and of loss with probe accuracy, over all checkpoints and over those at matched loss.
 
-    python recipes/pcfg_continue_training.py                # default size, about 25 minutes on 2 idle cores
+    python recipes/pcfg_continue_training.py                # default size: about 15 minutes on a quiet machine (estimated)
     python recipes/pcfg_continue_training.py --smoke        # under 2 minutes
     accelerate launch recipes/pcfg_continue_training.py --language hmm
 """

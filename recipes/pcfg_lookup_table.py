@@ -10,7 +10,7 @@ the inside algorithm (PCFG) or forward-backward (HMM). Its representations for t
 
 They are compared with a transformer trained with AdamW for ``--steps`` steps (mean-pooled last layer).
 
-    python recipes/pcfg_lookup_table.py           # default size, about 10 minutes on 2 idle cores
+    python recipes/pcfg_lookup_table.py           # default size: about 6 minutes on a quiet machine (estimated)
     python recipes/pcfg_lookup_table.py --smoke   # under 2 minutes
 """
 

@@ -5,7 +5,7 @@ AdamW with dropout and weight decay (the usual recipe), AdamW with neither, and 
 evaluated every ``--eval-every`` steps; the summary compares the final checkpoints (loss, gap to the entropy floor,
 trace, probe accuracy) and the Spearman correlations across all checkpoints of all runs.
 
-    python recipes/pcfg_optimizers.py             # default size, about 25 minutes on 2 idle cores
+    python recipes/pcfg_optimizers.py             # default size: about 20 minutes on a quiet machine (estimated)
     python recipes/pcfg_optimizers.py --smoke     # under 2 minutes
 """
 

@@ -5,8 +5,8 @@ keeps lowering the trace of the Hessian, and downstream (probe) accuracy keeps r
 model at a constant learning rate well past convergence, evaluates checkpoints and reports Spearman correlations of
 trace and of loss with probe accuracy, over all checkpoints and over those at matched loss.
 
-    python recipes/pcfg_continue_training.py                # default size: about 15 minutes on a quiet machine (estimated)
-    python recipes/pcfg_continue_training.py --smoke        # under 2 minutes
+    python recipes/pcfg_continue_training.py           # default size: about 15 min on a quiet machine (estimated)
+    python recipes/pcfg_continue_training.py --smoke   # under 2 minutes
     accelerate launch recipes/pcfg_continue_training.py --language hmm
 """
 
@@ -40,7 +40,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
     args = parser.parse_args(argv)
     if args.smoke:
         apply_smoke(args)
-    output_dir = args.output_dir or Path("results") / f"{args.language}_continue_training"
+    output_dir = args.output_dir or Path("outputs") / f"{args.language}_continue_training"
     start = time.perf_counter()
     setup = setup_language(
         args.language,

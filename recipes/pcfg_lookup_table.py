@@ -62,7 +62,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
     args = parser.parse_args(argv)
     if args.smoke:
         apply_smoke(args)
-    output_dir = args.output_dir or Path("results") / f"{args.language}_lookup_table"
+    output_dir = args.output_dir or Path("outputs") / f"{args.language}_lookup_table"
     start = time.perf_counter()
     setup = setup_language(
         args.language,

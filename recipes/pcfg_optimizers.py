@@ -40,7 +40,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
     args = parser.parse_args(argv)
     if args.smoke:
         apply_smoke(args)
-    output_dir = args.output_dir or Path("results") / f"{args.language}_optimizers"
+    output_dir = args.output_dir or Path("outputs") / f"{args.language}_optimizers"
     start = time.perf_counter()
     setup = setup_language(
         args.language,

@@ -1,6 +1,6 @@
 """Print the synthetic recipes' results.json files as the markdown tables of docs/reproduction/synthetic.md.
 
-python recipes/summarize_synthetic.py results/pcfg_continue_training/results.json results/pcfg_optimizers/...
+python recipes/summarize_synthetic.py outputs/pcfg_continue_training/results.json outputs/pcfg_optimizers/results.json
 """
 
 from __future__ import annotations

@@ -98,8 +98,19 @@ class HessianTraceCallback(TrainerCallback):
                 "callbacks itself; with a plain transformers.Trainer call callback.bind_trainer(trainer) after "
                 "creating the trainer."
             )
+        self._check_engine_supports_estimator()
         self._contexts = self._build_contexts()
         self._measured_step = None
+
+    def _check_engine_supports_estimator(self) -> None:
+        # Fail at the start of training, not at the first measurement hours later.
+        plugin = getattr(self._trainer.accelerator.state, "deepspeed_plugin", None)
+        stage = None if plugin is None else plugin.deepspeed_config.get("zero_optimization", {}).get("stage")
+        if stage == 3 and self.estimator != "naive":
+            raise ValueError(
+                f"HessianTraceCallback(estimator={self.estimator!r}) does not support DeepSpeed ZeRO-3; pass "
+                "estimator='naive' (same values, one backward per draw) or train with ZeRO stage 0-2."
+            )
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if self.every_n_steps is not None and state.global_step % self.every_n_steps == 0:
@@ -130,6 +141,8 @@ class HessianTraceCallback(TrainerCallback):
             estimator=self.estimator,
             seed=self.seed,
             batch_size=self.batch_size,
+            # every rank runs the callbacks: each measures its share of the contexts, all get the whole estimate
+            across_processes=self._trainer.args.world_size > 1,
         )
         self.last_estimate = estimate
         self._log({TRACE_METRIC: estimate.mean, TRACE_STDERR_METRIC: estimate.stderr})

@@ -25,6 +25,13 @@ How each kind of growth keeps the function (in eval mode):
 * Vocabulary and token types must match; more positions are allowed (the extra position embeddings are zero and
   unused by sequences the small model could read).
 
+What the embedding does to the Hessian (Fisher) trace: the function is the same, the parameter space is not. Every
+weight *matrix* keeps its squared-gradient contribution exactly (``k**2`` blocks, each with ``1/k`` of the gradient),
+but a vector or embedding row that is *written* ``k`` times (embeddings, LayerNorm gains and biases, biases) splits its
+gradient over ``k`` copies and contributes ``1/k`` of what it did. Traces of models embedded into one architecture
+are therefore comparable with each other, but not with the traces in their own architectures, and a model
+replicated more times has its vector part scaled down more.
+
 Only integer growth factors are function-preserving with LayerNorm (a zero-padded hidden vector would change its mean
 and variance), so other shapes are rejected with a ``ValueError`` before anything is allocated.
 """

@@ -61,6 +61,21 @@ class FlatnessCard:
 
     Every number is optional except the model name: a card written before the first trace estimate simply has no
     trace. Non-finite numbers are refused (see [`FlatnessCard.validate`]): a card is a published claim.
+
+    Attributes:
+        model_name: name in the ``model-index`` (the repo name by default).
+        method: how training sought flatness: ``"none"``, ``"sam"`` or ``"asam"`` (`FlatBiasConfig.flatness_method`).
+        sam_rho, asam_eta: the SAM/ASAM hyperparameters (``None`` when unused).
+        pretraining_loss: the pre-training (masked-LM) loss; ``pretraining_loss_source`` says ``"eval"`` or
+            ``"train"``.
+        hessian_trace, hessian_trace_stderr: Tr(H) of the pre-training loss and its standard error.
+        estimator, n_contexts, n_draws, trace_seconds: how the trace was estimated and how long it took.
+        glue: GLUE validation results, ``{task: {metric: value}}``.
+        global_step, epoch: where in training the card was written.
+        model_type, num_parameters: the architecture (``config.model_type``) and its size.
+        base_model, datasets, language, license, tags: the Hub's usual card metadata (``tags`` beyond the
+            automatic ``hf_flatbias``/method tags).
+        training_hyperparameters: learning rate, batch sizes, schedule, seed... as recorded from the arguments.
     """
 
     model_name: str

@@ -152,11 +152,16 @@ def select_flattest_checkpoint(
         chosen = flattest
     reason = (
         f"{len(candidates)} checkpoint(s) have eval_loss <= {threshold:.6g} (lowest {lowest_loss.eval_loss:.6g} at "
-        f"step {lowest_loss.step}); step {chosen.step} has the smallest Hessian trace ({chosen.hessian_trace:.6g}"
+        f"step {lowest_loss.step}); "
     )
-    reason += f" vs {lowest_loss.hessian_trace:.6g} at the lowest-loss step)" if lowest_loss.hessian_trace else ")"
-    if chosen is not flattest:
-        reason += f" within {trace_margin} standard error(s) of the flattest, and the lowest loss among those"
+    if chosen is flattest:
+        reason += f"step {chosen.step} has the smallest Hessian trace ({chosen.hessian_trace:.6g}"
+        reason += f" vs {lowest_loss.hessian_trace:.6g} at the lowest-loss step)" if lowest_loss.hessian_trace else ")"
+    else:
+        reason += (
+            f"step {chosen.step} (trace {chosen.hessian_trace:.6g}) is within {trace_margin} standard error(s) of the "
+            f"flattest, step {flattest.step} ({flattest.hessian_trace:.6g}), and has the lowest loss among those"
+        )
     return CheckpointSelection(chosen, lowest_loss, candidates, threshold, reason + ".")
 
 

@@ -29,6 +29,7 @@ from .config import FlatBiasConfig
 from .modelcard import FlatnessCard, flatness_card_from_trainer
 from .sharpness.engines import (
     average_across_processes,
+    check_deepspeed_supports_penalty,
     check_deepspeed_supports_sam,
     deepspeed_backward,
     gradients_of,
@@ -121,11 +122,17 @@ class FlatBiasTrainer(Trainer):
     def _check_regularizer_is_supported(self) -> None:
         from accelerate.utils import DistributedType
 
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+        if self.accelerator.distributed_type != DistributedType.DEEPSPEED:
+            return
+        if self.args.flatness_method == "looksam":
             raise ValueError(
-                f"flatness_method={self.args.flatness_method!r} is not supported with DeepSpeed; run it with DDP "
+                "flatness_method='looksam' is not supported with DeepSpeed (it reads and edits param.grad, which "
+                "ZeRO keeps in its own buffers); use 'sam' with sam_every_k=1, or run LookSAM with DDP "
                 "(accelerate launch --multi_gpu) or a single process."
             )
+        check_deepspeed_supports_penalty(
+            self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args.flatness_method
+        )
 
     def _deepspeed_engine(self):
         """The DeepSpeed engine once accelerate has prepared the model, else ``None``."""
@@ -184,10 +191,7 @@ class FlatBiasTrainer(Trainer):
             if perturbation is not None and restore_now:
                 perturbation.restore()
                 self._batch_perturbation = None
-        engine = self._deepspeed_engine()
-        if engine is not None and self.accelerator.sync_gradients:
-            # Only now that w is back: DeepSpeed's step reads the module weights at ZeRO-0.
-            engine.step()
+        self._step_deepspeed_after_restore()
         return loss.detach()
 
     def _scaled_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
@@ -208,6 +212,13 @@ class FlatBiasTrainer(Trainer):
         if not scaled_for_accumulation:
             loss = loss / self.current_gradient_accumulation_steps
         return loss
+
+    def _step_deepspeed_after_restore(self) -> None:
+        """Under DeepSpeed, the optimizer step `_backward` left out; only once ``w`` is back (ZeRO-0 steps the
+        module's own weights)."""
+        engine = self._deepspeed_engine()
+        if engine is not None and self.accelerator.sync_gradients:
+            engine.step()
 
     def _backward(self, loss: torch.Tensor) -> None:
         engine = self._deepspeed_engine()
@@ -306,7 +317,8 @@ class FlatBiasTrainer(Trainer):
                 "e.g. from DataCollatorForLanguageModeling."
             )
         module = self.accelerator.unwrap_model(model)
-        params = trainable_parameters(module)
+        perturbable = perturbable_parameters(module, self._deepspeed_engine())
+        params = perturbable.params
         accumulation = self.current_gradient_accumulation_steps
 
         with self.compute_loss_context_manager():
@@ -330,7 +342,7 @@ class FlatBiasTrainer(Trainer):
         grad_norm = float(squared_norm(grads).sqrt())
         step = self.args.penalty_fd_step
         first_gradient = [g.clone() for g in grads]
-        perturbation = perturb_weights(params, grads, step)
+        perturbation = perturbable.perturb(grads, step)
         if perturbation is None:
             self._skipped_perturbations += 1
             logger.warning(
@@ -342,6 +354,7 @@ class FlatBiasTrainer(Trainer):
             )
             loss = self._scaled_loss(model, inputs, num_items_in_batch)
             self._backward(loss)
+            self._step_deepspeed_after_restore()
             return loss.detach()
 
         try:
@@ -367,6 +380,7 @@ class FlatBiasTrainer(Trainer):
             self._backward(loss)
         finally:
             perturbation.restore()
+        self._step_deepspeed_after_restore()
         return reported_loss
 
     def _looksam_training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
@@ -512,8 +526,10 @@ class FlatBiasTrainer(Trainer):
             self.flatness_card().save(self.args.output_dir)
         super()._push_from_checkpoint(checkpoint_folder)
         # transformers runs these pushes in the background and never reads their result, so a failed upload would
-        # go unnoticed: report it as soon as it happens.
-        for job in getattr(self.push_in_progress, "jobs", None) or []:
+        # go unnoticed: report it as soon as it happens. Only world rank 0 pushes and has `push_in_progress`.
+        if not self.is_world_process_zero() or self.push_in_progress is None:
+            return
+        for job in self.push_in_progress.jobs:
             if not getattr(job, "_flatbias_watched", False):
                 job._flatbias_watched = True
                 job.add_done_callback(functools.partial(_report_failed_push, checkpoint_folder=checkpoint_folder))

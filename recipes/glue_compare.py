@@ -299,13 +299,17 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     text = load_text(
         DataArguments(dataset=args.text_dataset, text_column=args.text_column, validation_texts=args.loss_texts)
     )["validation"]
+    is_main_process = training_args.process_index == 0
     finetune_settings = {name: getattr(training_args, name) for name in FINETUNE_FIELDS}
     finetune_settings["report_to"] = training_args.report_to
     output_dir = Path(training_args.output_dir)
     rows: list[dict] = []
     for model in args.models:
-        measured = pretraining_measurements(model, text, args, seed=training_args.seed, device=training_args.device)
-        logger.info("%s: %s", model, measured)
+        # Fine-tuning is collective under accelerate launch; measuring and writing are done once, by the main process.
+        measured = {}
+        if is_main_process:
+            measured = pretraining_measurements(model, text, args, seed=training_args.seed, device=training_args.device)
+            logger.info("%s: %s", model, measured)
         for task in tasks:
             result = finetune_glue(
                 model,
@@ -321,11 +325,13 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
             )
             rows.append({**result.to_dict(), **measured})
             logger.info("%s %s: %.4f ± %.4f", model, task, result.mean, result.std)
-            if args.update_cards:
+            if args.update_cards and is_main_process:
                 from hf_flatbias.modelcard import add_glue_results
 
                 means = {name: sum(m[name] for m in result.metrics) / len(result.metrics) for name in result.metrics[0]}
                 add_glue_results(model, {task: means})
+    if not is_main_process:
+        return {}
     (output_dir / "glue_compare.json").parent.mkdir(parents=True, exist_ok=True)
     (output_dir / "glue_compare.json").write_text(json.dumps(rows, indent=2))
     paths = write_outputs(rows, tasks, output_dir, standin_tasks=standin_tasks)

@@ -43,12 +43,13 @@ def run(args: argparse.Namespace) -> dict:
     data = build_data(args.n_train, args.n_validation, grammar_seed=args.grammar_seed, data_seed=args.seed)
     n_classes = int(np.max(data.train[args.task])) + 1
     rows = []
-    for name, weight in (("standard", None), ("adversarial", args.adversary_weight)):
+    for weight in args.adversary_weights:
+        name = "standard" if weight == 0 else "adversarial"
         torch.manual_seed(args.seed)
         model = BertForMaskedLM(size.config(data.vocab_size))
         start = time.perf_counter()
         stopper = StopAtLoss(model, data.contexts, args.target_loss)
-        trained = model if weight is None else AdversarialPretrainingModel(model, n_classes, adversary_weight=weight)
+        trained = model if weight == 0 else AdversarialPretrainingModel(model, n_classes, adversary_weight=weight)
         train_mlm(
             trained,
             data,
@@ -56,14 +57,14 @@ def run(args: argparse.Namespace) -> dict:
             learning_rate=args.learning_rate,
             batch_size=args.batch_size,
             seed=args.seed,
-            task_column=None if weight is None else args.task,
+            task_column=None if weight == 0 else args.task,
             callbacks=[stopper],
             eval_strategy="steps",
             eval_steps=args.eval_steps,
         )
         row = {
             "training": name,
-            "adversary_weight": weight or 0.0,
+            "adversary_weight": weight,
             "train_seconds": time.perf_counter() - start,
             "steps": stopper.final_step,
         }
@@ -92,7 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--task", default="task_a", help="the downstream label the adversary hides")
-    parser.add_argument("--adversary-weight", type=float, default=1.0, help="lambda of the confusion term")
+    parser.add_argument(
+        "--adversary-weights",
+        type=float,
+        nargs="+",
+        default=[0.0, 1.0],
+        help="lambda of the confusion term, one model per value; 0 is standard MLM training (same seed, same data)",
+    )
     parser.add_argument("--steps", type=int, default=3000, help="most training steps")
     parser.add_argument(
         "--target-loss",

@@ -5,8 +5,8 @@ keeps lowering the trace of the Hessian, and downstream (probe) accuracy keeps r
 model at a constant learning rate well past convergence, evaluates checkpoints and reports Spearman correlations of
 trace and of loss with probe accuracy, over all checkpoints and over those at matched loss.
 
-    python recipes/pcfg_continue_training.py                # default size, about 25 minutes on 2 idle cores
-    python recipes/pcfg_continue_training.py --smoke        # under 2 minutes
+    python recipes/pcfg_continue_training.py           # default size: about 15 min on a quiet machine (estimated)
+    python recipes/pcfg_continue_training.py --smoke   # under 2 minutes
     accelerate launch recipes/pcfg_continue_training.py --language hmm
 """
 
@@ -21,6 +21,7 @@ from synthetic_common import (
     add_common_arguments,
     apply_smoke,
     correlations,
+    is_main_process,
     matched_loss,
     plot_runs,
     setup_language,
@@ -39,10 +40,15 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
     args = parser.parse_args(argv)
     if args.smoke:
         apply_smoke(args)
-    output_dir = args.output_dir or Path("results") / f"{args.language}_continue_training"
+    output_dir = args.output_dir or Path("outputs") / f"{args.language}_continue_training"
     start = time.perf_counter()
     setup = setup_language(
-        args.language, n_train=args.n_train, n_contexts=args.n_contexts, n_probe=args.n_probe, seed=args.seed
+        args.language,
+        n_train=args.n_train,
+        n_contexts=args.n_contexts,
+        n_probe=args.n_probe,
+        seed=args.seed,
+        probe_pooling=args.probe_pooling,
     )
     spec = RunSpec(
         label="adamw_constant_lr",
@@ -58,6 +64,8 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
     records = train_and_evaluate(
         setup, spec, output_dir, trace_contexts=args.trace_contexts, trace_draws=args.trace_draws
     )
+    if not is_main_process():
+        return {}  # other processes of `accelerate launch` only trained
     matched = matched_loss(records, args.matched_tolerance)
     payload = {
         "recipe": "continue_training",

@@ -1,6 +1,6 @@
 """Print the synthetic recipes' results.json files as the markdown tables of docs/reproduction/synthetic.md.
 
-python recipes/summarize_synthetic.py results/pcfg_continue_training/results.json results/pcfg_optimizers/...
+python recipes/summarize_synthetic.py outputs/pcfg_continue_training/results.json outputs/pcfg_optimizers/results.json
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ def summarize(path: Path) -> str:
             f"Lookup table: loss {table['loss']:.4f} (gap {table['loss_gap_to_entropy']:.1e}); probe on one-hot input "
             f"{table['probe_accuracy_onehot']:.3f}, on its own conditionals {table['probe_accuracy_conditionals']:.3f}"
         )
+        for kind in ("onehot", "conditionals"):
+            tasks = ", ".join(
+                f"{k} {v['accuracy']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]"
+                for k, v in table[f"probe_{kind}"].items()
+            )
+            lines.append(f"- lookup table features `{kind}`: {tasks}")
     for key in ("correlations_all_checkpoints", "correlations_matched_loss"):
         if key in payload:
             c = payload[key]

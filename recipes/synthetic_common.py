@@ -55,10 +55,18 @@ class LanguageSetup:
     entropy: float
     probe_test_rows: list[list[int]] = field(default_factory=list)
     probe_test_tasks: dict[str, np.ndarray] = field(default_factory=dict)
+    probe_pooling: str = "mean"
 
 
 def setup_language(
-    name: str, *, n_train: int, n_contexts: int, n_probe: int, seed: int = 0, hmm_length: int = 24
+    name: str,
+    *,
+    n_train: int,
+    n_contexts: int,
+    n_probe: int,
+    seed: int = 0,
+    hmm_length: int = 24,
+    probe_pooling: str = "mean",
 ) -> LanguageSetup:
     """Build the language from ``seed``, its training set and the fixed evaluation material.
 
@@ -99,6 +107,7 @@ def setup_language(
         probe_test_rows=list(probe_test["input_ids"]),
         probe_test_tasks=tasks(probe_test),
         entropy=entropy_bound(language, contexts),
+        probe_pooling=probe_pooling,
     )
 
 
@@ -202,9 +211,9 @@ def _naive_fisher_trace(model, contexts: Dataset, *, n_draws: int, seed: int) ->
 
 
 # ---------------------------------------------------------------------------------------------------- probes
-def probe_scores(model, setup: LanguageSetup, *, pooling: str = "mean") -> dict[str, dict[str, float]]:
-    fit = extract_features(model, setup.probe_rows, pooling=pooling)
-    test = extract_features(model, setup.probe_test_rows, pooling=pooling)
+def probe_scores(model, setup: LanguageSetup) -> dict[str, dict[str, float]]:
+    fit = extract_features(model, setup.probe_rows, pooling=setup.probe_pooling)
+    test = extract_features(model, setup.probe_test_rows, pooling=setup.probe_pooling)
     return features_probe_scores(fit, test, setup)
 
 
@@ -312,6 +321,13 @@ def correlations(records: list[dict[str, Any]]) -> dict[str, float | None]:
     }
 
 
+def is_main_process() -> bool:
+    """True on the process that writes results (the only one under plain ``python``)."""
+    from accelerate import PartialState
+
+    return PartialState().is_main_process
+
+
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=float))
@@ -378,6 +394,12 @@ def add_common_arguments(parser, *, steps: int, eval_every: int) -> None:
     parser.add_argument("--n-probe", type=int, default=1000, help="sentences to fit the probe (and as many to score)")
     parser.add_argument("--trace-contexts", type=int, default=200, help="contexts of the trace estimate (0: skip)")
     parser.add_argument("--trace-draws", type=int, default=2, help="labels drawn per context for the trace")
+    parser.add_argument(
+        "--probe-pooling",
+        choices=["mean", "cls", "concat"],
+        default="mean",
+        help="encoder features for the probe: mean of the last layer, its [CLS] vector, or all positions concatenated",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (under 2 minutes) for tests")
@@ -434,6 +456,9 @@ def train_and_evaluate(
         data_collator=mlm_collator(setup.tokenizer),
         callbacks=[evaluator],
     )
+    if not trainer.is_world_process_zero():
+        trainer.train()  # under `accelerate launch` with several processes only the main one evaluates
+        return []
     evaluator.records.append(
         evaluate_checkpoint(
             model, setup, evaluator.batch, step=0, trace_contexts=trace_contexts, trace_draws=trace_draws

@@ -51,7 +51,8 @@ class Case:
     #: Train to ``max_steps`` saving at ``resume_from_step``, then train again resuming from that checkpoint.
     resume_from_step: int | None = None
     #: "sam": train and save the weights; "trace": set up the engine on a masked LM, then every rank calls
-    #: estimate_hessian_trace(across_processes=True) with ``trace`` as keyword arguments.
+    #: estimate_hessian_trace(across_processes=True) with ``trace`` as keyword arguments; "trace_callback": a
+    #: HessianTraceCallback(**trace) measures during a step at learning rate 0.
     kind: str = "sam"
     trace: dict = field(default_factory=dict)
 
@@ -215,6 +216,20 @@ def run_trace_case(case: Case, values: dict) -> dict:
     }
 
 
+def run_trace_callback_case(case: Case, values: dict) -> dict:
+    from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
+    from hf_flatbias.callbacks import TRACE_METRIC, HessianTraceCallback
+
+    values.update(flatness_method="none", learning_rate=0.0, max_steps=1)
+    callback = HessianTraceCallback(masked_rows(), every_n_steps=1, on_evaluate=False, mask_token_id=4, **case.trace)
+    trainer = FlatBiasTrainer(model=tiny_masked_lm(), args=FlatBiasConfig(**values), train_dataset=masked_rows(),
+                              callbacks=[callback])
+    trainer.train()
+    logged = [entry[TRACE_METRIC] for entry in trainer.state.log_history if TRACE_METRIC in entry]
+    return {"logged_trace": logged, "contexts": callback._contexts, "world_size": trainer.args.world_size,
+            "estimate": callback.last_estimate.to_dict()}
+
+
 def run_case(case: Case, out_dir: Path, rank: int) -> dict:
     from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
     from hf_flatbias.sharpness.engines import deepspeed_zero_stage
@@ -232,6 +247,8 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
         values.update(save_strategy="steps", save_steps=case.resume_from_step)
     if case.kind == "trace":
         return run_trace_case(case, values)
+    if case.kind == "trace_callback":
+        return run_trace_callback_case(case, values)
 
     def train(resume_from_checkpoint: str | None = None) -> FlatBiasTrainer:
         args = FlatBiasConfig(**values)

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,28 @@ if HAS_DEEPSPEED:
         {"name": "zero3-per_rank-rejected", "engine": "zero3", "args": {"sam_perturbation": "per_rank"}},
         {"name": "zero2-bf16-rejected", "engine": "zero2", "deepspeed_overrides": {"bf16.enabled": True}},
     ]
+# grad_norm_penalty with penalty_lambda = penalty_fd_step = h is the SAM step with rho = h (an exact reference);
+# fisher_penalty samples labels, so its DeepSpeed runs are compared with its DDP run.
+PENALTY_CASES = {
+    "grad_norm_penalty_acc2": {"flatness_method": "grad_norm_penalty", "penalty_lambda": 0.05,
+                               "penalty_fd_step": 0.05, "gradient_accumulation_steps": 2},
+    "fisher_penalty_acc2": {"flatness_method": "fisher_penalty", "penalty_lambda": 0.1, "penalty_fd_step": 0.01,
+                            "gradient_accumulation_steps": 2},
+}
+PENALTY_ENGINES = ["ddp", "zero1", "zero2"] if HAS_DEEPSPEED else ["ddp"]
+PENALTY_TWO_PROCESS_CASES = [
+    {"name": f"{engine}-{variant}", "engine": engine, "args": args}
+    for engine in PENALTY_ENGINES
+    for variant, args in PENALTY_CASES.items()
+]
+if HAS_DEEPSPEED:
+    PENALTY_TWO_PROCESS_CASES += [
+        {"name": "zero3-grad_norm_penalty-rejected", "engine": "zero3",
+         "args": PENALTY_CASES["grad_norm_penalty_acc2"]},
+        {"name": "zero2-looksam-rejected", "engine": "zero2", "args": {"flatness_method": "looksam"}},
+    ]
+TWO_PROCESS_CASES += PENALTY_TWO_PROCESS_CASES
+
 TRACE_CASES = [
     {"name": "trace-ddp-per_sample", "engine": "ddp", "kind": "trace", "trace": {"n_draws": 2, "batch_size": 2}},
 ]
@@ -76,16 +99,30 @@ if HAS_DEEPSPEED:
          "trace": {"n_draws": 2, "estimator": "naive"}},
         {"name": "trace-zero3-per_sample-rejected", "engine": "zero3", "kind": "trace", "trace": {"n_draws": 2}},
     ]
-TWO_PROCESS_CASES += TRACE_CASES
+TRACE_CALLBACK_CASE = {"name": "tracecb-ddp", "engine": "ddp", "kind": "trace_callback",
+                       "trace": {"n_contexts": 7, "n_draws": 2, "batch_size": 2}}
+TWO_PROCESS_CASES += [*TRACE_CASES, TRACE_CALLBACK_CASE]
+if HAS_DEEPSPEED:
+    TWO_PROCESS_CASES.append({"name": "tracecb-zero3-per_sample-rejected", "engine": "zero3", "kind": "trace_callback",
+                              "trace": {"n_contexts": 7, "n_draws": 2}})
 SAM_TWO_PROCESS_CASES = [c for c in TWO_PROCESS_CASES if c.get("kind", "sam") == "sam"]
+SAM_REFERENCE_CASES = [c for c in SAM_TWO_PROCESS_CASES if c not in PENALTY_TWO_PROCESS_CASES]
 
 # The user's path: the engine set up by `accelerate launch --config_file accelerate_deepspeed_zero3.yaml`.
 LAUNCHER_CASE = {"name": "launcher-zero3-sam_batch_acc2", "engine": "launcher", "args": SAM_CASES["sam_batch_acc2"]}
+# DDP in one process is the in-process single-process path (tests/test_trainer_sam.py)
 ONE_PROCESS_CASES = [
     {"name": f"{engine}-{variant}", "engine": engine, "args": SAM_CASES[variant]}
     for engine in ENGINES
+    if engine != "ddp"
     for variant in ("sam_batch_acc2", "asam_micro_acc2")
 ]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def launch(config: str, cases: list[dict], out_dir: Path) -> Path:
@@ -93,9 +130,12 @@ def launch(config: str, cases: list[dict], out_dir: Path) -> Path:
     cases_file = out_dir / "cases.json"
     cases_file.write_text(json.dumps(cases))
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+    # a free port, not the config's: other test sessions on the machine may be launching at the same time
+    port = free_port()
+    env.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1",
+               MASTER_PORT=str(port))
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-               str(SCRIPT), str(cases_file), str(out_dir)]
+               "--main_process_port", str(port), str(SCRIPT), str(cases_file), str(out_dir)]
     completed = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
                                timeout=LAUNCH_TIMEOUT_S)
     (out_dir / "launch.log").write_text(completed.stdout + completed.stderr)
@@ -104,9 +144,27 @@ def launch(config: str, cases: list[dict], out_dir: Path) -> Path:
     return out_dir
 
 
+class TwoProcessRuns:
+    """Launches the 2-process cases lazily, DDP and DeepSpeed cases separately, so that a run selecting only the
+    DDP tests (``-m "distributed and not deepspeed"``) pays for one small launch."""
+
+    def __init__(self, tmp_path_factory):
+        self._tmp_path_factory = tmp_path_factory
+        self._dirs: dict[str, Path] = {}
+
+    def __call__(self, name: str) -> Path:
+        engine = next(c for c in TWO_PROCESS_CASES if c["name"] == name)["engine"]
+        group = "ddp" if engine == "ddp" else "deepspeed"
+        if group not in self._dirs:
+            cases = [c for c in TWO_PROCESS_CASES if (c["engine"] == "ddp") == (group == "ddp")]
+            out_dir = self._tmp_path_factory.mktemp(f"two_processes_{group}")
+            self._dirs[group] = launch("accelerate_cpu_2proc.yaml", cases, out_dir)
+        return self._dirs[group]
+
+
 @pytest.fixture(scope="session")
-def two_process_runs(tmp_path_factory) -> Path:
-    return launch("accelerate_cpu_2proc.yaml", TWO_PROCESS_CASES, tmp_path_factory.mktemp("two_processes"))
+def two_process_runs(tmp_path_factory) -> TwoProcessRuns:
+    return TwoProcessRuns(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
@@ -119,7 +177,8 @@ def launcher_runs(tmp_path_factory) -> Path:
     return launch("accelerate_deepspeed_zero3.yaml", [LAUNCHER_CASE], tmp_path_factory.mktemp("launcher"))
 
 
-def load(out_dir: Path, name: str, rank: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+def load(runs: Path | TwoProcessRuns, name: str, rank: int = 0) -> dict[str, dict[str, torch.Tensor]]:
+    out_dir = runs(name) if isinstance(runs, TwoProcessRuns) else runs
     path = out_dir / f"{name}.rank{rank}.pt"
     if not path.exists():
         error = out_dir / f"{name}.rank{rank}.error"
@@ -219,7 +278,7 @@ def marks_for(engine: str) -> list:
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in SAM_TWO_PROCESS_CASES
+    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in SAM_REFERENCE_CASES
              if "rejected" not in c["name"] and "resume" not in c["name"]],
 )
 def test_two_processes_match_reference(two_process_runs, case):
@@ -277,11 +336,14 @@ def test_checkpoint_resume_continues_exactly(two_process_runs, name):
         ("zero3-per_rank-rejected", "per_rank"),
         ("zero2-bf16-rejected", "fp32 weights only"),
         ("trace-zero3-per_sample-rejected", "estimator='naive'"),
+        ("zero3-grad_norm_penalty-rejected", "ZeRO-3"),
+        ("zero2-looksam-rejected", "looksam"),
+        ("tracecb-zero3-per_sample-rejected", "estimator='naive'"),
     ],
 )
 def test_unsupported_deepspeed_setups_fail_at_start(two_process_runs, name, match):
     for rank in (0, 1):
-        error = two_process_runs / f"{name}.rank{rank}.error"
+        error = two_process_runs(name) / f"{name}.rank{rank}.error"
         assert error.exists(), f"{name} trained instead of raising"
         assert match in error.read_text()
 
@@ -293,7 +355,7 @@ def test_unsupported_deepspeed_setups_fail_at_start(two_process_runs, name, matc
 )
 def test_runs_used_the_engine_they_asked_for(two_process_runs, case):
     """A DeepSpeed config silently ignored would make every DeepSpeed test above a DDP test."""
-    path = two_process_runs / f"{case['name']}.rank0.json"
+    path = two_process_runs(case["name"]) / f"{case['name']}.rank0.json"
     info = json.loads(path.read_text())
     assert info["zero_stage"] == int(case["engine"].removeprefix("zero")) and info["world_size"] == 2
 
@@ -316,7 +378,10 @@ def test_trace_across_processes_equals_one_process(two_process_runs, case):
     from hf_flatbias.flatness.estimators import TraceContexts, compute_trace_samples, estimate_hessian_trace
     from tests.distributed_sam_script import masked_rows, tiny_masked_lm
 
-    infos = [json.loads((two_process_runs / f"{case['name']}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    out_dir = two_process_runs(case["name"])
+    infos = [json.loads((out_dir / f"{case['name']}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    for info in infos:
+        info["estimate"].pop("seconds")
     assert infos[0]["estimate"] == infos[1]["estimate"]
     assert infos[0]["world_size"] == 2
     one_process = estimate_hessian_trace(tiny_masked_lm(), masked_rows(), **case["trace"])
@@ -329,3 +394,39 @@ def test_trace_across_processes_equals_one_process(two_process_runs, case):
     model = tiny_masked_lm().eval()
     reference = compute_trace_samples(model, TraceContexts.from_rows(masked_rows(), causal=False), **case["trace"])
     torch.testing.assert_close(gathered, reference.values, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    "engine", [pytest.param(e, marks=marks_for(e)) for e in PENALTY_ENGINES]
+)
+def test_grad_norm_penalty_with_lambda_equal_to_step_is_sam(two_process_runs, engine):
+    name = f"{engine}-grad_norm_penalty_acc2"
+    params = load(two_process_runs, name)["params"]
+    reference = reference_sam_sgd(world_size=2, sam_rho=0.05, gradient_accumulation_steps=2)
+    assert max_difference(params, reference) < 1e-5
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("engine", [e for e in PENALTY_ENGINES if e != "ddp"])
+def test_fisher_penalty_under_deepspeed_equals_ddp(two_process_runs, engine):
+    deepspeed = load(two_process_runs, f"{engine}-fisher_penalty_acc2")["params"]
+    ddp = load(two_process_runs, "ddp-fisher_penalty_acc2")["params"]
+    assert max_difference(deepspeed, ddp) < 1e-5
+    # and the penalty did something: the plain SGD run lands elsewhere
+    plain = reference_sam_sgd(world_size=2, flatness_method="none", gradient_accumulation_steps=2)
+    assert max_difference(ddp, plain) > 1e-4
+
+
+def test_trace_callback_logs_the_one_process_estimate(two_process_runs):
+    """HessianTraceCallback runs on every rank; each logs the estimate of all contexts, as one process would."""
+    from hf_flatbias.flatness.estimators import estimate_hessian_trace
+    from tests.distributed_sam_script import tiny_masked_lm
+
+    name = TRACE_CALLBACK_CASE["name"]
+    infos = [json.loads((two_process_runs(name) / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert infos[0]["world_size"] == 2 and infos[0]["logged_trace"] == infos[1]["logged_trace"]
+    trace = TRACE_CALLBACK_CASE["trace"]
+    one_process = estimate_hessian_trace(tiny_masked_lm(), infos[0]["contexts"], n_draws=trace["n_draws"],
+                                         batch_size=trace["batch_size"])
+    assert infos[0]["estimate"]["n_contexts"] == one_process.n_contexts == trace["n_contexts"]
+    assert infos[0]["logged_trace"] == [pytest.approx(one_process.mean, rel=1e-6)]

@@ -13,6 +13,7 @@ import torch
 from hf_flatbias.sharpness.engines import (
     PerturbableParameters,
     ZeroStage3Parameters,
+    check_deepspeed_supports_penalty,
     check_deepspeed_supports_sam,
     perturbable_parameters,
 )
@@ -120,3 +121,17 @@ def test_plain_parameters_move_along_the_normalised_gradient():
     torch.testing.assert_close(model.weight.detach() - before, 0.5 * grad / 5.0)
     perturbation.restore()
     assert torch.equal(model.weight.detach(), before)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_penalties_run_under_zero_0_to_2(stage):
+    check_deepspeed_supports_penalty(zero_config(stage), "fisher_penalty")
+
+
+@pytest.mark.parametrize(
+    "config,match",
+    [(zero_config(3), "ZeRO-3"), ({"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}, "fp32 weights")],
+)
+def test_penalties_refuse_what_they_cannot_do_exactly(config, match):
+    with pytest.raises(ValueError, match=match):
+        check_deepspeed_supports_penalty(config, "grad_norm_penalty")

@@ -211,3 +211,26 @@ def test_other_family_is_rejected():
         check_enlargeable(bert_config(), gpt2_config())
     with pytest.raises(ValueError, match="enlarge supports model_type"):
         check_enlargeable(RobertaConfig(vocab_size=VOCAB, hidden_size=16, num_attention_heads=2), bert_config())
+
+
+def test_squared_gradients_matrices_kept_written_vectors_divided():
+    """The documented effect on the trace: per-sample squared gradients of matrices are unchanged, those of
+    parameters written k times (embeddings, LayerNorms) are divided by k, unreplicated ones are unchanged."""
+    small = randomized(BertForMaskedLM(bert_config()).double())
+    large = enlarge(small, bert_config(hidden_size=32, num_attention_heads=4, intermediate_size=48))
+    inputs = bert_inputs()
+    labels = torch.full_like(inputs["input_ids"], -100)
+    labels[:, 4] = inputs["input_ids"][:, 4]
+
+    def squared_gradients(model):
+        model.zero_grad()
+        model(**inputs, labels=labels).loss.backward()
+        return {name: float((p.grad**2).sum()) for name, p in model.named_parameters()}
+
+    before, after = squared_gradients(small), squared_gradients(large)
+    matrices = [n for n in before if n.startswith("bert.encoder") and n.endswith("dense.weight")]
+    matrices += [n for n in before if n.endswith(("query.weight", "key.weight", "value.weight"))]
+    assert sum(after[n] for n in matrices) == pytest.approx(sum(before[n] for n in matrices), rel=1e-9)
+    for name in ("bert.embeddings.word_embeddings.weight", "bert.embeddings.LayerNorm.weight"):
+        assert after[name] == pytest.approx(before[name] / 2, rel=1e-9), name
+    assert after["cls.predictions.bias"] == pytest.approx(before["cls.predictions.bias"], rel=1e-9)

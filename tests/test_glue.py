@@ -211,8 +211,8 @@ def test_finetune_glue_reports_every_seed(tiny_checkpoint, mode):
         mode=mode,
         seeds=[0, 1],
         dataset=_toy_sst2(),
-        max_steps=40 if mode == "full" else 5,  # only full fine-tuning is checked for learning
-        learning_rate=3e-3,
+        max_steps=20 if mode == "full" else 5,  # only full fine-tuning is checked for learning
+        learning_rate=5e-3,
         per_device_train_batch_size=8,
         training_kwargs={"disable_tqdm": True, "use_cpu": True},
     )
@@ -269,3 +269,25 @@ def test_hub_metric_failure_falls_back_to_the_local_module(monkeypatch):
     assert metric.compute(predictions=[0, 1, 1, 0], references=[0, 1, 1, 0]) == {"matthews_correlation": 1.0}
     with pytest.raises(ConnectionError):
         glue.load_glue_metric("cola", use_hub=True)
+
+
+def test_stsb_is_fine_tuned_as_regression(tiny_checkpoint):
+    pairs = Dataset.from_dict(
+        {
+            "sentence1": SENTENCES[:8],
+            "sentence2": SENTENCES[1:9],
+            "label": [0.5, 1.0, 4.5, 2.0, 3.0, 0.0, 5.0, 2.5],
+            "idx": list(range(8)),
+        }
+    )
+    result = glue.finetune_glue(
+        str(tiny_checkpoint),
+        "stsb",
+        seeds=[0],
+        dataset=DatasetDict(train=pairs, validation=pairs),
+        max_steps=3,
+        learning_rate=1e-3,
+        training_kwargs={"disable_tqdm": True, "use_cpu": True},
+    )
+    assert result.metric == "pearson" and set(result.metrics[0]) == {"pearson", "spearmanr"}
+    assert -1.0 <= result.mean <= 1.0

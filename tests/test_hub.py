@@ -206,3 +206,33 @@ def test_cli_compares_hub_repos_in_a_fresh_process(tmp_path):
     rows = compare.stdout.strip().splitlines()
     assert rows[2].startswith("| user/a |") and "5 ± 4.5" in rows[2]
     assert rows[3].startswith("| user/b |") and "50 ± 4.5" in rows[3]
+
+
+@pytest.mark.slow  # about 1-2 minutes: two processes each import transformers and train
+@pytest.mark.distributed
+def test_only_rank_zero_writes_and_pushes_cards_with_two_processes(hub, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(hub_client_environment(hub.url, str(tmp_path / "fresh_hf_home")))
+    env.update(PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'tests'}", OMP_NUM_THREADS="1")
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        str(REPO_ROOT / "tests" / "hub_distributed_script.py"),
+        str(tmp_path / "run"),
+        "user/ddp",
+    ]
+    launched = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=900)
+    assert launched.returncode == 0, launched.stderr[-4000:]
+    assert (tmp_path / "done.rank0").read_text() == "2" and (tmp_path / "done.rank1").exists()
+
+    assert not (tmp_path / "card_writes.rank1.txt").exists(), "rank 1 rendered a card"
+    assert (tmp_path / "card_writes.rank0.txt").read_text().split().count("4") >= 1
+    card = load_flatness_card("user/ddp")
+    assert (card.hessian_trace, card.global_step) == (7.0, 4)
+    # Rank 0 alone: one create_repo; one upload each for output_dir and the checkpoint at steps 2 and 4, one final.
+    assert hub.state.calls["create_repo"] == 1
+    assert hub.state.calls["preupload"] == 5

@@ -370,6 +370,28 @@ def test_trainer_card_reads_a_trace_logged_through_the_trainer(tmp_path):
     assert card_size == model.num_parameters()
 
 
+def test_trainer_card_carries_the_hessian_trace_callback_estimate(tmp_path):
+    from hf_flatbias.callbacks import HessianTraceCallback
+
+    model, data = tiny_mlm_setup()
+    trace = HessianTraceCallback(
+        eval_dataset=[{"input_ids": row["input_ids"].tolist()} for row in data[:6]],
+        n_contexts=6,
+        n_draws=2,
+        every_n_steps=2,
+        on_evaluate=False,
+        mask_token_id=4,
+    )
+    trainer = FlatBiasTrainer(model=model, args=tiny_args(tmp_path), train_dataset=data, callbacks=[trace])
+    trainer.train()
+    logged = {e["step"]: e for e in trainer.state.log_history if "flatness/hessian_trace" in e}
+    for step in (2, 4):
+        flatness = front_matter(tmp_path / f"checkpoint-{step}" / "README.md")["flatness"]
+        assert flatness["hessian_trace"] == logged[step]["flatness/hessian_trace"] > 0
+        assert flatness["hessian_trace_stderr"] == logged[step]["flatness/hessian_trace_stderr"]
+        assert (flatness["n_contexts"], flatness["n_draws"], flatness["estimator"]) == (6, 2, "per_sample")
+
+
 def test_trainer_keeps_checkpoints_but_skips_a_non_finite_card(tmp_path, caplog):
     model, data = tiny_mlm_setup()
     trainer = FlatBiasTrainer(

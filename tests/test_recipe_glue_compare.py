@@ -150,3 +150,16 @@ def test_glue_compare_smoke_on_checkpoints_saved_by_the_recipe(tmp_path):
 def test_standin_scores_never_go_into_a_card(tmp_path):
     with pytest.raises(ValueError, match="stand-in scores as GLUE SST-2"):
         glue_compare.main(["some/model", "--tasks", "sst2", "--update_cards", "--output_dir", str(tmp_path)])
+
+
+def test_shipped_config_parses(tmp_path):
+    from recipe_args import parse_recipe_args
+
+    from hf_flatbias.config import FlatBiasConfig
+
+    argv = glue_compare.split_positional_models(
+        ["runs/a", "runs/b", "--config", str(REPO / "recipes" / "configs" / "glue_compare.yaml")]
+    )
+    args, training = parse_recipe_args((glue_compare.CompareArguments, FlatBiasConfig), argv)
+    assert args.models == ["runs/a", "runs/b"] and args.seeds == [0, 1, 2] and args.tasks == "sst2,qnli,rte"
+    assert training.learning_rate == 2e-5 and training.num_train_epochs == 3

@@ -255,3 +255,17 @@ def test_callback_takes_traces_logged_by_another_callback_in_either_order(tmp_pa
     selector.on_train_end(args, state, control)
     assert selector.selection.chosen.step == 20
     assert json.loads((tmp_path / "flatness_selection.json").read_text())["lowest_loss"]["step"] == 10
+
+
+def test_cli_reads_a_recipe_result_file_with_other_key_names(tmp_path, capsys):
+    """synthetic_common's result files: {"records": [{step, loss, hessian_trace, hessian_trace_stderr, ...}]}."""
+    records = [
+        {"step": r.step, "loss": r.eval_loss, "hessian_trace": r.hessian_trace, "hessian_trace_stderr": r.stderr}
+        for r in RECORDS
+    ]
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({"recipe": "continue_training", "records": records}))
+    argv = ["select", str(path), "--loss-key", "loss", "--stderr-key", "hessian_trace_stderr", "--json"]
+    assert cli_main(argv) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["chosen"]["step"] == 400 and payload["chosen"]["stderr"] == 0.5

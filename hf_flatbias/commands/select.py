@@ -31,7 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "source",
         help="a training output folder (its newest checkpoint-*/trainer_state.json, or trainer_state.json, is read), "
         "a trainer_state.json file, or a JSON file holding a list of records {step, eval_loss, hessian_trace, "
-        "stderr, path}",
+        "stderr, path} (or an object with such a 'records' list; other key names via --loss-key/--trace-key/"
+        "--stderr-key)",
     )
     parser.add_argument("--loss-tolerance", type=float, default=0.01, help="slack on the best loss (default 0.01)")
     parser.add_argument("--relative", action="store_true", help="read --loss-tolerance as a fraction of the best loss")
@@ -96,8 +97,10 @@ def _load_records(args: argparse.Namespace) -> list[CheckpointRecord]:
         state_path = path
     with open(state_path) as handle:
         payload = json.load(handle)
+    if isinstance(payload, dict) and isinstance(payload.get("records"), list):
+        payload = payload["records"]  # a recipe's result file: {"records": [...], ...}
     if isinstance(payload, list):
-        return [CheckpointRecord.from_mapping(item) for item in payload]
+        return [CheckpointRecord.from_mapping(_canonical_keys(item, args)) for item in payload]
     if isinstance(payload, dict) and "log_history" in payload:
         if checkpoint_dir is None:
             # trainer_state.json lives in <output_dir>/checkpoint-N/ or <output_dir>/.
@@ -114,6 +117,19 @@ def _load_records(args: argparse.Namespace) -> list[CheckpointRecord]:
             raise ValueError(f"{state_path} logs no {args.loss_key!r}; was the run evaluated (eval_strategy)?")
         return records
     raise ValueError(f"{state_path} is neither a list of checkpoint records nor a trainer_state.json.")
+
+
+def _canonical_keys(item: dict, args: argparse.Namespace) -> dict:
+    """A record's own keys win; otherwise the --loss-key / --trace-key / --stderr-key names are read."""
+    renamed = dict(item)
+    for flag_key, canonical in (
+        (args.loss_key, "eval_loss"),
+        (args.trace_key, "hessian_trace"),
+        (args.stderr_key, "stderr"),
+    ):
+        if canonical not in renamed and flag_key in item:
+            renamed[canonical] = item[flag_key]
+    return renamed
 
 
 def _newest_trainer_state(folder: str) -> str:

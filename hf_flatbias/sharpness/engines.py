@@ -246,3 +246,18 @@ def check_deepspeed_supports_sam(config: dict, sam_perturbation: str = "global")
         raise ValueError(
             "SAM/ASAM under ZeRO-3 cannot perturb quantized weights (zero_quantized_weights); set it to false."
         )
+
+
+def check_deepspeed_supports_penalty(config: dict, flatness_method: str) -> None:
+    """Raise a ``ValueError`` naming the fix when a DeepSpeed ``config`` cannot run a penalty step exactly.
+
+    The penalty steps perturb like SAM (so SAM's precision limits apply) and add a linear term in the parameters
+    to the loss, which needs whole parameters outside the forward: ZeRO 0-2 only.
+    """
+    check_deepspeed_supports_sam(config, "global")
+    if int(_config_value(config, "zero_optimization.stage", 0) or 0) == 3:
+        raise ValueError(
+            f"flatness_method={flatness_method!r} is not supported under ZeRO-3: its step adds a term linear in the "
+            "whole parameters, which ZeRO-3 only holds inside a forward. Use ZeRO stage 0-2, or 'sam' (which "
+            "supports ZeRO-3)."
+        )

@@ -29,6 +29,8 @@ import jinja2
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .callbacks import TRACE_METRIC, TRACE_STDERR_METRIC
+
 HESSIAN_TRACE_METRIC = "hessian_trace"
 PRETRAINING_LOSS_METRIC = "loss"
 FLATNESS_TAG = "hf_flatbias"
@@ -37,8 +39,6 @@ TEMPLATE_NAME = "flatness_card.md"
 PRETRAINING_TASK = "fill-mask"
 GLUE_DATASET = "glue"
 GLUE_TASK_TYPE = "text-classification"
-TRACE_LOG_KEY = "flatness/hessian_trace"
-TRACE_STDERR_LOG_KEY = "flatness/hessian_trace_stderr"
 # GLUE results in the trainer's log history: "glue/<task>/<metric>", optionally with the Trainer's "eval_" prefix.
 GLUE_LOG_KEY = re.compile(r"^(?:eval_)?glue/(?P<task>[a-z0-9_-]+)/(?P<metric>[a-z0-9_]+)$")
 KNOWN_METHODS = ("none", "sam", "asam")
@@ -449,10 +449,10 @@ def _trace_from_callbacks(callbacks: Iterable[Any]) -> dict[str, Any] | None:
 
 def _trace_from_history(history: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     for entry in reversed(history):
-        if TRACE_LOG_KEY in entry:
-            stderr = entry.get(TRACE_STDERR_LOG_KEY)
+        if TRACE_METRIC in entry:
+            stderr = entry.get(TRACE_STDERR_METRIC)
             return {
-                "hessian_trace": float(entry[TRACE_LOG_KEY]),
+                "hessian_trace": float(entry[TRACE_METRIC]),
                 "hessian_trace_stderr": float(stderr) if stderr is not None else None,
             }
     return None

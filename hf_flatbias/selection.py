@@ -22,6 +22,8 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from .callbacks import TRACE_METRIC, TRACE_STDERR_METRIC
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -34,8 +36,6 @@ __all__ = [
 
 SELECTION_FILE = "flatness_selection.json"
 # The keys HessianTraceCallback logs (and hf_flatbias.modelcard reads): one name for the trace across the package.
-TRACE_LOG_KEY = "flatness/hessian_trace"
-TRACE_STDERR_LOG_KEY = "flatness/hessian_trace_stderr"
 
 
 @dataclass(frozen=True)
@@ -173,8 +173,8 @@ def records_from_log_history(
     log_history: Iterable[Mapping[str, Any]],
     *,
     loss_key: str = "eval_loss",
-    trace_key: str = TRACE_LOG_KEY,
-    stderr_key: str = TRACE_STDERR_LOG_KEY,
+    trace_key: str = TRACE_METRIC,
+    stderr_key: str = TRACE_STDERR_METRIC,
     checkpoint_dir: str | None = None,
 ) -> list[CheckpointRecord]:
     """Merge a Trainer ``log_history`` (as in ``trainer_state.json``) into one record per evaluated step.
@@ -231,10 +231,10 @@ class FlatnessCheckpointSelector(TrainerCallback):
     )
     loss_metric: str = field(default="eval_loss", metadata={"help": "Evaluation metric holding the validation loss."})
     trace_metric: str = field(
-        default=TRACE_LOG_KEY, metadata={"help": "Logged (or evaluation) key holding the trace estimate."}
+        default=TRACE_METRIC, metadata={"help": "Logged (or evaluation) key holding the trace estimate."}
     )
     stderr_metric: str = field(
-        default=TRACE_STDERR_LOG_KEY, metadata={"help": "Logged (or evaluation) key holding its standard error."}
+        default=TRACE_STDERR_METRIC, metadata={"help": "Logged (or evaluation) key holding its standard error."}
     )
     trace_fn: TraceFunction | None = field(
         default=None, metadata={"help": "Called with the model at an evaluation that logged no trace."}

@@ -523,6 +523,15 @@ class FlatBiasTrainer(Trainer):
         # hub_strategy pushes upload output_dir (its README.md included) besides the checkpoint folder, whose card
         # _save wrote; a non-finite trace stops the push with the card's ValueError before any upload starts.
         if self.is_world_process_zero() and self.args.hub_strategy != "end":
+            previous = getattr(self, "push_in_progress", None)
+            if previous is not None and not previous.is_done():
+                # A background push still reads output_dir: huggingface_hub hashes each file when the upload starts
+                # and reads it again to send it (LFS) or to commit it (README.md). This push overwrites those files
+                # (the new weights, the new card), so the earlier push would send bytes that do not match their
+                # sha256 (the Hub rejects the upload) or commit one step's weights with another's card.
+                if not self.args.hub_always_push:
+                    return  # transformers skips this push; leave the files of the running one alone
+                self._finish_current_push()  # push every checkpoint, each intact: one after the other
             self.flatness_card().save(self.args.output_dir)
         super()._push_from_checkpoint(checkpoint_folder)
         # transformers runs these pushes in the background and never reads their result, so a failed upload would

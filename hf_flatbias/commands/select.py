@@ -7,9 +7,8 @@ import json
 import os
 import sys
 
+from ..callbacks import TRACE_METRIC, TRACE_STDERR_METRIC
 from ..selection import (
-    TRACE_LOG_KEY,
-    TRACE_STDERR_LOG_KEY,
     CheckpointRecord,
     records_from_log_history,
     select_flattest_checkpoint,
@@ -44,8 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "loss among them wins (default 0: smallest trace wins)",
     )
     parser.add_argument("--loss-key", default="eval_loss", help="log_history key of the validation loss")
-    parser.add_argument("--trace-key", default=TRACE_LOG_KEY, help=f"log_history key of the trace ({TRACE_LOG_KEY})")
-    parser.add_argument("--stderr-key", default=TRACE_STDERR_LOG_KEY, help="log_history key of its standard error")
+    parser.add_argument("--trace-key", default=TRACE_METRIC, help=f"log_history key of the trace ({TRACE_METRIC})")
+    parser.add_argument("--stderr-key", default=TRACE_STDERR_METRIC, help="log_history key of its standard error")
     parser.add_argument("--json", action="store_true", help="print the selection as JSON")
     parser.set_defaults(func=run)
 

@@ -47,9 +47,15 @@ def run_demo(args: argparse.Namespace) -> int:
     data = build_pcfg_dataset(pcfg, n_train=args.n_train, n_validation=512, seed=args.seed)
     tokenizer = make_tokenizer(pcfg.words())
     model = BertForMaskedLM(
-        BertConfig(vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                   intermediate_size=256, max_position_embeddings=tokenizer.model_max_length,
-                   pad_token_id=tokenizer.pad_token_id)
+        BertConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=256,
+            max_position_embeddings=tokenizer.model_max_length,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     )
     train = data["train"].select_columns(["input_ids", "attention_mask"])
     validation = data["validation"].select_columns(["input_ids", "attention_mask"])

@@ -665,8 +665,13 @@ def estimate_hessian_trace(
     else:
         indices = list(range(len(contexts)))
     _check_partitioned_model(model, estimator, across_processes)
-    measure = dict(n_draws=n_draws, estimator=estimator, seed=seed, batch_size=batch_size,
-                   exact_output_expectation=exact_output_expectation)
+    measure = dict(
+        n_draws=n_draws,
+        estimator=estimator,
+        seed=seed,
+        batch_size=batch_size,
+        exact_output_expectation=exact_output_expectation,
+    )
     with evaluation_mode(model), preserved_global_rng():
         if across_processes:
             samples = _samples_across_processes(model, contexts, indices, measure)

@@ -7,7 +7,8 @@ status codes and error headers the client dispatches on: 409 with the repo ``url
 ``X-Error-Code: EntryNotFound`` for a missing file, ``RepoNotFound`` and ``RevisionNotFound`` likewise.
 
 Repositories live in memory with a linear history on ``main``; every commit is addressable by its sha. Faults can
-be injected per endpoint (``fail_next``) to test what a client does when the Hub fails in the middle of a push.
+be injected per endpoint (``fail_next``) to test what a client does when the Hub fails in the middle of a push, and
+answers delayed (``delay_next``) to test what it does while a push is still under way.
 
 Point a client at it with ``HF_ENDPOINT=<server.url>`` and ``HF_HUB_DISABLE_XET=1`` set before ``huggingface_hub`` is
 imported (a subprocess), or in an already-running process with :func:`point_hub_client_at`.
@@ -94,6 +95,7 @@ class HubState:
         self.requests: list[tuple[str, str]] = []
         self.calls: Counter[str] = Counter()
         self._faults: dict[str, list[int]] = {}
+        self._delays: dict[str, list[float]] = {}
         self.lock = threading.RLock()
 
     def fail_next(self, point: str, times: int = 1, status: int = 500) -> None:
@@ -103,11 +105,23 @@ class HubState:
         with self.lock:
             self._faults.setdefault(point, []).extend([status] * times)
 
+    def delay_next(self, point: str, seconds: float, times: int = 1) -> None:
+        """Hold the next ``times`` requests to ``point`` (one of FAULT_POINTS) for ``seconds`` before answering."""
+        if point not in FAULT_POINTS:
+            raise ValueError(f"Unknown fault point {point!r}; choose one of {FAULT_POINTS}.")
+        with self.lock:
+            self._delays.setdefault(point, []).extend([seconds] * times)
+
     def take_fault(self, point: str) -> int | None:
         with self.lock:
             self.calls[point] += 1
+            delays = self._delays.get(point)
+            delay = delays.pop(0) if delays else 0.0
             pending = self._faults.get(point)
-            return pending.pop(0) if pending else None
+            status = pending.pop(0) if pending else None
+        if delay:
+            time.sleep(delay)  # outside the lock: other requests are answered meanwhile
+        return status
 
     def repo(self, repo_type: str, repo_id: str) -> Repo:
         repo = self.repos.get((repo_type, repo_id))
@@ -460,6 +474,9 @@ class HubServer:
 
     def fail_next(self, point: str, times: int = 1, status: int = 500) -> None:
         self.state.fail_next(point, times, status)
+
+    def delay_next(self, point: str, seconds: float, times: int = 1) -> None:
+        self.state.delay_next(point, seconds, times)
 
     def files(self, repo_id: str, revision: str = "main", repo_type: str = "model") -> dict[str, bytes]:
         """The files of a repository at a revision, as the server stores them."""

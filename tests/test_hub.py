@@ -73,6 +73,9 @@ def test_push_trained_checkpoint_and_load_it_back_by_repo_id(hub, tmp_path):
         output_dir, push_to_hub=True, hub_model_id="user/tiny-sam", hub_strategy="checkpoint", hub_always_push=True
     )
     trainer = FlatBiasTrainer(model=model, args=args, train_dataset=data, callbacks=[FixedTraceCallback(12.5)])
+    # Hold the step-2 push's first LFS request, as a slow Hub or a loaded machine does, so that training reaches the
+    # step-4 push, which rewrites output_dir's weights and card, while the step-2 push has yet to send them.
+    hub.delay_next("lfs_batch", 0.5)
     trainer.train()
     trainer.push_to_hub(license="mit")
 
@@ -91,8 +94,10 @@ def test_push_trained_checkpoint_and_load_it_back_by_repo_id(hub, tmp_path):
         assert name in files, name
     for name in ("README.md", "config.json", "model.safetensors"):
         assert files[name] == (output_dir / name).read_bytes(), name
-    first_checkpoint_push = commits[next(s for s in commits if s == "Training in progress, step 2")]
-    assert card_metadata(hub.files("user/tiny-sam", first_checkpoint_push)["README.md"])["flatness"]["global_step"] == 2
+    assert "Training in progress, step 2" in commits, "the step-2 push failed or was skipped"
+    step_2 = hub.files("user/tiny-sam", commits["Training in progress, step 2"])
+    assert card_metadata(step_2["README.md"])["flatness"]["global_step"] == 2
+    assert step_2["model.safetensors"] == (output_dir / "checkpoint-2" / "model.safetensors").read_bytes()
 
     reloaded = BertForMaskedLM.from_pretrained("user/tiny-sam", cache_dir=str(tmp_path / "cache"))
     expected = trainer.model.state_dict()

@@ -113,10 +113,7 @@ def test_outputs_hold_every_number(tmp_path):
     assert written[1]["scores"] == "0.6 0.62" and float(written[3]["trace"]) == 90.0
 
 
-@pytest.mark.slow
 def test_glue_compare_smoke_on_checkpoints_saved_by_the_recipe(tmp_path):
-    pytest.importorskip("hf_flatbias.flatness.estimators")
-    pytest.importorskip("hf_flatbias.callbacks")
     checkpoints = []
     for setting in ("adamw_dropout_wd", "no_dropout_no_wd_sam"):
         run_bookcorpus_smoke(tmp_path, setting, tmp_path / setting)

@@ -18,13 +18,11 @@ import gc
 import os
 import statistics
 import tempfile
-import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import torch  # noqa: E402
-from transformers import BertConfig, BertForMaskedLM, TrainerCallback  # noqa: E402
+from _common import StepTimer, build_model, masked_lm_rows  # noqa: E402
 
 from hf_flatbias import FlatBiasConfig, FlatBiasTrainer  # noqa: E402
 from hf_flatbias.sharpness import engines  # noqa: E402
@@ -35,33 +33,6 @@ from tests.distributed_sam_script import (  # noqa: E402
 )
 
 VOCAB, SEQ_LEN = 1000, 32
-
-
-class StepTimer(TrainerCallback):
-    def __init__(self):
-        self.durations: list[float] = []
-        self._start = 0.0
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.durations.append(time.perf_counter() - self._start)
-
-
-def mlm_rows(n: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, VOCAB, (n, SEQ_LEN), generator=g)
-    labels = torch.full_like(ids, -100)
-    masked = torch.rand(ids.shape, generator=g) < 0.15
-    labels[masked] = ids[masked]
-    return [{"input_ids": ids[i].masked_fill(masked[i], 4), "labels": labels[i]} for i in range(n)]
-
-
-def model() -> BertForMaskedLM:
-    torch.manual_seed(0)
-    return BertForMaskedLM(BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                      intermediate_size=256, max_position_embeddings=SEQ_LEN))
 
 
 def time_run(engine: str, method: str, steps: int, launch_environment: dict[str, str]) -> list[float]:
@@ -75,8 +46,9 @@ def time_run(engine: str, method: str, steps: int, launch_environment: dict[str,
             values["use_cpu"] = True
         else:
             values["deepspeed"] = deepspeed_config(int(engine[len("zero")]), {})
-        trainer = FlatBiasTrainer(model=model(), args=FlatBiasConfig(**values), train_dataset=mlm_rows(16 * steps),
-                                  callbacks=[timer])
+        model = build_model(hidden=64, layers=2, vocab=VOCAB, seq_len=SEQ_LEN, head_size=32)
+        trainer = FlatBiasTrainer(model=model, args=FlatBiasConfig(**values),
+                                  train_dataset=masked_lm_rows(16 * steps, SEQ_LEN, VOCAB), callbacks=[timer])
         trainer.train()
     return timer.durations[2:]  # the first steps warm up allocators and the engine
 

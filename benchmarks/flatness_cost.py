@@ -22,11 +22,13 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from transformers import BertConfig, BertForMaskedLM, TrainerCallback  # noqa: E402
+from _common import build_model, masked_lm_rows  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 from hf_flatbias import FlatBiasConfig, FlatBiasTrainer  # noqa: E402
 
 WARMUP_STEPS = 2
+HEAD_SIZE = 32  # attention heads = hidden // HEAD_SIZE
 # (label, config overrides, expected ratio from the pass count)
 METHODS = [
     ("sam", {"flatness_method": "sam"}, 2.0),
@@ -66,27 +68,6 @@ class StepClock(TrainerCallback):
         return (self.end - self.start) / self.timed_steps
 
 
-def build_model(hidden: int, layers: int, vocab: int, seq_len: int) -> BertForMaskedLM:
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 32),
-        intermediate_size=4 * hidden,
-        max_position_embeddings=seq_len,
-    )
-    return BertForMaskedLM(config)
-
-
-def masked_rows(n: int, seq_len: int, vocab: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, vocab, (n, seq_len), generator=g)
-    masked = torch.rand(ids.shape, generator=g) < 0.15
-    labels = torch.where(masked, ids, torch.full_like(ids, -100))
-    return [{"input_ids": ids[i].masked_fill(masked[i], 4), "labels": labels[i]} for i in range(n)]
-
-
 def seconds_per_step(overrides: dict, rows, model_kwargs: dict, timed_steps: int, batch_size: int) -> float:
     clock = StepClock()
     with tempfile.TemporaryDirectory() as out:
@@ -103,7 +84,8 @@ def seconds_per_step(overrides: dict, rows, model_kwargs: dict, timed_steps: int
             dataloader_num_workers=0,
             **overrides,
         )
-        trainer = FlatBiasTrainer(model=build_model(**model_kwargs), args=args, train_dataset=rows, callbacks=[clock])
+        model = build_model(**model_kwargs, head_size=HEAD_SIZE)
+        trainer = FlatBiasTrainer(model=model, args=args, train_dataset=rows, callbacks=[clock])
         trainer.train()
     return clock.seconds_per_step
 
@@ -120,8 +102,8 @@ def main() -> None:
     else:
         model_kwargs = dict(hidden=128, layers=2, vocab=2000, seq_len=64)
         repeats, timed_steps, batch = args.repeats or 5, args.timed_steps or 16, 16
-    rows = masked_rows((WARMUP_STEPS + timed_steps) * batch, model_kwargs["seq_len"], model_kwargs["vocab"])
-    n_params = sum(p.numel() for p in build_model(**model_kwargs).parameters())
+    rows = masked_lm_rows((WARMUP_STEPS + timed_steps) * batch, model_kwargs["seq_len"], model_kwargs["vocab"])
+    n_params = sum(p.numel() for p in build_model(**model_kwargs, head_size=HEAD_SIZE).parameters())
 
     plain_runs: list[float] = []
     ratios: dict[str, list[float]] = {label: [] for label, _, _ in METHODS}

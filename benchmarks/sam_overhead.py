@@ -14,49 +14,15 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from transformers import BertConfig, BertForMaskedLM, TrainerCallback  # noqa: E402
+from _common import StepTimer, build_model, masked_lm_rows  # noqa: E402
 
 from hf_flatbias import FlatBiasConfig, FlatBiasTrainer  # noqa: E402
 
-
-class StepTimer(TrainerCallback):
-    def __init__(self):
-        self.durations: list[float] = []
-        self._start = 0.0
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.durations.append(time.perf_counter() - self._start)
-
-
-def build_model(hidden: int, layers: int, vocab: int, seq_len: int) -> BertForMaskedLM:
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        intermediate_size=4 * hidden,
-        max_position_embeddings=seq_len,
-    )
-    return BertForMaskedLM(config)
-
-
-def mlm_rows(n: int, seq_len: int, vocab: int) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(5, vocab, (n, seq_len), generator=g)
-    labels = torch.full_like(ids, -100)
-    masked = torch.rand(ids.shape, generator=g) < 0.15
-    labels[masked] = ids[masked]
-    ids = ids.masked_fill(masked, 4)
-    return [{"input_ids": ids[i], "labels": labels[i]} for i in range(n)]
+HEAD_SIZE = 64  # attention heads = hidden // HEAD_SIZE
 
 
 def time_steps(method: str, rows, model_kwargs, steps: int, batch_size: int) -> list[float]:
@@ -75,7 +41,8 @@ def time_steps(method: str, rows, model_kwargs, steps: int, batch_size: int) -> 
             disable_tqdm=True,
             dataloader_num_workers=0,
         )
-        trainer = FlatBiasTrainer(model=build_model(**model_kwargs), args=args, train_dataset=rows, callbacks=[timer])
+        model = build_model(**model_kwargs, head_size=HEAD_SIZE)
+        trainer = FlatBiasTrainer(model=model, args=args, train_dataset=rows, callbacks=[timer])
         trainer.train()
     return timer.durations[2:]  # the first steps pay for allocation and lazy initialisation
 
@@ -91,8 +58,8 @@ def main() -> None:
     else:
         model_kwargs = dict(hidden=256, layers=4, vocab=8000, seq_len=64)
         repeats, steps, batch = args.repeats or 5, 20, 32
-    rows = mlm_rows(steps * batch, model_kwargs["seq_len"], model_kwargs["vocab"])
-    n_params = sum(p.numel() for p in build_model(**model_kwargs).parameters())
+    rows = masked_lm_rows(steps * batch, model_kwargs["seq_len"], model_kwargs["vocab"])
+    n_params = sum(p.numel() for p in build_model(**model_kwargs, head_size=HEAD_SIZE).parameters())
     plain, sam = [], []
     for _ in range(repeats):
         plain += time_steps("none", rows, model_kwargs, steps, batch)

@@ -26,13 +26,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
 import torch  # noqa: E402
-from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification  # noqa: E402
+from transformers import BertConfig, BertForMaskedLM  # noqa: E402
+
+from tests import tiny_models  # noqa: E402
+from tests.tiny_models import SEQ_LEN, VOCAB, tiny_classifier  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = REPO_ROOT / "recipes" / "configs"
 
-VOCAB = 30
-SEQ_LEN = 6
 N_ROWS = 48
 
 
@@ -57,30 +58,8 @@ class Case:
     trace: dict = field(default_factory=dict)
 
 
-def tiny_classifier(seed: int = 0) -> BertForSequenceClassification:
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=16,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=3,
-    )
-    return BertForSequenceClassification(config)
-
-
 def classification_rows(n: int = N_ROWS, seed: int = 1) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, VOCAB, (n, SEQ_LEN), generator=g)
-    labels = torch.randint(0, 3, (n,), generator=g)
-    return [
-        {"input_ids": ids[i], "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long), "labels": labels[i]}
-        for i in range(n)
-    ]
+    return tiny_models.classification_rows(n, seed)
 
 
 def tiny_masked_lm(seed: int = 0) -> BertForMaskedLM:

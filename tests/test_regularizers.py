@@ -15,13 +15,15 @@ import torch
 import torch.nn.functional as F
 from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
 
-from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
+from hf_flatbias import FlatBiasTrainer
 from hf_flatbias.sharpness.penalties import (
     fisher_trace_from_mean_gradient,
     labelled_logits,
     sample_model_labels,
     sampled_label_loss,
 )
+from tests.tiny_models import flatbias_config as config
+from tests.tiny_models import stack
 
 VOCAB = 30
 SEQ_LEN = 6
@@ -74,32 +76,6 @@ def mlm_rows(n: int = N_ROWS, seed: int = 2) -> list[dict[str, torch.Tensor]]:
             inputs[position] = 4
         rows.append({"input_ids": inputs, "labels": labels})
     return rows
-
-
-def stack(rows):
-    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
-
-
-def config(tmp_path, **overrides) -> FlatBiasConfig:
-    values = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=1,
-        max_steps=3,
-        learning_rate=0.1,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        train_sampling_strategy="sequential",
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        use_cpu=True,
-        seed=0,
-    )
-    values.update(overrides)
-    return FlatBiasConfig(**values)
 
 
 def train(model, args, rows):

@@ -8,65 +8,14 @@ import math
 import pytest
 import torch
 from torch.utils.data import IterableDataset
-from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification, TrainingArguments
+from transformers import BertConfig, BertForMaskedLM, TrainingArguments
 
 from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
-
-N_EXAMPLES = 12
-SEQ_LEN = 6
-VOCAB = 30
-
-
-def tiny_classifier(seed: int = 0) -> BertForSequenceClassification:
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=16,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=3,
-    )
-    return BertForSequenceClassification(config)
-
-
-def classification_rows(n: int = N_EXAMPLES, seed: int = 1) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, VOCAB, (n, SEQ_LEN), generator=g)
-    labels = torch.randint(0, 3, (n,), generator=g)
-    return [{"input_ids": ids[i], "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long), "labels": labels[i]}
-            for i in range(n)]
-
-
-def stack(rows):
-    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+from tests.tiny_models import SEQ_LEN, VOCAB, classification_rows, flatbias_config, stack, tiny_classifier
 
 
 def config(tmp_path, **overrides) -> FlatBiasConfig:
-    values = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=1,
-        max_steps=3,
-        learning_rate=0.1,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        train_sampling_strategy="sequential",
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        use_cpu=True,
-        seed=0,
-        flatness_method="sam",
-        sam_rho=0.05,
-    )
-    values.update(overrides)
-    return FlatBiasConfig(**values)
+    return flatbias_config(tmp_path, **{"flatness_method": "sam", "sam_rho": 0.05, **overrides})
 
 
 def train(model, args, rows=None):
@@ -103,7 +52,8 @@ def reference_sam_sgd(
         for batch in micro_batches:
             if scope == "micro_batch":
                 grads = torch.autograd.grad(loss_of(batch), params, allow_unused=True)
-                eps = perturbation([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=False)])
+                grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=False)]
+                eps = perturbation(grads)
             saved = [p.detach().clone() for p in params]
             with torch.no_grad():
                 for p, e in zip(params, eps, strict=False):

@@ -1,0 +1,73 @@
+"""Tiny BERT models, rows and trainer arguments shared by the SAM / regularizer tests and the launched script.
+
+Importable as ``tests.tiny_models`` from the tests (pytest puts the repository root on the path) and from
+``tests/distributed_sam_script.py`` (launched with the repository root on PYTHONPATH). Only builders live here;
+the plain-PyTorch reference algorithms stay in the test files, independent of each other and of the package.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+VOCAB = 30
+SEQ_LEN = 6
+
+
+def tiny_classifier(seed: int = 0) -> BertForSequenceClassification:
+    """Two-layer, dropout-free BERT classifier with 3 labels."""
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=3,
+    )
+    return BertForSequenceClassification(config)
+
+
+def classification_rows(n: int = 12, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    """``n`` rows of random tokens in [1, VOCAB) with a full attention mask and a random label in {0, 1, 2}."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (n, SEQ_LEN), generator=g)
+    labels = torch.randint(0, 3, (n,), generator=g)
+    return [
+        {"input_ids": ids[i], "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long), "labels": labels[i]}
+        for i in range(n)
+    ]
+
+
+def stack(rows):
+    """Rows (dicts of tensors) to one batch."""
+    return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def flatbias_config(tmp_path, **overrides):
+    """FlatBiasConfig for single-process CPU tests: SGD lr 0.1, constant schedule, 3 steps of 4 sequential rows."""
+    # imported on use, as the launched script does: importing this module does not import the package
+    from hf_flatbias import FlatBiasConfig
+
+    values = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        max_steps=3,
+        learning_rate=0.1,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        train_sampling_strategy="sequential",
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        use_cpu=True,
+        seed=0,
+    )
+    values.update(overrides)
+    return FlatBiasConfig(**values)

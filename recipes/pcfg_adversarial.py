@@ -26,11 +26,14 @@ import torch  # noqa: E402
 from pcfg_common import (  # noqa: E402
     ModelSize,
     StopAtLoss,
+    add_stopping_arguments,
+    add_training_arguments,
     build_data,
     format_table,
     measure,
     set_threads,
     train_mlm,
+    write_result,
 )
 from transformers import BertForMaskedLM  # noqa: E402
 
@@ -100,25 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[0.0, 1.0],
         help="lambda of the confusion term, one model per value; 0 is standard MLM training (same seed, same data)",
     )
-    parser.add_argument("--steps", type=int, default=3000, help="most training steps")
-    parser.add_argument(
-        "--target-loss",
-        type=float,
-        default=None,
-        help="stop each model once its one-mask validation loss is at or below this (matched loss); checked every "
-        "--eval-steps. Default: train every model for --steps.",
-    )
-    parser.add_argument("--eval-steps", type=int, default=200)
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--n-train", type=int, default=20000)
-    parser.add_argument("--n-validation", type=int, default=1000)
-    parser.add_argument("--trace-contexts", type=int, default=300)
-    parser.add_argument("--probe-train", type=int, default=2000)
-    parser.add_argument("--grammar-seed", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (tests)")
-    parser.add_argument("--output", help="write the results as JSON here")
+    add_stopping_arguments(parser)
+    add_training_arguments(parser)
     return parser
 
 
@@ -127,11 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.hidden, args.layers, args.steps, args.n_train, args.n_validation = 16, 1, 20, 200, 100
         args.trace_contexts, args.probe_train, args.eval_steps = 20, 100, 10
-    result = run(args)
-    if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_result(run(args), args.output)
     return 0
 
 

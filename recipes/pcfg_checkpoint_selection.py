@@ -21,7 +21,17 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from pcfg_common import ModelSize, build_data, format_table, probe_tasks, set_threads, trace_of, train_mlm  # noqa: E402
+from pcfg_common import (  # noqa: E402
+    ModelSize,
+    add_training_arguments,
+    build_data,
+    format_table,
+    probe_tasks,
+    set_threads,
+    trace_of,
+    train_mlm,
+    write_result,
+)
 from transformers import BertForMaskedLM, TrainerCallback  # noqa: E402
 
 from hf_flatbias.selection import FlatnessCheckpointSelector  # noqa: E402
@@ -94,16 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--eval-steps", type=int, default=400)
     parser.add_argument("--loss-tolerance", type=float, default=0.02, help="nats above the best validation loss")
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--n-train", type=int, default=20000)
-    parser.add_argument("--n-validation", type=int, default=1000)
-    parser.add_argument("--trace-contexts", type=int, default=300)
-    parser.add_argument("--probe-train", type=int, default=2000)
-    parser.add_argument("--grammar-seed", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (tests)")
-    parser.add_argument("--output", help="write the results as JSON here")
+    add_training_arguments(parser)
     return parser
 
 
@@ -113,11 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         args.hidden, args.layers, args.steps, args.eval_steps = 16, 1, 30, 10
         args.n_train, args.n_validation, args.trace_contexts, args.probe_train = 200, 100, 20, 100
         args.loss_tolerance = 10.0
-    result = run(args)
-    if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_result(run(args), args.output)
     return 0
 
 

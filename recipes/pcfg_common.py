@@ -13,6 +13,7 @@ run (used by the tests) and prints its results as JSON.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -24,13 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers import BertConfig, TrainerCallback
+
+from hf_flatbias.config import FlatBiasConfig
 from hf_flatbias.flatness.estimators import estimate_hessian_trace
 from hf_flatbias.probe import extract_features, probe_accuracy
 from hf_flatbias.synthetic import PCFG, build_pcfg_dataset, entropy_bound, masked_contexts
 from hf_flatbias.synthetic.tokenizer import CLS_ID, MASK_ID, N_SPECIAL, PAD_ID, SEP_ID
-from transformers import BertConfig, TrainerCallback
-
-from hf_flatbias.config import FlatBiasConfig
 from hf_flatbias.trainer import FlatBiasTrainer
 
 IGNORE_INDEX = -100
@@ -273,3 +274,38 @@ def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def add_stopping_arguments(parser) -> None:
+    """``--steps`` (at most 3000), ``--target-loss`` (stop at matched loss, see ``StopAtLoss``) and ``--eval-steps``."""
+    parser.add_argument("--steps", type=int, default=3000, help="most training steps")
+    parser.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help="stop each model once its one-mask validation loss is at or below this (matched loss); checked every "
+        "--eval-steps. Default: train every model for --steps.",
+    )
+    parser.add_argument("--eval-steps", type=int, default=200)
+
+
+def add_training_arguments(parser) -> None:
+    """The optimizer, data, measurement and output flags (``--learning-rate`` to ``--output``) the recipes share."""
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--n-train", type=int, default=20000)
+    parser.add_argument("--n-validation", type=int, default=1000)
+    parser.add_argument("--trace-contexts", type=int, default=300)
+    parser.add_argument("--probe-train", type=int, default=2000)
+    parser.add_argument("--grammar-seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run (tests)")
+    parser.add_argument("--output", help="write the results as JSON here")
+
+
+def write_result(result: dict, output: str | None) -> None:
+    """Write a recipe's result as indented JSON to ``output`` (creating its folder); nothing when ``output`` is None."""
+    if output:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        with open(output, "w") as handle:
+            json.dump(result, handle, indent=2)

@@ -24,12 +24,14 @@ import numpy as np
 from synthetic_common import (
     RunSpec,
     add_common_arguments,
-    apply_smoke,
+    config_of,
     features_probe_scores,
     is_main_process,
     one_mask_loss,
     pad_contexts,
-    setup_language,
+    parse_recipe_arguments,
+    run_spec_arguments,
+    setup_language_from_args,
     train_and_evaluate,
     write_json,
 )
@@ -58,20 +60,10 @@ def conditional_features(language, rows: list[list[int]], width: int) -> np.ndar
 def main(argv=None, *, default_language: str = "pcfg") -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_arguments(parser, steps=1000, eval_every=500)
-    parser.set_defaults(language=default_language)
-    args = parser.parse_args(argv)
-    if args.smoke:
-        apply_smoke(args)
+    args = parse_recipe_arguments(parser, argv, default_language)
     output_dir = args.output_dir or Path("outputs") / f"{args.language}_lookup_table"
     start = time.perf_counter()
-    setup = setup_language(
-        args.language,
-        n_train=args.n_train,
-        n_contexts=args.n_contexts,
-        n_probe=args.n_probe,
-        seed=args.seed,
-        probe_pooling=args.probe_pooling,
-    )
+    setup = setup_language_from_args(args)
     batch = pad_contexts(setup.contexts, setup.tokenizer.pad_token_id)
     oracle_loss = one_mask_loss(OracleMLM(setup.language), batch)
 
@@ -85,17 +77,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
         conditional_features(setup.language, setup.probe_test_rows, width - 2),
         setup,
     )
-    spec = RunSpec(
-        label="transformer_adamw",
-        steps=args.steps,
-        eval_every=args.eval_every,
-        batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        warmup_steps=min(100, args.steps // 10),
-        hidden=args.hidden,
-        layers=args.layers,
-        seed=args.seed,
-    )
+    spec = RunSpec(label="transformer_adamw", **run_spec_arguments(args))
     records = train_and_evaluate(
         setup, spec, output_dir, trace_contexts=args.trace_contexts, trace_draws=args.trace_draws
     )
@@ -110,7 +92,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
         "recipe": "lookup_table",
         "language": args.language,
         "entropy_bound": setup.entropy,
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "config": config_of(args),
         "lookup_table": {
             "loss": oracle_loss,
             "loss_gap_to_entropy": oracle_loss - setup.entropy,

@@ -25,11 +25,14 @@ import torch  # noqa: E402
 from pcfg_common import (  # noqa: E402
     ModelSize,
     StopAtLoss,
+    add_stopping_arguments,
+    add_training_arguments,
     build_data,
     format_table,
     measure,
     set_threads,
     train_mlm,
+    write_result,
 )
 from transformers import BertForMaskedLM  # noqa: E402
 
@@ -120,25 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), help="HIDDENxLAYERS per model")
     parser.add_argument("--head-dim", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=3000, help="most training steps")
-    parser.add_argument(
-        "--target-loss",
-        type=float,
-        default=None,
-        help="stop each model once its one-mask validation loss is at or below this (matched loss); checked every "
-        "--eval-steps. Default: train every model for --steps.",
-    )
-    parser.add_argument("--eval-steps", type=int, default=200)
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--n-train", type=int, default=20000)
-    parser.add_argument("--n-validation", type=int, default=1000)
-    parser.add_argument("--trace-contexts", type=int, default=300)
-    parser.add_argument("--probe-train", type=int, default=2000)
-    parser.add_argument("--grammar-seed", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="tiny smoke run (tests)")
-    parser.add_argument("--output", help="write the results as JSON here")
+    add_stopping_arguments(parser)
+    add_training_arguments(parser)
     return parser
 
 
@@ -147,11 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.sizes, args.steps, args.n_train, args.n_validation = ["16x1", "32x2"], 20, 200, 100
         args.trace_contexts, args.probe_train, args.eval_steps = 20, 100, 10
-    result = run(args)
-    if args.output:
-        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-        with open(args.output, "w") as handle:
-            json.dump(result, handle, indent=2)
+    write_result(run(args), args.output)
     return 0
 
 

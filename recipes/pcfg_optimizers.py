@@ -18,12 +18,14 @@ from pathlib import Path
 from synthetic_common import (
     RunSpec,
     add_common_arguments,
-    apply_smoke,
+    config_of,
     correlations,
     is_main_process,
     matched_loss,
+    parse_recipe_arguments,
     plot_runs,
-    setup_language,
+    run_spec_arguments,
+    setup_language_from_args,
     train_and_evaluate,
     write_json,
 )
@@ -36,30 +38,11 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--sam-rho", type=float, default=0.05)
     parser.add_argument("--matched-tolerance", type=float, default=0.02)
-    parser.set_defaults(language=default_language)
-    args = parser.parse_args(argv)
-    if args.smoke:
-        apply_smoke(args)
+    args = parse_recipe_arguments(parser, argv, default_language)
     output_dir = args.output_dir or Path("outputs") / f"{args.language}_optimizers"
     start = time.perf_counter()
-    setup = setup_language(
-        args.language,
-        n_train=args.n_train,
-        n_contexts=args.n_contexts,
-        n_probe=args.n_probe,
-        seed=args.seed,
-        probe_pooling=args.probe_pooling,
-    )
-    common = dict(
-        steps=args.steps,
-        eval_every=args.eval_every,
-        batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        warmup_steps=min(100, args.steps // 10),
-        hidden=args.hidden,
-        layers=args.layers,
-        seed=args.seed,
-    )
+    setup = setup_language_from_args(args)
+    common = run_spec_arguments(args)
     specs = [
         RunSpec(label="adamw_dropout_wd", dropout=args.dropout, weight_decay=args.weight_decay, **common),
         RunSpec(label="adamw_plain", **common),
@@ -79,7 +62,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
         "recipe": "optimizers",
         "language": args.language,
         "entropy_bound": setup.entropy,
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "config": config_of(args),
         "runs": runs,
         "final": finals,
         "correlations_all_checkpoints": correlations(pooled),

@@ -413,6 +413,46 @@ def apply_smoke(args) -> None:
     args.trace_contexts, args.trace_draws = 8, 1
 
 
+def parse_recipe_arguments(parser, argv, default_language: str):
+    """Parse a recipe's arguments with ``--language`` defaulting to ``default_language``; ``--smoke`` shrinks them."""
+    parser.set_defaults(language=default_language)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        apply_smoke(args)
+    return args
+
+
+def setup_language_from_args(args) -> LanguageSetup:
+    """``setup_language`` with the sizes, seed and probe pooling of ``add_common_arguments``."""
+    return setup_language(
+        args.language,
+        n_train=args.n_train,
+        n_contexts=args.n_contexts,
+        n_probe=args.n_probe,
+        seed=args.seed,
+        probe_pooling=args.probe_pooling,
+    )
+
+
+def run_spec_arguments(args) -> dict[str, Any]:
+    """The ``RunSpec`` fields every recipe takes from its arguments (warm-up: a tenth of the steps, at most 100)."""
+    return dict(
+        steps=args.steps,
+        eval_every=args.eval_every,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        warmup_steps=min(100, args.steps // 10),
+        hidden=args.hidden,
+        layers=args.layers,
+        seed=args.seed,
+    )
+
+
+def config_of(args) -> dict[str, Any]:
+    """The arguments as a JSON-ready dict (paths as strings), for a recipe's ``results.json``."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
 def train_and_evaluate(
     setup: LanguageSetup, spec: RunSpec, output_dir: Path, *, trace_contexts: int, trace_draws: int
 ) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -234,23 +235,8 @@ class FlatBiasTrainer(Trainer):
         module = self.accelerator.unwrap_model(model)
         perturbable = perturbable_parameters(module, self._deepspeed_engine())
         params = perturbable.params
-        scaler = self.accelerator.scaler
-        grads: list[torch.Tensor] | None = None
-        for batch in micro_batches:
-            loss = self._scaled_loss(module, batch, num_items_in_batch)
-            if scaler is not None:
-                # Without the fp16 loss scale the small gradients underflow; unscaled right below, on our own copy,
-                # so the optimizer's GradScaler never sees (or double-unscales) these gradients.
-                loss = scaler.scale(loss)
-            batch_grads = gradients_of(loss, params)
-            if grads is None:
-                grads = batch_grads
-            else:
-                torch._foreach_add_(grads, batch_grads)
-        if scaler is not None:
-            torch._foreach_div_(grads, scaler.get_scale())
-        if self.args.sam_perturbation == "global":
-            average_across_processes(grads)
+        losses = (self._scaled_loss(module, batch, num_items_in_batch) for batch in micro_batches)
+        grads = self._first_gradient(losses, params)
         perturbation = perturbable.perturb(
             grads, self.args.sam_rho, adaptive=self.args.flatness_method == "asam", eta=self.args.asam_eta
         )
@@ -269,12 +255,23 @@ class FlatBiasTrainer(Trainer):
 
     # ------------------------------------------------------------------ explicit penalties and LookSAM
 
-    def _first_gradient(self, loss: torch.Tensor, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
-        """``d loss / d params`` off the engine's hooks, unscaled, averaged over processes like SAM's."""
+    def _first_gradient(
+        self, losses: torch.Tensor | Iterable[torch.Tensor], params: list[torch.nn.Parameter]
+    ) -> list[torch.Tensor]:
+        """``d sum(losses) / d params`` off the engine's hooks, unscaled, averaged over processes when global.
+
+        Losses come one at a time (a generator keeps one micro-batch graph alive at once). Under fp16 each is
+        multiplied by the loss scale so small gradients do not underflow, and the sum is unscaled on our own copy:
+        the optimizer's GradScaler never sees these gradients, so nothing is unscaled twice.
+        """
         scaler = self.accelerator.scaler
-        if scaler is not None:
-            loss = scaler.scale(loss)
-        grads = gradients_of(loss, params)
+        grads: list[torch.Tensor] | None = None
+        for loss in [losses] if isinstance(losses, torch.Tensor) else losses:
+            loss_grads = gradients_of(scaler.scale(loss) if scaler is not None else loss, params)
+            if grads is None:
+                grads = loss_grads
+            else:
+                torch._foreach_add_(grads, loss_grads)
         if scaler is not None:
             torch._foreach_div_(grads, scaler.get_scale())
         if self.args.sam_perturbation == "global":

@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> dict:
             learning_rate=args.learning_rate,
             batch_size=args.batch_size,
             seed=args.seed,
+            mask_probability=args.mask_probability,
             task_column=None if weight == 0 else args.task,
             callbacks=[stopper],
             eval_strategy="steps",

@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> dict:
         learning_rate=args.learning_rate,
         batch_size=args.batch_size,
         seed=args.seed,
+        mask_probability=args.mask_probability,
         callbacks=[selector, recorder],
         eval_strategy="steps",
         eval_steps=args.eval_steps,

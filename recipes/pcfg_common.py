@@ -30,11 +30,15 @@ from transformers import BertConfig, TrainerCallback
 from hf_flatbias.config import FlatBiasConfig
 from hf_flatbias.flatness.estimators import estimate_hessian_trace
 from hf_flatbias.probe import extract_features, probe_accuracy
-from hf_flatbias.synthetic import PCFG, build_pcfg_dataset, entropy_bound, masked_contexts
-from hf_flatbias.synthetic.tokenizer import CLS_ID, MASK_ID, N_SPECIAL, PAD_ID, SEP_ID
+from hf_flatbias.synthetic import PCFG, MaskedWordCollator, build_pcfg_dataset, entropy_bound, masked_contexts
+from hf_flatbias.synthetic.tokenizer import N_SPECIAL, PAD_ID
 from hf_flatbias.trainer import FlatBiasTrainer
 
 IGNORE_INDEX = -100
+MASK_PROBABILITY_HELP = (
+    "chance of masking each word in training; 0 (default): exactly one masked word per sentence, the paper's "
+    "one-mask objective whose optimum is the entropy floor"
+)
 TASKS = ("task_a", "task_b", "task_c")
 
 
@@ -82,45 +86,6 @@ def build_data(n_train: int, n_validation: int, *, grammar_seed: int = 0, data_s
     return PCFGData(language, splits["train"], splits["validation"], contexts, entropy_bound(language, contexts))
 
 
-class MLMCollator:
-    """Pads rows and masks words (never ``[CLS]``/``[SEP]``/padding) with probability ``mask_probability``.
-
-    Every masked word becomes ``[MASK]`` (no random or kept tokens: the one-mask evaluation only ever shows
-    ``[MASK]``). At least one word per row is masked. Rows that already carry ``labels`` (masked contexts) are padded
-    as they are. With ``task_column`` the batch carries ``task_labels`` (for adversarial training).
-    """
-
-    def __init__(self, mask_probability: float = 0.15, *, seed: int = 0, task_column: str | None = None):
-        self.mask_probability = mask_probability
-        self.generator = torch.Generator().manual_seed(seed)
-        self.task_column = task_column
-
-    def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        width = max(len(row["input_ids"]) for row in rows)
-        input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        labels = torch.full_like(input_ids, IGNORE_INDEX)
-        for i, row in enumerate(rows):
-            ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
-            input_ids[i, : len(ids)] = ids
-            attention_mask[i, : len(ids)] = 1
-            if "labels" in row:
-                labels[i, : len(ids)] = torch.as_tensor(row["labels"], dtype=torch.long)
-        if not any("labels" in row for row in rows):
-            is_word = (input_ids != PAD_ID) & (input_ids != CLS_ID) & (input_ids != SEP_ID)
-            chosen = (torch.rand(input_ids.shape, generator=self.generator) < self.mask_probability) & is_word
-            # Guarantee one masked word per row: a random word where none was drawn.
-            scores = torch.rand(input_ids.shape, generator=self.generator).masked_fill(~is_word, -1.0)
-            fallback = F.one_hot(scores.argmax(1), width).bool() & ~chosen.any(1, keepdim=True)
-            chosen |= fallback
-            labels = torch.where(chosen, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
-            input_ids = torch.where(chosen, torch.full_like(input_ids, MASK_ID), input_ids)
-        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-        if self.task_column is not None:
-            batch["task_labels"] = torch.as_tensor([row[self.task_column] for row in rows], dtype=torch.long)
-        return batch
-
-
 def training_arguments(output_dir: str, *, steps: int, batch_size: int, learning_rate: float, seed: int, **extra):
     settings = dict(
         output_dir=output_dir,
@@ -154,6 +119,7 @@ def train_mlm(
     learning_rate: float = 1e-3,
     seed: int = 0,
     task_column: str | None = None,
+    mask_probability: float = 0.0,
     output_dir: str | None = None,
     callbacks: Sequence[Any] = (),
     **extra_arguments,
@@ -173,7 +139,7 @@ def train_mlm(
             args=args,
             train_dataset=data.train,
             eval_dataset=data.contexts,
-            data_collator=MLMCollator(seed=seed, task_column=task_column),
+            data_collator=MaskedWordCollator(mask_probability, seed=seed, task_column=task_column),
             callbacks=list(callbacks),
         )
         trainer.train()
@@ -185,7 +151,7 @@ def one_mask_loss(model: torch.nn.Module, contexts: Any, *, batch_size: int = 25
     """Mean cross-entropy at the masked word of each validation context (nats)."""
     was_training = model.training
     model.eval()
-    collate = MLMCollator()
+    collate = MaskedWordCollator()
     total, count = 0.0, 0
     for start in range(0, len(contexts), batch_size):
         batch = collate([contexts[i] for i in range(start, min(start + batch_size, len(contexts)))])
@@ -293,6 +259,7 @@ def add_training_arguments(parser) -> None:
     """The optimizer, data, measurement and output flags (``--learning-rate`` to ``--output``) the recipes share."""
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--mask-probability", type=float, default=0.0, help=MASK_PROBABILITY_HELP)
     parser.add_argument("--n-train", type=int, default=20000)
     parser.add_argument("--n-validation", type=int, default=1000)
     parser.add_argument("--trace-contexts", type=int, default=300)

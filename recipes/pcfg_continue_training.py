@@ -21,6 +21,7 @@ from synthetic_common import (
     add_common_arguments,
     config_of,
     correlations,
+    flatness_selection,
     is_main_process,
     matched_loss,
     parse_recipe_arguments,
@@ -58,6 +59,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
         "correlations_all_checkpoints": correlations(records),
         "correlations_matched_loss": correlations(matched),
         "matched_steps": [r["step"] for r in matched],
+        "flatness_selection": flatness_selection(records, args.matched_tolerance),
         "seconds": time.perf_counter() - start,
     }
     write_json(output_dir / "results.json", payload)
@@ -69,6 +71,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
     )
     print(f"all checkpoints: {payload['correlations_all_checkpoints']}")
     print(f"matched loss ({len(matched)} checkpoints): {payload['correlations_matched_loss']}")
+    print(f"checkpoint selection: {payload['flatness_selection']}")
     print(f"wrote {output_dir / 'results.json'} in {payload['seconds']:.0f} s")
     return payload
 

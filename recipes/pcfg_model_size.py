@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> dict:
             learning_rate=args.learning_rate,
             batch_size=args.batch_size,
             seed=args.seed,
+            mask_probability=args.mask_probability,
             callbacks=[stopper],
             eval_strategy="steps",
             eval_steps=args.eval_steps,

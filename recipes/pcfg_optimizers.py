@@ -18,6 +18,7 @@ from pathlib import Path
 from synthetic_common import (
     RunSpec,
     add_common_arguments,
+    at_common_loss,
     config_of,
     correlations,
     is_main_process,
@@ -65,6 +66,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
         "config": config_of(args),
         "runs": runs,
         "final": finals,
+        "at_common_loss": at_common_loss(runs),
         "correlations_all_checkpoints": correlations(pooled),
         "correlations_matched_loss": correlations(matched_loss(pooled, args.matched_tolerance)),
         "seconds": time.perf_counter() - start,
@@ -80,6 +82,12 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
         print(
             f"{label:>18}: loss {r['loss']:.4f} gap {r['loss_gap_to_entropy']:.4f} trace {r['hessian_trace']} "
             f"probe {r['probe_accuracy']:.3f}"
+        )
+    common_loss = payload["at_common_loss"]
+    for label, r in common_loss["checkpoints"].items():
+        print(
+            f"{label:>18} at loss {common_loss['target_loss']:.4f}: step {r['step']} loss {r['loss']:.4f} "
+            f"trace {r['hessian_trace']} probe {r['probe_accuracy']:.3f}"
         )
     print(f"pooled checkpoints: {payload['correlations_all_checkpoints']}")
     print(f"wrote {output_dir / 'results.json'} in {payload['seconds']:.0f} s")

@@ -24,12 +24,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from transformers import BertConfig, BertForMaskedLM, DataCollatorForLanguageModeling, TrainerCallback  # noqa: E402
+from transformers import BertConfig, BertForMaskedLM, TrainerCallback  # noqa: E402
 
 from hf_flatbias.probe import extract_features, probe_accuracy  # noqa: E402
 from hf_flatbias.synthetic import (  # noqa: E402
     HMM,
     PCFG,
+    MaskedWordCollator,
     build_hmm_dataset,
     build_pcfg_dataset,
     entropy_bound,
@@ -129,10 +130,6 @@ def build_model(vocab_size: int, *, hidden: int = 128, layers: int = 4, dropout:
     return BertForMaskedLM(config)
 
 
-def mlm_collator(tokenizer, mlm_probability: float = 0.15) -> DataCollatorForLanguageModeling:
-    return DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=mlm_probability)
-
-
 def pad_contexts(contexts: Dataset, pad_id: int = 0) -> dict[str, torch.Tensor]:
     rows, labels = contexts["input_ids"], contexts["labels"]
     width = max(len(r) for r in rows)
@@ -211,9 +208,10 @@ def _naive_fisher_trace(model, contexts: Dataset, *, n_draws: int, seed: int) ->
 
 
 # ---------------------------------------------------------------------------------------------------- probes
-def probe_scores(model, setup: LanguageSetup) -> dict[str, dict[str, float]]:
-    fit = extract_features(model, setup.probe_rows, pooling=setup.probe_pooling)
-    test = extract_features(model, setup.probe_test_rows, pooling=setup.probe_pooling)
+def probe_scores(model, setup: LanguageSetup, pooling: str | None = None) -> dict[str, dict[str, float]]:
+    pooling = pooling or setup.probe_pooling
+    fit = extract_features(model, setup.probe_rows, pooling=pooling)
+    test = extract_features(model, setup.probe_test_rows, pooling=pooling)
     return features_probe_scores(fit, test, setup)
 
 
@@ -237,6 +235,9 @@ def evaluate_checkpoint(
         else {"mean": None, "stderr": None, "estimator": None}
     )
     probes = probe_scores(model, setup)
+    # the mean-pooled probe as a second, harder reading of transfer: pooling discards the position that the
+    # concatenated features hand the probe for free, so it leaves more room between good and poor encoders
+    mean_pooled = probes if setup.probe_pooling == "mean" else probe_scores(model, setup, "mean")
     return {
         "step": step,
         "loss": loss,
@@ -246,6 +247,7 @@ def evaluate_checkpoint(
         "hessian_trace_estimator": trace["estimator"],
         "probe_accuracy": float(np.mean([p["accuracy"] for p in probes.values()])),
         "probe": probes,
+        "probe_accuracy_mean_pooled": float(np.mean([p["accuracy"] for p in mean_pooled.values()])),
         "eval_seconds": time.perf_counter() - start,
     }
 
@@ -312,12 +314,66 @@ def matched_loss(records: list[dict[str, Any]], tolerance: float) -> list[dict[s
     return [r for r in records if r["loss"] <= best + tolerance]
 
 
-def correlations(records: list[dict[str, Any]]) -> dict[str, float | None]:
-    accuracy = [r["probe_accuracy"] for r in records]
+def partial_spearman(x, y, control) -> float | None:
+    """Spearman correlation of ``x`` and ``y`` with ``control`` partialled out (first-order partial correlation of
+    the ranks): does the trace say anything about accuracy that the loss does not already say?"""
+    rho_xy, rho_xc, rho_yc = spearman(x, y), spearman(x, control), spearman(y, control)
+    if None in (rho_xy, rho_xc, rho_yc) or max(abs(rho_xc), abs(rho_yc)) >= 1.0:
+        return None
+    return (rho_xy - rho_xc * rho_yc) / math.sqrt((1 - rho_xc**2) * (1 - rho_yc**2))
+
+
+def at_common_loss(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Each run's checkpoint nearest to the lowest loss that every run reached: a like-for-like comparison of runs
+    that converge at different speeds (the paper compares at the same, saturated loss)."""
+    trained = {label: [r for r in records if r["step"] > 0] for label, records in runs.items()}
+    target = max(min(r["loss"] for r in records) for records in trained.values())
     return {
-        "spearman_trace_vs_accuracy": spearman([r["hessian_trace"] for r in records], accuracy),
-        "spearman_loss_vs_accuracy": spearman([r["loss"] for r in records], accuracy),
-        "n_checkpoints": len(records),
+        "target_loss": target,
+        "checkpoints": {
+            label: min(records, key=lambda r: (abs(r["loss"] - target), r["step"]))
+            for label, records in trained.items()
+        },
+    }
+
+
+def correlations(records: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Spearman correlations of trace and of loss with probe accuracy, and of trace with accuracy at fixed loss."""
+    trace, loss = [r["hessian_trace"] for r in records], [r["loss"] for r in records]
+    out: dict[str, float | None] = {"n_checkpoints": len(records)}
+    for suffix, key in (("", "probe_accuracy"), ("_mean_pooled", "probe_accuracy_mean_pooled")):
+        if not all(key in r for r in records):
+            continue
+        accuracy = [r[key] for r in records]
+        out[f"spearman_trace_vs_accuracy{suffix}"] = spearman(trace, accuracy)
+        out[f"spearman_loss_vs_accuracy{suffix}"] = spearman(loss, accuracy)
+        out[f"partial_spearman_trace_vs_accuracy_given_loss{suffix}"] = partial_spearman(trace, accuracy, loss)
+    return out
+
+
+def flatness_selection(records: list[dict[str, Any]], tolerance: float) -> dict[str, Any]:
+    """What `select_flattest_checkpoint` keeps among ``records`` next to the lowest-loss checkpoint, with the probe
+    accuracy of each (which the selector never sees): the paper's advice, applied to one run's checkpoints."""
+    from hf_flatbias.selection import CheckpointRecord, select_flattest_checkpoint
+
+    by_step = {r["step"]: r for r in records}
+    selection = select_flattest_checkpoint(
+        [
+            CheckpointRecord(
+                step=r["step"], eval_loss=r["loss"], hessian_trace=r["hessian_trace"], stderr=r["hessian_trace_stderr"]
+            )
+            for r in records
+            if r["hessian_trace"] is not None
+        ],
+        loss_tolerance=tolerance,
+    )
+    chosen, lowest = by_step[selection.chosen.step], by_step[selection.lowest_loss.step]
+    return {
+        "loss_tolerance": tolerance,
+        "candidates": [c.step for c in selection.candidates],
+        "flattest": {k: chosen[k] for k in ("step", "loss", "hessian_trace", "probe_accuracy")},
+        "lowest_loss": {k: lowest[k] for k in ("step", "loss", "hessian_trace", "probe_accuracy")},
+        "accuracy_gain": chosen["probe_accuracy"] - lowest["probe_accuracy"],
     }
 
 
@@ -379,6 +435,7 @@ class RunSpec:
     hidden: int = 128
     layers: int = 4
     seed: int = 0
+    mask_probability: float = 0.0
 
 
 def add_common_arguments(parser, *, steps: int, eval_every: int) -> None:
@@ -397,8 +454,16 @@ def add_common_arguments(parser, *, steps: int, eval_every: int) -> None:
     parser.add_argument(
         "--probe-pooling",
         choices=["mean", "cls", "concat"],
-        default="mean",
-        help="encoder features for the probe: mean of the last layer, its [CLS] vector, or all positions concatenated",
+        default="concat",
+        help="encoder features for the probe: all positions of the last layer concatenated (the paper's linear "
+        "probe), their mean, or the [CLS] vector",
+    )
+    parser.add_argument(
+        "--mask-probability",
+        type=float,
+        default=0.0,
+        help="chance of masking each word in training; 0: exactly one masked word per sentence (the paper's "
+        "objective, whose optimum is the entropy floor)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=None)
@@ -445,6 +510,7 @@ def run_spec_arguments(args) -> dict[str, Any]:
         hidden=args.hidden,
         layers=args.layers,
         seed=args.seed,
+        mask_probability=args.mask_probability,
     )
 
 
@@ -493,7 +559,7 @@ def train_and_evaluate(
         model=model,
         args=args,
         train_dataset=setup.train,
-        data_collator=mlm_collator(setup.tokenizer),
+        data_collator=MaskedWordCollator(spec.mask_probability, seed=spec.seed),
         callbacks=[evaluator],
     )
     if not trainer.is_world_process_zero():

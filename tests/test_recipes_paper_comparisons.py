@@ -118,24 +118,6 @@ def _load_recipe(name):
     return importlib.import_module(name)
 
 
-def test_mlm_collator_masks_only_words_and_at_least_one_per_row():
-    common = _load_recipe("pcfg_common")
-    from hf_flatbias.synthetic.tokenizer import CLS_ID, MASK_ID, PAD_ID, SEP_ID
-
-    rows = [{"input_ids": [CLS_ID, 7, 8, 9, SEP_ID], "task_a": 1}, {"input_ids": [CLS_ID, 6, SEP_ID], "task_a": 0}]
-    out = common.MLMCollator(mask_probability=0.0, seed=1, task_column="task_a")(rows)
-    assert out["input_ids"].shape == (2, 5)
-    assert out["input_ids"][1, 3:].tolist() == [PAD_ID, PAD_ID]
-    assert out["attention_mask"].tolist() == [[1] * 5, [1, 1, 1, 0, 0]]
-    assert ((out["labels"] != -100).sum(1) == 1).all()  # probability 0: exactly the guaranteed one
-    masked = out["input_ids"] == MASK_ID
-    assert (masked == (out["labels"] != -100)).all()
-    assert out["labels"][1, 1] == 6  # the only word of row 2
-    assert out["task_labels"].tolist() == [1, 0]
-    everything = common.MLMCollator(mask_probability=1.0)(rows)
-    assert everything["input_ids"][0].tolist() == [CLS_ID, MASK_ID, MASK_ID, MASK_ID, SEP_ID]
-
-
 def test_model_size_recipe_quick_run(tmp_path):
     recipe = _load_recipe("pcfg_model_size")
     output = tmp_path / "size.json"

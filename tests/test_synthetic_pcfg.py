@@ -200,3 +200,26 @@ def test_bad_grammars_are_rejected():
         PCFG(level_sizes=(1, 1), root_probs=[1.0], rules=[[[((0, 0), 0.5)]]], emissions=[[1.0]])
     with pytest.raises(ValueError, match="rule_lengths"):
         PCFG.from_seed(0, level_sizes=(4, 4), rule_lengths=[(2,), (2,)])
+
+
+def test_masked_word_collator_masks_exactly_one_word_by_default():
+    from hf_flatbias.synthetic import MaskedWordCollator
+    from hf_flatbias.synthetic.tokenizer import CLS_ID, MASK_ID, PAD_ID, SEP_ID
+
+    rows = [{"input_ids": [CLS_ID, 7, 8, 9, SEP_ID], "task_a": 1}, {"input_ids": [CLS_ID, 6, SEP_ID], "task_a": 0}]
+    seen = set()
+    collate = MaskedWordCollator(seed=1, task_column="task_a")
+    for _ in range(40):
+        out = collate(rows)
+        assert out["input_ids"][1, 3:].tolist() == [PAD_ID, PAD_ID]
+        assert out["attention_mask"].tolist() == [[1] * 5, [1, 1, 1, 0, 0]]
+        assert ((out["labels"] != -100).sum(1) == 1).all()  # the paper's one-mask objective
+        assert ((out["input_ids"] == MASK_ID) == (out["labels"] != -100)).all()
+        assert out["labels"][1, 1] == 6  # the only word of row 2
+        seen.add(int((out["labels"][0] != -100).nonzero()))
+    assert seen == {1, 2, 3}  # every word of row 1 gets masked, never [CLS]/[SEP]
+    assert out["task_labels"].tolist() == [1, 0]
+    everything = MaskedWordCollator(1.0)(rows)
+    assert everything["input_ids"][0].tolist() == [CLS_ID, MASK_ID, MASK_ID, MASK_ID, SEP_ID]
+    with pytest.raises(ValueError, match="mask_probability"):
+        MaskedWordCollator(1.5)

@@ -1,6 +1,7 @@
 """Synthetic languages with exact conditionals (PCFG, HMM, Dyck), their datasets and downstream tasks."""
 
 from .data import (
+    MaskedWordCollator,
     OracleMLM,
     build_dyck_dataset,
     build_hmm_dataset,
@@ -18,6 +19,7 @@ from .tokenizer import make_tokenizer
 
 __all__ = [
     "HMM",
+    "MaskedWordCollator",
     "PCFG",
     "Dyck",
     "OracleMLM",

@@ -7,7 +7,8 @@ its entropy floor, and of the Hessian-trace estimators.
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -148,6 +149,53 @@ def entropy_bound(language: Language, contexts: Dataset) -> float:
     _, positions = context_word_ids(contexts)
     targets = np.array([r[p + 1] for r, p in zip(contexts["labels"], positions, strict=True)]) - N_SPECIAL
     return float(-np.log(cond[np.arange(len(cond)), targets]).mean())
+
+
+class MaskedWordCollator:
+    """Pads rows of a synthetic language and replaces words by ``[MASK]`` for masked-LM training.
+
+    With ``mask_probability=0`` (the default) exactly one uniformly chosen word of each sentence is masked: the
+    paper's one-mask objective, whose minimum is the entropy floor measured on masked contexts. A positive
+    probability masks each word independently and still guarantees one masked word per row. Masked words always
+    become ``[MASK]`` (no random or kept tokens, unlike BERT's 80/10/10 rule), because the one-mask conditionals the
+    floor and the oracle are defined by only ever see ``[MASK]``; ``[CLS]``, ``[SEP]`` and padding are never masked.
+    Rows that already carry ``labels`` (masked contexts) are padded as they are. With ``task_column`` the batch also
+    carries ``task_labels`` from that column (adversarial pre-training reads it).
+    """
+
+    def __init__(self, mask_probability: float = 0.0, *, seed: int = 0, task_column: str | None = None) -> None:
+        if not 0.0 <= mask_probability <= 1.0:
+            raise ValueError(
+                f"mask_probability must be in [0, 1] (0: one masked word per row), got {mask_probability}."
+            )
+        self.mask_probability = mask_probability
+        self.generator = torch.Generator().manual_seed(seed)
+        self.task_column = task_column
+
+    def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        width = max(len(row["input_ids"]) for row in rows)
+        input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        labels = torch.full_like(input_ids, IGNORE_INDEX)
+        for i, row in enumerate(rows):
+            ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
+            input_ids[i, : len(ids)] = ids
+            attention_mask[i, : len(ids)] = 1
+            if "labels" in row:
+                labels[i, : len(ids)] = torch.as_tensor(row["labels"], dtype=torch.long)
+        if not any("labels" in row for row in rows):
+            is_word = (input_ids != PAD_ID) & (input_ids != CLS_ID) & (input_ids != SEP_ID)
+            chosen = (torch.rand(input_ids.shape, generator=self.generator) < self.mask_probability) & is_word
+            # rows where no word was drawn get one uniformly chosen word (all rows when the probability is 0)
+            scores = torch.rand(input_ids.shape, generator=self.generator).masked_fill(~is_word, -1.0)
+            fallback = torch.nn.functional.one_hot(scores.argmax(1), width).bool() & ~chosen.any(1, keepdim=True)
+            chosen |= fallback
+            labels = torch.where(chosen, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+            input_ids = torch.where(chosen, torch.full_like(input_ids, MASK_ID), input_ids)
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if self.task_column is not None:
+            batch["task_labels"] = torch.as_tensor([row[self.task_column] for row in rows], dtype=torch.long)
+        return batch
 
 
 class OracleMLM(torch.nn.Module):

@@ -1,102 +1,52 @@
 """Adversarial pretraining on the synthetic PCFG (Liu et al., 2023, Sec. 3.3; paper: Task A 89.9 -> 83.1, trace
 8.01 -> 19.34 at the same MLM loss).
 
-Two BERTs of the same size, seed and number of steps: one trained with the plain MLM objective, one with
-`hf_flatbias.adversarial.AdversarialPretrainingModel` (MLM loss plus a confusion term that makes a simultaneously
-trained linear read-out of task A uniform; see that module for the exact objective). Reports for each the one-mask
-MLM loss (with the grammar's entropy floor), the Hessian trace, and the accuracy of a *fresh* linear probe on the
-frozen ``[CLS]`` feature for tasks A, B, C.
+BERTs of the same size, seed and data order: one trained with the plain MLM objective (``--adversary-weights 0``),
+the others with `hf_flatbias.adversarial.AdversarialPretrainingModel` (MLM loss plus a confusion term that makes a
+simultaneously trained linear read-out of ``--task`` from ``[CLS]`` uniform; see that module for the exact
+objective). Each is evaluated every ``--eval-every`` steps like the other synthetic recipes (one-mask loss, its gap to
+the entropy floor, Hessian trace, linear probes on concatenated and on mean-pooled features) and, in addition, by the
+accuracy of a *fresh* linear probe on the frozen ``[CLS]`` feature (what the adversary hid the task from).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python recipes/pcfg_adversarial.py --output docs/reproduction/pcfg_adversarial.json
-    OMP_NUM_THREADS=1 PYTHONPATH=. python recipes/pcfg_adversarial.py --quick   # smoke run, seconds
+Only the PCFG has sentence-level tasks to hide; ``--language hmm`` is refused.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python recipes/pcfg_adversarial.py --output-dir outputs/pcfg_adversarial
+    OMP_NUM_THREADS=1 PYTHONPATH=. python recipes/pcfg_adversarial.py --target-loss 1.9 --adversary-weights 0 1 3
+    OMP_NUM_THREADS=1 PYTHONPATH=. python recipes/pcfg_adversarial.py --smoke   # smoke run, seconds
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from pcfg_common import (  # noqa: E402
-    ModelSize,
-    StopAtLoss,
-    add_stopping_arguments,
-    add_training_arguments,
-    build_data,
-    format_table,
-    measure,
-    set_threads,
-    train_mlm,
-    write_result,
+import numpy as np
+from synthetic_common import (
+    RunSpec,
+    add_common_arguments,
+    config_of,
+    is_main_process,
+    markdown_table,
+    parse_recipe_arguments,
+    probe_scores,
+    run_spec_arguments,
+    setup_language_from_args,
+    task_accuracies,
+    train_and_evaluate,
+    write_json,
 )
-from transformers import BertForMaskedLM  # noqa: E402
 
-from hf_flatbias.adversarial import AdversarialPretrainingModel  # noqa: E402
+from hf_flatbias.adversarial import AdversarialPretrainingModel
 
-
-def run(args: argparse.Namespace) -> dict:
-    set_threads()
-    size = ModelSize(hidden=args.hidden, layers=args.layers, heads=args.hidden // args.head_dim)
-    data = build_data(args.n_train, args.n_validation, grammar_seed=args.grammar_seed, data_seed=args.seed)
-    n_classes = int(np.max(data.train[args.task])) + 1
-    rows = []
-    for weight in args.adversary_weights:
-        name = "standard" if weight == 0 else "adversarial"
-        torch.manual_seed(args.seed)
-        model = BertForMaskedLM(size.config(data.vocab_size))
-        start = time.perf_counter()
-        stopper = StopAtLoss(model, data.contexts, args.target_loss)
-        trained = model if weight == 0 else AdversarialPretrainingModel(model, n_classes, adversary_weight=weight)
-        train_mlm(
-            trained,
-            data,
-            steps=args.steps,
-            learning_rate=args.learning_rate,
-            batch_size=args.batch_size,
-            seed=args.seed,
-            mask_probability=args.mask_probability,
-            task_column=None if weight == 0 else args.task,
-            callbacks=[stopper],
-            eval_strategy="steps",
-            eval_steps=args.eval_steps,
-        )
-        row = {
-            "training": name,
-            "adversary_weight": weight,
-            "train_seconds": time.perf_counter() - start,
-            "steps": stopper.final_step,
-        }
-        model.eval()
-        row.update(measure(model, data, n_trace_contexts=args.trace_contexts, n_probe_train=args.probe_train))
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    columns = [
-        "training",
-        "adversary_weight",
-        "mlm_loss",
-        "floor",
-        "trace",
-        "trace_stderr",
-        "task_a",
-        "task_b",
-        "task_c",
-    ]
-    print(format_table(rows, columns))
-    return {"recipe": "pcfg_adversarial", "arguments": vars(args), "model": size.name, "rows": rows}
+# training column of each PCFG task -> its name in LanguageSetup.probe_tasks
+TASK_COLUMNS = {"task_a": "A", "task_b": "B", "task_c": "C"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=16)
-    parser.add_argument("--task", default="task_a", help="the downstream label the adversary hides")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser, steps=3000, eval_every=200)
+    parser.add_argument("--task", choices=sorted(TASK_COLUMNS), default="task_a", help="the label the adversary hides")
     parser.add_argument(
         "--adversary-weights",
         type=float,
@@ -104,19 +54,91 @@ def build_parser() -> argparse.ArgumentParser:
         default=[0.0, 1.0],
         help="lambda of the confusion term, one model per value; 0 is standard MLM training (same seed, same data)",
     )
-    add_stopping_arguments(parser)
-    add_training_arguments(parser)
+    parser.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help="stop each model at its first checkpoint whose one-mask loss is at or below this (matched loss); "
+        "default: train every model for --steps",
+    )
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.quick:
-        args.hidden, args.layers, args.steps, args.n_train, args.n_validation = 16, 1, 20, 200, 100
-        args.trace_contexts, args.probe_train, args.eval_steps = 20, 100, 10
-    write_result(run(args), args.output)
-    return 0
+def main(argv=None, *, default_language: str = "pcfg") -> dict:
+    args = parse_recipe_arguments(build_parser(), argv, default_language)
+    if args.language != "pcfg":
+        raise ValueError(
+            f"the adversarial recipe hides a sentence-level PCFG task from [CLS]; --language {args.language} has none "
+            "(its tasks are per-position hidden states). Run it with --language pcfg."
+        )
+    if any(weight < 0 for weight in args.adversary_weights):
+        raise ValueError(f"--adversary-weights must be >= 0 (got {args.adversary_weights}); 0 is plain MLM.")
+    output_dir = args.output_dir or Path("outputs") / f"{args.language}_adversarial"
+    start = time.perf_counter()
+    setup = setup_language_from_args(args, train_columns=[args.task])
+    n_classes = int(np.max(setup.train[args.task])) + 1
+    hidden_task = TASK_COLUMNS[args.task]
+
+    def cls_probe(model) -> dict:
+        probes = probe_scores(model, setup, "cls")
+        return {"probe_cls": probes, "cls_probe_accuracy_hidden_task": probes[hidden_task]["accuracy"]}
+
+    common = {**run_spec_arguments(args), "target_loss": args.target_loss, "extra_metrics": cls_probe}
+    runs, rows = {}, []
+    for weight in args.adversary_weights:
+        label = "standard" if weight == 0 else f"adversarial_{weight:g}"
+        adversarial = (
+            {} if weight == 0 else {"task_column": args.task, "wrap_model": adversary_wrapper(n_classes, weight)}
+        )
+        spec = RunSpec(label=label, **adversarial, **common)
+        run_start = time.perf_counter()
+        records = train_and_evaluate(
+            setup, spec, output_dir, trace_contexts=args.trace_contexts, trace_draws=args.trace_draws
+        )
+        if not records:
+            continue  # not the main process of `accelerate launch`
+        runs[label] = records
+        final = records[-1]
+        rows.append(
+            {
+                "training": label,
+                "adversary_weight": weight,
+                "steps": final["step"],
+                "reached_target": None if args.target_loss is None else final["loss"] <= args.target_loss,
+                "train_seconds": time.perf_counter() - run_start,
+                **{k: v for k, v in final.items() if k != "step"},
+            }
+        )
+    if not is_main_process():
+        return {}
+    payload = {
+        "recipe": "adversarial",
+        "language": args.language,
+        "hidden_task": args.task,
+        "entropy_bound": setup.entropy,
+        "config": config_of(args),
+        "rows": rows,
+        "runs": runs,
+        "seconds": time.perf_counter() - start,
+    }
+    write_json(output_dir / "results.json", payload)
+    columns = ["training", "adversary_weight", "steps", "loss", "loss_gap_to_entropy", "hessian_trace"]
+    columns += [
+        "hessian_trace_stderr",
+        "probe_accuracy",
+        "probe_accuracy_mean_pooled",
+        "cls_probe_accuracy_hidden_task",
+    ]
+    table = [{**row, **task_accuracies(row)} for row in rows]
+    print(markdown_table(table, columns + [f"probe_{task}" for task in setup.probe_tasks]))
+    print(f"wrote {output_dir / 'results.json'} in {payload['seconds']:.0f} s")
+    return payload
+
+
+def adversary_wrapper(n_classes: int, weight: float):
+    """``wrap_model`` for `RunSpec`: the masked LM inside the adversarial pre-training objective."""
+    return lambda model: AdversarialPretrainingModel(model, n_classes, adversary_weight=weight)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -1,44 +1,56 @@
-"""Model size at matched pre-training loss (Liu et al., 2023, Sec. 3.2) on the synthetic PCFG.
+"""Model size at matched pre-training loss (Liu et al., 2023, Sec. 3.2) on a synthetic language.
 
-Trains BERTs of increasing size on the same PCFG sentences, then reports for each: the one-mask MLM loss next to the
-grammar's entropy floor, the Hessian trace of the model *embedded into the largest architecture* with
-`hf_flatbias.enlarge` (function-preserving, so loss and predictions are unchanged and the traces live in one
-parameter space), the trace in its own architecture, and linear-probe accuracy on tasks A, B, C.
+Trains BERTs of increasing size on the same sentences, then reports for each the final (or first matched-loss)
+checkpoint: the one-mask MLM loss next to the language's entropy floor, the Hessian trace of the model *embedded into
+the largest architecture* with `hf_flatbias.enlarge` (function-preserving, so loss and predictions are unchanged and
+the traces live in one parameter space), the trace in its own architecture, and linear-probe accuracy on the
+language's tasks (concatenated features, and mean-pooled).
 
 The paper's claim: at the same (near-optimal) loss, larger models are flatter and transfer better.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python recipes/pcfg_model_size.py --output docs/reproduction/pcfg_model_size.json
-    OMP_NUM_THREADS=1 PYTHONPATH=. python recipes/pcfg_model_size.py --quick   # smoke run, seconds
+    OMP_NUM_THREADS=1 PYTHONPATH=. python recipes/pcfg_model_size.py --output-dir outputs/pcfg_model_size
+    OMP_NUM_THREADS=1 PYTHONPATH=. python recipes/pcfg_model_size.py --target-loss 1.9 --sizes 32x2 64x2 128x4
+    OMP_NUM_THREADS=1 PYTHONPATH=. python recipes/pcfg_model_size.py --language hmm --smoke
+    OMP_NUM_THREADS=1 PYTHONPATH=. python recipes/pcfg_model_size.py --smoke   # smoke run, well under a minute
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import torch  # noqa: E402
-from pcfg_common import (  # noqa: E402
-    ModelSize,
-    StopAtLoss,
-    add_stopping_arguments,
-    add_training_arguments,
-    build_data,
-    format_table,
-    measure,
-    set_threads,
-    train_mlm,
-    write_result,
+from synthetic_common import (
+    RunSpec,
+    add_common_arguments,
+    bert_config,
+    config_of,
+    is_main_process,
+    markdown_table,
+    parse_recipe_arguments,
+    run_spec_arguments,
+    setup_language_from_args,
+    task_accuracies,
+    train_and_evaluate,
+    write_json,
 )
-from transformers import BertForMaskedLM  # noqa: E402
 
-from hf_flatbias.enlarge import enlarge  # noqa: E402
+from hf_flatbias.enlarge import enlarge
 
 DEFAULT_SIZES = ("32x2", "64x2", "128x4")
+SMOKE_SIZES = ("16x1", "32x2")
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    hidden: int
+    layers: int
+    heads: int
+
+    @property
+    def name(self) -> str:
+        return f"H{self.hidden}-L{self.layers}-A{self.heads}"
 
 
 def parse_size(text: str, head_dim: int) -> ModelSize:
@@ -51,92 +63,89 @@ def parse_size(text: str, head_dim: int) -> ModelSize:
     return ModelSize(hidden=hidden, layers=layers, heads=hidden // head_dim)
 
 
-def run(args: argparse.Namespace) -> dict:
-    set_threads()
-    sizes = [parse_size(text, args.head_dim) for text in args.sizes]
+def check_sizes(sizes: list[ModelSize]) -> ModelSize:
+    """The largest size, after checking that every other one embeds into it."""
     largest = max(sizes, key=lambda s: (s.hidden, s.layers))
     if any(largest.hidden % s.hidden or largest.layers < s.layers for s in sizes):
         raise ValueError(
             f"every size must embed into the largest ({largest.name}): hidden sizes must divide {largest.hidden} "
             f"and layer counts be at most {largest.layers}."
         )
-    data = build_data(args.n_train, args.n_validation, grammar_seed=args.grammar_seed, data_seed=args.seed)
-    target_config = largest.config(data.vocab_size)
-    rows = []
-    for size in sizes:
-        torch.manual_seed(args.seed)
-        model = BertForMaskedLM(size.config(data.vocab_size))
-        start = time.perf_counter()
-        stopper = StopAtLoss(model, data.contexts, args.target_loss)
-        train_mlm(
-            model,
-            data,
-            steps=args.steps,
-            learning_rate=args.learning_rate,
-            batch_size=args.batch_size,
-            seed=args.seed,
-            mask_probability=args.mask_probability,
-            callbacks=[stopper],
-            eval_strategy="steps",
-            eval_steps=args.eval_steps,
-        )
-        train_seconds = time.perf_counter() - start
-        model.eval()
-        embedded = enlarge(model, target_config)
-        row = {
-            "size": size.name,
-            "parameters": model.num_parameters(),
-            "train_seconds": train_seconds,
-            "steps": stopper.final_step,
-        }
-        row.update(
-            measure(
-                model, data, n_trace_contexts=args.trace_contexts, trace_model=embedded, n_probe_train=args.probe_train
-            )
-        )
-        row["trace_own_architecture"] = measure_own_trace(model, data, args.trace_contexts)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    result = {"recipe": "pcfg_model_size", "arguments": vars(args), "embedded_into": largest.name, "rows": rows}
-    columns = [
-        "size",
-        "parameters",
-        "mlm_loss",
-        "floor",
-        "trace",
-        "trace_stderr",
-        "trace_own_architecture",
-        "task_a",
-        "task_b",
-        "task_c",
-    ]
-    print(format_table(rows, columns))
-    return result
-
-
-def measure_own_trace(model, data, n_contexts: int) -> float:
-    from pcfg_common import trace_of
-
-    return trace_of(model, data, n_contexts=n_contexts).mean
+    return largest
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser, steps=3000, eval_every=200)
     parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), help="HIDDENxLAYERS per model")
-    parser.add_argument("--head-dim", type=int, default=16)
-    add_stopping_arguments(parser)
-    add_training_arguments(parser)
+    parser.add_argument("--head-dim", type=int, default=16, help="attention head dimension of every size")
+    parser.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help="stop each model at its first checkpoint whose one-mask loss is at or below this (matched loss); "
+        "default: train every model for --steps",
+    )
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.quick:
-        args.sizes, args.steps, args.n_train, args.n_validation = ["16x1", "32x2"], 20, 200, 100
-        args.trace_contexts, args.probe_train, args.eval_steps = 20, 100, 10
-    write_result(run(args), args.output)
-    return 0
+def main(argv=None, *, default_language: str = "pcfg") -> dict:
+    args = parse_recipe_arguments(build_parser(), argv, default_language)
+    if args.smoke:
+        args.sizes = list(SMOKE_SIZES)
+    sizes = [parse_size(text, args.head_dim) for text in args.sizes]
+    largest = check_sizes(sizes)  # before any data is built or model trained
+    output_dir = args.output_dir or Path("outputs") / f"{args.language}_model_size"
+    start = time.perf_counter()
+    setup = setup_language_from_args(args)
+    target_config = bert_config(len(setup.tokenizer), hidden=largest.hidden, layers=largest.layers, heads=largest.heads)
+    common = {**run_spec_arguments(args), "target_loss": args.target_loss}
+    runs, rows = {}, []
+    for size in sizes:
+        common.update(hidden=size.hidden, layers=size.layers, heads=size.heads)
+        spec = RunSpec(
+            label=size.name,
+            trace_model_fn=lambda model: enlarge(model, target_config),
+            extra_metrics=lambda model: {"parameters": model.num_parameters()},
+            **common,
+        )
+        run_start = time.perf_counter()
+        records = train_and_evaluate(
+            setup, spec, output_dir, trace_contexts=args.trace_contexts, trace_draws=args.trace_draws
+        )
+        if not records:
+            continue  # not the main process of `accelerate launch`
+        runs[size.name] = records
+        final = records[-1]
+        rows.append(
+            {
+                "size": size.name,
+                "steps": final["step"],
+                "reached_target": None if args.target_loss is None else final["loss"] <= args.target_loss,
+                "train_seconds": time.perf_counter() - run_start,
+                **{k: v for k, v in final.items() if k != "step"},
+            }
+        )
+    if not is_main_process():
+        return {}
+    payload = {
+        "recipe": "model_size",
+        "language": args.language,
+        "entropy_bound": setup.entropy,
+        "embedded_into": largest.name,
+        "config": config_of(args),
+        "rows": rows,
+        "runs": runs,
+        "seconds": time.perf_counter() - start,
+    }
+    write_json(output_dir / "results.json", payload)
+    columns = ["size", "parameters", "steps", "loss", "loss_gap_to_entropy", "hessian_trace", "hessian_trace_stderr"]
+    columns += ["hessian_trace_own_architecture", "probe_accuracy", "probe_accuracy_mean_pooled"]
+    table = [{**row, **task_accuracies(row)} for row in rows]
+    print(markdown_table(table, columns + sorted(set(table[0]) - set(columns) - set(rows[0]))))
+    print(f"wrote {output_dir / 'results.json'} in {payload['seconds']:.0f} s")
+    return payload
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

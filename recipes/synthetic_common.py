@@ -13,6 +13,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,11 +69,13 @@ def setup_language(
     seed: int = 0,
     hmm_length: int = 24,
     probe_pooling: str = "mean",
+    train_columns: Sequence[str] = (),
 ) -> LanguageSetup:
     """Build the language from ``seed``, its training set and the fixed evaluation material.
 
     The probe is fitted on ``n_probe`` held-out sentences and scored on ``n_probe`` others; contexts are a third,
-    disjoint set so the loss and the trace are measured on sentences the probe never saw either.
+    disjoint set so the loss and the trace are measured on sentences the probe never saw either. ``train_columns``
+    keeps extra columns of the training sentences (e.g. ``task_a`` for adversarial pre-training, which reads it).
     """
     n_eval = n_contexts + 2 * n_probe
     if name == "pcfg":
@@ -101,7 +104,7 @@ def setup_language(
         name=name,
         language=language,
         tokenizer=make_tokenizer(language.words()),
-        train=data["train"].select_columns(["input_ids", "attention_mask"]),
+        train=data["train"].select_columns(["input_ids", "attention_mask", *train_columns]),
         contexts=contexts,
         probe_rows=list(probe_fit["input_ids"]),
         probe_tasks=tasks(probe_fit),
@@ -113,21 +116,39 @@ def setup_language(
 
 
 # ---------------------------------------------------------------------------------------------------- model
-def build_model(vocab_size: int, *, hidden: int = 128, layers: int = 4, dropout: float = 0.0, seed: int = 0):
-    """A small BERT masked LM built from a config (nothing is downloaded)."""
+def build_model(
+    vocab_size: int,
+    *,
+    hidden: int = 128,
+    layers: int = 4,
+    dropout: float = 0.0,
+    seed: int = 0,
+    heads: int | None = None,
+):
+    """A small BERT masked LM built from a config (nothing is downloaded); ``heads`` defaults to ``hidden // 32``."""
     torch.manual_seed(seed)
-    config = BertConfig(
+    config = bert_config(vocab_size, hidden=hidden, layers=layers, dropout=dropout, heads=heads)
+    return BertForMaskedLM(config)
+
+
+def bert_config(
+    vocab_size: int, *, hidden: int = 128, layers: int = 4, dropout: float = 0.0, heads: int | None = None
+) -> BertConfig:
+    """The config of `build_model` (also the target architecture a smaller model is embedded into)."""
+    heads = max(1, hidden // 32) if heads is None else heads
+    if heads < 1 or hidden % heads:
+        raise ValueError(f"hidden size {hidden} is not divisible into {heads} attention heads; pick heads dividing it.")
+    return BertConfig(
         vocab_size=vocab_size,
         hidden_size=hidden,
         num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 32),
+        num_attention_heads=heads,
         intermediate_size=4 * hidden,
         max_position_embeddings=64,
         hidden_dropout_prob=dropout,
         attention_probs_dropout_prob=dropout,
         type_vocab_size=1,
     )
-    return BertForMaskedLM(config)
 
 
 def pad_contexts(contexts: Dataset, pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -224,21 +245,36 @@ def features_probe_scores(fit: np.ndarray, test: np.ndarray, setup: LanguageSetu
 
 
 def evaluate_checkpoint(
-    model, setup: LanguageSetup, batch: dict[str, torch.Tensor], *, step: int, trace_contexts: int, trace_draws: int
+    model,
+    setup: LanguageSetup,
+    batch: dict[str, torch.Tensor],
+    *,
+    step: int,
+    trace_contexts: int,
+    trace_draws: int,
+    trace_model_fn: Callable[[Any], Any] | None = None,
+    extra_metrics: Callable[[Any], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The per-checkpoint record of the recipes' JSON."""
+    """The per-checkpoint record of the recipes' JSON.
+
+    With ``trace_model_fn`` the trace is measured on ``trace_model_fn(model)`` (e.g. the model embedded into a larger
+    architecture, so traces of different sizes share one parameter space) and the model's own trace is kept as
+    ``hessian_trace_own_architecture``. ``extra_metrics(model)`` adds a recipe's own fields to the record.
+    """
     start = time.perf_counter()
     loss = one_mask_loss(model, batch)
-    trace = (
-        hessian_trace(model, setup.contexts, n_contexts=trace_contexts, n_draws=trace_draws, seed=step)
-        if trace_contexts > 0
-        else {"mean": None, "stderr": None, "estimator": None}
-    )
+
+    def trace_of(measured) -> dict[str, Any]:
+        if trace_contexts <= 0:
+            return {"mean": None, "stderr": None, "estimator": None}
+        return hessian_trace(measured, setup.contexts, n_contexts=trace_contexts, n_draws=trace_draws, seed=step)
+
+    trace = trace_of(model if trace_model_fn is None else trace_model_fn(model))
     probes = probe_scores(model, setup)
     # the mean-pooled probe as a second, harder reading of transfer: pooling discards the position that the
     # concatenated features hand the probe for free, so it leaves more room between good and poor encoders
     mean_pooled = probes if setup.probe_pooling == "mean" else probe_scores(model, setup, "mean")
-    return {
+    record = {
         "step": step,
         "loss": loss,
         "loss_gap_to_entropy": loss - setup.entropy,
@@ -248,8 +284,15 @@ def evaluate_checkpoint(
         "probe_accuracy": float(np.mean([p["accuracy"] for p in probes.values()])),
         "probe": probes,
         "probe_accuracy_mean_pooled": float(np.mean([p["accuracy"] for p in mean_pooled.values()])),
-        "eval_seconds": time.perf_counter() - start,
     }
+    if trace_model_fn is not None:
+        own = trace_of(model)
+        record["hessian_trace_own_architecture"] = own["mean"]
+        record["hessian_trace_own_architecture_stderr"] = own["stderr"]
+    if extra_metrics is not None:
+        record.update(extra_metrics(model))
+    record["eval_seconds"] = time.perf_counter() - start
+    return record
 
 
 class CheckpointEvaluator(TrainerCallback):
@@ -264,8 +307,16 @@ class CheckpointEvaluator(TrainerCallback):
         trace_draws: int,
         label: str = "",
         partial_path: Path | None = None,
+        model=None,
+        stop_below: float | None = None,
+        trace_model_fn: Callable[[Any], Any] | None = None,
+        extra_metrics: Callable[[Any], dict[str, Any]] | None = None,
     ):
         self.setup = setup
+        self.model = model  # evaluated instead of the Trainer's model (a wrapper around it, e.g. adversarial)
+        self.stop_below = stop_below
+        self.trace_model_fn = trace_model_fn
+        self.extra_metrics = extra_metrics
         self.partial_path = partial_path
         self.every = every
         self.trace_contexts = trace_contexts
@@ -276,19 +327,28 @@ class CheckpointEvaluator(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step % self.every == 0 and state.is_world_process_zero:
-            record = evaluate_checkpoint(
-                model,
-                self.setup,
-                self.batch,
-                step=state.global_step,
-                trace_contexts=self.trace_contexts,
-                trace_draws=self.trace_draws,
-            )
-            self.records.append(record)
-            print(f"[{self.label}] " + format_record(record), flush=True)
+            record = self.evaluate(self.model if self.model is not None else model, state.global_step)
+            if self.stop_below is not None and record["loss"] <= self.stop_below:
+                control.should_training_stop = True  # matched loss reached: later checkpoints are not compared
             if self.partial_path is not None:
                 # a long run that is stopped early still leaves its evaluated checkpoints behind
                 write_json(self.partial_path, {"label": self.label, "records": self.records})
+
+    def evaluate(self, model, step: int) -> dict[str, Any]:
+        """Evaluate ``model`` as checkpoint ``step``, keep the record and print it."""
+        record = evaluate_checkpoint(
+            model,
+            self.setup,
+            self.batch,
+            step=step,
+            trace_contexts=self.trace_contexts,
+            trace_draws=self.trace_draws,
+            trace_model_fn=self.trace_model_fn,
+            extra_metrics=self.extra_metrics,
+        )
+        self.records.append(record)
+        print(f"[{self.label}] " + format_record(record), flush=True)
+        return record
 
 
 def format_record(r: dict[str, Any]) -> str:
@@ -389,6 +449,24 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2, default=float))
 
 
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """``rows`` as a markdown table of ``columns`` (floats to 4 significant digits, missing cells empty)."""
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return "nan" if math.isnan(value) else f"{value:.4g}"
+        return "" if value is None else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def task_accuracies(record: dict[str, Any], key: str = "probe") -> dict[str, float]:
+    """``{"probe_<task>": accuracy}`` of a record's per-task probe results, for flat tables."""
+    return {f"{key}_{task}": result["accuracy"] for task, result in record[key].items()}
+
+
 def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path, title: str, matched: dict[str, list] | None = None):
     """Left: trace vs step; middle: probe accuracy vs step; right: accuracy vs trace at matched loss."""
     import matplotlib
@@ -436,6 +514,18 @@ class RunSpec:
     layers: int = 4
     seed: int = 0
     mask_probability: float = 0.0
+    heads: int | None = None  # attention heads; None: build_model's default, hidden // 32
+    # other FlatBiasConfig fields of this run (e.g. another flatness method and its settings)
+    flatness_overrides: dict[str, Any] = field(default_factory=dict)
+    # stop once a checkpoint's one-mask loss is at or below this (matched loss, not matched steps)
+    target_loss: float | None = None
+    # train wrap_model(model) (e.g. an AdversarialPretrainingModel around it) while evaluating the masked LM itself
+    wrap_model: Callable[[Any], torch.nn.Module] | None = None
+    task_column: str | None = None  # a training column the collator hands the model as ``task_labels``
+    # further Trainer callbacks; with any, the Trainer also evaluates its loss on the contexts every eval_every steps
+    callbacks: Sequence[TrainerCallback] = ()
+    trace_model_fn: Callable[[Any], Any] | None = None  # see evaluate_checkpoint
+    extra_metrics: Callable[[Any], dict[str, Any]] | None = None  # see evaluate_checkpoint
 
 
 def add_common_arguments(parser, *, steps: int, eval_every: int) -> None:
@@ -446,6 +536,7 @@ def add_common_arguments(parser, *, steps: int, eval_every: int) -> None:
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--hidden", type=int, default=128, help="BERT hidden size (128 x 4 layers: 0.82M params)")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=None, help="attention heads (default: hidden // 32)")
     parser.add_argument("--n-train", type=int, default=100_000, help="training sentences")
     parser.add_argument("--n-contexts", type=int, default=1000, help="masked validation contexts for the loss")
     parser.add_argument("--n-probe", type=int, default=1000, help="sentences to fit the probe (and as many to score)")
@@ -487,7 +578,7 @@ def parse_recipe_arguments(parser, argv, default_language: str):
     return args
 
 
-def setup_language_from_args(args) -> LanguageSetup:
+def setup_language_from_args(args, *, train_columns: Sequence[str] = ()) -> LanguageSetup:
     """``setup_language`` with the sizes, seed and probe pooling of ``add_common_arguments``."""
     return setup_language(
         args.language,
@@ -496,6 +587,7 @@ def setup_language_from_args(args) -> LanguageSetup:
         n_probe=args.n_probe,
         seed=args.seed,
         probe_pooling=args.probe_pooling,
+        train_columns=train_columns,
     )
 
 
@@ -509,6 +601,7 @@ def run_spec_arguments(args) -> dict[str, Any]:
         warmup_steps=min(100, args.steps // 10),
         hidden=args.hidden,
         layers=args.layers,
+        heads=args.heads,
         seed=args.seed,
         mask_probability=args.mask_probability,
     )
@@ -527,7 +620,12 @@ def train_and_evaluate(
     from hf_flatbias.trainer import FlatBiasTrainer
 
     model = build_model(
-        len(setup.tokenizer), hidden=spec.hidden, layers=spec.layers, dropout=spec.dropout, seed=spec.seed
+        len(setup.tokenizer),
+        hidden=spec.hidden,
+        layers=spec.layers,
+        dropout=spec.dropout,
+        seed=spec.seed,
+        heads=spec.heads,
     )
     evaluator = CheckpointEvaluator(
         setup,
@@ -536,8 +634,17 @@ def train_and_evaluate(
         trace_draws=trace_draws,
         label=spec.label,
         partial_path=output_dir / f"partial_{spec.label}.json",
+        model=model if spec.wrap_model is not None else None,
+        stop_below=spec.target_loss,
+        trace_model_fn=spec.trace_model_fn,
+        extra_metrics=spec.extra_metrics,
     )
-    args = FlatBiasConfig(
+    optional: dict[str, Any] = {}
+    if spec.wrap_model is not None or spec.task_column is not None:
+        optional["remove_unused_columns"] = False  # the wrapper's forward takes task_labels, not the model's
+    if spec.callbacks:
+        optional.update(eval_strategy="steps", eval_steps=spec.eval_every, per_device_eval_batch_size=256)
+    settings: dict[str, Any] = dict(
         output_dir=str(output_dir / spec.label),
         max_steps=spec.steps,
         per_device_train_batch_size=spec.batch_size,
@@ -555,21 +662,20 @@ def train_and_evaluate(
         use_cpu=True,
         dataloader_num_workers=0,
     )
+    settings.update(optional)
+    settings.update(spec.flatness_overrides)  # a method's own settings win over the shared ones
+    args = FlatBiasConfig(**settings)
     trainer = FlatBiasTrainer(
-        model=model,
+        model=model if spec.wrap_model is None else spec.wrap_model(model),
         args=args,
         train_dataset=setup.train,
-        data_collator=MaskedWordCollator(spec.mask_probability, seed=spec.seed),
-        callbacks=[evaluator],
+        eval_dataset=setup.contexts if spec.callbacks else None,
+        data_collator=MaskedWordCollator(spec.mask_probability, seed=spec.seed, task_column=spec.task_column),
+        callbacks=[evaluator, *spec.callbacks],
     )
     if not trainer.is_world_process_zero():
         trainer.train()  # under `accelerate launch` with several processes only the main one evaluates
         return []
-    evaluator.records.append(
-        evaluate_checkpoint(
-            model, setup, evaluator.batch, step=0, trace_contexts=trace_contexts, trace_draws=trace_draws
-        )
-    )
-    print(f"[{spec.label}] " + format_record(evaluator.records[-1]), flush=True)
+    evaluator.evaluate(model, 0)
     trainer.train()
     return evaluator.records

@@ -1,6 +1,7 @@
 """The adversarial pretraining objective, the recipes' MLM collator, and smoke runs of the paper-comparison recipes."""
 
 import importlib
+import json
 import math
 import os
 
@@ -118,30 +119,55 @@ def _load_recipe(name):
     return importlib.import_module(name)
 
 
-def test_model_size_recipe_quick_run(tmp_path):
+def check_final_rows(rows, entropy):
+    for row in rows:
+        assert row["loss"] > entropy - 0.05  # nobody beats the language's entropy floor
+        assert row["loss_gap_to_entropy"] == pytest.approx(row["loss"] - entropy)
+        assert row["hessian_trace"] > 0
+        for key in ("probe_accuracy", "probe_accuracy_mean_pooled"):
+            assert 0 <= row[key] <= 1
+        assert set(row["probe"]) == {"A", "B", "C"}
+
+
+def test_model_size_recipe_smoke_run(tmp_path):
     recipe = _load_recipe("pcfg_model_size")
-    output = tmp_path / "size.json"
-    assert recipe.main(["--quick", "--output", str(output)]) == 0
-    import json
-
-    result = json.loads(output.read_text())
+    payload = recipe.main(["--smoke", "--output-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "results.json").read_text())
     assert [row["size"] for row in result["rows"]] == ["H16-L1-A1", "H32-L2-A2"]
-    for row in result["rows"]:
-        assert row["mlm_loss"] > row["floor"] - 0.05  # nobody beats the grammar's entropy
-        assert row["trace"] > 0 and 0 <= row["task_a"] <= 1
+    assert result["embedded_into"] == "H32-L2-A2"
+    check_final_rows(result["rows"], payload["entropy_bound"])
+    small, large = result["rows"]
+    # the largest model is embedded into its own architecture: the embedding is the identity there
+    assert large["hessian_trace"] == pytest.approx(large["hessian_trace_own_architecture"])
+    assert small["parameters"] < large["parameters"]
 
 
 @pytest.mark.slow
-def test_adversarial_recipe_quick_run():
-    assert _load_recipe("pcfg_adversarial").main(["--quick"]) == 0
+def test_adversarial_recipe_smoke_run(tmp_path):
+    payload = _load_recipe("pcfg_adversarial").main(["--smoke", "--output-dir", str(tmp_path)])
+    assert [row["training"] for row in payload["rows"]] == ["standard", "adversarial_1"]
+    check_final_rows(payload["rows"], payload["entropy_bound"])
+    for row in payload["rows"]:
+        assert row["cls_probe_accuracy_hidden_task"] == row["probe_cls"]["A"]["accuracy"]
+
+
+def test_adversarial_recipe_refuses_hmm():
+    with pytest.raises(ValueError, match="--language pcfg"):
+        _load_recipe("pcfg_adversarial").main(["--smoke", "--language", "hmm"])
 
 
 @pytest.mark.slow
-def test_checkpoint_selection_recipe_quick_run():
-    assert _load_recipe("pcfg_checkpoint_selection").main(["--quick"]) == 0
+def test_checkpoint_selection_recipe_smoke_run(tmp_path):
+    payload = _load_recipe("pcfg_checkpoint_selection").main(["--smoke", "--output-dir", str(tmp_path)])
+    assert [row["step"] for row in payload["rows"]] == [10, 20]
+    summary = payload["summary"]
+    assert summary["chosen_step"] in summary["candidates"]
+    for row in payload["rows"]:
+        # the Trainer's evaluation loss on the contexts is the recipe's one-mask loss
+        assert row["eval_loss"] == pytest.approx(row["loss"], rel=1e-4)
 
 
 def test_model_size_recipe_rejects_sizes_that_do_not_embed():
     recipe = _load_recipe("pcfg_model_size")
     with pytest.raises(ValueError, match="must embed into the largest"):
-        recipe.run(recipe.build_parser().parse_args(["--sizes", "48x2", "64x2"]))
+        recipe.main(["--sizes", "48x2", "64x2"])

@@ -21,9 +21,10 @@ def record_rows(label: str, records: list[dict]) -> list[str]:
             f"{k} {v['accuracy']:.3f} [{v['ci_low']:.3f}, {v['ci_high']:.3f}]" for k, v in r["probe"].items()
         )
         trace = "n/a" if r["hessian_trace"] is None else f"{r['hessian_trace']:.1f} ± {r['hessian_trace_stderr']:.1f}"
+        mean_pooled = _fmt(r.get("probe_accuracy_mean_pooled"))
         rows.append(
             f"| {label} | {r['step']} | {r['loss']:.4f} | {r['loss_gap_to_entropy']:.4f} | {trace} | "
-            f"{r['probe_accuracy']:.3f} | {tasks} |"
+            f"{r['probe_accuracy']:.3f} | {mean_pooled} | {tasks} |"
         )
     return rows
 
@@ -31,8 +32,10 @@ def record_rows(label: str, records: list[dict]) -> list[str]:
 def summarize(path: Path) -> str:
     payload = json.loads(path.read_text())
     lines = [f"### {payload['recipe']} ({payload['language']}), entropy floor {payload['entropy_bound']:.4f} nats", ""]
-    lines.append("| run | step | loss | gap to floor | Tr(H) ± s.e. | mean probe acc. | per task [95% CI] |")
-    lines.append("|---|---|---|---|---|---|---|")
+    lines.append(
+        "| run | step | loss | gap to floor | Tr(H) ± s.e. | probe acc. | mean-pooled probe acc. | per task [95% CI] |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|")
     if payload["recipe"] == "continue_training":
         lines += record_rows("adamw", payload["records"])
     elif payload["recipe"] == "optimizers":
@@ -56,9 +59,32 @@ def summarize(path: Path) -> str:
         if key in payload:
             c = payload[key]
             lines.append("")
+            for suffix in ("", "_mean_pooled"):
+                if f"spearman_trace_vs_accuracy{suffix}" not in c:
+                    continue
+                lines.append(
+                    f"{key}{suffix}: Spearman(trace, acc) = {_fmt(c[f'spearman_trace_vs_accuracy{suffix}'])}, "
+                    f"Spearman(loss, acc) = {_fmt(c[f'spearman_loss_vs_accuracy{suffix}'])}, partial Spearman(trace, "
+                    f"acc | loss) = {_fmt(c.get(f'partial_spearman_trace_vs_accuracy_given_loss{suffix}'))} over "
+                    f"{c['n_checkpoints']} checkpoints"
+                )
+    if "at_common_loss" in payload:
+        common = payload["at_common_loss"]
+        lines += ["", f"At the lowest loss every run reached ({common['target_loss']:.4f}):"]
+        for label, r in common["checkpoints"].items():
             lines.append(
-                f"{key}: Spearman(trace, acc) = {_fmt(c['spearman_trace_vs_accuracy'])}, "
-                f"Spearman(loss, acc) = {_fmt(c['spearman_loss_vs_accuracy'])} over {c['n_checkpoints']} checkpoints"
+                f"- {label}: step {r['step']}, loss {r['loss']:.4f}, trace {_fmt(r['hessian_trace'], 1)} ± "
+                f"{_fmt(r['hessian_trace_stderr'], 1)}, probe acc. {r['probe_accuracy']:.3f} "
+                f"(mean-pooled {_fmt(r.get('probe_accuracy_mean_pooled'))})"
+            )
+    if "flatness_selection" in payload:
+        selection = payload["flatness_selection"]
+        lines += ["", f"Checkpoint selection (loss within {selection['loss_tolerance']} nats of the best):"]
+        for kind in ("flattest", "lowest_loss"):
+            r = selection[kind]
+            lines.append(
+                f"- {kind}: step {r['step']}, loss {r['loss']:.4f}, trace {_fmt(r['hessian_trace'], 1)}, "
+                f"probe acc. {r['probe_accuracy']:.3f}"
             )
     lines.append("")
     lines.append(f"Wall time {payload['seconds']:.0f} s; config `{json.dumps(payload['config'])}`")

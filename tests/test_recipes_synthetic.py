@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,12 +46,47 @@ def test_continue_training_recipe_smoke(recipes, tmp_path):
     payload = main(["--smoke", "--output-dir", str(tmp_path)])
     assert [r["step"] for r in payload["records"]] == [0, 10, 20]
     check_records(payload["records"], payload["entropy_bound"])
-    assert set(payload["correlations_all_checkpoints"]) == {
+    assert {
         "spearman_trace_vs_accuracy",
         "spearman_loss_vs_accuracy",
+        "partial_spearman_trace_vs_accuracy_given_loss",
+        "spearman_trace_vs_accuracy_mean_pooled",
         "n_checkpoints",
-    }
+    } <= set(payload["correlations_all_checkpoints"])
+    selection = payload["flatness_selection"]
+    assert selection["flattest"]["step"] in selection["candidates"]
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_partial_spearman_matches_the_correlation_of_rank_residuals(recipes):
+    from scipy.stats import rankdata
+    from synthetic_common import partial_spearman
+
+    rng = np.random.default_rng(0)
+    loss = rng.normal(size=40)
+    trace = loss + rng.normal(size=40)
+    accuracy = -loss - 0.5 * trace + rng.normal(size=40)
+
+    def residual(values, control):
+        design = np.column_stack([np.ones_like(control), control])
+        return values - design @ np.linalg.lstsq(design, values, rcond=None)[0]
+
+    ranks = [rankdata(v) for v in (trace, accuracy, loss)]
+    expected = np.corrcoef(residual(ranks[0], ranks[2]), residual(ranks[1], ranks[2]))[0, 1]
+    assert partial_spearman(trace, accuracy, loss) == pytest.approx(expected, abs=1e-12)
+    assert partial_spearman([1, 2, 3], [3, 2, 1], [1, 2, 3]) is None  # the control explains everything
+
+
+def test_runs_are_compared_at_the_lowest_loss_all_of_them_reached(recipes):
+    from synthetic_common import at_common_loss
+
+    runs = {
+        "fast": [{"step": 0, "loss": 4.0}, {"step": 10, "loss": 2.0}, {"step": 20, "loss": 1.5}],
+        "slow": [{"step": 0, "loss": 4.0}, {"step": 10, "loss": 3.0}, {"step": 20, "loss": 2.1}],
+    }
+    common = at_common_loss(runs)
+    assert common["target_loss"] == 2.1
+    assert common["checkpoints"]["fast"]["step"] == 10 and common["checkpoints"]["slow"]["step"] == 20
 
 
 @pytest.mark.slow

@@ -526,6 +526,8 @@ class RunSpec:
     callbacks: Sequence[TrainerCallback] = ()
     trace_model_fn: Callable[[Any], Any] | None = None  # see evaluate_checkpoint
     extra_metrics: Callable[[Any], dict[str, Any]] | None = None  # see evaluate_checkpoint
+    # measure the trace only at the last checkpoint (the trained or loss-matched model), not at every one
+    trace_final_only: bool = False
 
 
 def add_common_arguments(parser, *, steps: int, eval_every: int) -> None:
@@ -630,7 +632,7 @@ def train_and_evaluate(
     evaluator = CheckpointEvaluator(
         setup,
         every=spec.eval_every,
-        trace_contexts=trace_contexts,
+        trace_contexts=0 if spec.trace_final_only else trace_contexts,
         trace_draws=trace_draws,
         label=spec.label,
         partial_path=output_dir / f"partial_{spec.label}.json",
@@ -678,4 +680,14 @@ def train_and_evaluate(
         return []
     evaluator.evaluate(model, 0)
     trainer.train()
+    if spec.trace_final_only and trace_contexts > 0:
+        if evaluator.records[-1]["step"] != trainer.state.global_step:
+            evaluator.evaluate(model, trainer.state.global_step)
+        final = evaluator.records[-1]
+        trace = hessian_trace(model, setup.contexts, n_contexts=trace_contexts, n_draws=trace_draws, seed=final["step"])
+        final.update(
+            hessian_trace=trace["mean"],
+            hessian_trace_stderr=trace["stderr"],
+            hessian_trace_estimator=trace["estimator"],
+        )
     return evaluator.records

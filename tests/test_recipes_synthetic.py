@@ -112,3 +112,19 @@ def test_hmm_recipes_run_as_scripts(script, tmp_path):
     )
     payload = json.loads((tmp_path / "results.json").read_text())
     assert payload["language"] == "hmm"
+
+
+def test_build_model_heads_default_and_override(recipes):
+    from synthetic_common import build_model
+
+    assert build_model(20, hidden=64, layers=1).config.num_attention_heads == 2  # hidden // 32, as before
+    assert build_model(20, hidden=64, layers=1, heads=4).config.num_attention_heads == 4
+    with pytest.raises(ValueError, match="heads"):
+        build_model(20, hidden=64, layers=1, heads=3)
+
+
+def test_markdown_table_formats_cells(recipes):
+    from synthetic_common import markdown_table
+
+    table = markdown_table([{"a": 1, "b": 0.123456}, {"a": "x", "b": float("nan")}], ["a", "b", "c"])
+    assert table.splitlines() == ["| a | b | c |", "|---|---|---|", "| 1 | 0.1235 |  |", "| x | nan |  |"]

@@ -509,12 +509,21 @@ def test_pcfg_regularizers_recipe_runs(tmp_path):
         "400",
         "--n-contexts",
         "40",
+        "--n-probe",
+        "100",
         "--methods",
         "adamw,grad_norm_penalty",
-        "--out",
+        "--output-dir",
         str(tmp_path),
     ]
     subprocess.run(command, check=True, env=env, cwd=tmp_path, capture_output=True, timeout=900)
     summary = json.loads((tmp_path / "results.json").read_text())
     assert [r["method"] for r in summary["results"]] == ["adamw", "grad_norm_penalty"]
-    assert all(r["trace"] > 0 and 0 <= r["probe_task_a"] <= 1 for r in summary["results"])
+    for r in summary["results"]:
+        assert r["hessian_trace"] > 0 and 0 <= r["probe"]["A"]["accuracy"] <= 1
+        assert r["loss"] > summary["entropy_bound"]
+    adamw, penalty = summary["results"]
+    assert adamw["loss"] == summary["target_loss"]
+    # the penalty run stops at its first checkpoint at or below the AdamW loss, if it gets there
+    assert penalty["reached_target"] == (penalty["loss"] <= adamw["loss"])
+    assert all(loss > adamw["loss"] - 1e-4 for _, loss in penalty["loss_curve"][:-1])

@@ -64,14 +64,8 @@ def classification_rows(n: int = N_ROWS, seed: int = 1) -> list[dict[str, torch.
 
 def tiny_masked_lm(seed: int = 0) -> BertForMaskedLM:
     torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=16,
-    )
+    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=16)
     return BertForMaskedLM(config)
 
 
@@ -207,17 +201,12 @@ def run_trace_callback_case(case: Case, values: dict) -> dict:
 
     values.update(flatness_method="none", learning_rate=0.0, max_steps=1)
     callback = HessianTraceCallback(masked_rows(), every_n_steps=1, on_evaluate=False, mask_token_id=4, **case.trace)
-    trainer = FlatBiasTrainer(
-        model=tiny_masked_lm(), args=FlatBiasConfig(**values), train_dataset=masked_rows(), callbacks=[callback]
-    )
+    trainer = FlatBiasTrainer(model=tiny_masked_lm(), args=FlatBiasConfig(**values), train_dataset=masked_rows(),
+                              callbacks=[callback])
     trainer.train()
     logged = [entry[TRACE_METRIC] for entry in trainer.state.log_history if TRACE_METRIC in entry]
-    return {
-        "logged_trace": logged,
-        "contexts": callback._contexts,
-        "world_size": trainer.args.world_size,
-        "estimate": callback.last_estimate.to_dict(),
-    }
+    return {"logged_trace": logged, "contexts": callback._contexts, "world_size": trainer.args.world_size,
+            "estimate": callback.last_estimate.to_dict()}
 
 
 def run_case(case: Case, out_dir: Path, rank: int) -> dict:

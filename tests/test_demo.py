@@ -13,7 +13,7 @@ def test_demo_trains_with_sam_logs_the_trace_and_writes_the_card(tmp_path, capsy
     out = tmp_path / "demo"
     assert main(["demo", "--output-dir", str(out), "--steps", "12", "--n-train", "400", "--trace-contexts", "32"]) == 0
     printed = capsys.readouterr().out
-    summary = json.loads(printed[printed.rindex("\n{") + 1 :])
+    summary = json.loads(printed[printed.rindex("\n{") + 1:])
 
     metadata = yaml.safe_load((out / "README.md").read_text().split("---")[1])
     flatness = metadata["flatness"]

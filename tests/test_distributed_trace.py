@@ -48,6 +48,5 @@ def test_partitioned_model_needs_every_process():
 
 def test_per_sample_is_refused_under_zero3():
     with pytest.raises(ValueError, match="estimator='naive'"):
-        estimate_hessian_trace(
-            pretend_zero3_partitioned(tiny_masked_lm()), masked_rows(), n_draws=1, across_processes=True
-        )
+        estimate_hessian_trace(pretend_zero3_partitioned(tiny_masked_lm()), masked_rows(), n_draws=1,
+                               across_processes=True)

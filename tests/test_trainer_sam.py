@@ -41,7 +41,7 @@ def reference_sam_sgd(
     micro = batch_size
     for step in range(steps):
         start = step * micro * accumulation
-        micro_batches = [stack(rows[start + i * micro : start + (i + 1) * micro]) for i in range(accumulation)]
+        micro_batches = [stack(rows[start + i * micro: start + (i + 1) * micro]) for i in range(accumulation)]
         total = [torch.zeros_like(p) for p in params]
         if scope == "batch":
             first = [torch.zeros_like(p) for p in params]
@@ -91,24 +91,11 @@ def test_trainer_matches_reference_sam(tmp_path, method, scope, accumulation, rh
     batch_size = 4 // accumulation
     model = tiny_classifier()
     reference = reference_sam_sgd(
-        copy.deepcopy(model),
-        rows,
-        steps=3,
-        batch_size=batch_size,
-        accumulation=accumulation,
-        lr=0.1,
-        rho=rho,
-        scope=scope,
-        adaptive=method == "asam",
+        copy.deepcopy(model), rows, steps=3, batch_size=batch_size, accumulation=accumulation, lr=0.1, rho=rho,
+        scope=scope, adaptive=method == "asam",
     )
-    args = config(
-        tmp_path,
-        flatness_method=method,
-        sam_scope=scope,
-        sam_rho=rho,
-        per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=accumulation,
-    )
+    args = config(tmp_path, flatness_method=method, sam_scope=scope, sam_rho=rho,
+                  per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation)
     trained = train(model, args, rows).model
     assert max_param_diff(trained, reference) < 1e-5
 
@@ -120,17 +107,13 @@ def test_sam_differs_from_plain_step(tmp_path):
 
 
 def test_batch_scope_with_accumulation_equals_one_large_batch(tmp_path):
-    accumulated = train(
-        tiny_classifier(),
-        config(tmp_path / "a", sam_scope="batch", per_device_train_batch_size=2, gradient_accumulation_steps=2),
-    ).model
+    accumulated = train(tiny_classifier(), config(tmp_path / "a", sam_scope="batch", per_device_train_batch_size=2,
+                                                  gradient_accumulation_steps=2)).model
     single = train(tiny_classifier(), config(tmp_path / "b", sam_scope="batch", per_device_train_batch_size=4)).model
     assert max_param_diff(accumulated, single) < 1e-5
     # m-sharpness is a different step: the check above can tell the scopes apart.
-    micro = train(
-        tiny_classifier(),
-        config(tmp_path / "c", sam_scope="micro_batch", per_device_train_batch_size=2, gradient_accumulation_steps=2),
-    ).model
+    micro = train(tiny_classifier(), config(tmp_path / "c", sam_scope="micro_batch", per_device_train_batch_size=2,
+                                            gradient_accumulation_steps=2)).model
     assert max_param_diff(micro, single) > 1e-6
 
 
@@ -145,43 +128,27 @@ class RowStream(IterableDataset):
 def test_batch_scope_streams_an_iterable_dataset(tmp_path):
     """The update's micro-batches are prefetched by the Trainer loop, so a stream needs no replay."""
     rows = classification_rows()
-    streamed = train(
-        tiny_classifier(),
-        config(tmp_path / "s", sam_scope="batch", per_device_train_batch_size=2, gradient_accumulation_steps=2),
-        RowStream(rows),
-    ).model
-    reference = reference_sam_sgd(
-        tiny_classifier(), rows, steps=3, batch_size=2, accumulation=2, lr=0.1, rho=0.05, scope="batch"
-    )
+    streamed = train(tiny_classifier(), config(tmp_path / "s", sam_scope="batch", per_device_train_batch_size=2,
+                                               gradient_accumulation_steps=2), RowStream(rows)).model
+    reference = reference_sam_sgd(tiny_classifier(), rows, steps=3, batch_size=2, accumulation=2, lr=0.1, rho=0.05,
+                                  scope="batch")
     assert max_param_diff(streamed, reference) < 1e-5
 
 
 def test_bert_mlm_accumulation_keeps_the_gradient_scale(tmp_path):
     """BERT accepts **kwargs but ignores num_items_in_batch: accumulation must still divide the loss."""
     torch.manual_seed(0)
-    mlm_config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=16,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    mlm_config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, VOCAB, (8, SEQ_LEN), generator=g)
     rows = [{"input_ids": ids[i], "labels": ids[i].clone()} for i in range(8)]  # every position labelled: equal counts
     base = BertForMaskedLM(mlm_config)
     runs = {}
     for k in (1, 2):
-        args = config(
-            tmp_path / str(k),
-            flatness_method="none",
-            per_device_train_batch_size=4 // k,
-            gradient_accumulation_steps=k,
-            max_steps=1,
-        )
+        args = config(tmp_path / str(k), flatness_method="none", per_device_train_batch_size=4 // k,
+                      gradient_accumulation_steps=k, max_steps=1)
         trainer = FlatBiasTrainer(model=copy.deepcopy(base), args=args, train_dataset=rows)
         trainer.train()
         runs[k] = trainer.model
@@ -254,17 +221,8 @@ def test_model_without_trainable_parameters_is_rejected(tmp_path):
 
 def test_clipping_applies_to_the_second_gradient(tmp_path):
     rows = classification_rows()
-    reference = reference_sam_sgd(
-        tiny_classifier(),
-        rows,
-        steps=3,
-        batch_size=4,
-        accumulation=1,
-        lr=0.1,
-        rho=0.05,
-        scope="micro_batch",
-        max_grad_norm=0.05,
-    )
+    reference = reference_sam_sgd(tiny_classifier(), rows, steps=3, batch_size=4, accumulation=1, lr=0.1, rho=0.05,
+                                  scope="micro_batch", max_grad_norm=0.05)
     trained = train(tiny_classifier(), config(tmp_path, max_grad_norm=0.05), rows).model
     assert max_param_diff(trained, reference) < 1e-5
 
@@ -288,23 +246,10 @@ class ScaledLossTrainer(FlatBiasTrainer):
 @pytest.mark.parametrize("max_grad_norm", [0.0, 0.05])
 def test_grad_scaler_is_unscaled_once(tmp_path, max_grad_norm):
     rows = classification_rows()
-    reference = reference_sam_sgd(
-        tiny_classifier(),
-        rows,
-        steps=3,
-        batch_size=4,
-        accumulation=1,
-        lr=0.1,
-        rho=0.05,
-        scope="micro_batch",
-        max_grad_norm=max_grad_norm,
-    )
-    trainer = ScaledLossTrainer(
-        model=tiny_classifier(),
-        args=config(tmp_path, max_grad_norm=max_grad_norm),
-        train_dataset=rows,
-        init_scale=2.0**12,
-    )
+    reference = reference_sam_sgd(tiny_classifier(), rows, steps=3, batch_size=4, accumulation=1, lr=0.1, rho=0.05,
+                                  scope="micro_batch", max_grad_norm=max_grad_norm)
+    trainer = ScaledLossTrainer(model=tiny_classifier(), args=config(tmp_path, max_grad_norm=max_grad_norm),
+                                train_dataset=rows, init_scale=2.0**12)
     trainer.train()
     assert trainer._skipped_perturbations == 0
     assert max_param_diff(trainer.model, reference) < 1e-5
@@ -316,9 +261,8 @@ def test_lora_perturbs_and_trains_adapters_only(tmp_path):
     lora = peft.LoraConfig(task_type="SEQ_CLS", r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["query", "value"])
     model = peft.get_peft_model(tiny_classifier(), lora)
     frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    reference = reference_sam_sgd(
-        copy.deepcopy(model), rows, steps=3, batch_size=4, accumulation=1, lr=0.1, rho=0.05, scope="micro_batch"
-    )
+    reference = reference_sam_sgd(copy.deepcopy(model), rows, steps=3, batch_size=4, accumulation=1, lr=0.1, rho=0.05,
+                                  scope="micro_batch")
     trained = train(model, config(tmp_path), rows).model
     assert max_param_diff(trained, reference) < 1e-5
     for name, param in trained.named_parameters():
@@ -328,16 +272,14 @@ def test_lora_perturbs_and_trains_adapters_only(tmp_path):
 
 def test_gradient_checkpointing_gives_the_same_step(tmp_path):
     rows = classification_rows()
-    reference = reference_sam_sgd(
-        tiny_classifier(), rows, steps=3, batch_size=4, accumulation=1, lr=0.1, rho=0.05, scope="micro_batch"
-    )
+    reference = reference_sam_sgd(tiny_classifier(), rows, steps=3, batch_size=4, accumulation=1, lr=0.1, rho=0.05,
+                                  scope="micro_batch")
     trained = train(tiny_classifier(), config(tmp_path, gradient_checkpointing=True), rows).model
     assert max_param_diff(trained, reference) < 1e-5
 
 
 def test_resume_from_checkpoint_continues_identically(tmp_path):
     """Dropout and shuffling on: the SAM first pass draws from the RNG, and the resumed run must replay it."""
-
     def dropout_model():
         model = tiny_classifier()
         for module in model.modules():

@@ -25,16 +25,15 @@ import numpy as np
 from synthetic_common import (
     RunSpec,
     add_common_arguments,
-    config_of,
+    add_target_loss_argument,
+    final_row,
     is_main_process,
-    markdown_table,
     parse_recipe_arguments,
     probe_scores,
     run_spec_arguments,
     setup_language_from_args,
-    task_accuracies,
     train_and_evaluate,
-    write_json,
+    write_results,
 )
 
 from hf_flatbias.adversarial import AdversarialPretrainingModel
@@ -54,13 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[0.0, 1.0],
         help="lambda of the confusion term, one model per value; 0 is standard MLM training (same seed, same data)",
     )
-    parser.add_argument(
-        "--target-loss",
-        type=float,
-        default=None,
-        help="stop each model at its first checkpoint whose one-mask loss is at or below this (matched loss); "
-        "default: train every model for --steps",
-    )
+    add_target_loss_argument(parser)
     return parser
 
 
@@ -98,41 +91,32 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
         if not records:
             continue  # not the main process of `accelerate launch`
         runs[label] = records
-        final = records[-1]
         rows.append(
-            {
-                "training": label,
-                "adversary_weight": weight,
-                "steps": final["step"],
-                "reached_target": None if args.target_loss is None else final["loss"] <= args.target_loss,
-                "train_seconds": time.perf_counter() - run_start,
-                **{k: v for k, v in final.items() if k != "step"},
-            }
+            final_row(
+                records,
+                target_loss=args.target_loss,
+                train_seconds=time.perf_counter() - run_start,
+                training=label,
+                adversary_weight=weight,
+            )
         )
     if not is_main_process():
         return {}
-    payload = {
-        "recipe": "adversarial",
-        "language": args.language,
-        "hidden_task": args.task,
-        "entropy_bound": setup.entropy,
-        "config": config_of(args),
-        "rows": rows,
-        "runs": runs,
-        "seconds": time.perf_counter() - start,
-    }
-    write_json(output_dir / "results.json", payload)
     columns = ["training", "adversary_weight", "steps", "loss", "loss_gap_to_entropy", "hessian_trace"]
-    columns += [
-        "hessian_trace_stderr",
-        "probe_accuracy",
-        "probe_accuracy_mean_pooled",
-        "cls_probe_accuracy_hidden_task",
-    ]
-    table = [{**row, **task_accuracies(row)} for row in rows]
-    print(markdown_table(table, columns + [f"probe_{task}" for task in setup.probe_tasks]))
-    print(f"wrote {output_dir / 'results.json'} in {payload['seconds']:.0f} s")
-    return payload
+    columns += ["hessian_trace_stderr", "probe_accuracy", "probe_accuracy_mean_pooled"]
+    columns += ["cls_probe_accuracy_hidden_task"] + [f"probe_{task}" for task in setup.probe_tasks]
+    return write_results(
+        output_dir,
+        "adversarial",
+        args,
+        setup,
+        start,
+        table=rows,
+        columns=columns,
+        hidden_task=args.task,
+        rows=rows,
+        runs=runs,
+    )
 
 
 def adversary_wrapper(n_classes: int, weight: float):

@@ -22,17 +22,14 @@ from pathlib import Path
 from synthetic_common import (
     RunSpec,
     add_common_arguments,
-    config_of,
     flatness_selection,
     hessian_trace,
     is_main_process,
-    markdown_table,
     parse_recipe_arguments,
     run_spec_arguments,
     setup_language_from_args,
-    task_accuracies,
     train_and_evaluate,
-    write_json,
+    write_results,
 )
 
 from hf_flatbias.selection import FlatnessCheckpointSelector
@@ -81,7 +78,6 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
     selection = selector.selection
     chosen, lowest = by_step[selection.chosen.step], by_step[selection.lowest_loss.step]
     summary = {
-        "entropy_bound": setup.entropy,
         "chosen_step": chosen["step"],
         "lowest_loss_step": lowest["step"],
         "candidates": [r.step for r in selection.candidates],
@@ -90,26 +86,23 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
         **{f"{key}_lowest_loss": lowest[key] for key in ("probe_accuracy", "probe_accuracy_mean_pooled")},
         "probe_accuracy_gain": chosen["probe_accuracy"] - lowest["probe_accuracy"],
     }
-    payload = {
-        "recipe": "checkpoint_selection",
-        "language": args.language,
-        "entropy_bound": setup.entropy,
-        "config": config_of(args),
-        "rows": rows,
-        "records": records,
-        "summary": summary,
-        # the same rule applied to the recipe's own records (loss on the contexts, trace drawn with the step's seed)
-        "selection_on_records": flatness_selection([r for r in records if r["step"] > 0], args.loss_tolerance),
-        "seconds": time.perf_counter() - start,
-    }
-    write_json(output_dir / "results.json", payload)
-    table = [{**row, **task_accuracies(row)} for row in rows]
     columns = ["step", "eval_loss", "selector_trace", "selector_trace_stderr", "probe_accuracy"]
     columns += ["probe_accuracy_mean_pooled"] + [f"probe_{task}" for task in setup.probe_tasks]
-    print(markdown_table(table, columns))
     print(summary)
-    print(f"wrote {output_dir / 'results.json'} in {payload['seconds']:.0f} s")
-    return payload
+    return write_results(
+        output_dir,
+        "checkpoint_selection",
+        args,
+        setup,
+        start,
+        table=rows,
+        columns=columns,
+        rows=rows,
+        records=records,
+        summary=summary,
+        # the same rule applied to the recipe's own records (loss on the contexts, trace drawn with the step's seed)
+        selection_on_records=flatness_selection([r for r in records if r["step"] > 0], args.loss_tolerance),
+    )
 
 
 if __name__ == "__main__":

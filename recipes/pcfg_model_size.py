@@ -24,16 +24,15 @@ from pathlib import Path
 from synthetic_common import (
     RunSpec,
     add_common_arguments,
+    add_target_loss_argument,
     bert_config,
-    config_of,
+    final_row,
     is_main_process,
-    markdown_table,
     parse_recipe_arguments,
     run_spec_arguments,
     setup_language_from_args,
-    task_accuracies,
     train_and_evaluate,
-    write_json,
+    write_results,
 )
 
 from hf_flatbias.enlarge import enlarge
@@ -79,13 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_arguments(parser, steps=3000, eval_every=200)
     parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), help="HIDDENxLAYERS per model")
     parser.add_argument("--head-dim", type=int, default=16, help="attention head dimension of every size")
-    parser.add_argument(
-        "--target-loss",
-        type=float,
-        default=None,
-        help="stop each model at its first checkpoint whose one-mask loss is at or below this (matched loss); "
-        "default: train every model for --steps",
-    )
+    add_target_loss_argument(parser)
     return parser
 
 
@@ -116,35 +109,30 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
         if not records:
             continue  # not the main process of `accelerate launch`
         runs[size.name] = records
-        final = records[-1]
         rows.append(
-            {
-                "size": size.name,
-                "steps": final["step"],
-                "reached_target": None if args.target_loss is None else final["loss"] <= args.target_loss,
-                "train_seconds": time.perf_counter() - run_start,
-                **{k: v for k, v in final.items() if k != "step"},
-            }
+            final_row(
+                records,
+                target_loss=args.target_loss,
+                train_seconds=time.perf_counter() - run_start,
+                size=size.name,
+            )
         )
     if not is_main_process():
         return {}
-    payload = {
-        "recipe": "model_size",
-        "language": args.language,
-        "entropy_bound": setup.entropy,
-        "embedded_into": largest.name,
-        "config": config_of(args),
-        "rows": rows,
-        "runs": runs,
-        "seconds": time.perf_counter() - start,
-    }
-    write_json(output_dir / "results.json", payload)
     columns = ["size", "parameters", "steps", "loss", "loss_gap_to_entropy", "hessian_trace", "hessian_trace_stderr"]
     columns += ["hessian_trace_own_architecture", "probe_accuracy", "probe_accuracy_mean_pooled"]
-    table = [{**row, **task_accuracies(row)} for row in rows]
-    print(markdown_table(table, columns + sorted(set(table[0]) - set(columns) - set(rows[0]))))
-    print(f"wrote {output_dir / 'results.json'} in {payload['seconds']:.0f} s")
-    return payload
+    return write_results(
+        output_dir,
+        "model_size",
+        args,
+        setup,
+        start,
+        table=rows,
+        columns=columns + [f"probe_{task}" for task in setup.probe_tasks],
+        embedded_into=largest.name,
+        rows=rows,
+        runs=runs,
+    )
 
 
 if __name__ == "__main__":

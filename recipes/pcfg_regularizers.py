@@ -24,15 +24,13 @@ from pathlib import Path
 from synthetic_common import (
     RunSpec,
     add_common_arguments,
-    config_of,
+    final_row,
     is_main_process,
-    markdown_table,
     parse_recipe_arguments,
     run_spec_arguments,
     setup_language_from_args,
-    task_accuracies,
     train_and_evaluate,
-    write_json,
+    write_results,
 )
 
 # name -> FlatBiasConfig overrides; every run shares the rest of the arguments.
@@ -102,41 +100,31 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
         )
         if not records:
             return {}  # not the main process of `accelerate launch`
-        final = records[-1]
         if method == "adamw":
-            target = final["loss"]
-        results.append(
-            {
-                "method": method,
-                **final,
-                "reached_target": final["loss"] <= target,
-                "overrides": METHODS[method],
-                "loss_curve": [(r["step"], round(r["loss"], 4)) for r in records],
-                "seconds": time.perf_counter() - method_start,
-            }
-        )
+            target = records[-1]["loss"]
+        row = final_row(records, target_loss=target, train_seconds=time.perf_counter() - method_start, method=method)
+        row.update(overrides=METHODS[method], loss_curve=[(r["step"], round(r["loss"], 4)) for r in records])
+        results.append(row)
     if not is_main_process():
         return {}
-    payload = {
-        "recipe": "regularizers",
-        "language": args.language,
-        "entropy_bound": setup.entropy,
-        "target_loss": target,
-        "plain_steps": args.steps,
-        "config": config_of(args),
-        "results": results,
-        "seconds": time.perf_counter() - started,
-    }
-    write_json(output_dir / "results.json", payload)
     print(
         f"\nentropy floor of the validation contexts: {setup.entropy:.4f} nats; target loss (AdamW, {args.steps} "
-        f"steps): {target:.4f}; {payload['seconds']:.0f} s"
+        f"steps): {target:.4f}"
     )
-    table = [{**r, **task_accuracies(r), "matched": "yes" if r["reached_target"] else "NO"} for r in results]
-    columns = ["method", "step", "loss", "matched", "hessian_trace", "hessian_trace_stderr", "probe_accuracy"]
+    columns = ["method", "steps", "loss", "matched", "hessian_trace", "hessian_trace_stderr", "probe_accuracy"]
     columns += ["probe_accuracy_mean_pooled"] + [f"probe_{task}" for task in setup.probe_tasks]
-    print(markdown_table(table, columns))
-    return payload
+    return write_results(
+        output_dir,
+        "regularizers",
+        args,
+        setup,
+        started,
+        table=[{**r, "matched": "yes" if r["reached_target"] else "NO"} for r in results],
+        columns=columns,
+        target_loss=target,
+        plain_steps=args.steps,
+        results=results,
+    )
 
 
 if __name__ == "__main__":

@@ -449,6 +449,21 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2, default=float))
 
 
+def final_row(
+    records: list[dict[str, Any]], *, target_loss: float | None, train_seconds: float, **fields: Any
+) -> dict[str, Any]:
+    """A run's last record as one row of a recipe's table: ``fields`` (the run's name...), ``steps``, whether the
+    loss reached ``target_loss`` (None without one), ``train_seconds``, then the record's measurements."""
+    final = records[-1]
+    return {
+        **fields,
+        "steps": final["step"],
+        "reached_target": None if target_loss is None else final["loss"] <= target_loss,
+        "train_seconds": train_seconds,
+        **{k: v for k, v in final.items() if k != "step"},
+    }
+
+
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     """``rows`` as a markdown table of ``columns`` (floats to 4 significant digits, missing cells empty)."""
 
@@ -465,6 +480,35 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
 def task_accuracies(record: dict[str, Any], key: str = "probe") -> dict[str, float]:
     """``{"probe_<task>": accuracy}`` of a record's per-task probe results, for flat tables."""
     return {f"{key}_{task}": result["accuracy"] for task, result in record[key].items()}
+
+
+def write_results(
+    output_dir: Path,
+    recipe: str,
+    args,
+    setup: LanguageSetup,
+    started: float,
+    *,
+    table: Sequence[dict[str, Any]] = (),
+    columns: Sequence[str] = (),
+    **fields: Any,
+) -> dict[str, Any]:
+    """Write ``output_dir/results.json`` (``recipe``, ``language``, ``entropy_bound``, ``config``, ``fields``,
+    ``seconds`` since ``started``), print ``table`` as markdown (with each row's per-task probe accuracies as
+    ``probe_<task>`` columns) and return the payload."""
+    payload = {
+        "recipe": recipe,
+        "language": setup.name,
+        "entropy_bound": setup.entropy,
+        "config": config_of(args),
+        **fields,
+        "seconds": time.perf_counter() - started,
+    }
+    write_json(output_dir / "results.json", payload)
+    if table:
+        print(markdown_table([{**row, **task_accuracies(row)} if "probe" in row else row for row in table], columns))
+    print(f"wrote {output_dir / 'results.json'} in {payload['seconds']:.0f} s")
+    return payload
 
 
 def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path, title: str, matched: dict[str, list] | None = None):
@@ -561,6 +605,17 @@ def add_common_arguments(parser, *, steps: int, eval_every: int) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (under 2 minutes) for tests")
+
+
+def add_target_loss_argument(parser) -> None:
+    """``--target-loss``: the matched-loss stop of `RunSpec.target_loss`."""
+    parser.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help="stop each model at its first checkpoint whose one-mask loss is at or below this (matched loss); "
+        "default: train every model for --steps",
+    )
 
 
 def apply_smoke(args) -> None:

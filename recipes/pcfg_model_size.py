@@ -76,6 +76,8 @@ def check_sizes(sizes: list[ModelSize]) -> ModelSize:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_arguments(parser, steps=3000, eval_every=200)
+    # the sizes and rates of the runs in docs/reproduction (pcfg_common's defaults)
+    parser.set_defaults(learning_rate=3e-3, n_train=20_000, trace_contexts=300)
     parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), help="HIDDENxLAYERS per model")
     parser.add_argument("--head-dim", type=int, default=16, help="attention head dimension of every size")
     add_target_loss_argument(parser)

@@ -672,7 +672,13 @@ def config_of(args) -> dict[str, Any]:
 def train_and_evaluate(
     setup: LanguageSetup, spec: RunSpec, output_dir: Path, *, trace_contexts: int, trace_draws: int
 ) -> list[dict[str, Any]]:
-    """Train one masked LM with ``FlatBiasTrainer`` and evaluate it every ``spec.eval_every`` steps (and at 0)."""
+    """Train one masked LM with ``FlatBiasTrainer`` and evaluate it every ``spec.eval_every`` steps (and at 0).
+
+    The optional `RunSpec` fields change only what they name: ``wrap_model`` trains a wrapper around the masked LM
+    (records still describe the masked LM), ``target_loss`` stops at the first checkpoint that reaches it,
+    ``callbacks`` join the Trainer (which then also evaluates on the contexts), ``flatness_overrides`` set further
+    `FlatBiasConfig` fields, and ``trace_final_only`` measures the trace once, on the last checkpoint.
+    """
     from hf_flatbias import FlatBiasConfig
     from hf_flatbias.trainer import FlatBiasTrainer
 

@@ -25,6 +25,7 @@ from synthetic_common import (
     RunSpec,
     add_common_arguments,
     add_target_loss_argument,
+    at_common_loss,
     bert_config,
     final_row,
     is_main_process,
@@ -134,6 +135,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
         embedded_into=largest.name,
         rows=rows,
         runs=runs,
+        at_common_loss=at_common_loss(runs),
     )
 
 

@@ -5,7 +5,7 @@ keeps lowering the trace of the Hessian, and downstream (probe) accuracy keeps r
 model at a constant learning rate well past convergence, evaluates checkpoints and reports Spearman correlations of
 trace and of loss with probe accuracy, over all checkpoints and over those at matched loss.
 
-    python recipes/pcfg_continue_training.py           # default size: about 15 min on a quiet machine (estimated)
+    python recipes/pcfg_continue_training.py           # defaults: 0.11M BERT, 30,000 steps, 21 min on 2 shared cores
     python recipes/pcfg_continue_training.py --smoke   # under 2 minutes
     accelerate launch recipes/pcfg_continue_training.py --language hmm
 """
@@ -35,7 +35,7 @@ from synthetic_common import (
 
 def main(argv=None, *, default_language: str = "pcfg") -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_arguments(parser, steps=3000, eval_every=250)
+    add_common_arguments(parser, steps=30_000, eval_every=1000)
     parser.add_argument(
         "--matched-tolerance", type=float, default=0.02, help="nats above the best loss that count as 'same loss'"
     )

@@ -26,6 +26,7 @@ from synthetic_common import (
     RunSpec,
     add_common_arguments,
     add_target_loss_argument,
+    at_common_loss,
     final_row,
     is_main_process,
     parse_recipe_arguments,
@@ -118,6 +119,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
         hidden_task=args.task,
         rows=rows,
         runs=runs,
+        at_common_loss=at_common_loss(runs),
     )
 
 

@@ -29,6 +29,14 @@ def record_rows(label: str, records: list[dict]) -> list[str]:
     return rows
 
 
+def checkpoint_line(label: str, r: dict) -> str:
+    mean_pooled = r.get("probe_accuracy_mean_pooled")
+    return (
+        f"- {label}: step {r['step']}, loss {r['loss']:.4f}, trace {_fmt(r['hessian_trace'], 1)}, "
+        f"probe acc. {r['probe_accuracy']:.3f}" + ("" if mean_pooled is None else f" (mean-pooled {mean_pooled:.3f})")
+    )
+
+
 def summarize(path: Path) -> str:
     payload = json.loads(path.read_text())
     lines = [f"### {payload['recipe']} ({payload['language']}), entropy floor {payload['entropy_bound']:.4f} nats", ""]
@@ -71,21 +79,11 @@ def summarize(path: Path) -> str:
     if "at_common_loss" in payload:
         common = payload["at_common_loss"]
         lines += ["", f"At the lowest loss every run reached ({common['target_loss']:.4f}):"]
-        for label, r in common["checkpoints"].items():
-            lines.append(
-                f"- {label}: step {r['step']}, loss {r['loss']:.4f}, trace {_fmt(r['hessian_trace'], 1)} ± "
-                f"{_fmt(r['hessian_trace_stderr'], 1)}, probe acc. {r['probe_accuracy']:.3f} "
-                f"(mean-pooled {_fmt(r.get('probe_accuracy_mean_pooled'))})"
-            )
+        lines += [checkpoint_line(label, r) for label, r in common["checkpoints"].items()]
     if "flatness_selection" in payload:
         selection = payload["flatness_selection"]
         lines += ["", f"Checkpoint selection (loss within {selection['loss_tolerance']} nats of the best):"]
-        for kind in ("flattest", "lowest_loss"):
-            r = selection[kind]
-            lines.append(
-                f"- {kind}: step {r['step']}, loss {r['loss']:.4f}, trace {_fmt(r['hessian_trace'], 1)}, "
-                f"probe acc. {r['probe_accuracy']:.3f}"
-            )
+        lines += [checkpoint_line(kind, selection[kind]) for kind in ("flattest", "lowest_loss")]
     lines.append("")
     lines.append(f"Wall time {payload['seconds']:.0f} s; config `{json.dumps(payload['config'])}`")
     return "\n".join(lines)

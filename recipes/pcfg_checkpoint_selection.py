@@ -38,7 +38,8 @@ from hf_flatbias.selection import FlatnessCheckpointSelector
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_arguments(parser, steps=4000, eval_every=400)
-    # a 32 x 2 BERT with 16-dimensional heads, as in the runs in docs/reproduction
+    # a small, fast default (a 32 x 2 BERT with 16-dimensional heads; minutes on 2 cores); the long run whose
+    # checkpoints docs/reproduction/enlarge.md selects among is pcfg_continue_training.py's
     parser.set_defaults(hidden=32, layers=2, heads=2, learning_rate=3e-3, n_train=20_000, trace_contexts=300)
     parser.add_argument("--loss-tolerance", type=float, default=0.02, help="nats above the best validation loss")
     return parser

@@ -119,8 +119,8 @@ def setup_language(
 def build_model(
     vocab_size: int,
     *,
-    hidden: int = 128,
-    layers: int = 4,
+    hidden: int = 64,
+    layers: int = 2,
     dropout: float = 0.0,
     seed: int = 0,
     heads: int | None = None,
@@ -132,7 +132,7 @@ def build_model(
 
 
 def bert_config(
-    vocab_size: int, *, hidden: int = 128, layers: int = 4, dropout: float = 0.0, heads: int | None = None
+    vocab_size: int, *, hidden: int = 64, layers: int = 2, dropout: float = 0.0, heads: int | None = None
 ) -> BertConfig:
     """The config of `build_model` (also the target architecture a smaller model is embedded into)."""
     heads = max(1, hidden // 32) if heads is None else heads
@@ -551,14 +551,14 @@ class RunSpec:
     steps: int
     eval_every: int
     batch_size: int = 64
-    learning_rate: float = 1e-3
+    learning_rate: float = 2e-3
     warmup_steps: int = 100
     dropout: float = 0.0
     weight_decay: float = 0.0
     flatness_method: str = "none"
     sam_rho: float = 0.05
-    hidden: int = 128
-    layers: int = 4
+    hidden: int = 64
+    layers: int = 2
     seed: int = 0
     mask_probability: float = 0.0
     heads: int | None = None  # attention heads; None: build_model's default, hidden // 32

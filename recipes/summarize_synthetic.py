@@ -80,7 +80,7 @@ def summarize(path: Path) -> str:
         common = payload["at_common_loss"]
         lines += ["", f"At the lowest loss every run reached ({common['target_loss']:.4f}):"]
         lines += [checkpoint_line(label, r) for label, r in common["checkpoints"].items()]
-    if "flatness_selection" in payload:
+    if payload.get("flatness_selection"):
         selection = payload["flatness_selection"]
         lines += ["", f"Checkpoint selection (loss within {selection['loss_tolerance']} nats of the best):"]
         lines += [checkpoint_line(kind, selection[kind]) for kind in ("flattest", "lowest_loss")]

@@ -387,6 +387,11 @@ def at_common_loss(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Each run's checkpoint nearest to the lowest loss that every run reached: a like-for-like comparison of runs
     that converge at different speeds (the paper compares at the same, saturated loss)."""
     trained = {label: [r for r in records if r["step"] > 0] for label, records in runs.items()}
+    untrained = [label for label, records in trained.items() if not records]
+    if untrained:
+        raise ValueError(
+            f"runs {untrained} have no checkpoint after step 0; evaluate them at least once (--eval-every)."
+        )
     target = max(min(r["loss"] for r in records) for records in trained.values())
     return {
         "target_loss": target,
@@ -411,10 +416,14 @@ def correlations(records: list[dict[str, Any]]) -> dict[str, float | None]:
     return out
 
 
-def flatness_selection(records: list[dict[str, Any]], tolerance: float) -> dict[str, Any]:
+def flatness_selection(records: list[dict[str, Any]], tolerance: float) -> dict[str, Any] | None:
     """What `select_flattest_checkpoint` keeps among ``records`` next to the lowest-loss checkpoint, with the probe
-    accuracy of each (which the selector never sees): the paper's advice, applied to one run's checkpoints."""
+    accuracy of each (which the selector never sees): the paper's advice, applied to one run's checkpoints. None when
+    no checkpoint has a trace (``--trace-contexts 0``): there is nothing to select by."""
     from hf_flatbias.selection import CheckpointRecord, select_flattest_checkpoint
+
+    if all(r["hessian_trace"] is None for r in records):
+        return None
 
     by_step = {r["step"]: r for r in records}
     selection = select_flattest_checkpoint(

@@ -87,6 +87,8 @@ def test_runs_are_compared_at_the_lowest_loss_all_of_them_reached(recipes):
     common = at_common_loss(runs)
     assert common["target_loss"] == 2.1
     assert common["checkpoints"]["fast"]["step"] == 10 and common["checkpoints"]["slow"]["step"] == 20
+    with pytest.raises(ValueError, match="no checkpoint after step 0"):
+        at_common_loss({**runs, "unevaluated": [{"step": 0, "loss": 4.0}]})
 
 
 @pytest.mark.slow
@@ -128,3 +130,19 @@ def test_markdown_table_formats_cells(recipes):
 
     table = markdown_table([{"a": 1, "b": 0.123456}, {"a": "x", "b": float("nan")}], ["a", "b", "c"])
     assert table.splitlines() == ["| a | b | c |", "|---|---|---|", "| 1 | 0.1235 |  |", "| x | nan |  |"]
+
+
+def test_selection_is_skipped_without_traces_and_never_sees_the_probe(recipes):
+    from synthetic_common import flatness_selection
+
+    records = [
+        {"step": 10, "loss": 2.00, "hessian_trace": 90.0, "hessian_trace_stderr": 1.0, "probe_accuracy": 0.9},
+        {"step": 20, "loss": 1.99, "hessian_trace": 80.0, "hessian_trace_stderr": 1.0, "probe_accuracy": 0.1},
+        {"step": 30, "loss": 1.98, "hessian_trace": 95.0, "hessian_trace_stderr": 1.0, "probe_accuracy": 0.8},
+        {"step": 40, "loss": 2.50, "hessian_trace": 10.0, "hessian_trace_stderr": 1.0, "probe_accuracy": 1.0},
+    ]
+    selection = flatness_selection(records, tolerance=0.05)
+    assert selection["candidates"] == [10, 20, 30]  # step 40 is flattest but 0.52 nats worse
+    assert selection["flattest"]["step"] == 20 and selection["lowest_loss"]["step"] == 30
+    assert selection["accuracy_gain"] == pytest.approx(0.1 - 0.8)
+    assert flatness_selection([{**r, "hessian_trace": None} for r in records], tolerance=0.05) is None

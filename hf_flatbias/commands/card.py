@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import warnings
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,8 +28,8 @@ def run(args: argparse.Namespace) -> int:
     from ..modelcard import load_flatness_card
 
     try:
-        card = load_flatness_card(args.repo_or_path, revision=args.revision)
-    except (ValueError, OSError, HfHubHTTPError) as error:  # not a card, no such file, Hub errors
+        card = read_card_reporting_warnings("hf-flatbias card", load_flatness_card, args.repo_or_path, args.revision)
+    except (ValueError, OSError, HfHubHTTPError) as error:  # not a card, no such file, broken metadata, Hub errors
         print(f"hf-flatbias card: {error}", file=sys.stderr)
         return 2
     if args.json:
@@ -36,6 +37,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_card_summary(args.repo_or_path, card))
     return 0
+
+
+def read_card_reporting_warnings(program: str, load, repo_or_path: str, revision: str | None = None):
+    """``load(repo_or_path)``, its warnings (e.g. a non-finite trace read as unknown) printed as one line each."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        card = load(repo_or_path, revision=revision)
+    for warning in caught:
+        print(f"{program}: warning: {warning.message}", file=sys.stderr)
+    return card
 
 
 def format_card_summary(label: str, card) -> str:
@@ -56,10 +67,10 @@ def format_card_summary(label: str, card) -> str:
     rows = [
         ("model", label),
         ("method", card.method),
-        ("sam_rho", card.sam_rho),
-        ("asam_eta", card.asam_eta),
+        *card.method_hyperparameters().items(),
         ("pre-training loss", loss),
         ("Hessian trace ± stderr", trace),
+        ("trace measured at step", card.trace_step),
         ("estimator", estimator),
         ("step", card.global_step),
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
@@ -27,16 +28,23 @@ def run(args: argparse.Namespace) -> int:
     from huggingface_hub.errors import HfHubHTTPError
 
     from ..modelcard import format_comparison_table, load_flatness_card
+    from .card import read_card_reporting_warnings
 
     cards = []
     for name in args.models:
         try:
-            cards.append((name, load_flatness_card(name)))
-        except (ValueError, OSError, HfHubHTTPError) as error:  # not a card, no such file, Hub errors
+            cards.append((name, read_card_reporting_warnings("hf-flatbias compare", load_flatness_card, name)))
+        except (ValueError, OSError, HfHubHTTPError) as error:  # not a card, no such file, broken metadata, Hub errors
             print(f"hf-flatbias compare: {error}", file=sys.stderr)
             return 2
     if args.sort != "none":
         field = "hessian_trace" if args.sort == "trace" else "pretraining_loss"
-        cards.sort(key=lambda item: (getattr(item[1], field) is None, getattr(item[1], field) or 0.0))
+        cards.sort(key=lambda item: _unknown_last(getattr(item[1], field)))
     print(format_comparison_table(cards))
     return 0
+
+
+def _unknown_last(value: float | None) -> tuple[bool, float]:
+    # NaN compares false with everything, so it must be sorted as unknown explicitly
+    unknown = value is None or not math.isfinite(value)
+    return unknown, 0.0 if unknown else value

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import importlib
-import pkgutil
 from collections.abc import Sequence
 
-from . import commands
+from .commands import card, compare, demo, glue, select, trace
+
+# Listed, not discovered: the order of `hf-flatbias --help` is chosen here, and a stray module in commands/ is not
+# silently turned into a command.
+COMMANDS = (trace, card, compare, select, glue, demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-flatbias", description="Flatness tools for Hugging Face models.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module_info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"{commands.__name__}.{module_info.name}")
-        module.register(subparsers)
+    for command in COMMANDS:
+        command.register(subparsers)
     return parser
 
 

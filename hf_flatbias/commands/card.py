@@ -8,6 +8,8 @@ import json
 import sys
 import warnings
 
+from .paths import local_path_or_hub_id
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -23,15 +25,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from huggingface_hub.errors import HfHubHTTPError
-
+    """Bad input (not a card, no such file, a Hub error) raises; `cli.main` reports it in one line."""
+    source = local_path_or_hub_id(args.repo_or_path, "REPO_OR_PATH", file_suffixes=(".md",))
     from ..modelcard import load_flatness_card
 
-    try:
-        card = read_card_reporting_warnings("hf-flatbias card", load_flatness_card, args.repo_or_path, args.revision)
-    except (ValueError, OSError, HfHubHTTPError) as error:  # not a card, no such file, broken metadata, Hub errors
-        print(f"hf-flatbias card: {error}", file=sys.stderr)
-        return 2
+    card = read_card_reporting_warnings("hf-flatbias card", load_flatness_card, source, args.revision)
     if args.json:
         print(json.dumps(dataclasses.asdict(card), indent=2, sort_keys=True))
     else:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -29,11 +29,12 @@ from transformers.utils import logging
 from .config import FlatBiasConfig
 from .modelcard import FlatnessCard, flatness_card_from_trainer
 from .sharpness.engines import (
+    PerturbableParameters,
     average_across_processes,
     check_deepspeed_supports_penalty,
     check_deepspeed_supports_sam,
     deepspeed_backward,
-    gradients_of,
+    first_gradient,
     perturbable_parameters,
     trainable_parameters,
 )
@@ -80,13 +81,11 @@ class FlatBiasTrainer(Trainer):
             )
         super().__init__(model=model, args=args, **kwargs)
         self._fix_loss_scaling_for_models_ignoring_num_items()
-        self._sam_metrics: dict[str, list[float]] = defaultdict(list)
-        self._update_micro_batches: list[dict[str, Any]] | None = None
-        self._batch_perturbation: Perturbation | None = None
-        self._skipped_perturbations = 0
-        self._label_generator: torch.Generator | None = None
-        self._looksam_plain_gradient: list[torch.Tensor] | None = None
-        self._looksam_direction: list[torch.Tensor] | None = None
+        self._flatness_log = _FlatnessLog()
+        self._batch_sam = _BatchScopeSam()
+        self._looksam = _LookSamState()
+        # Seeded per process: ranks draw different labels for their different rows, reproducibly.
+        self._sampled_labels = _SampledLabelSource(seed=self.args.seed + 7919 * self.args.process_index)
         if self.args.uses_sam:
             self._check_sam_is_supported()
         if self.args.uses_penalty or self.args.flatness_method == "looksam":
@@ -151,7 +150,7 @@ class FlatBiasTrainer(Trainer):
         # The loop prefetches every micro-batch of an update; "batch"-scope SAM needs all of them before the first
         # backward, so keep them for the first training_step of the update.
         keep = self.args.uses_sam and self.args.sam_scope == "batch" and self._is_sam_update()
-        self._update_micro_batches = batch_samples if keep else None
+        self._batch_sam.micro_batches = batch_samples if keep else None
         return batch_samples, num_items_in_batch
 
     def training_step(
@@ -160,23 +159,35 @@ class FlatBiasTrainer(Trainer):
         inputs: dict[str, torch.Tensor | Any],
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
-        if self.args.uses_penalty:
-            return self._penalty_training_step(model, inputs, num_items_in_batch)
-        if self.args.flatness_method == "looksam":
-            return self._looksam_training_step(model, inputs, num_items_in_batch)
-        if not self.args.uses_sam or not self._is_sam_update():
-            return super().training_step(model, inputs, num_items_in_batch)
+        method = self.args.flatness_method
+        if method == "fisher_penalty":
+            return self._fisher_penalty_step(model, inputs, num_items_in_batch)
+        if method == "grad_norm_penalty":
+            return self._grad_norm_penalty_step(model, inputs, num_items_in_batch)
+        if method == "looksam":
+            return self._looksam_step(model, inputs, num_items_in_batch)
+        if self.args.uses_sam and self._is_sam_update():
+            return self._sam_step(model, inputs, num_items_in_batch)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _start_step(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        """What `Trainer.training_step` does before its forward: train mode (model and schedule-free optimizers),
+        inputs on the device."""
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
-        inputs = self._prepare_inputs(inputs)
+        return self._prepare_inputs(inputs)
 
+    def _sam_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
+        """One micro-batch of a SAM/ASAM update: the first gradient, the step to ``w + e``, backward there, ``w``."""
+        inputs = self._start_step(model, inputs)
         if self.args.sam_scope == "batch":
-            if self._update_micro_batches is not None:
-                micro_batches = [self._prepare_inputs(batch) for batch in self._update_micro_batches]
-                self._update_micro_batches = None
-                self._batch_perturbation = self._perturb(model, micro_batches, num_items_in_batch)
-            perturbation = self._batch_perturbation
+            batch_sam = self._batch_sam
+            if batch_sam.micro_batches is not None:
+                micro_batches = [self._prepare_inputs(batch) for batch in batch_sam.micro_batches]
+                batch_sam.micro_batches = None
+                batch_sam.perturbation = self._perturb(model, micro_batches, num_items_in_batch)
+            perturbation = batch_sam.perturbation
             restore_now = self.accelerator.sync_gradients
         else:
             perturbation = self._perturb(model, [inputs], num_items_in_batch)
@@ -191,7 +202,7 @@ class FlatBiasTrainer(Trainer):
         finally:
             if perturbation is not None and restore_now:
                 perturbation.restore()
-                self._batch_perturbation = None
+                self._batch_sam.perturbation = None
         self._step_deepspeed_after_restore()
         return loss.detach()
 
@@ -228,62 +239,48 @@ class FlatBiasTrainer(Trainer):
         else:
             self.accelerator.backward(loss)
 
+    def _first_gradient(
+        self, losses: torch.Tensor | Iterable[torch.Tensor], params: list[torch.nn.Parameter]
+    ) -> list[torch.Tensor]:
+        return first_gradient(
+            losses,
+            params,
+            scaler=self.accelerator.scaler,
+            average_over_processes=self.args.sam_perturbation == "global",
+        )
+
     def _perturb(
         self, model: nn.Module, micro_batches: list[dict[str, Any]], num_items_in_batch
     ) -> Perturbation | None:
         """Compute the first gradient over ``micro_batches`` and move the weights to ``w + e``."""
         module = self.accelerator.unwrap_model(model)
         perturbable = perturbable_parameters(module, self._deepspeed_engine())
-        params = perturbable.params
         losses = (self._scaled_loss(module, batch, num_items_in_batch) for batch in micro_batches)
-        grads = self._first_gradient(losses, params)
+        grads = self._first_gradient(losses, perturbable.params)
         perturbation = perturbable.perturb(
             grads, self.args.sam_rho, adaptive=self.args.flatness_method == "asam", eta=self.args.asam_eta
         )
         if perturbation is None:
-            self._skipped_perturbations += 1
-            logger.warning(
-                "SAM: the first gradient is zero or not finite at step %d; this step is taken without perturbation "
-                "(%d skipped so far).",
-                self.state.global_step,
-                self._skipped_perturbations,
-            )
+            self._warn_skipped_perturbation("this step is taken without perturbation")
             return None
-        self._sam_metrics["sam/first_grad_norm"].append(perturbation.grad_norm)
-        self._sam_metrics["sam/perturbation_norm"].append(perturbation.norm)
+        self._record_perturbation(perturbation)
         return perturbation
 
+    def _record_perturbation(self, perturbation: Perturbation) -> None:
+        self._flatness_log.record("sam/first_grad_norm", perturbation.grad_norm)
+        self._flatness_log.record("sam/perturbation_norm", perturbation.norm)
+
+    def _warn_skipped_perturbation(self, consequence: str) -> None:
+        self._flatness_log.skipped_perturbations += 1
+        logger.warning(
+            "%s: the first gradient is zero or not finite at step %d; %s (%d skipped so far).",
+            self.args.flatness_method,
+            self.state.global_step,
+            consequence,
+            self._flatness_log.skipped_perturbations,
+        )
+
     # ------------------------------------------------------------------ explicit penalties and LookSAM
-
-    def _first_gradient(
-        self, losses: torch.Tensor | Iterable[torch.Tensor], params: list[torch.nn.Parameter]
-    ) -> list[torch.Tensor]:
-        """``d sum(losses) / d params`` off the engine's hooks, unscaled, averaged over processes when global.
-
-        Losses come one at a time (a generator keeps one micro-batch graph alive at once). Under fp16 each is
-        multiplied by the loss scale so small gradients do not underflow, and the sum is unscaled on our own copy:
-        the optimizer's GradScaler never sees these gradients, so nothing is unscaled twice.
-        """
-        scaler = self.accelerator.scaler
-        grads: list[torch.Tensor] | None = None
-        for loss in [losses] if isinstance(losses, torch.Tensor) else losses:
-            loss_grads = gradients_of(scaler.scale(loss) if scaler is not None else loss, params)
-            if grads is None:
-                grads = loss_grads
-            else:
-                torch._foreach_add_(grads, loss_grads)
-        if scaler is not None:
-            torch._foreach_div_(grads, scaler.get_scale())
-        if self.args.sam_perturbation == "global":
-            average_across_processes(grads)
-        return grads
-
-    def _sampled_labels(self, logits: torch.Tensor) -> torch.Tensor:
-        # A generator of our own keeps the draws reproducible whatever else consumes the global RNG (dropout).
-        if self._label_generator is None or self._label_generator.device != logits.device:
-            seed = self.args.seed + 7919 * self.args.process_index
-            self._label_generator = torch.Generator(device=logits.device).manual_seed(seed)
-        return sample_model_labels(logits, self._label_generator)
 
     def _labelled_logits(self, module: nn.Module, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
         logits = outputs.get("logits") if isinstance(outputs, dict) else None
@@ -294,116 +291,126 @@ class FlatBiasTrainer(Trainer):
         shift = unwrap_peft_model(module)._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
         return labelled_logits(logits, labels, shift=shift)
 
-    def _penalty_training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
-        """One micro-batch of ``fisher_penalty`` or ``grad_norm_penalty``: two forward/backward passes.
-
-        Pass 1 (unwrapped model, ``autograd.grad``): the data loss at ``w`` and the gradient ``g`` that defines the
-        finite-difference direction (of the sampled-label loss for the Fisher penalty, of the data loss for the
-        gradient-norm penalty). Pass 2 (through the accelerator) at ``w + h g / ||g||``, whose loss combines the
-        data loss, the direction loss and the linear term that contributes ``-c g``.
-        """
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        inputs = self._prepare_inputs(inputs)
-        fisher = self.args.flatness_method == "fisher_penalty"
+    def _fisher_penalty_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
+        """One micro-batch of ``fisher_penalty``: ``g`` is the gradient of the loss of labels sampled from the model
+        at ``w``; the second pass adds ``c * (sampled-label loss - <w, g>)`` to the data loss at ``w + h u``."""
+        inputs = self._start_step(model, inputs)
         labels = inputs.get("labels")
-        if fisher and labels is None:
+        if labels is None:
             raise ValueError(
                 "flatness_method='fisher_penalty' needs 'labels' in every batch (-100 where nothing is predicted), "
                 "e.g. from DataCollatorForLanguageModeling."
             )
         module = self.accelerator.unwrap_model(model)
         perturbable = perturbable_parameters(module, self._deepspeed_engine())
-        params = perturbable.params
-        accumulation = self.current_gradient_accumulation_steps
-
         with self.compute_loss_context_manager():
             data_loss, outputs = self.compute_loss(
                 module, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch
             )
-        reported_loss = self._scale_for_accumulation(data_loss.detach(), num_items_in_batch)
-        if fisher:
-            logits = self._labelled_logits(module, outputs, labels)
-            sampled = self._sampled_labels(logits)
-            n_labels = sampled.numel()
-            if self.args.sam_perturbation == "global":
-                # g is averaged over ranks, so the trace estimate counts every rank's labels.
-                n_labels = int(self.accelerator.reduce(torch.tensor(n_labels, device=logits.device), "sum"))
-            direction_loss = sampled_label_loss(logits, sampled)
-        else:
-            direction_loss = data_loss
-        del outputs
-        grads = self._first_gradient(direction_loss, params)
-        del direction_loss, data_loss
+        clean_loss = self._scale_for_accumulation(data_loss.detach(), num_items_in_batch)
+        logits = self._labelled_logits(module, outputs, labels)
+        sampled = self._sampled_labels.draw(logits)
+        n_labels = sampled.numel()
+        if self.args.sam_perturbation == "global":
+            # g is averaged over ranks, so the trace estimate counts every rank's labels.
+            n_labels = int(self.accelerator.reduce(torch.tensor(n_labels, device=logits.device), "sum"))
+        direction_loss = sampled_label_loss(logits, sampled)
+        del outputs, logits, data_loss
+        grads = self._first_gradient(direction_loss, perturbable.params)
+        del direction_loss
+
+        def loss_at_shifted_weights(first_gradient: list[torch.Tensor], grad_norm: float) -> torch.Tensor:
+            step = self.args.penalty_fd_step
+            coefficient = fisher_penalty_coefficient(self.args.penalty_lambda, n_labels, grad_norm, step)
+            with self.compute_loss_context_manager():
+                shifted_loss, outputs = self.compute_loss(
+                    model, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch
+                )
+                shifted_direction_loss = sampled_label_loss(self._labelled_logits(module, outputs, labels), sampled)
+            penalty_part = coefficient * (shifted_direction_loss - linear_term(perturbable.params, first_gradient))
+            self._flatness_log.record("fisher_penalty/trace", fisher_trace_from_mean_gradient(grad_norm**2, n_labels))
+            accumulation = self.current_gradient_accumulation_steps
+            return self._scale_for_accumulation(shifted_loss, num_items_in_batch) + penalty_part / accumulation
+
+        return self._finite_difference_pass(
+            model, inputs, num_items_in_batch, perturbable, grads, loss_at_shifted_weights, clean_loss
+        )
+
+    def _grad_norm_penalty_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
+        """One micro-batch of ``grad_norm_penalty``: ``g`` is the data-loss gradient at ``w``; the second pass
+        weighs the data loss at ``w + h u`` and ``<w, g>`` so that the step is ``a g(w) + b g(w + h u)``."""
+        inputs = self._start_step(model, inputs)
+        module = self.accelerator.unwrap_model(model)
+        perturbable = perturbable_parameters(module, self._deepspeed_engine())
+        with self.compute_loss_context_manager():
+            data_loss = self.compute_loss(module, dict(inputs), num_items_in_batch=num_items_in_batch)
+        clean_loss = self._scale_for_accumulation(data_loss.detach(), num_items_in_batch)
+        grads = self._first_gradient(data_loss, perturbable.params)
+        del data_loss
+
+        def loss_at_shifted_weights(first_gradient: list[torch.Tensor], grad_norm: float) -> torch.Tensor:
+            at_w, at_shifted = grad_norm_penalty_weights(self.args.penalty_lambda, self.args.penalty_fd_step)
+            with self.compute_loss_context_manager():
+                shifted_loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+            combined = at_shifted * shifted_loss + at_w * linear_term(perturbable.params, first_gradient)
+            self._flatness_log.record("grad_norm_penalty/grad_norm", grad_norm)
+            return self._scale_for_accumulation(combined, num_items_in_batch)
+
+        return self._finite_difference_pass(
+            model, inputs, num_items_in_batch, perturbable, grads, loss_at_shifted_weights, clean_loss
+        )
+
+    def _finite_difference_pass(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        num_items_in_batch,
+        perturbable: PerturbableParameters,
+        grads: list[torch.Tensor],
+        loss_at_shifted_weights: Callable[[list[torch.Tensor], float], torch.Tensor],
+        clean_loss: torch.Tensor,
+    ) -> torch.Tensor:
+        """A penalty's second pass: move to ``w + h g / ||g||``, backward ``loss_at_shifted_weights``, restore ``w``.
+
+        A zero or non-finite ``g`` gives no direction: the micro-batch then takes a plain step.
+        """
         grad_norm = float(squared_norm(grads).sqrt())
-        step = self.args.penalty_fd_step
-        first_gradient = [g.clone() for g in grads]
-        perturbation = perturbable.perturb(grads, step)
+        first_gradient = [g.clone() for g in grads]  # perturb() consumes grads
+        perturbation = perturbable.perturb(grads, self.args.penalty_fd_step)
         if perturbation is None:
-            self._skipped_perturbations += 1
-            logger.warning(
-                "%s: the first gradient is zero or not finite at step %d; this micro-batch takes a plain step "
-                "(%d skipped so far).",
-                self.args.flatness_method,
-                self.state.global_step,
-                self._skipped_perturbations,
-            )
+            self._warn_skipped_perturbation("this micro-batch takes a plain step")
             loss = self._scaled_loss(model, inputs, num_items_in_batch)
             self._backward(loss)
             self._step_deepspeed_after_restore()
             return loss.detach()
-
         try:
-            if fisher:
-                coefficient = fisher_penalty_coefficient(self.args.penalty_lambda, n_labels, grad_norm, step)
-                with self.compute_loss_context_manager():
-                    shifted_loss, outputs = self.compute_loss(
-                        model, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch
-                    )
-                    shifted_direction_loss = sampled_label_loss(self._labelled_logits(module, outputs, labels), sampled)
-                penalty_part = coefficient * (shifted_direction_loss - linear_term(params, first_gradient))
-                loss = self._scale_for_accumulation(shifted_loss, num_items_in_batch) + penalty_part / accumulation
-                self._sam_metrics["fisher_penalty/trace"].append(
-                    fisher_trace_from_mean_gradient(grad_norm**2, n_labels)
-                )
-            else:
-                at_w, at_shifted = grad_norm_penalty_weights(self.args.penalty_lambda, step)
-                with self.compute_loss_context_manager():
-                    shifted_loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
-                combined = at_shifted * shifted_loss + at_w * linear_term(params, first_gradient)
-                loss = self._scale_for_accumulation(combined, num_items_in_batch)
-                self._sam_metrics["grad_norm_penalty/grad_norm"].append(grad_norm)
-            self._backward(loss)
+            self._backward(loss_at_shifted_weights(first_gradient, grad_norm))
         finally:
             perturbation.restore()
         self._step_deepspeed_after_restore()
-        return reported_loss
+        return clean_loss
 
-    def _looksam_training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
+    def _looksam_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
         """LookSAM: a SAM micro-batch on SAM updates (keeping the first gradient), else a plain one plus reuse."""
+        looksam = self._looksam
         if not self._is_sam_update():
             loss = super().training_step(model, inputs, num_items_in_batch)
-            if self.accelerator.sync_gradients and self._looksam_direction is not None:
+            if self.accelerator.sync_gradients and looksam.direction is not None:
                 grads = _grads_materialized(trainable_parameters(self.accelerator.unwrap_model(model)))
-                add_looksam_component(grads, self._looksam_direction, self.args.looksam_alpha)
+                add_looksam_component(grads, looksam.direction, self.args.looksam_alpha)
             return loss
 
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        inputs = self._prepare_inputs(inputs)
+        inputs = self._start_step(model, inputs)
         module = self.accelerator.unwrap_model(model)
         params = trainable_parameters(module)
         grads = self._first_gradient(self._scaled_loss(module, inputs, num_items_in_batch), params)
-        if self._looksam_plain_gradient is None:
-            self._looksam_plain_gradient = [g.clone() for g in grads]
+        if looksam.plain_gradient is None:
+            looksam.plain_gradient = [g.clone() for g in grads]
         else:
-            torch._foreach_add_(self._looksam_plain_gradient, grads)
+            torch._foreach_add_(looksam.plain_gradient, grads)
         perturbation = perturb_weights(params, grads, self.args.sam_rho)
         if perturbation is not None:
-            self._sam_metrics["sam/first_grad_norm"].append(perturbation.grad_norm)
-            self._sam_metrics["sam/perturbation_norm"].append(perturbation.norm)
+            self._record_perturbation(perturbation)
         try:
             loss = self._scaled_loss(model, inputs, num_items_in_batch)
             self._backward(loss)
@@ -412,24 +419,22 @@ class FlatBiasTrainer(Trainer):
                 perturbation.restore()
         if self.accelerator.sync_gradients:
             sam_gradient = _grads_materialized(params)
-            direction = orthogonal_direction(sam_gradient, self._looksam_plain_gradient)
-            self._looksam_plain_gradient = None
+            direction = orthogonal_direction(sam_gradient, looksam.plain_gradient)
+            looksam.plain_gradient = None
             if direction is not None:
                 if self.args.sam_perturbation != "global":
                     # Ranks saw different first gradients; one shared direction keeps their later steps identical.
                     average_across_processes(direction)
                     norm = squared_norm(direction).sqrt()
                     torch._foreach_div_(direction, norm)
-                self._looksam_direction = direction
+                looksam.direction = direction
         return loss.detach()
 
     # ------------------------------------------------------------------ logging
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs and self._sam_metrics:
-            for key, values in self._sam_metrics.items():
-                logs[key] = sum(values) / len(values)
-            self._sam_metrics.clear()
+        if "loss" in logs:
+            self._flatness_log.drain_into(logs)
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------ flatness model card
@@ -551,6 +556,54 @@ def _report_failed_push(job, checkpoint_folder: str) -> None:
 
 
 _CARD_KWARGS = ("language", "license", "tags", "model_name", "finetuned_from", "dataset", "glue_results")
+
+
+@dataclasses.dataclass
+class _FlatnessLog:
+    """The flatness metrics of the steps since the last logged ``loss`` (averaged when logged)."""
+
+    metrics: dict[str, list[float]] = dataclasses.field(default_factory=lambda: defaultdict(list))
+    skipped_perturbations: int = 0
+
+    def record(self, key: str, value: float) -> None:
+        self.metrics[key].append(value)
+
+    def drain_into(self, logs: dict[str, float]) -> None:
+        for key, values in self.metrics.items():
+            logs[key] = sum(values) / len(values)
+        self.metrics.clear()
+
+
+@dataclasses.dataclass
+class _BatchScopeSam:
+    """``sam_scope="batch"``: the update's micro-batches until its first step perturbs, then that perturbation,
+    held across the update's micro-batches until the last one restores ``w``."""
+
+    micro_batches: list[dict[str, Any]] | None = None
+    perturbation: Perturbation | None = None
+
+
+@dataclasses.dataclass
+class _LookSamState:
+    """LookSAM's memory: the plain gradient summed over the current SAM update's micro-batches, and the unit
+    direction ``g_v / ||g_v||`` the last SAM update left for the updates in between."""
+
+    plain_gradient: list[torch.Tensor] | None = None
+    direction: list[torch.Tensor] | None = None
+
+
+@dataclasses.dataclass
+class _SampledLabelSource:
+    """The Fisher penalty's label draws, from a generator of its own so that they are reproducible whatever else
+    consumes the global RNG (dropout)."""
+
+    seed: int
+    generator: torch.Generator | None = None
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.generator is None or self.generator.device != logits.device:
+            self.generator = torch.Generator(device=logits.device).manual_seed(self.seed)
+        return sample_model_labels(logits, self.generator)
 
 
 def _grads_materialized(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:

@@ -175,9 +175,9 @@ def test_non_finite_first_gradient_skips_the_perturbation(tmp_path, monkeypatch)
             grads[0].fill_(float("nan"))
         return grads
 
-    monkeypatch.setattr("hf_flatbias.trainer.gradients_of", poisoned)
+    monkeypatch.setattr(engines, "gradients_of", poisoned)
     trainer = train(tiny_classifier(), config(tmp_path, max_steps=2))
-    assert trainer._skipped_perturbations == 1
+    assert trainer._flatness_log.skipped_perturbations == 1
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
@@ -251,7 +251,7 @@ def test_grad_scaler_is_unscaled_once(tmp_path, max_grad_norm):
     trainer = ScaledLossTrainer(model=tiny_classifier(), args=config(tmp_path, max_grad_norm=max_grad_norm),
                                 train_dataset=rows, init_scale=2.0**12)
     trainer.train()
-    assert trainer._skipped_perturbations == 0
+    assert trainer._flatness_log.skipped_perturbations == 0
     assert max_param_diff(trainer.model, reference) < 1e-5
 
 

@@ -22,7 +22,10 @@ import torch
 from huggingface_hub.errors import HfHubHTTPError
 from torch import nn
 from transformers import Trainer, TrainingArguments
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+)
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
@@ -50,7 +53,7 @@ from .sharpness.penalties import (
     sampled_label_loss,
 )
 from .sharpness.sam import Perturbation, perturb_weights, squared_norm
-from .utils import forward_normalizes_by_num_items
+from .utils import forward_normalizes_by_num_items, token_weighted_loss
 
 logger = logging.get_logger(__name__)
 
@@ -108,8 +111,57 @@ class FlatBiasTrainer(Trainer):
     def _fix_loss_scaling_for_models_ignoring_num_items(self) -> None:
         # transformers 5 assumes any forward with **kwargs normalises by num_items_in_batch and then skips the
         # division by the accumulation steps; for models that ignore it the gradient grows k-fold with k steps.
-        if self.model_accepts_loss_kwargs and forward_normalizes_by_num_items(self.model) is False:
+        # Masked and causal LM heads get the token-weighted loss transformers gives the models that do normalise
+        # (see compute_loss); any other such model falls back to the mean of micro-batch means.
+        self._token_weighted_loss = False
+        if not (self.model_accepts_loss_kwargs and forward_normalizes_by_num_items(self.model) is False):
+            return
+        module = unwrap_peft_model(self.model)
+        is_causal = module._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        is_language_model = is_causal or module._get_name() in MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()
+        # One micro-batch on one process: the model's own mean is already the token-weighted loss, bit for bit.
+        split_update = self.args.gradient_accumulation_steps > 1 or self.args.world_size > 1
+        loss_is_ours = (
+            self.compute_loss_func is None
+            and self.label_smoother is None
+            and type(self).compute_loss is FlatBiasTrainer.compute_loss
+        )
+        if is_language_model and split_update and loss_is_ours:
+            self._token_weighted_loss = True
+            # Count the labels the loss uses: the loop counts labels[..., 1:] only for losses it knows shift.
+            self._loss_shifts_labels = is_causal
+        else:
             self.model_accepts_loss_kwargs = False
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """`Trainer.compute_loss`, token-weighted over the whole update for LM heads that ignore
+        ``num_items_in_batch`` (BERT): the summed cross-entropy of the micro-batch over the update's labelled tokens,
+        as transformers computes it for the models that use ``num_items_in_batch``. Accumulation ``k x b`` then
+        trains exactly as one batch of ``k * b``, also across processes."""
+        if not self._token_weighted_loss or num_items_in_batch is None or "labels" not in inputs:
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        labels = inputs["labels"]
+        outputs = model(**{name: value for name, value in inputs.items() if name != "labels"})
+        logits = outputs.get("logits") if isinstance(outputs, dict) else None
+        if logits is None:
+            raise ValueError(
+                "The token-weighted loss needs the model output to carry 'logits'; pass compute_loss_func or override "
+                "compute_loss to train this model with its own loss."
+            )
+        loss = token_weighted_loss(logits, labels, num_items_in_batch, shift=self._loss_shifts_labels)
+        if self.args.average_tokens_across_devices:
+            # num_items_in_batch counts every process's tokens and DDP averages the gradients: undo the average,
+            # as Trainer.compute_loss does.
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        return (loss, outputs) if return_outputs else loss
 
     def _check_sam_is_supported(self) -> None:
         from accelerate.utils import DistributedType
@@ -179,18 +231,23 @@ class FlatBiasTrainer(Trainer):
         return self._prepare_inputs(inputs)
 
     def _sam_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
-        """One micro-batch of a SAM/ASAM update: the first gradient, the step to ``w + e``, backward there, ``w``."""
+        """One micro-batch of a SAM/ASAM update: the first gradient, the step to ``w + e``, backward there, ``w``.
+
+        Returns the loss at ``w`` (the first pass), so that ``loss`` means the same for every method; the loss at
+        ``w + e`` is logged as ``sam/perturbed_loss``.
+        """
         inputs = self._start_step(model, inputs)
         if self.args.sam_scope == "batch":
             batch_sam = self._batch_sam
             if batch_sam.micro_batches is not None:
                 micro_batches = [self._prepare_inputs(batch) for batch in batch_sam.micro_batches]
                 batch_sam.micro_batches = None
-                batch_sam.perturbation = self._perturb(model, micro_batches, num_items_in_batch)
+                batch_sam.perturbation, batch_sam.clean_losses = self._perturb(model, micro_batches, num_items_in_batch)
             perturbation = batch_sam.perturbation
+            clean_loss = batch_sam.clean_losses.pop(0)
             restore_now = self.accelerator.sync_gradients
         else:
-            perturbation = self._perturb(model, [inputs], num_items_in_batch)
+            perturbation, (clean_loss,) = self._perturb(model, [inputs], num_items_in_batch)
             restore_now = True
 
         try:
@@ -204,7 +261,9 @@ class FlatBiasTrainer(Trainer):
                 perturbation.restore()
                 self._batch_sam.perturbation = None
         self._step_deepspeed_after_restore()
-        return loss.detach()
+        self._record_perturbed_loss(loss)
+        self._count_flos_of_extra_pass(inputs)
+        return clean_loss
 
     def _scaled_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
         """The loss exactly as `Trainer.training_step` scales it before backward."""
@@ -251,24 +310,48 @@ class FlatBiasTrainer(Trainer):
 
     def _perturb(
         self, model: nn.Module, micro_batches: list[dict[str, Any]], num_items_in_batch
-    ) -> Perturbation | None:
-        """Compute the first gradient over ``micro_batches`` and move the weights to ``w + e``."""
+    ) -> tuple[Perturbation | None, list[torch.Tensor]]:
+        """Compute the first gradient over ``micro_batches`` and move the weights to ``w + e``.
+
+        Returns the perturbation (``None`` when skipped) and each micro-batch's loss at ``w``, scaled as
+        `Trainer.training_step` scales the loss it returns.
+        """
         module = self.accelerator.unwrap_model(model)
         perturbable = perturbable_parameters(module, self._deepspeed_engine())
-        losses = (self._scaled_loss(module, batch, num_items_in_batch) for batch in micro_batches)
-        grads = self._first_gradient(losses, perturbable.params)
+        clean_losses: list[torch.Tensor] = []
+
+        def losses() -> Iterable[torch.Tensor]:
+            for batch in micro_batches:
+                loss = self._scaled_loss(module, batch, num_items_in_batch)
+                clean_losses.append(loss.detach())
+                yield loss
+
+        grads = self._first_gradient(losses(), perturbable.params)
         perturbation = perturbable.perturb(
             grads, self.args.sam_rho, adaptive=self.args.flatness_method == "asam", eta=self.args.asam_eta
         )
         if perturbation is None:
             self._warn_skipped_perturbation("this step is taken without perturbation")
-            return None
-        self._record_perturbation(perturbation)
-        return perturbation
+        else:
+            self._record_perturbation(perturbation, len(micro_batches))
+        return perturbation, clean_losses
 
-    def _record_perturbation(self, perturbation: Perturbation) -> None:
-        self._flatness_log.record("sam/first_grad_norm", perturbation.grad_norm)
+    def _record_perturbation(self, perturbation: Perturbation, n_micro_batches: int) -> None:
+        # The first gradient is of the micro-batches' share of the update's loss: scaled back to a whole update, the
+        # norm does not depend on how many micro-batches the update is cut into.
+        share = n_micro_batches / self.current_gradient_accumulation_steps
+        self._flatness_log.record("sam/first_grad_norm", perturbation.grad_norm / share)
         self._flatness_log.record("sam/perturbation_norm", perturbation.norm)
+
+    def _record_perturbed_loss(self, loss: torch.Tensor) -> None:
+        """Sum the scaled second-pass losses over the update, as the Trainer sums ``loss``, and log the sum."""
+        self._flatness_log.add_to_update("sam/perturbed_loss", float(loss.detach()))
+        if self.accelerator.sync_gradients:
+            self._flatness_log.close_update()
+
+    def _count_flos_of_extra_pass(self, inputs: dict[str, Any]) -> None:
+        """The Trainer counts one forward/backward per micro-batch; a flatness step took a second one."""
+        self.current_flos += float(self.floating_point_ops(inputs))
 
     def _warn_skipped_perturbation(self, consequence: str) -> None:
         self._flatness_log.skipped_perturbations += 1
@@ -382,12 +465,14 @@ class FlatBiasTrainer(Trainer):
             loss = self._scaled_loss(model, inputs, num_items_in_batch)
             self._backward(loss)
             self._step_deepspeed_after_restore()
+            self._count_flos_of_extra_pass(inputs)
             return loss.detach()
         try:
             self._backward(loss_at_shifted_weights(first_gradient, grad_norm))
         finally:
             perturbation.restore()
         self._step_deepspeed_after_restore()
+        self._count_flos_of_extra_pass(inputs)
         return clean_loss
 
     def _looksam_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
@@ -403,14 +488,16 @@ class FlatBiasTrainer(Trainer):
         inputs = self._start_step(model, inputs)
         module = self.accelerator.unwrap_model(model)
         params = trainable_parameters(module)
-        grads = self._first_gradient(self._scaled_loss(module, inputs, num_items_in_batch), params)
+        clean_loss = self._scaled_loss(module, inputs, num_items_in_batch)
+        grads = self._first_gradient(clean_loss, params)
+        clean_loss = clean_loss.detach()
         if looksam.plain_gradient is None:
             looksam.plain_gradient = [g.clone() for g in grads]
         else:
             torch._foreach_add_(looksam.plain_gradient, grads)
         perturbation = perturb_weights(params, grads, self.args.sam_rho)
         if perturbation is not None:
-            self._record_perturbation(perturbation)
+            self._record_perturbation(perturbation, 1)
         try:
             loss = self._scaled_loss(model, inputs, num_items_in_batch)
             self._backward(loss)
@@ -428,7 +515,9 @@ class FlatBiasTrainer(Trainer):
                     norm = squared_norm(direction).sqrt()
                     torch._foreach_div_(direction, norm)
                 looksam.direction = direction
-        return loss.detach()
+        self._record_perturbed_loss(loss)
+        self._count_flos_of_extra_pass(inputs)
+        return clean_loss
 
     # ------------------------------------------------------------------ logging
 
@@ -564,9 +653,19 @@ class _FlatnessLog:
 
     metrics: dict[str, list[float]] = dataclasses.field(default_factory=lambda: defaultdict(list))
     skipped_perturbations: int = 0
+    #: Sums over the micro-batches of the current update, recorded as one value each when it ends.
+    update_sums: dict[str, float] = dataclasses.field(default_factory=lambda: defaultdict(float))
 
     def record(self, key: str, value: float) -> None:
         self.metrics[key].append(value)
+
+    def add_to_update(self, key: str, value: float) -> None:
+        self.update_sums[key] += value
+
+    def close_update(self) -> None:
+        for key, value in self.update_sums.items():
+            self.record(key, value)
+        self.update_sums.clear()
 
     def drain_into(self, logs: dict[str, float]) -> None:
         for key, values in self.metrics.items():
@@ -581,6 +680,8 @@ class _BatchScopeSam:
 
     micro_batches: list[dict[str, Any]] | None = None
     perturbation: Perturbation | None = None
+    #: The loss at ``w`` of each micro-batch not yet stepped (the first pass computed them all).
+    clean_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -519,6 +520,44 @@ class FlatBiasTrainer(Trainer):
         self._count_flos_of_extra_pass(inputs)
         return clean_loss
 
+    # ------------------------------------------------------------------ checkpoints
+    # The flatness steps carry state from one update to the next (LookSAM's direction, the Fisher penalty's label
+    # generator); it travels with the optimizer's state so that a resumed run takes the very steps of an
+    # uninterrupted one. One file per process, as the Trainer keeps RNG states: each rank draws its own labels.
+
+    def _flatness_state_file(self, checkpoint: str) -> str:
+        name = f"flatness_state_{self.args.process_index}.pt" if self.args.world_size > 1 else "flatness_state.pt"
+        return os.path.join(checkpoint, name)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        state = {
+            "looksam_direction": self._looksam.direction,
+            "label_generator": self._sampled_labels.state(),
+        }
+        if any(value is not None for value in state.values()):
+            torch.save(state, self._flatness_state_file(output_dir))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = self._flatness_state_file(checkpoint)
+        if not os.path.isfile(path):
+            if self.args.flatness_method in ("looksam", "fisher_penalty"):
+                logger.warning(
+                    f"{path} is missing: the {self.args.flatness_method} run resumes without its step state (LookSAM's "
+                    "direction, the Fisher penalty's label draws) and will not repeat an uninterrupted run exactly."
+                )
+            return
+        state = torch.load(path, weights_only=True)
+        direction = state.get("looksam_direction")
+        if direction is not None:
+            device = self.args.device
+            direction = [tensor.to(device) for tensor in direction]
+        self._looksam.direction = direction
+        self._sampled_labels.restore(state.get("label_generator"))
+
     # ------------------------------------------------------------------ logging
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -700,11 +739,23 @@ class _SampledLabelSource:
 
     seed: int
     generator: torch.Generator | None = None
+    #: A checkpoint's generator state, applied when the generator is next created on the logits' device.
+    restored_state: torch.Tensor | None = None
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
         if self.generator is None or self.generator.device != logits.device:
             self.generator = torch.Generator(device=logits.device).manual_seed(self.seed)
+            if self.restored_state is not None:
+                self.generator.set_state(self.restored_state)
+                self.restored_state = None
         return sample_model_labels(logits, self.generator)
+
+    def state(self) -> torch.Tensor | None:
+        return self.generator.get_state() if self.generator is not None else self.restored_state
+
+    def restore(self, state: torch.Tensor | None) -> None:
+        self.generator = None
+        self.restored_state = state
 
 
 def _grads_materialized(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:

@@ -631,11 +631,18 @@ class FlatBiasTrainer(Trainer):
                 **kwargs,
             )
         except HfHubHTTPError as error:
-            error.append_to_message(
-                f"\nThe push to {self.hub_model_id} did not complete; the saved model in {self.args.output_dir} is "
-                "intact. Call trainer.push_to_hub() again to retry (files the Hub already has are skipped)."
-            )
+            error.append_to_message(self._failed_push_advice())
             raise
+        except _hub_transport_errors() as error:
+            # No answer from the Hub at all (refused, timed out): the transport's bare error says nothing of the
+            # state the run is in.
+            raise ConnectionError(f"Could not reach the Hub: {error}{self._failed_push_advice()}") from error
+
+    def _failed_push_advice(self) -> str:
+        return (
+            f"\nThe push to {self.hub_model_id} did not complete; the saved model in {self.args.output_dir} is "
+            "intact. Call trainer.push_to_hub() again to retry (files the Hub already has are skipped)."
+        )
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         # Every save path of the 5.x Trainer (checkpoints, save_model, push_to_hub, DeepSpeed, FSDP full state)
@@ -681,6 +688,24 @@ def _report_failed_push(job, checkpoint_folder: str) -> None:
             f"Pushing checkpoint {checkpoint_folder} to the Hub failed: {error}\nThe checkpoint on disk is intact; the "
             "next checkpoint push or trainer.push_to_hub() uploads the current state again."
         )
+
+
+@functools.cache
+def _hub_transport_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions huggingface_hub's HTTP client raises when no answer arrives (its transport is a dependency
+    of huggingface_hub and has changed between versions)."""
+    import importlib
+
+    errors: list[type[BaseException]] = []
+    for module_name in ("httpx2", "httpx", "requests"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        error = getattr(module, "TransportError", None) or getattr(module, "ConnectionError", None)
+        if isinstance(error, type):
+            errors.append(error)
+    return tuple(errors)
 
 
 _CARD_KWARGS = ("language", "license", "tags", "model_name", "finetuned_from", "dataset", "glue_results")

@@ -35,8 +35,8 @@ import jinja2
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .callbacks import TRACE_METRIC, TRACE_STDERR_METRIC
 from .config import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS
+from .constants import TRACE_METRIC, TRACE_STDERR_METRIC
 
 HESSIAN_TRACE_METRIC = "hessian_trace"
 PRETRAINING_LOSS_METRIC = "loss"

@@ -413,12 +413,16 @@ def _per_sample_batch(
     for k in range(n_draws):
         cotangent = -probs.clone()
         cotangent[torch.arange(len(indices)), labels[:, k]] += 1.0
-        grads = torch.autograd.grad(
-            logits,
-            outputs,
-            grad_outputs=cotangent.to(logits.dtype).unsqueeze(1),
-            retain_graph=k < n_draws - 1 or validate,
-            allow_unused=True,
+        grad_logits = cotangent.to(logits.dtype).unsqueeze(1)
+        if validate and k == 0:
+            recorder.check_unsupported_unused(logits, grad_logits)
+        # no recorded output: none of the parameters reaches the logits, and every norm is zero
+        grads = (
+            torch.autograd.grad(
+                logits, outputs, grad_outputs=grad_logits, retain_graph=k < n_draws - 1 or validate, allow_unused=True
+            )
+            if outputs
+            else []
         )
         recorder.set_grad_outputs(grads)
         if use_expectation:
@@ -449,9 +453,10 @@ def _validate_against_autograd(
         unsupported = f" Parameters outside those layers: {recorder.unsupported[:8]}." if recorder.unsupported else ""
         raise ValueError(
             f"Per-sample gradient norms do not match a plain backward on {type(model).__name__} ({ghost:.6g} vs "
-            f"{reference:.6g}): estimator='per_sample' sees the parameters of Linear, Conv1D, Embedding and LayerNorm "
-            f"layers used inside those layers only.{unsupported} Use estimator='naive' (exact for any model, "
-            "slower), or freeze the other parameters (requires_grad=False) to leave them out of the trace."
+            f"{reference:.6g}): estimator='per_sample' sees the parameters of Linear, Conv1D, Embedding, LayerNorm "
+            f"and elementwise norm layers used inside those layers only.{unsupported} Use estimator='naive' (exact "
+            "for any model, slower), or freeze the other parameters (requires_grad=False) to leave them out of the "
+            "trace."
         )
 
 

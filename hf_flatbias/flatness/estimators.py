@@ -539,13 +539,13 @@ def _length_sorted_batches(contexts: TraceContexts, indices: Sequence[int], batc
     return [ordered[start : start + batch_size] for start in range(0, len(ordered), batch_size)]
 
 
-def _check_arguments(estimator: str, n_draws: int, batch_size: int) -> None:
+def _check_arguments(estimator: str, n_draws: int, batch_size: int | str) -> None:
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator={estimator!r} is not supported; choose one of {list(ESTIMATORS)}.")
     if not isinstance(n_draws, int) or n_draws < 1:
         raise ValueError(f"n_draws must be an integer >= 1 (got {n_draws!r}); {RECOMMENDED_N_DRAWS} is usually best.")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1 (got {batch_size!r}).")
+    if batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be an integer >= 1 or 'auto' (got {batch_size!r}).")
 
 
 def compute_trace_samples(
@@ -556,7 +556,7 @@ def compute_trace_samples(
     n_draws: int = 50,
     estimator: str = "per_sample",
     seed: int = 0,
-    batch_size: int = DEFAULT_BATCH_SIZE,
+    batch_size: int | str = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,
 ) -> TraceSamples:
     """Estimator values for the contexts ``indices`` (all by default), to be concatenated and summarized.
@@ -578,6 +578,10 @@ def compute_trace_samples(
             parts = [_naive_context(model, contexts, i, params, n_draws, seed).unsqueeze(0) for i in indices]
             weights = torch.ones(len(indices))
         else:
+            if batch_size == "auto":
+                from .memory import auto_batch_size
+
+                batch_size = auto_batch_size(model, contexts, indices)
             batches = _length_sorted_batches(contexts, indices, batch_size)
             weights = torch.ones(len(indices))
             for number, group in enumerate(batches):
@@ -616,7 +620,7 @@ def estimate_hessian_trace(
     n_draws: int = 50,
     estimator: str = "per_sample",
     seed: int = 0,
-    batch_size: int = DEFAULT_BATCH_SIZE,
+    batch_size: int | str = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,
     causal: bool | None = None,
     across_processes: bool = False,
@@ -637,7 +641,9 @@ def estimate_hessian_trace(
         estimator: ``"per_sample"`` (default, fastest), ``"summed"``, ``"hutchinson"`` or ``"naive"`` (see the
             module docstring).
         seed: the draws of context ``i`` depend only on ``(seed, i)``.
-        batch_size: contexts per forward.
+        batch_size: contexts per forward, or ``"auto"``: as many as keep the measurement's working memory under
+            80% of the free GPU memory (half the available RAM on CPU), measured on the longest context
+            (`hf_flatbias.flatness.memory.auto_batch_size`, which also takes a stated budget).
         exact_output_expectation: with ``per_sample``, replace the output layer's own term by its exact expectation
             over ``y`` (unbiased, less noise). ``False`` gives the plain sampled norms, draw for draw equal to
             ``naive``.

@@ -3,7 +3,8 @@
 A batch's working memory grows linearly with the number of contexts: the forward's saved activations, the recorded
 layer outputs and their gradients, the norms' coefficients and the per-context Gram matrices. One real forward and
 draw on the longest context, with every tensor it keeps counted once, gives the bytes per context; the model's own
-weights are resident whatever the batch, so the budget is on top of them.
+weights are resident whatever the batch, so the budget is on top of them; it also covers the full gradient the
+estimator's one-context check against a plain backward holds once.
 """
 
 from __future__ import annotations
@@ -97,10 +98,12 @@ def auto_batch_size(
     device = next(model.parameters()).device
     budget = default_memory_budget(device) if memory_budget is None else int(memory_budget)
     per_context = per_sample_bytes_per_context(model, contexts, longest)
-    if per_context > budget:
+    # the one-context check against a plain backward holds a full gradient once
+    check_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    if per_context + check_bytes > budget:
         raise ValueError(
-            f"One context of {len(contexts.input_ids[longest])} tokens needs about {per_context / 2**20:.1f} MiB, more "
-            f"than the memory budget of {budget / 2**20:.1f} MiB: raise the budget, use shorter contexts, or pass an "
-            "integer batch_size."
+            f"One context of {len(contexts.input_ids[longest])} tokens needs about {per_context / 2**20:.1f} MiB and "
+            f"the one-context check a gradient of {check_bytes / 2**20:.1f} MiB, more than the memory budget of "
+            f"{budget / 2**20:.1f} MiB: raise the budget, use shorter contexts, or pass an integer batch_size."
         )
-    return max(1, min(budget // per_context, max_batch_size, len(indices)))
+    return max(1, min((budget - check_bytes) // per_context, max_batch_size, len(indices)))

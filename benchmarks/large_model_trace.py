@@ -7,9 +7,10 @@ Contexts are random tokens with one predicted position each. The reference is wh
 same contexts costs: the stock forward (logits at every position), the loss at the predicted positions and a backward
 filling the weight gradients, on the same length-sorted batches. The goal is a ratio >= 0.9 at one draw per context.
 
-Peak memory is the process's peak resident memory above what it held before the measurement (reset through
-/proc/self/clear_refs on Linux) on CPU, ``torch.cuda.max_memory_allocated`` on a GPU; it is compared with the working
-memory the auto batch size predicted (bytes per context x batch size).
+Peak memory is the process's peak resident memory above what it held before the measurement on CPU (freed memory
+returned with malloc_trim, the peak reset through /proc/self/clear_refs; Linux), ``torch.cuda.max_memory_allocated``
+on a GPU. It is compared with what the auto batch size planned for: bytes per context x batch size, plus the full
+gradient the estimator's one-context check holds once.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/large_model_trace.py --n-contexts 16 --seq-len 64
 
@@ -19,6 +20,7 @@ Last lines: ``ratio[MODEL]=X`` (per_sample contexts/s over reference contexts/s)
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import time
@@ -107,6 +109,11 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
+            # freed memory stays resident in malloc's pools and later blocks reuse it unseen: hand it back first
+            try:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            except OSError:
+                pass
             try:
                 with open("/proc/self/clear_refs", "w") as refs:
                     refs.write("5")  # resets the peak resident size (VmHWM)
@@ -129,16 +136,21 @@ def timed(fn) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict:
-    model = build(name).to(device)
+def measure(
+    name: str, model: torch.nn.Module, *, n_contexts: int, seq_len: int, memory_budget_gib: float, device: torch.device
+) -> dict:
+    """per_sample at one draw and the reference pass on the same contexts and batches; ``name`` "bert" means a
+    masked LM, anything else a causal LM."""
+    model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    contexts = contexts_for(model, name, args.n_contexts, args.seq_len)
+    contexts = contexts_for(model, name, n_contexts, seq_len)
     indices = list(range(len(contexts)))
-    budget = int(args.memory_budget_gib * 2**30)
+    budget = int(memory_budget_gib * 2**30)
     with evaluation_mode(model):
         longest = max(indices, key=lambda i: len(contexts.input_ids[i]))
         per_context = per_sample_bytes_per_context(model, contexts, longest)
         batch_size = auto_batch_size(model, contexts, indices, memory_budget=budget)
+        gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         # warm-up on one small batch of each, so neither pays for lazy initialisation
         warm = TraceContexts(**{**contexts.__dict__, "input_ids": contexts.input_ids[:2]})
         warm.positions, warm.targets = contexts.positions[:2], contexts.targets[:2]
@@ -156,11 +168,11 @@ def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict:
         "model": name,
         "parameters": n_params,
         "contexts": len(contexts),
-        "sequence_length": args.seq_len,
+        "sequence_length": seq_len,
         "memory_budget_bytes": budget,
         "auto_batch_size": batch_size,
         "predicted_bytes_per_context": per_context,
-        "predicted_working_bytes": per_context * batch_size,
+        "predicted_working_bytes": per_context * batch_size + gradient_bytes,
         "trace_peak_bytes": trace_memory.peak,
         "reference_peak_bytes": reference_memory.peak,
         "trace_seconds": trace_s,
@@ -185,7 +197,17 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    results = [measure(name, args, device) for name in args.models.split(",")]
+    results = [
+        measure(
+            name,
+            build(name),
+            n_contexts=args.n_contexts,
+            seq_len=args.seq_len,
+            memory_budget_gib=args.memory_budget_gib,
+            device=device,
+        )
+        for name in args.models.split(",")
+    ]
     print(f"device {device}, {torch.get_num_threads()} thread(s), {args.n_contexts} contexts of {args.seq_len} tokens")
     print(
         "| model | parameters | auto batch | predicted MiB | trace peak MiB | reference peak MiB | trace ctx/s "

@@ -10,7 +10,7 @@ filling the weight gradients, on the same length-sorted batches. The goal is a r
 Peak memory is the process's peak resident memory above what it held before the measurement on CPU (freed memory
 returned with malloc_trim, the peak reset through /proc/self/clear_refs; Linux), ``torch.cuda.max_memory_allocated``
 on a GPU. It is compared with what the auto batch size planned for: bytes per context x batch size, plus the full
-gradient the estimator's one-context check holds once.
+gradient (and a float64 copy of its largest tensor) the estimator's one-context check holds once.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/large_model_trace.py --n-contexts 16 --seq-len 64
 
@@ -32,7 +32,11 @@ from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausa
 
 from hf_flatbias.flatness.contexts import build_masked_contexts  # noqa: E402
 from hf_flatbias.flatness.estimators import TraceContexts, compute_trace_samples, evaluation_mode  # noqa: E402
-from hf_flatbias.flatness.memory import auto_batch_size, per_sample_bytes_per_context  # noqa: E402
+from hf_flatbias.flatness.memory import (  # noqa: E402
+    auto_batch_size,
+    one_context_check_bytes,
+    per_sample_bytes_per_context,
+)
 
 MASK_ID, FIRST_WORD = 4, 5
 
@@ -150,7 +154,7 @@ def measure(
         longest = max(indices, key=lambda i: len(contexts.input_ids[i]))
         per_context = per_sample_bytes_per_context(model, contexts, longest)
         batch_size = auto_batch_size(model, contexts, indices, memory_budget=budget)
-        gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        check_bytes = one_context_check_bytes(model)
         # warm-up on one small batch of each, so neither pays for lazy initialisation
         warm = TraceContexts(**{**contexts.__dict__, "input_ids": contexts.input_ids[:2]})
         warm.positions, warm.targets = contexts.positions[:2], contexts.targets[:2]
@@ -172,7 +176,7 @@ def measure(
         "memory_budget_bytes": budget,
         "auto_batch_size": batch_size,
         "predicted_bytes_per_context": per_context,
-        "predicted_working_bytes": per_context * batch_size + gradient_bytes,
+        "predicted_working_bytes": per_context * batch_size + check_bytes,
         "trace_peak_bytes": trace_memory.peak,
         "reference_peak_bytes": reference_memory.peak,
         "trace_seconds": trace_s,

@@ -4,7 +4,7 @@ A batch's working memory grows linearly with the number of contexts: the forward
 layer outputs and their gradients, the norms' coefficients and the per-context Gram matrices. One real forward and
 draw on the longest context, with every tensor it keeps counted once, gives the bytes per context; the model's own
 weights are resident whatever the batch, so the budget is on top of them; it also covers the full gradient the
-estimator's one-context check against a plain backward holds once.
+estimator's one-context check against a plain backward holds once (`one_context_check_bytes`).
 """
 
 from __future__ import annotations
@@ -79,6 +79,14 @@ def per_sample_bytes_per_context(model: nn.Module, contexts, index: int) -> int:
     return max(1, int(counted * SAFETY_FACTOR))
 
 
+def one_context_check_bytes(model: nn.Module) -> int:
+    """What the estimator's one-context check against a plain backward holds once: a full gradient, and the float64
+    copy and square of its largest tensor while it sums the squares."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    largest = max((p.numel() for p in trainable), default=0)
+    return sum(p.numel() * p.element_size() for p in trainable) + 2 * 8 * largest
+
+
 def auto_batch_size(
     model: nn.Module,
     contexts,
@@ -98,8 +106,7 @@ def auto_batch_size(
     device = next(model.parameters()).device
     budget = default_memory_budget(device) if memory_budget is None else int(memory_budget)
     per_context = per_sample_bytes_per_context(model, contexts, longest)
-    # the one-context check against a plain backward holds a full gradient once
-    check_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    check_bytes = one_context_check_bytes(model)
     if per_context + check_bytes > budget:
         raise ValueError(
             f"One context of {len(contexts.input_ids[longest])} tokens needs about {per_context / 2**20:.1f} MiB and "

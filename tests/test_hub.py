@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from hub_server import HubServer, hub_client_environment, point_hub_client_at
 from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError
 from test_modelcard import FixedTraceCallback, full_card, tiny_args, tiny_mlm_setup
@@ -22,6 +21,7 @@ from transformers import BertForMaskedLM
 
 from hf_flatbias.modelcard import load_flatness_card
 from hf_flatbias.trainer import FlatBiasTrainer
+from tests.helpers.hub_server import HubServer, hub_client_environment, point_hub_client_at
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -226,7 +226,7 @@ def test_only_rank_zero_writes_and_pushes_cards_with_two_processes(hub, tmp_path
         "--multi_gpu",
         "--num_processes",
         "2",
-        str(REPO_ROOT / "tests" / "hub_distributed_script.py"),
+        str(REPO_ROOT / "tests" / "helpers" / "hub_distributed_script.py"),
         str(tmp_path / "run"),
         "user/ddp",
     ]

@@ -22,8 +22,8 @@ from hf_flatbias.sharpness.penalties import (
     sample_model_labels,
     sampled_label_loss,
 )
-from tests.tiny_models import flatbias_config as config
-from tests.tiny_models import stack
+from tests.helpers.tiny_models import flatbias_config as config
+from tests.helpers.tiny_models import stack
 
 VOCAB = 30
 SEQ_LEN = 6

@@ -11,7 +11,7 @@ from torch.utils.data import IterableDataset
 from transformers import BertConfig, BertForMaskedLM, TrainingArguments
 
 from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
-from tests.tiny_models import SEQ_LEN, VOCAB, classification_rows, flatbias_config, stack, tiny_classifier
+from tests.helpers.tiny_models import SEQ_LEN, VOCAB, classification_rows, flatbias_config, stack, tiny_classifier
 
 
 def config(tmp_path, **overrides) -> FlatBiasConfig:

@@ -76,7 +76,7 @@ def main(argv=None) -> None:
             c: probe_accuracy(
                 features[fit], y[fit], test_features=features[select], test_labels=y[select], regularization=c
             ).accuracy
-            for c in (0.001, 0.01, 0.1, 1.0)
+            for c in (0.0001, 0.001, 0.01, 0.1, 1.0)
         }
         best = max(scores, key=scores.get)
         result = probe_accuracy(

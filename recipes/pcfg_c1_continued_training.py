@@ -36,6 +36,8 @@ import torch
 
 from hf_flatbias.experiments import (
     RunSpec,
+    add_paper_protocol_arguments,
+    apply_paper_smoke,
     c1_verdict,
     mcnemar,
     reference_rows,
@@ -49,34 +51,21 @@ from hf_flatbias.experiments import (
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grammar-seed", type=int, default=0, help="seed of PCFG.paper_shaped (the gate's choice)")
-    parser.add_argument("--concentration", type=float, default=1.0, help="the grammar's Dirichlet concentration")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="model seeds to train")
     parser.add_argument("--steps", type=int, default=16_000, help="trunk steps")
     parser.add_argument("--branch-every", type=int, default=2000, help="trunk steps between annealed branches")
     parser.add_argument("--anneal-steps", type=int, default=2000, help="steps of each branch's linear anneal to 0")
-    parser.add_argument("--warmup-steps", type=int, default=500)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--learning-rate", type=float, default=2e-3, help="the trunk's constant rate")
-    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's (the released code's 0.01)")
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--heads", type=int, default=None, help="attention heads (default: hidden // 32)")
-    parser.add_argument("--n-train", type=int, default=400_000, help="training sentences")
-    parser.add_argument("--n-kl", type=int, default=1000, help="held-out sentences of the KL (every position)")
     parser.add_argument("--n-trace", type=int, default=1000, help="one-mask contexts of the trace estimates")
     parser.add_argument("--trace-draws", type=int, default=2, help="labels drawn per context (Fisher, per_sample)")
     parser.add_argument("--hutchinson-draws", type=int, default=4, help="Rademacher probes per batch (data-label loss)")
-    parser.add_argument("--n-probe", type=int, default=2000, help="probe fit and test sentences each (>= 5 words)")
-    parser.add_argument("--output-dir", type=Path, default=None)
     parser.add_argument("--merge", action="store_true", help="only merge the finished seeds into c1_results.json")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (tests)")
+    add_paper_protocol_arguments(parser)
     args = parser.parse_args(argv)
     if args.smoke:
+        apply_paper_smoke(args)
         args.seeds = args.seeds if argv and "--seeds" in argv else [0, 1]
-        args.steps, args.branch_every, args.anneal_steps, args.warmup_steps = 40, 20, 10, 5
-        args.batch_size, args.hidden, args.layers = 16, 32, 1
-        args.n_train, args.n_kl, args.n_trace, args.n_probe = 400, 16, 16, 60
-        args.trace_draws, args.hutchinson_draws = 1, 1
+        args.steps, args.branch_every, args.anneal_steps = 40, 20, 10
+        args.n_trace, args.trace_draws, args.hutchinson_draws = 16, 1, 1
     if args.output_dir is None:
         args.output_dir = Path("outputs") / "pcfg_c1" / f"grammar{args.grammar_seed}_c{args.concentration:g}"
     return args

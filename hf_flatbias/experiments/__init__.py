@@ -16,7 +16,9 @@ flags) and `dataclass_args` (``HfArgumentParser`` with a YAML ``--config``, for 
 from .analysis import at_common_loss, correlations, flatness_selection, matched_loss, partial_spearman, spearman
 from .arguments import (
     add_common_arguments,
+    add_paper_protocol_arguments,
     add_target_loss_argument,
+    apply_paper_smoke,
     apply_smoke,
     parse_recipe_arguments,
     run_spec_arguments,
@@ -49,7 +51,7 @@ from .paper_probes import (
     without_predictions,
 )
 from .plots import plot_runs
-from .protocol import measure_branch, reference_rows, train_with_branches
+from .protocol import measure_branch, reference_rows, train_annealed, train_with_branches
 from .results import config_of, final_row, is_main_process, markdown_table, task_accuracies, write_json, write_results
 from .runs import RunSpec, train_and_evaluate
 from .saturation import SaturationResult, measure_saturation, model_masked_log_probs, saturation
@@ -68,8 +70,10 @@ __all__ = [
     "SaturationResult",
     "SentenceSet",
     "add_common_arguments",
+    "add_paper_protocol_arguments",
     "add_target_loss_argument",
     "anneal_branch",
+    "apply_paper_smoke",
     "apply_smoke",
     "at_common_loss",
     "bert_config",
@@ -118,6 +122,7 @@ __all__ = [
     "t_interval",
     "task_accuracies",
     "train_and_evaluate",
+    "train_annealed",
     "train_with_branches",
     "without_predictions",
     "write_json",

@@ -153,3 +153,24 @@ def train_with_branches(
     )
     trainer.train(resume_from_checkpoint=last)
     return evaluator.records
+
+
+def train_annealed(language: PaperLanguage, spec: RunSpec, output_dir: Path) -> torch.nn.Module:
+    """One run of ``spec`` (normally warm-up then linear decay to 0, the paper's shape) on the language; the model."""
+    model = build_model(
+        len(language.tokenizer),
+        hidden=spec.hidden,
+        layers=spec.layers,
+        dropout=spec.dropout,
+        seed=spec.seed,
+        heads=spec.heads,
+    )
+    settings = trainer_settings(spec, output_dir)
+    settings.update(logging_steps=max(1, spec.steps // 10))
+    FlatBiasTrainer(
+        model=model,
+        args=FlatBiasConfig(**settings),
+        train_dataset=language.train,
+        data_collator=MaskedWordCollator(0.0, seed=spec.seed),
+    ).train()
+    return model.eval()

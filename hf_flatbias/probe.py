@@ -117,18 +117,25 @@ def probe_accuracy(
     )
 
 
-def fit_probe(features: np.ndarray, labels: np.ndarray, *, regularization: float = 1.0, max_iter: int = 1000):
+def fit_probe(
+    features: np.ndarray,
+    labels: np.ndarray,
+    *,
+    regularization: float = 1.0,
+    max_iter: int = 1000,
+    warm_start: bool = False,
+):
     """The probe itself: standardised features into a multinomial logistic regression with inverse L2 strength
-    ``regularization``, fitted on rows already checked by `_clean`; returns the fitted scikit-learn pipeline."""
+    ``regularization``, fitted on rows already checked by `_clean`; returns the fitted scikit-learn pipeline.
+    ``warm_start``: a later ``fit`` with another ``logisticregression__C`` starts from this solution (a C path)."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
     if len(np.unique(labels)) < 2:
         raise ValueError("a probe needs at least two distinct labels among the training rows.")
-    return make_pipeline(StandardScaler(), LogisticRegression(C=regularization, max_iter=max_iter)).fit(
-        features, labels
-    )
+    head = LogisticRegression(C=regularization, max_iter=max_iter, warm_start=warm_start)
+    return make_pipeline(StandardScaler(), head).fit(features, labels)
 
 
 def _clean(features, labels, name: str) -> tuple[np.ndarray, np.ndarray]:

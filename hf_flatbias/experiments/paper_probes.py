@@ -93,13 +93,16 @@ def selected_probe(
     fit_x, fit_y = _clean(features["fit"], labels["fit"], "fit features")
     val_x, val_y = _clean(features["validation"], labels["validation"], "validation features")
     test_x, test_y = _clean(features["test"], labels["test"], "test features")
-    best, best_score = None, -1.0
+    best_score, chosen, best_predictions = -1.0, None, None
+    # one warm-started path along ascending C: each fit starts from the previous, several times faster than cold fits
+    grid = sorted(grid)
+    probe = fit_probe(fit_x, fit_y, regularization=grid[0], max_iter=max_iter, warm_start=True)
     for c in grid:
-        probe = fit_probe(fit_x, fit_y, regularization=c, max_iter=max_iter)
+        probe.set_params(logisticregression__C=c).fit(fit_x, fit_y)
         score = float((probe.predict(val_x) == val_y).mean())
-        if score > best_score:  # ties keep the stronger regularisation (earlier in an ascending grid)
-            best, best_score, chosen = probe, score, c
-    correct = best.predict(test_x) == test_y
+        if score > best_score:  # ties keep the stronger regularisation
+            best_score, chosen, best_predictions = score, c, probe.predict(test_x)
+    correct = best_predictions == test_y
     low, high = wilson_interval(int(correct.sum()), len(test_y), confidence)
     return {
         "accuracy": float(correct.mean()),

@@ -2,7 +2,8 @@
 
 import pytest
 
-from hf_flatbias.flatness.contexts import IGNORE_INDEX, build_masked_contexts
+from hf_flatbias.constants import IGNORE_INDEX
+from hf_flatbias.flatness.contexts import build_masked_contexts
 
 MASK, CLS, SEP, PAD = 4, 2, 3, 0
 ROWS = [

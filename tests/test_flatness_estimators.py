@@ -7,7 +7,8 @@ import torch
 from torch.func import functional_call, jacrev
 from transformers import BertConfig, BertForMaskedLM, BertModel, GPT2Config, GPT2LMHeadModel
 
-from hf_flatbias.flatness.contexts import IGNORE_INDEX, build_masked_contexts
+from hf_flatbias.constants import IGNORE_INDEX
+from hf_flatbias.flatness.contexts import build_masked_contexts
 from hf_flatbias.flatness.estimators import (
     ESTIMATORS,
     TraceContexts,

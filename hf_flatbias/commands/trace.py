@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..constants import IGNORE_INDEX
 from ..flatness.estimators import ESTIMATORS, RECOMMENDED_N_DRAWS
 
 DATA_FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
@@ -175,8 +176,6 @@ def _check_tokenizer(tokenizer, vocab_size: int, model: str) -> None:
 
 
 def _count_labelled(rows: list[dict[str, Any]]) -> int:
-    from ..flatness.contexts import IGNORE_INDEX
-
     return sum(sum(1 for label in row["labels"] if label != IGNORE_INDEX) for row in rows)
 
 

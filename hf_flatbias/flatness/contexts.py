@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-IGNORE_INDEX = -100
+from ..constants import IGNORE_INDEX
 
 
 def context_generator(seed: int, index: int) -> torch.Generator:

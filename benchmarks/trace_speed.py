@@ -24,8 +24,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from transformers import BertConfig, BertForMaskedLM  # noqa: E402
 
-from hf_flatbias.flatness.contexts import build_masked_contexts  # noqa: E402
-from hf_flatbias.flatness.estimators import TraceEstimate, estimate_hessian_trace  # noqa: E402
+from hf_flatbias.flatness import TraceEstimate, build_masked_contexts, estimate_hessian_trace  # noqa: E402
 
 VOCAB, SEQ_LEN, MASK_ID, FIRST_WORD = 5000, 64, 4, 5
 

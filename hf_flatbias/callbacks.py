@@ -7,15 +7,11 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from .flatness.api import estimate_hessian_trace
 from .flatness.contexts import build_masked_contexts
-from .flatness.estimators import (
-    DEFAULT_BATCH_SIZE,
-    RECOMMENDED_N_DRAWS,
-    TraceEstimate,
-    check_lm_model,
-    estimate_hessian_trace,
-    is_causal_lm,
-)
+from .flatness.estimators import DEFAULT_BATCH_SIZE, RECOMMENDED_N_DRAWS
+from .flatness.lm import check_lm_model, is_causal_lm
+from .flatness.results import TraceEstimate
 
 TRACE_METRIC = "flatness/hessian_trace"
 TRACE_STDERR_METRIC = "flatness/hessian_trace_stderr"

@@ -142,8 +142,7 @@ def pretraining_measurements(
     model_name_or_path: str, raw_text, args: CompareArguments, *, seed: int, device: str
 ) -> dict:
     """Masked-LM loss (fixed masking) and Hessian trace of a checkpoint on held-out text."""
-    from hf_flatbias.flatness.contexts import build_masked_contexts
-    from hf_flatbias.flatness.estimators import estimate_hessian_trace
+    from hf_flatbias.flatness import build_masked_contexts, estimate_hessian_trace
     from hf_flatbias.text_data import mask_blocks_once, masked_lm_loss, tokenize_into_blocks
 
     model, tokenizer = load_masked_lm(model_name_or_path)

@@ -189,7 +189,7 @@ def hessian_trace(model, contexts: Dataset, *, n_contexts: int, n_draws: int, se
     the model's own prediction at the masked position, one backward each, ``||grad log f(x_-t)_y||^2`` averaged.
     """
     try:
-        from hf_flatbias.flatness.estimators import estimate_hessian_trace
+        from hf_flatbias.flatness import estimate_hessian_trace
     except ImportError:
         estimate_hessian_trace = None
     subset = contexts.select(range(min(n_contexts, len(contexts)))).select_columns(

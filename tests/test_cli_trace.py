@@ -7,8 +7,7 @@ import torch
 from transformers import BertConfig, BertForMaskedLM, BertModel
 
 from hf_flatbias.cli import main
-from hf_flatbias.flatness.contexts import build_masked_contexts
-from hf_flatbias.flatness.estimators import estimate_hessian_trace
+from hf_flatbias.flatness import build_masked_contexts, estimate_hessian_trace
 from hf_flatbias.synthetic import make_tokenizer
 
 WORDS = [f"w{i}" for i in range(10)]

@@ -8,17 +8,17 @@ from torch.func import functional_call, jacrev
 from transformers import BertConfig, BertForMaskedLM, BertModel, GPT2Config, GPT2LMHeadModel
 
 from hf_flatbias.constants import IGNORE_INDEX
-from hf_flatbias.flatness.contexts import build_masked_contexts
-from hf_flatbias.flatness.estimators import (
+from hf_flatbias.flatness import (
     ESTIMATORS,
     TraceContexts,
     TraceSamples,
+    build_masked_contexts,
     compute_trace_samples,
     estimate_hessian_trace,
-    is_causal_lm,
     summarize_trace_samples,
 )
 from hf_flatbias.flatness.exact import exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
+from hf_flatbias.flatness.lm import is_causal_lm
 
 VOCAB, MASK = 14, 1
 

@@ -109,7 +109,7 @@ def test_bad_settings_are_rejected(kwargs, message):
 
 def _load_recipe(name):
     pytest.importorskip("hf_flatbias.synthetic", reason="needs the synthetic languages (issue 4)")
-    pytest.importorskip("hf_flatbias.flatness.estimators", reason="needs the trace estimators (issue 3)")
+    pytest.importorskip("hf_flatbias.flatness.api", reason="needs the trace estimators (issue 3)")
     pytest.importorskip("hf_flatbias.probe", reason="needs the linear probes (issue 4)")
     import sys
 

@@ -79,8 +79,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
+    from ..flatness.api import estimate_hessian_trace
     from ..flatness.contexts import build_masked_contexts
-    from ..flatness.estimators import check_lm_model, estimate_hessian_trace
+    from ..flatness.lm import check_lm_model
 
     if args.n_draws < 1:
         raise ValueError(f"--n-draws must be >= 1 (got {args.n_draws}).")

@@ -18,15 +18,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .estimators import (
-    TraceContexts,
-    _batch,
-    check_lm_model,
-    evaluation_mode,
-    is_causal_lm,
-    preserved_global_rng,
-    trainable_parameters,
-)
+from .contexts import TraceContexts
+from .lm import check_lm_model, evaluation_mode, is_causal_lm, preserved_global_rng, trainable_parameters
 
 MAX_EXACT_HESSIAN_PARAMETERS = 20_000
 
@@ -45,7 +38,7 @@ def per_context_fisher_traces(
     traces = torch.empty(len(contexts), dtype=torch.float64)
     with evaluation_mode(model), preserved_global_rng(), torch.enable_grad():
         for index in range(len(contexts)):
-            logits = model(**_batch(model, contexts, [index])).logits[0, contexts.positions[index]]
+            logits = model(**contexts.model_inputs([index], model)).logits[0, contexts.positions[index]]
             log_probs = torch.log_softmax(logits.double(), dim=-1)
             probs = log_probs.detach().exp()
             total = torch.zeros((), dtype=torch.float64)
@@ -79,7 +72,7 @@ def exact_hessian_trace(model: nn.Module, dataset: Iterable[Mapping[str, Any]], 
         )
     indices = list(range(len(contexts)))
     with evaluation_mode(model), preserved_global_rng(), torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
-        all_logits = model(**_batch(model, contexts, indices)).logits
+        all_logits = model(**contexts.model_inputs(indices, model)).logits
         rows = torch.arange(len(indices), device=all_logits.device)
         positions = torch.tensor(contexts.positions, device=all_logits.device)
         targets = torch.tensor(contexts.targets, device=all_logits.device)

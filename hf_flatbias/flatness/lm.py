@@ -1,0 +1,112 @@
+"""What the trace needs from a language model: its LM head, its kind (masked or causal), its logits at chosen
+positions, its trainable parameters, a tokenizer that fits it, and a measurement that leaves it as it was."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import nn
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """Whether the model predicts the next token (its labels are shifted inside the forward). PEFT wrappers are
+    looked through."""
+    get_base_model = getattr(model, "get_base_model", None)
+    base = get_base_model() if callable(get_base_model) else model
+    name = type(base).__name__
+    return (
+        name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+        or name.endswith("ForCausalLM")
+        or bool(getattr(getattr(base, "config", None), "is_decoder", False))
+    )
+
+
+def check_lm_model(model: nn.Module) -> nn.Module:
+    """The model's output embedding (the decoder to the vocabulary), or a `ValueError` if it has no LM head."""
+    get_output = getattr(model, "get_output_embeddings", None)
+    decoder = get_output() if callable(get_output) else None
+    if decoder is None:
+        raise ValueError(
+            f"{type(model).__name__} has no language-model head (get_output_embeddings() is None): the trace is "
+            "defined on the pre-training loss. Load the checkpoint with AutoModelForMaskedLM or AutoModelForCausalLM."
+        )
+    return decoder
+
+
+def _lm_head(model: nn.Module, decoder: nn.Module) -> nn.Module:
+    """The outermost sub-module that holds the decoder and applies position-wise (e.g. BERT's ``cls``)."""
+    base = getattr(model, "base_model", None)
+    for _, child in model.named_children():
+        if child is base:
+            continue
+        if child is decoder or any(m is decoder for m in child.modules()):
+            return child
+    return decoder
+
+
+@contextlib.contextmanager
+def _logits_only_at(model: nn.Module, positions: torch.Tensor) -> Iterator[None]:
+    """Run the LM head on the predicted position of each row only: the stock forward computes logits for every
+    position, most of the cost for a large vocabulary."""
+    head = _lm_head(model, check_lm_model(model))
+    rows = torch.arange(len(positions), device=positions.device)
+
+    def select(module: nn.Module, args: tuple) -> tuple:
+        hidden = args[0]
+        if hidden.dim() != 3 or hidden.shape[0] != len(positions):
+            raise ValueError(f"unexpected LM-head input of shape {tuple(hidden.shape)}")
+        return (hidden[rows, positions].unsqueeze(1), *args[1:])
+
+    handle = head.register_forward_pre_hook(select)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def evaluation_mode(model: nn.Module) -> Iterator[None]:
+    """``eval()`` for the measurement, then every sub-module back to its own previous mode."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+@contextlib.contextmanager
+def preserved_global_rng() -> Iterator[None]:
+    """Leave torch's global CPU (and CUDA) random streams exactly as they were."""
+    cpu_state = torch.random.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("The model has no parameter with requires_grad=True: the trace is over trainable parameters.")
+    return params
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def logits_at_positions(model: nn.Module, batch: Mapping[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+    """Logits of shape (B, 1, V) at the predicted positions, with the graph kept for differentiation."""
+    with _logits_only_at(model, positions):
+        logits = model(**batch, use_cache=False).logits if is_causal_lm(model) else model(**batch).logits
+    if logits.dim() != 3 or logits.shape[1] != 1:
+        raise ValueError(f"{type(model).__name__} returned logits of shape {tuple(logits.shape)}; expected (B, 1, V).")
+    return logits

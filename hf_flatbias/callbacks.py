@@ -189,7 +189,7 @@ class HessianTraceCallback(TrainerCallback):
                 f"The tokenizer has {len(tokenizer)} tokens but the model's vocabulary only {vocab_size}: they do not "
                 "belong together. Use the model's own tokenizer or resize its embeddings."
             )
-        contexts = build_masked_contexts(
+        return build_masked_contexts(
             rows,
             mask_token_id=mask_token_id,
             causal=causal,
@@ -197,7 +197,3 @@ class HessianTraceCallback(TrainerCallback):
             seed=self.seed,
             special_token_ids=special,
         )
-        if rows and "token_type_ids" in rows[0]:
-            for index, context in enumerate(contexts):
-                context["token_type_ids"] = list(rows[index % len(rows)]["token_type_ids"])
-        return contexts

@@ -49,8 +49,8 @@ def build_masked_contexts(
     """Turn tokenized rows into trace contexts with exactly one labelled position each.
 
     Args:
-        rows: mappings with ``input_ids`` and optionally ``attention_mask`` (other keys are ignored; existing
-            ``labels`` are replaced). A list or a `datasets.Dataset`.
+        rows: mappings with ``input_ids`` and optionally ``attention_mask`` and ``token_type_ids`` (other keys are
+            ignored; existing ``labels`` are replaced). A list or a `datasets.Dataset`.
         mask_token_id: the tokenizer's mask id; required for masked LMs, unused for causal LMs.
         causal: build causal-LM contexts (no masking; the labelled position is predicted from its prefix, so
             position 0 is never chosen).
@@ -60,7 +60,8 @@ def build_masked_contexts(
         special_token_ids: tokens never chosen as the predicted position (e.g. ``[CLS]``, ``[SEP]``, padding).
 
     Returns:
-        A list of rows ``{"input_ids", "attention_mask", "labels"}`` (lists of ints).
+        A list of rows ``{"input_ids", "attention_mask", "labels"}`` (lists of ints), with the row's
+        ``token_type_ids`` too when it has them (BERT's segment ids; the model must see them as it was trained).
 
     Raises:
         ValueError: no rows, a masked LM without a mask id, or a row without any position that can be predicted.
@@ -100,7 +101,10 @@ def build_masked_contexts(
         masked = list(input_ids)
         if not causal:
             masked[position] = int(mask_token_id)
-        contexts.append({"input_ids": masked, "attention_mask": list(attention_mask), "labels": labels})
+        context = {"input_ids": masked, "attention_mask": list(attention_mask), "labels": labels}
+        if "token_type_ids" in row:
+            context["token_type_ids"] = _as_list(row["token_type_ids"])
+        contexts.append(context)
     return contexts
 
 

@@ -18,7 +18,7 @@ from hf_flatbias.flatness import (
     summarize_trace_samples,
 )
 from hf_flatbias.flatness.exact import exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
-from hf_flatbias.flatness.lm import is_causal_lm
+from hf_flatbias.flatness.lm import is_causal_lm, trainable_parameters
 
 VOCAB, MASK = 14, 1
 
@@ -293,6 +293,16 @@ def test_bad_input_raises_clear_errors(bert_case):
     with pytest.raises(ValueError, match="n_contexts=99"):
         estimate_hessian_trace(model, rows, n_contexts=99)
     assert set(ESTIMATORS) == {"per_sample", "summed", "hutchinson", "naive"}
+
+
+def test_a_frozen_model_is_refused_before_any_pass():
+    model, rows = _tiny_bert().requires_grad_(False), _contexts(2)
+    with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
+        estimate_hessian_trace(model, rows)
+    with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
+        exact_fisher_trace(model, rows)
+    # the training side perturbs nothing instead of failing (the trainer refuses a frozen model itself)
+    assert trainable_parameters(model) == []
 
 
 def test_per_sample_refuses_parameters_it_cannot_see_and_ignores_unused_ones():

@@ -11,7 +11,7 @@ from torch import nn
 from .contexts import TraceContexts
 from .distributed import gather_trace_samples, needs_lockstep, share_of_contexts, world
 from .estimators import DEFAULT_BATCH_SIZE, check_estimator_arguments, compute_trace_samples
-from .lm import check_lm_model, evaluation_mode, is_causal_lm, preserved_global_rng, trainable_parameters
+from .lm import check_lm_model, evaluation_mode, is_causal_lm, measured_parameters, preserved_global_rng
 from .results import TraceEstimate, TraceSamples, summarize_trace_samples
 
 
@@ -64,7 +64,7 @@ def estimate_hessian_trace(
     start = time.perf_counter()
     check_estimator_arguments(estimator, n_draws, batch_size)
     check_lm_model(model)
-    trainable_parameters(model)
+    measured_parameters(model)
     if causal is None:
         causal = is_causal_lm(model)
     contexts = TraceContexts.from_rows(dataset, causal=causal)

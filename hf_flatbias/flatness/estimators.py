@@ -33,9 +33,10 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..sharpness.sam import squared_norm
 from .contexts import TraceContexts, context_generator
 from .ghost import GhostNormRecorder
-from .lm import check_lm_model, logits_at_positions, trainable_parameters
+from .lm import check_lm_model, logits_at_positions, measured_parameters
 from .results import TraceSamples
 
 ESTIMATORS = ("per_sample", "summed", "hutchinson", "naive")
@@ -54,11 +55,6 @@ def sample_labels(probs: torch.Tensor, indices: Sequence[int], n_draws: int, see
     cdf = probs.double().cumsum(dim=1)
     labels = torch.searchsorted(cdf, uniforms * cdf[:, -1:])
     return labels.clamp_(max=probs.shape[1] - 1)
-
-
-def _squared_norm(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
-    present = [t for t in tensors if t is not None]
-    return torch.stack([t.double().square().sum() for t in present]).sum()
 
 
 def _check_vocabulary(model: nn.Module, contexts: TraceContexts, indices: Sequence[int]) -> None:
@@ -166,7 +162,7 @@ def _naive_squared_norms(
     for k, label in enumerate(labels.tolist()):
         logits = model(**batch).logits[0, contexts.positions[index]]
         log_prob = torch.log_softmax(logits.float(), dim=-1)[label]
-        values[k] = _squared_norm(torch.autograd.grad(log_prob, params, allow_unused=True)).cpu()
+        values[k] = squared_norm(torch.autograd.grad(log_prob, params, allow_unused=True), dtype=torch.float64).cpu()
     return values
 
 
@@ -197,7 +193,7 @@ def _summed_batch(
     cotangent = -n_draws * probs
     cotangent.scatter_add_(1, labels, torch.ones_like(labels, dtype=cotangent.dtype))
     grads = torch.autograd.grad(logits, params, grad_outputs=cotangent.to(logits.dtype).unsqueeze(1), allow_unused=True)
-    return (_squared_norm(grads) / (len(indices) * n_draws)).reshape(1, 1).cpu()
+    return (squared_norm(grads, dtype=torch.float64) / (len(indices) * n_draws)).reshape(1, 1).cpu()
 
 
 def _hutchinson_batch(
@@ -267,7 +263,7 @@ def compute_trace_samples(
         raise ValueError("compute_trace_samples got no context indices.")
     check_lm_model(model)
     _check_vocabulary(model, contexts, indices)
-    params = trainable_parameters(model)
+    params = measured_parameters(model)
     forward_seconds = draw_seconds = 0.0
     parts = []
     with torch.enable_grad():

@@ -93,9 +93,19 @@ def preserved_global_rng() -> Iterator[None]:
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    params = [p for p in model.parameters() if p.requires_grad]
+    """The parameters a flatness step perturbs and the trace is taken over: those with ``requires_grad=True`` (the
+    adapters only under PEFT). Empty for a frozen model; a caller that needs some raises its own error."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def measured_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """`trainable_parameters`, or a `ValueError` naming the fix when there are none: the trace is over them."""
+    params = trainable_parameters(model)
     if not params:
-        raise ValueError("The model has no parameter with requires_grad=True: the trace is over trainable parameters.")
+        raise ValueError(
+            "The model has no parameter with requires_grad=True: the trace is over trainable parameters. Unfreeze "
+            "the parameters to measure (model.requires_grad_(True), or the adapters of a PEFT model)."
+        )
     return params
 
 

@@ -22,11 +22,10 @@ import torch
 from huggingface_hub.errors import HfHubHTTPError
 from torch import nn
 from transformers import Trainer, TrainingArguments
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
 from .config import FlatBiasConfig
+from .flatness.lm import is_causal_lm
 from .modelcard import FlatnessCard, flatness_card_from_trainer
 from .sharpness.engines import (
     average_across_processes,
@@ -291,8 +290,7 @@ class FlatBiasTrainer(Trainer):
             raise ValueError(
                 "flatness_method='fisher_penalty' needs the model output to carry 'logits' (a ModelOutput or dict)."
             )
-        shift = unwrap_peft_model(module)._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-        return labelled_logits(logits, labels, shift=shift)
+        return labelled_logits(logits, labels, shift=is_causal_lm(module))
 
     def _penalty_training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
         """One micro-batch of ``fisher_penalty`` or ``grad_norm_penalty``: two forward/backward passes.

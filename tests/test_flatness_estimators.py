@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 from torch.func import functional_call, jacrev
-from transformers import BertConfig, BertForMaskedLM, BertModel, GPT2Config, GPT2LMHeadModel
+from transformers import BertConfig, BertForMaskedLM, BertLMHeadModel, BertModel, GPT2Config, GPT2LMHeadModel
 
 from hf_flatbias.constants import IGNORE_INDEX
 from hf_flatbias.flatness import (
@@ -293,6 +293,21 @@ def test_bad_input_raises_clear_errors(bert_case):
     with pytest.raises(ValueError, match="n_contexts=99"):
         estimate_hessian_trace(model, rows, n_contexts=99)
     assert set(ESTIMATORS) == {"per_sample", "summed", "hutchinson", "naive"}
+
+
+def test_one_causal_lm_test_for_models_configs_decoders_and_peft_wrappers():
+    bert, gpt2 = _tiny_bert(), _tiny_gpt2()
+    assert not is_causal_lm(bert) and is_causal_lm(gpt2)
+    # a BERT built as a decoder shifts its labels: its config says so, whatever the class
+    decoder_config = BertConfig(**{**bert.config.to_dict(), "is_decoder": True})
+    assert is_causal_lm(BertLMHeadModel(decoder_config)) and is_causal_lm(BertForMaskedLM(decoder_config))
+    # a checkpoint's config, before any class is chosen: its architectures decide
+    assert is_causal_lm(GPT2Config(architectures=["GPT2LMHeadModel"]))
+    assert not is_causal_lm(BertConfig(architectures=["BertForMaskedLM"]))
+    assert not is_causal_lm(GPT2Config())  # no architectures: nothing says causal
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=2, target_modules=["c_attn"])
+    assert is_causal_lm(peft.get_peft_model(_tiny_gpt2(), lora))
 
 
 def test_a_frozen_model_is_refused_before_any_pass():

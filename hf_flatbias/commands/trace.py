@@ -81,7 +81,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     from ..flatness.api import estimate_hessian_trace
     from ..flatness.contexts import build_masked_contexts
-    from ..flatness.lm import check_lm_model
+    from ..flatness.lm import check_lm_model, is_causal_lm
 
     if args.n_draws < 1:
         raise ValueError(f"--n-draws must be >= 1 (got {args.n_draws}).")
@@ -98,7 +98,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             f"{args.model} is a {architectures} checkpoint without a language-model head; loading it as an LM would "
             "initialise a random head. Measure the pre-trained checkpoint (e.g. ...ForMaskedLM / ...ForCausalLM)."
         )
-    causal = args.causal or (bool(architectures) and all(a in causal_names for a in architectures))
+    causal = args.causal or is_causal_lm(config)
     model_class = AutoModelForCausalLM if causal else AutoModelForMaskedLM
     model = model_class.from_pretrained(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -8,20 +8,26 @@ from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.trainer_utils import unwrap_peft_model
 
 
-def is_causal_lm(model: nn.Module) -> bool:
-    """Whether the model predicts the next token (its labels are shifted inside the forward). PEFT wrappers are
-    looked through."""
-    get_base_model = getattr(model, "get_base_model", None)
-    base = get_base_model() if callable(get_base_model) else model
-    name = type(base).__name__
-    return (
-        name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-        or name.endswith("ForCausalLM")
-        or bool(getattr(getattr(base, "config", None), "is_decoder", False))
-    )
+def is_causal_lm(model: nn.Module | PretrainedConfig) -> bool:
+    """Whether the model predicts the next token, its labels shifted inside the forward.
+
+    Causal: a class of transformers' causal-LM auto mapping or named ``...ForCausalLM``, or any model whose config
+    says ``is_decoder=True`` (e.g. a BERT built as a decoder). PEFT wrappers are looked through. Given a checkpoint's
+    config instead of a model (to choose the class to load), its ``architectures`` decide: all of them causal.
+    """
+    if isinstance(model, PretrainedConfig):
+        config, class_names = model, list(model.architectures or [])
+    else:
+        base = unwrap_peft_model(model)
+        config, class_names = getattr(base, "config", None), [type(base).__name__]
+    causal_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    causal_class = bool(class_names) and all(n in causal_names or n.endswith("ForCausalLM") for n in class_names)
+    return causal_class or bool(getattr(config, "is_decoder", False))
 
 
 def check_lm_model(model: nn.Module) -> nn.Module:

@@ -10,7 +10,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from .flatness.api import estimate_hessian_trace
 from .flatness.contexts import build_masked_contexts
 from .flatness.estimators import DEFAULT_BATCH_SIZE, RECOMMENDED_N_DRAWS
-from .flatness.lm import check_lm_model, is_causal_lm
+from .flatness.lm import check_tokenizer_fits_model, is_causal_lm, output_vocab_size
 from .flatness.results import TraceEstimate
 
 TRACE_METRIC = "flatness/hessian_trace"
@@ -183,12 +183,8 @@ class HessianTraceCallback(TrainerCallback):
                     "(processing_class=tokenizer) or pass HessianTraceCallback(mask_token_id=...)."
                 )
         special = list(getattr(tokenizer, "all_special_ids", []) or [])
-        vocab_size = check_lm_model(model).weight.shape[0]
-        if tokenizer is not None and hasattr(tokenizer, "__len__") and len(tokenizer) > vocab_size:
-            raise ValueError(
-                f"The tokenizer has {len(tokenizer)} tokens but the model's vocabulary only {vocab_size}: they do not "
-                "belong together. Use the model's own tokenizer or resize its embeddings."
-            )
+        if tokenizer is not None:
+            check_tokenizer_fits_model(tokenizer, output_vocab_size(model), source="the trainer's processing_class")
         return build_masked_contexts(
             rows,
             mask_token_id=mask_token_id,

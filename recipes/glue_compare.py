@@ -116,6 +116,7 @@ def load_masked_lm(model_name_or_path: str):
     """The checkpoint's masked-LM model and tokenizer; errors if either is missing or they disagree."""
     from transformers import AutoModelForMaskedLM
 
+    from hf_flatbias.flatness.lm import check_tokenizer_fits_model
     from hf_flatbias.glue import load_tokenizer
 
     tokenizer = load_tokenizer(model_name_or_path)
@@ -130,11 +131,7 @@ def load_masked_lm(model_name_or_path: str):
             " its pre-training loss and Hessian trace would be those of random weights. Use the full pre-training "
             "checkpoint (e.g. one saved by recipes/bert_bookcorpus.py)."
         )
-    if len(tokenizer) > model.config.vocab_size:
-        raise ValueError(
-            f"The tokenizer of {model_name_or_path!r} has {len(tokenizer)} tokens, the model only "
-            f"{model.config.vocab_size}: they belong to different checkpoints."
-        )
+    check_tokenizer_fits_model(tokenizer, model.config.vocab_size, source=model_name_or_path)
     return model, tokenizer
 
 

@@ -119,7 +119,7 @@ def test_trace_command_rejects_bad_input(checkpoint, tmp_path, capsys):
     BertForMaskedLM(_config(tokenizer)).save_pretrained(other)
     make_tokenizer([f"v{i}" for i in range(40)]).save_pretrained(other)
     assert main(["trace", str(other), "--data", str(data), "--output", str(tmp_path / "y.json")]) == 2
-    assert "do not match" in capsys.readouterr().err
+    assert "do not belong together" in capsys.readouterr().err
 
     assert main(["trace", str(folder), "--data", str(tmp_path / "missing.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err

@@ -81,7 +81,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     from ..flatness.api import estimate_hessian_trace
     from ..flatness.contexts import build_masked_contexts
-    from ..flatness.lm import check_lm_model, is_causal_lm
+    from ..flatness.lm import check_tokenizer_fits_model, is_causal_lm, output_vocab_size
 
     if args.n_draws < 1:
         raise ValueError(f"--n-draws must be >= 1 (got {args.n_draws}).")
@@ -103,8 +103,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     model = model_class.from_pretrained(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    check_lm_model(model)
-    vocab_size = model.get_output_embeddings().weight.shape[0]
+    vocab_size = output_vocab_size(model)
 
     rows = _load_rows(args)
     if not rows:
@@ -117,7 +116,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 f"{sorted(rows[0])}); name the text column with --text-column."
             )
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        _check_tokenizer(tokenizer, vocab_size, args.model)
+        check_tokenizer_fits_model(tokenizer, vocab_size, source=args.model)
         texts = [row[args.text_column] for row in rows if row[args.text_column] and row[args.text_column].strip()]
         if not texts:
             raise ValueError(f"The {args.text_column!r} column of {args.data} holds no text.")
@@ -133,7 +132,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     else:
         if tokenizer is None and not causal:
             tokenizer = AutoTokenizer.from_pretrained(args.model)
-            _check_tokenizer(tokenizer, vocab_size, args.model)
+            check_tokenizer_fits_model(tokenizer, vocab_size, source=args.model)
         if not causal and tokenizer.mask_token_id is None:
             raise ValueError(f"The tokenizer of {args.model} has no mask token; is this a masked LM?")
         contexts = build_masked_contexts(
@@ -163,17 +162,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "device": device,
         "estimate": estimate.to_dict(),
     }
-
-
-def _check_tokenizer(tokenizer, vocab_size: int, model: str) -> None:
-    size = len(tokenizer)
-    # A folder without tokenizer files loads as a handful of special tokens without any error.
-    if size > vocab_size or size < vocab_size // 2:
-        raise ValueError(
-            f"The tokenizer of {model} has {size} tokens but the model's vocabulary {vocab_size}: tokenizer and model "
-            "do not match (is the tokenizer saved in the checkpoint folder?). Pass data with input_ids made by the "
-            "model's own tokenizer."
-        )
 
 
 def _count_labelled(rows: list[dict[str, Any]]) -> int:

@@ -36,7 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..sharpness.sam import squared_norm
 from .contexts import TraceContexts, context_generator
 from .ghost import GhostNormRecorder
-from .lm import check_lm_model, logits_at_positions, measured_parameters
+from .lm import check_lm_model, logits_at_positions, measured_parameters, output_vocab_size
 from .results import TraceSamples
 
 ESTIMATORS = ("per_sample", "summed", "hutchinson", "naive")
@@ -58,8 +58,7 @@ def sample_labels(probs: torch.Tensor, indices: Sequence[int], n_draws: int, see
 
 
 def _check_vocabulary(model: nn.Module, contexts: TraceContexts, indices: Sequence[int]) -> None:
-    weight = check_lm_model(model).weight
-    vocab_size = getattr(weight, "ds_shape", weight.shape)[0]  # a ZeRO-3 parameter is empty between forwards
+    vocab_size = output_vocab_size(model)
     largest = max(max(int(contexts.input_ids[i].max()), contexts.targets[i]) for i in indices)
     if largest >= vocab_size:
         raise ValueError(

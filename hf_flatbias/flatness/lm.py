@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,6 +41,44 @@ def check_lm_model(model: nn.Module) -> nn.Module:
             "defined on the pre-training loss. Load the checkpoint with AutoModelForMaskedLM or AutoModelForCausalLM."
         )
     return decoder
+
+
+def output_vocab_size(model: nn.Module) -> int:
+    """Rows of the model's output embedding: the token ids it can read and predict."""
+    weight = check_lm_model(model).weight
+    return getattr(weight, "ds_shape", weight.shape)[0]  # a ZeRO-3 parameter is empty between forwards
+
+
+def check_tokenizer_fits_model(tokenizer: Any, vocab_size: int | None, *, source: str | None = None) -> None:
+    """Raise a `ValueError` naming the fix when ``tokenizer`` cannot be the one the model was trained with.
+
+    Refused: a tokenizer of special tokens only (transformers loads a 5-token BERT tokenizer, without a warning,
+    from a folder without tokenizer files; every word would become ``[UNK]``), one with more tokens than the model's
+    vocabulary (their ids have no embedding), or one with fewer than half as many (another checkpoint's).
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        vocab_size: the model's vocabulary (`output_vocab_size`, or ``config.vocab_size`` before the model is
+            loaded); ``None`` checks the special tokens only.
+        source: where the tokenizer was loaded from, for the message.
+    """
+    size = len(tokenizer)
+    special = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if callable(get_vocab) and all(token in special for token in get_vocab()):
+        problem = f"has only special tokens ({size} entries): the checkpoint has no tokenizer files"
+    elif vocab_size is not None and size > vocab_size:
+        problem = f"has {size} tokens, more than the model's vocabulary of {vocab_size}"
+    elif vocab_size is not None and size < vocab_size // 2:
+        problem = f"has {size} tokens, under half the model's vocabulary of {vocab_size}"
+    else:
+        return
+    origin = f" loaded from {source!r}" if source else ""
+    raise ValueError(
+        f"The tokenizer{origin} {problem}: tokenizer and model do not belong together. Use the tokenizer the model "
+        "was trained with: save it next to the checkpoint (tokenizer.save_pretrained(folder)) or pass its path, or "
+        "give data tokenized by it."
+    )
 
 
 def _lm_head(model: nn.Module, decoder: nn.Module) -> nn.Module:

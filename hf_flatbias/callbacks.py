@@ -139,6 +139,8 @@ class HessianTraceCallback(TrainerCallback):
             batch_size=self.batch_size,
             # every rank runs the callbacks: each measures its share of the contexts, all get the whole estimate
             across_processes=self._trainer.args.world_size > 1,
+            # a long measurement shows a bar as the trainer's evaluation does, and is silenced with it
+            progress=False if self._trainer.args.disable_tqdm else None,
         )
         self.last_estimate = estimate
         self._log({TRACE_METRIC: estimate.mean, TRACE_STDERR_METRIC: estimate.stderr})

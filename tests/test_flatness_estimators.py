@@ -7,6 +7,7 @@ import torch
 from torch.func import functional_call, jacrev
 from transformers import BertConfig, BertForMaskedLM, BertLMHeadModel, BertModel, GPT2Config, GPT2LMHeadModel
 
+import hf_flatbias.flatness.api
 from hf_flatbias.constants import IGNORE_INDEX
 from hf_flatbias.flatness import (
     ESTIMATORS,
@@ -308,6 +309,19 @@ def test_one_causal_lm_test_for_models_configs_decoders_and_peft_wrappers():
     peft = pytest.importorskip("peft")
     lora = peft.LoraConfig(r=2, target_modules=["c_attn"])
     assert is_causal_lm(peft.get_peft_model(_tiny_gpt2(), lora))
+
+
+def test_progress_bar_when_asked_or_when_the_estimate_is_long(bert_case, capsys, monkeypatch):
+    model, rows, _ = bert_case
+    estimate_hessian_trace(model, rows, n_draws=2, batch_size=8, progress=True)
+    bar = capsys.readouterr().err
+    assert "Hessian trace (per_sample)" in bar and f"{len(rows)}/{len(rows)}" in bar
+    estimate_hessian_trace(model, rows, n_draws=2, progress=False)
+    estimate_hessian_trace(model, rows, n_draws=2)  # 48 context-draws: too short for a bar
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(hf_flatbias.flatness.api, "PROGRESS_MIN_CONTEXT_DRAWS", 2 * len(rows))
+    estimate_hessian_trace(model, rows, n_draws=2, estimator="naive")
+    assert "Hessian trace (naive)" in capsys.readouterr().err
 
 
 def test_a_frozen_model_is_refused_before_any_pass():

@@ -47,6 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu).")
     parser.add_argument("--causal", action="store_true", help="Treat the model as a causal LM (default: detect).")
     parser.add_argument("--output", default="hessian_trace.json", help="JSON file to write (default: %(default)s).")
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Show a progress bar with the time left on stderr (default: shown).",
+    )
     parser.set_defaults(func=run)
 
 
@@ -153,6 +159,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         batch_size=args.batch_size,
         causal=causal,
+        progress=args.progress,
     )
     return {
         "model": args.model,

@@ -7,12 +7,16 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch import nn
+from transformers.utils.logging import is_progress_bar_enabled
 
 from .contexts import TraceContexts
 from .distributed import gather_trace_samples, needs_lockstep, share_of_contexts, world
 from .estimators import DEFAULT_BATCH_SIZE, check_estimator_arguments, compute_trace_samples
 from .lm import check_lm_model, evaluation_mode, is_causal_lm, measured_parameters, preserved_global_rng
 from .results import TraceEstimate, TraceSamples, summarize_trace_samples
+
+PROGRESS_MIN_CONTEXT_DRAWS = 500
+"""Contexts x draws from which ``progress=None`` shows a bar: smaller estimates of the default sizes take seconds."""
 
 
 def estimate_hessian_trace(
@@ -27,6 +31,7 @@ def estimate_hessian_trace(
     exact_output_expectation: bool = True,
     causal: bool | None = None,
     across_processes: bool = False,
+    progress: bool | None = None,
 ) -> TraceEstimate:
     """Estimate the paper's flatness measure, the trace of the Hessian (Fisher) of the pre-training loss.
 
@@ -53,6 +58,9 @@ def estimate_hessian_trace(
             arguments, measures every world-size-th context and gets the whole estimate: the one-process estimate
             on the same contexts and draws. Per-context estimators (``per_sample``, ``naive``) only; under
             DeepSpeed ZeRO-3 (partitioned parameters, the ranks kept in step) ``naive`` only.
+        progress: a bar with the time left on stderr, on the main process only (rank 0, counting its own share of
+            the contexts). ``None`` shows it for estimates of at least `PROGRESS_MIN_CONTEXT_DRAWS` contexts x draws
+            unless transformers' progress bars are disabled; ``True``/``False`` force it on or off.
 
     Returns:
         A `TraceEstimate`.
@@ -83,6 +91,7 @@ def estimate_hessian_trace(
         seed=seed,
         batch_size=batch_size,
         exact_output_expectation=exact_output_expectation,
+        progress=_shows_progress(progress, len(indices) * n_draws),
     )
     with evaluation_mode(model), preserved_global_rng():
         if across_processes:
@@ -90,6 +99,14 @@ def estimate_hessian_trace(
         else:
             samples = compute_trace_samples(model, contexts, indices=indices, **measure)
     return summarize_trace_samples(samples, seconds=time.perf_counter() - start)
+
+
+def _shows_progress(progress: bool | None, context_draws: int) -> bool:
+    if world()[0] != 0:  # one bar, not one per process
+        return False
+    if progress is None:
+        return context_draws >= PROGRESS_MIN_CONTEXT_DRAWS and is_progress_bar_enabled()
+    return progress
 
 
 def _check_partitioned_model(model: nn.Module, estimator: str, across_processes: bool) -> None:

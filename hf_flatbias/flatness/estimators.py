@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm.auto import tqdm
 
 from ..sharpness.sam import squared_norm
 from .contexts import TraceContexts, context_generator
@@ -250,11 +251,13 @@ def compute_trace_samples(
     seed: int = 0,
     batch_size: int = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,
+    progress: bool = False,
 ) -> TraceSamples:
     """Estimator values for the contexts ``indices`` (all by default), to be concatenated and summarized.
 
     The model must already be in the mode it is measured in (see `estimate_hessian_trace`). A process measuring a
-    share of the contexts passes its own ``indices``; draws depend only on ``(seed, index)``.
+    share of the contexts passes its own ``indices``; draws depend only on ``(seed, index)``. ``progress`` shows a
+    bar over these contexts, with its time left, on stderr.
     """
     check_estimator_arguments(estimator, n_draws, batch_size)
     indices = list(range(len(contexts))) if indices is None else list(indices)
@@ -265,9 +268,12 @@ def compute_trace_samples(
     params = measured_parameters(model)
     forward_seconds = draw_seconds = 0.0
     parts = []
-    with torch.enable_grad():
+    bar = tqdm(total=len(indices), desc=f"Hessian trace ({estimator})", unit="context", disable=not progress)
+    with torch.enable_grad(), bar:
         if estimator == "naive":
-            parts = [_naive_context(model, contexts, i, params, n_draws, seed).unsqueeze(0) for i in indices]
+            for i in indices:
+                parts.append(_naive_context(model, contexts, i, params, n_draws, seed).unsqueeze(0))
+                bar.update(1)
             weights = torch.ones(len(indices))
         else:
             batches = _length_sorted_batches(contexts, indices, batch_size)
@@ -284,6 +290,7 @@ def compute_trace_samples(
                     parts.append(_summed_batch(model, contexts, group, params, n_draws, seed))
                 else:
                     parts.append(_hutchinson_batch(model, contexts, group, params, n_draws, seed))
+                bar.update(len(group))
             if estimator == "per_sample":
                 # back from length order to the callers' order
                 position_of = {index: n for n, index in enumerate(i for group in batches for i in group)}

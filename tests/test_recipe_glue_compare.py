@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import csv
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from test_recipe_bookcorpus import run_bookcorpus_smoke
 from transformers import BertConfig, BertForMaskedLM, BertModel
 
+from hf_flatbias.config import FlatBiasConfig
+from hf_flatbias.experiments import parse_dataclass_args
 from hf_flatbias.text_data import train_wordpiece_tokenizer
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "recipes"))
-
-import glue_compare  # noqa: E402
-from test_recipe_bookcorpus import _recipe_env, run_bookcorpus_smoke  # noqa: E402
 
 SENTENCES = ["the film was wonderful and moving", "a dull and tired story", "great acting, weak script"] * 5
 
@@ -29,13 +24,18 @@ def _config(vocab_size: int) -> BertConfig:
 
 
 @pytest.fixture(scope="module")
+def glue_compare(recipes):
+    return recipes.load("glue_compare")
+
+
+@pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return train_wordpiece_tokenizer(
         SENTENCES, vocab_size=60, min_frequency=1, cache_dir=tmp_path_factory.mktemp("tokenizers")
     )
 
 
-def test_leading_positionals_are_the_models():
+def test_leading_positionals_are_the_models(glue_compare):
     argv = ["ckpt/a", "org/b", "--tasks", "sst2,rte", "--smoke"]
     assert glue_compare.split_positional_models(argv) == [
         "--tasks",
@@ -48,34 +48,34 @@ def test_leading_positionals_are_the_models():
     assert glue_compare.split_positional_models(["--tasks", "rte"]) == ["--tasks", "rte"]
 
 
-def test_bad_task_fails_before_any_model_is_loaded(tmp_path):
+def test_bad_task_fails_before_any_model_is_loaded(glue_compare, tmp_path):
     with pytest.raises(ValueError, match="Unknown GLUE task 'sst5'"):
         glue_compare.main(["does/not/exist", "--tasks", "sst2,sst5", "--output_dir", str(tmp_path)])
     with pytest.raises(ValueError, match="at least one checkpoint"):
         glue_compare.main(["--tasks", "sst2", "--output_dir", str(tmp_path)])
 
 
-def test_checkpoint_without_mlm_head_is_rejected(tmp_path, tokenizer):
+def test_checkpoint_without_mlm_head_is_rejected(glue_compare, tmp_path, tokenizer):
     BertModel(_config(len(tokenizer)), add_pooling_layer=False).save_pretrained(tmp_path)  # encoder only
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="no trained masked-LM head"):
         glue_compare.load_masked_lm(str(tmp_path))
 
 
-def test_checkpoint_without_tokenizer_is_rejected(tmp_path, tokenizer):
+def test_checkpoint_without_tokenizer_is_rejected(glue_compare, tmp_path, tokenizer):
     BertForMaskedLM(_config(len(tokenizer))).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="only special tokens"):
         glue_compare.load_masked_lm(str(tmp_path))
 
 
-def test_tokenizer_larger_than_the_embedding_is_rejected(tmp_path, tokenizer):
+def test_tokenizer_larger_than_the_embedding_is_rejected(glue_compare, tmp_path, tokenizer):
     BertForMaskedLM(_config(len(tokenizer) - 10)).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="do not belong together"):
         glue_compare.load_masked_lm(str(tmp_path))
 
 
-def test_outputs_hold_every_number(tmp_path):
+def test_outputs_hold_every_number(glue_compare, tmp_path):
     rows = []
     for model, loss, trace, scores in (
         ("runs/sam", 3.1, 40.0, {"sst2": [0.8, 0.9], "rte": [0.6, 0.62]}),
@@ -113,21 +113,14 @@ def test_outputs_hold_every_number(tmp_path):
     assert written[1]["scores"] == "0.6 0.62" and float(written[3]["trace"]) == 90.0
 
 
-def test_glue_compare_smoke_on_checkpoints_saved_by_the_recipe(tmp_path):
+def test_glue_compare_smoke_on_checkpoints_saved_by_the_recipe(recipes, tmp_path):
     checkpoints = []
     for setting in ("adamw_dropout_wd", "no_dropout_no_wd_sam"):
-        run_bookcorpus_smoke(tmp_path, setting, tmp_path / setting)
+        run_bookcorpus_smoke(recipes, tmp_path, setting, tmp_path / setting)
         checkpoints.append(str(tmp_path / setting))
     output = tmp_path / "compare"
-    command = [
-        sys.executable,
-        str(REPO / "recipes" / "glue_compare.py"),
-        *checkpoints,
-        "--smoke",
-        "--output_dir",
-        str(output),
-    ]
-    completed = subprocess.run(command, env=_recipe_env(tmp_path), capture_output=True, text=True, timeout=300)
+    arguments = [*checkpoints, "--smoke", "--output_dir", str(output)]
+    completed = recipes.run("glue_compare.py", *arguments, tmp_path=tmp_path, timeout=300)
     assert completed.returncode == 0, completed.stderr[-4000:]
 
     with (output / "glue_compare.csv").open() as handle:
@@ -144,19 +137,15 @@ def test_glue_compare_smoke_on_checkpoints_saved_by_the_recipe(tmp_path):
     assert torch.isfinite(torch.tensor([float(r["trace_stderr"]) for r in rows])).all()
 
 
-def test_standin_scores_never_go_into_a_card(tmp_path):
+def test_standin_scores_never_go_into_a_card(glue_compare, tmp_path):
     with pytest.raises(ValueError, match="stand-in scores as GLUE SST-2"):
         glue_compare.main(["some/model", "--tasks", "sst2", "--update_cards", "--output_dir", str(tmp_path)])
 
 
-def test_shipped_config_parses(tmp_path):
-    from recipe_args import parse_recipe_args
-
-    from hf_flatbias.config import FlatBiasConfig
-
+def test_shipped_config_parses(glue_compare, recipes, tmp_path):
     argv = glue_compare.split_positional_models(
-        ["runs/a", "runs/b", "--config", str(REPO / "recipes" / "configs" / "glue_compare.yaml")]
+        ["runs/a", "runs/b", "--config", str(recipes.directory / "configs" / "glue_compare.yaml")]
     )
-    args, training = parse_recipe_args((glue_compare.CompareArguments, FlatBiasConfig), argv)
+    args, training = parse_dataclass_args((glue_compare.CompareArguments, FlatBiasConfig), argv)
     assert args.models == ["runs/a", "runs/b"] and args.seeds == [0, 1, 2] and args.tasks == "sst2,qnli,rte"
     assert training.learning_rate == 2e-5 and training.num_train_epochs == 3

@@ -6,6 +6,9 @@ import argparse
 import dataclasses
 import json
 import sys
+import warnings
+
+from .paths import local_path_or_hub_id
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,20 +25,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from huggingface_hub.errors import HfHubHTTPError
-
+    """Bad input (not a card, no such file, a Hub error) raises; `cli.main` reports it in one line."""
+    source = local_path_or_hub_id(args.repo_or_path, "REPO_OR_PATH", file_suffixes=(".md",))
     from ..modelcard import load_flatness_card
 
-    try:
-        card = load_flatness_card(args.repo_or_path, revision=args.revision)
-    except (ValueError, OSError, HfHubHTTPError) as error:  # not a card, no such file, Hub errors
-        print(f"hf-flatbias card: {error}", file=sys.stderr)
-        return 2
+    card = read_card_reporting_warnings("hf-flatbias card", load_flatness_card, source, args.revision)
     if args.json:
         print(json.dumps(dataclasses.asdict(card), indent=2, sort_keys=True))
     else:
         print(format_card_summary(args.repo_or_path, card))
     return 0
+
+
+def read_card_reporting_warnings(program: str, load, repo_or_path: str, revision: str | None = None):
+    """``load(repo_or_path)``, its warnings (e.g. a non-finite trace read as unknown) printed as one line each."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        card = load(repo_or_path, revision=revision)
+    for warning in caught:
+        print(f"{program}: warning: {warning.message}", file=sys.stderr)
+    return card
 
 
 def format_card_summary(label: str, card) -> str:
@@ -56,10 +65,10 @@ def format_card_summary(label: str, card) -> str:
     rows = [
         ("model", label),
         ("method", card.method),
-        ("sam_rho", card.sam_rho),
-        ("asam_eta", card.asam_eta),
+        *card.method_hyperparameters().items(),
         ("pre-training loss", loss),
         ("Hessian trace ± stderr", trace),
+        ("trace measured at step", card.trace_step),
         ("estimator", estimator),
         ("step", card.global_step),
     ]

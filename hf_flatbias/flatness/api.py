@@ -9,9 +9,10 @@ from typing import Any
 from torch import nn
 from transformers.utils.logging import is_progress_bar_enabled
 
+from ..constants import DEFAULT_BATCH_SIZE
 from .contexts import TraceContexts
 from .distributed import gather_trace_samples, needs_lockstep, share_of_contexts, world
-from .estimators import DEFAULT_BATCH_SIZE, check_estimator_arguments, compute_trace_samples
+from .estimators import check_estimator_arguments, compute_trace_samples
 from .lm import check_lm_model, evaluation_mode, is_causal_lm, measured_parameters, preserved_global_rng
 from .results import TraceEstimate, TraceSamples, summarize_trace_samples
 
@@ -27,7 +28,7 @@ def estimate_hessian_trace(
     n_draws: int = 50,
     estimator: str = "per_sample",
     seed: int = 0,
-    batch_size: int = DEFAULT_BATCH_SIZE,
+    batch_size: int | str = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,
     causal: bool | None = None,
     across_processes: bool = False,
@@ -49,7 +50,9 @@ def estimate_hessian_trace(
         estimator: ``"per_sample"`` (default, fastest), ``"summed"``, ``"hutchinson"`` or ``"naive"`` (see
             `hf_flatbias.flatness.estimators`).
         seed: the draws of context ``i`` depend only on ``(seed, i)``.
-        batch_size: contexts per forward.
+        batch_size: contexts per forward, or ``"auto"``: as many as keep the measurement's working memory under
+            80% of the free GPU memory (half the available RAM on CPU), measured on the longest context
+            (`hf_flatbias.flatness.memory.auto_batch_size`, which also takes a stated budget).
         exact_output_expectation: with ``per_sample``, replace the output layer's own term by its exact expectation
             over ``y`` (unbiased, less noise). ``False`` gives the plain sampled norms, draw for draw equal to
             ``naive``.

@@ -34,18 +34,13 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
+from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, RECOMMENDED_N_DRAWS
 from ..sharpness.sam import squared_norm
 from .contexts import TraceContexts, context_generator
 from .ghost import GhostNormRecorder
 from .lm import check_lm_model, logits_at_positions, measured_parameters, output_vocab_size
+from .memory import auto_batch_size
 from .results import TraceSamples
-
-ESTIMATORS = ("per_sample", "summed", "hutchinson", "naive")
-DEFAULT_BATCH_SIZE = 32
-# Measured in benchmarks/RESULTS.md: 1-2 draws per context gave the least error per second, both on a random
-# 4.5M BERT and on a small BERT trained on a synthetic Markov language (2 was best there, 8 cost 1.75x more); two
-# draws also measure the variance split behind `suggested_n_draws`. The paper used 50.
-RECOMMENDED_N_DRAWS = 2
 
 
 def sample_labels(probs: torch.Tensor, indices: Sequence[int], n_draws: int, seed: int) -> torch.Tensor:
@@ -111,12 +106,16 @@ def _per_sample_batch(
     for k in range(n_draws):
         cotangent = -probs.clone()
         cotangent[torch.arange(len(indices)), labels[:, k]] += 1.0
-        grads = torch.autograd.grad(
-            logits,
-            outputs,
-            grad_outputs=cotangent.to(logits.dtype).unsqueeze(1),
-            retain_graph=k < n_draws - 1 or validate,
-            allow_unused=True,
+        grad_logits = cotangent.to(logits.dtype).unsqueeze(1)
+        if validate and k == 0:
+            recorder.check_unsupported_unused(logits, grad_logits)
+        # no recorded output: none of the parameters reaches the logits, and every norm is zero
+        grads = (
+            torch.autograd.grad(
+                logits, outputs, grad_outputs=grad_logits, retain_graph=k < n_draws - 1 or validate, allow_unused=True
+            )
+            if outputs
+            else []
         )
         recorder.set_grad_outputs(grads)
         if use_expectation:
@@ -147,9 +146,10 @@ def _validate_against_autograd(
         unsupported = f" Parameters outside those layers: {recorder.unsupported[:8]}." if recorder.unsupported else ""
         raise ValueError(
             f"Per-sample gradient norms do not match a plain backward on {type(model).__name__} ({ghost:.6g} vs "
-            f"{reference:.6g}): estimator='per_sample' sees the parameters of Linear, Conv1D, Embedding and LayerNorm "
-            f"layers used inside those layers only.{unsupported} Use estimator='naive' (exact for any model, "
-            "slower), or freeze the other parameters (requires_grad=False) to leave them out of the trace."
+            f"{reference:.6g}): estimator='per_sample' sees the parameters of Linear, Conv1D, Embedding, LayerNorm "
+            f"and elementwise norm layers used inside those layers only.{unsupported} Use estimator='naive' (exact "
+            "for any model, slower), or freeze the other parameters (requires_grad=False) to leave them out of the "
+            "trace."
         )
 
 
@@ -232,13 +232,13 @@ def _length_sorted_batches(contexts: TraceContexts, indices: Sequence[int], batc
     return [ordered[start : start + batch_size] for start in range(0, len(ordered), batch_size)]
 
 
-def check_estimator_arguments(estimator: str, n_draws: int, batch_size: int) -> None:
+def check_estimator_arguments(estimator: str, n_draws: int, batch_size: int | str) -> None:
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator={estimator!r} is not supported; choose one of {list(ESTIMATORS)}.")
     if not isinstance(n_draws, int) or n_draws < 1:
         raise ValueError(f"n_draws must be an integer >= 1 (got {n_draws!r}); {RECOMMENDED_N_DRAWS} is usually best.")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1 (got {batch_size!r}).")
+    if batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be an integer >= 1 or 'auto' (got {batch_size!r}).")
 
 
 def compute_trace_samples(
@@ -249,7 +249,7 @@ def compute_trace_samples(
     n_draws: int = 50,
     estimator: str = "per_sample",
     seed: int = 0,
-    batch_size: int = DEFAULT_BATCH_SIZE,
+    batch_size: int | str = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,
     progress: bool = False,
 ) -> TraceSamples:
@@ -276,6 +276,8 @@ def compute_trace_samples(
                 bar.update(1)
             weights = torch.ones(len(indices))
         else:
+            if batch_size == "auto":
+                batch_size = auto_batch_size(model, contexts, indices)
             batches = _length_sorted_batches(contexts, indices, batch_size)
             weights = torch.ones(len(indices))
             for number, group in enumerate(batches):

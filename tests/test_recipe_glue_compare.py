@@ -245,3 +245,18 @@ def test_shipped_config_parses(tmp_path):
     args, training = parse_recipe_args((glue_compare.CompareArguments, FlatBiasConfig), argv)
     assert args.models == ["runs/a", "runs/b"] and args.seeds == [0, 1, 2, 3, 4] and args.tasks == "sst2,qnli,rte"
     assert training.learning_rate == 2e-5 and training.num_train_epochs == 3
+
+
+@pytest.mark.slow
+def test_gpu_script_smoke_runs_the_whole_pipeline_on_cpu(tmp_path):
+    output = tmp_path / "glue_gpu"
+    command = ["bash", str(REPO / "recipes" / "glue_gpu.sh"), "--smoke", str(output)]
+    completed = subprocess.run(command, env=_recipe_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert "Skipping rte: no data" in completed.stderr  # offline: one line, not a failure
+    table = (output / "compare" / "glue_compare.md").read_text()
+    for setting in ("adamw_dropout_wd", "no_dropout_no_wd", "no_dropout_no_wd_sam"):
+        assert f"{setting}`" in table
+        assert (output / setting / "config.json").read_text().count("roberta-prelayernorm") >= 1  # the pre-LN model
+    with (output / "compare" / "glue_compare_paired.csv").open() as handle:
+        assert len(list(csv.DictReader(handle))) == 3 * 2  # three pairs: loss and sst2 each

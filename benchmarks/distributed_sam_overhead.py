@@ -26,7 +26,7 @@ from _common import StepTimer, build_model, masked_lm_rows  # noqa: E402
 
 from hf_flatbias import FlatBiasConfig, FlatBiasTrainer  # noqa: E402
 from hf_flatbias.sharpness import engines  # noqa: E402
-from tests.distributed_sam_script import (  # noqa: E402
+from tests.helpers.distributed_sam_script import (  # noqa: E402
     deepspeed_config,
     reset_accelerate,
     work_around_accelerate_cpu_world_size,

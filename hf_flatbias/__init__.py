@@ -4,45 +4,69 @@ After Liu, Xie, Li & Ma, "Same Pre-training Loss, Better Downstream: Implicit Bi
 (ICML 2023, arXiv:2210.14199).
 """
 
-from .callbacks import HessianTraceCallback
-from .config import FlatBiasConfig
-from .enlarge import check_enlargeable, enlarge
-from .flatness import (
-    TraceEstimate,
-    build_masked_contexts,
-    estimate_hessian_trace,
-    exact_fisher_trace,
-    exact_hessian_trace,
-)
-from .glue import GlueResult, finetune_glue, load_glue_dataset, load_glue_metric
-from .modelcard import FlatnessCard, add_glue_results, format_comparison_table, load_flatness_card
-from .selection import CheckpointRecord, CheckpointSelection, FlatnessCheckpointSelector, select_flattest_checkpoint
-from .trainer import FlatBiasTrainer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "add_glue_results",
-    "build_masked_contexts",
-    "check_enlargeable",
-    "CheckpointRecord",
-    "CheckpointSelection",
-    "enlarge",
-    "estimate_hessian_trace",
-    "exact_fisher_trace",
-    "exact_hessian_trace",
-    "finetune_glue",
-    "FlatBiasConfig",
-    "FlatBiasTrainer",
-    "FlatnessCard",
-    "FlatnessCheckpointSelector",
-    "format_comparison_table",
-    "GlueResult",
-    "HessianTraceCallback",
-    "load_flatness_card",
-    "load_glue_dataset",
-    "load_glue_metric",
-    "select_flattest_checkpoint",
-    "TraceEstimate",
-    "__version__",
-]
+# Names are imported on first use, as in transformers and trl: `hf-flatbias --help` then answers without importing
+# torch and transformers (seconds), which only the command that runs needs.
+_import_structure = {
+    "callbacks": ["HessianTraceCallback"],
+    "config": ["FlatBiasConfig"],
+    "enlarge": ["check_enlargeable", "enlarge"],
+    "flatness": [
+        "TraceEstimate",
+        "build_masked_contexts",
+        "estimate_hessian_trace",
+        "exact_fisher_trace",
+        "exact_hessian_trace",
+    ],
+    "glue": ["GlueResult", "finetune_glue", "load_glue_dataset", "load_glue_metric"],
+    "modelcard": ["FlatnessCard", "add_glue_results", "format_comparison_table", "load_flatness_card"],
+    "selection": [
+        "CheckpointRecord",
+        "CheckpointSelection",
+        "FlatnessCheckpointSelector",
+        "select_flattest_checkpoint",
+    ],
+    "trainer": ["FlatBiasTrainer"],
+}
+_module_of_name = {name: module for module, names in _import_structure.items() for name in names}
+
+__all__ = sorted(_module_of_name, key=str.lower) + ["__version__"]
+
+if TYPE_CHECKING:
+    from .callbacks import HessianTraceCallback
+    from .config import FlatBiasConfig
+    from .enlarge import check_enlargeable, enlarge
+    from .flatness import (
+        TraceEstimate,
+        build_masked_contexts,
+        estimate_hessian_trace,
+        exact_fisher_trace,
+        exact_hessian_trace,
+    )
+    from .glue import GlueResult, finetune_glue, load_glue_dataset, load_glue_metric
+    from .modelcard import FlatnessCard, add_glue_results, format_comparison_table, load_flatness_card
+    from .selection import (
+        CheckpointRecord,
+        CheckpointSelection,
+        FlatnessCheckpointSelector,
+        select_flattest_checkpoint,
+    )
+    from .trainer import FlatBiasTrainer
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _module_of_name:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_module_of_name[name]}", __name__), name)
+    globals()[name] = value  # later look-ups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

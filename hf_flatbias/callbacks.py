@@ -7,6 +7,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from .constants import TRACE_METRIC, TRACE_STDERR_METRIC
 from .flatness.contexts import build_masked_contexts
 from .flatness.estimators import (
     DEFAULT_BATCH_SIZE,
@@ -17,8 +18,6 @@ from .flatness.estimators import (
     is_causal_lm,
 )
 
-TRACE_METRIC = "flatness/hessian_trace"
-TRACE_STDERR_METRIC = "flatness/hessian_trace_stderr"
 _CONTEXT_COLUMNS = ("input_ids", "attention_mask", "token_type_ids")
 
 

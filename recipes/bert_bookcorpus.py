@@ -23,9 +23,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipe_args import parse_recipe_args
-
 from hf_flatbias.config import FlatBiasConfig
+from hf_flatbias.experiments import parse_dataclass_args
 
 logger = logging.getLogger("bert_bookcorpus")
 
@@ -318,7 +317,7 @@ def build_model(model_args: ModelArguments, tokenizer):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    model_args, data_args, flatness, training_args = parse_recipe_args(
+    model_args, data_args, flatness, training_args = parse_dataclass_args(
         (ModelArguments, DataArguments, FlatnessArguments, FlatBiasConfig),
         argv,
         smoke_settings=SMOKE_SETTINGS,

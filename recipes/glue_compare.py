@@ -25,9 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipe_args import parse_recipe_args
-
 from hf_flatbias.config import FlatBiasConfig
+from hf_flatbias.experiments import parse_dataclass_args
 
 logger = logging.getLogger("glue_compare")
 
@@ -520,7 +519,7 @@ def load_task_data(tasks: Sequence[str], data_dir: str | None) -> dict:
 
 def main(argv: list[str] | None = None) -> dict[str, Path]:
     argv = split_positional_models(list(sys.argv[1:] if argv is None else argv))
-    args, training_args = parse_recipe_args(
+    args, training_args = parse_dataclass_args(
         (CompareArguments, FlatBiasConfig), argv, smoke_settings=SMOKE_SETTINGS, description=__doc__
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -22,7 +22,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from synthetic_common import (
+
+from hf_flatbias.adversarial import AdversarialPretrainingModel
+from hf_flatbias.experiments import (
     RunSpec,
     add_common_arguments,
     add_target_loss_argument,
@@ -36,8 +38,6 @@ from synthetic_common import (
     train_and_evaluate,
     write_results,
 )
-
-from hf_flatbias.adversarial import AdversarialPretrainingModel
 
 # training column of each PCFG task -> its name in LanguageSetup.probe_tasks
 TASK_COLUMNS = {"task_a": "A", "task_b": "B", "task_c": "C"}

@@ -19,7 +19,7 @@ import argparse
 import time
 from pathlib import Path
 
-from synthetic_common import (
+from hf_flatbias.experiments import (
     RunSpec,
     add_common_arguments,
     flatness_selection,
@@ -31,7 +31,6 @@ from synthetic_common import (
     train_and_evaluate,
     write_results,
 )
-
 from hf_flatbias.selection import FlatnessCheckpointSelector
 
 

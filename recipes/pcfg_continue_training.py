@@ -16,7 +16,7 @@ import argparse
 import time
 from pathlib import Path
 
-from synthetic_common import (
+from hf_flatbias.experiments import (
     RunSpec,
     add_common_arguments,
     config_of,

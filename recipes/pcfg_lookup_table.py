@@ -21,21 +21,21 @@ import time
 from pathlib import Path
 
 import numpy as np
-from synthetic_common import (
+
+from hf_flatbias.experiments import (
     RunSpec,
     add_common_arguments,
     config_of,
+    context_batch,
     features_probe_scores,
     is_main_process,
     one_mask_loss,
-    pad_contexts,
     parse_recipe_arguments,
     run_spec_arguments,
     setup_language_from_args,
     train_and_evaluate,
     write_json,
 )
-
 from hf_flatbias.synthetic import OracleMLM
 from hf_flatbias.synthetic.tokenizer import N_SPECIAL
 
@@ -64,7 +64,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
     output_dir = args.output_dir or Path("outputs") / f"{args.language}_lookup_table"
     start = time.perf_counter()
     setup = setup_language_from_args(args)
-    batch = pad_contexts(setup.contexts, setup.tokenizer.pad_token_id)
+    batch = context_batch(setup.contexts)
     oracle_loss = one_mask_loss(OracleMLM(setup.language), batch)
 
     width = max(len(r) for r in setup.probe_rows + setup.probe_test_rows)

@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from synthetic_common import (
+from hf_flatbias.enlarge import enlarge
+from hf_flatbias.experiments import (
     RunSpec,
     add_common_arguments,
     add_target_loss_argument,
@@ -35,8 +36,6 @@ from synthetic_common import (
     train_and_evaluate,
     write_results,
 )
-
-from hf_flatbias.enlarge import enlarge
 
 DEFAULT_SIZES = ("32x2", "64x2", "128x2")
 SMOKE_SIZES = ("16x1", "32x2")

@@ -15,7 +15,7 @@ import argparse
 import time
 from pathlib import Path
 
-from synthetic_common import (
+from hf_flatbias.experiments import (
     RunSpec,
     add_common_arguments,
     at_common_loss,

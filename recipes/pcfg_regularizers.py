@@ -5,7 +5,7 @@ AdamW and with each flatness method of ``METHODS``. The plain run fixes the targ
 end. Every other method trains up to ``--extra`` times as many steps, is evaluated every ``--eval-every`` steps and
 stops at the first checkpoint whose loss is at or below the target (flagged when none gets there within the budget:
 then its last checkpoint is compared). At that checkpoint the recipe reports what every synthetic recipe reports
-(`synthetic_common.evaluate_checkpoint`): the paper's Fisher trace, and linear-probe accuracy on the language's
+(`hf_flatbias.experiments.evaluate_checkpoint`): the paper's Fisher trace, and linear-probe accuracy on the language's
 tasks on concatenated and on mean-pooled frozen features.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python recipes/pcfg_regularizers.py --output-dir runs/pcfg_regularizers
@@ -21,7 +21,7 @@ import argparse
 import time
 from pathlib import Path
 
-from synthetic_common import (
+from hf_flatbias.experiments import (
     RunSpec,
     add_common_arguments,
     final_row,

@@ -302,8 +302,8 @@ def test_cli_fine_tunes_from_local_files(tiny_checkpoint, tmp_path, capsys):
     (tmp_path / "train.csv").write_text(rows)
     (tmp_path / "validation.csv").write_text(rows)
     argv = [
-        "glue", str(tiny_checkpoint), "--task", "sst2", "--data_dir", str(tmp_path), "--seeds", "3",
-        "--max_steps", "2", "--batch_size", "8", "--json",
+        "glue", str(tiny_checkpoint), "--task", "sst2", "--data-dir", str(tmp_path), "--seeds", "3",
+        "--max-steps", "2", "--batch-size", "8", "--json",
     ]  # fmt: skip
     assert main(argv) == 0
     printed = capsys.readouterr().out

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from hub_server import HubServer, hub_client_environment, point_hub_client_at
 from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError
 from test_modelcard import FixedTraceCallback, full_card, tiny_args, tiny_mlm_setup
@@ -22,6 +21,7 @@ from transformers import BertForMaskedLM
 
 from hf_flatbias.modelcard import load_flatness_card
 from hf_flatbias.trainer import FlatBiasTrainer
+from tests.helpers.hub_server import HubServer, hub_client_environment, point_hub_client_at
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,6 +138,19 @@ def test_server_failure_mid_push_raises_keeps_the_local_save_and_a_retry_succeed
     assert load_flatness_card("user/flaky").hessian_trace == 3.0
 
 
+def test_unreachable_hub_at_the_final_push_names_what_is_intact_and_how_to_retry(hub, tmp_path):
+    model, data = tiny_mlm_setup()
+    output_dir = tmp_path / "run"
+    args = tiny_args(output_dir, push_to_hub=True, hub_model_id="user/gone", save_strategy="no", max_steps=2)
+    trainer = FlatBiasTrainer(model=model, args=args, train_dataset=data, callbacks=[FixedTraceCallback(3.0)])
+    trainer.train()
+    hub.stop()
+    with pytest.raises(ConnectionError, match=r"(?s)did not complete.*intact.*push_to_hub\(\) again"):
+        trainer.save_model()
+    assert load_flatness_card(output_dir).hessian_trace == 3.0
+    assert os.path.isfile(output_dir / "model.safetensors")
+
+
 def test_failed_background_checkpoint_push_is_reported(hub, tmp_path, caplog):
     model, data = tiny_mlm_setup()
     args = tiny_args(tmp_path / "run", push_to_hub=True, hub_model_id="user/bg", hub_strategy="checkpoint")
@@ -226,7 +239,7 @@ def test_only_rank_zero_writes_and_pushes_cards_with_two_processes(hub, tmp_path
         "--multi_gpu",
         "--num_processes",
         "2",
-        str(REPO_ROOT / "tests" / "hub_distributed_script.py"),
+        str(REPO_ROOT / "tests" / "helpers" / "hub_distributed_script.py"),
         str(tmp_path / "run"),
         "user/ddp",
     ]

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,8 @@ from datasets import Dataset
 from transformers import BertConfig, BertForMaskedLM
 
 from hf_flatbias import text_data
+from hf_flatbias.config import FlatBiasConfig
+from hf_flatbias.experiments import parse_dataclass_args
 from hf_flatbias.text_data import (
     mask_blocks_once,
     masked_lm_loss,
@@ -21,22 +20,7 @@ from hf_flatbias.text_data import (
     train_wordpiece_tokenizer,
 )
 
-REPO = Path(__file__).resolve().parent.parent
-RECIPES = REPO / "recipes"
-CONFIGS = RECIPES / "configs"
-sys.path.insert(0, str(RECIPES))
-
-import bert_bookcorpus  # noqa: E402
-from recipe_args import parse_recipe_args  # noqa: E402
-
-from hf_flatbias.config import FlatBiasConfig  # noqa: E402
-
-DATACLASSES = (
-    bert_bookcorpus.ModelArguments,
-    bert_bookcorpus.DataArguments,
-    bert_bookcorpus.FlatnessArguments,
-    FlatBiasConfig,
-)
+CONFIGS = Path(__file__).resolve().parents[1] / "recipes" / "configs"
 
 TEXTS = [
     "the cat sat on the mat and looked at the dog",
@@ -44,6 +28,22 @@ TEXTS = [
     "markets rose today as the bank cut interest rates",
     "the minister said the new law would help schools",
 ] * 6
+
+
+@pytest.fixture(scope="module")
+def bert_bookcorpus(recipes):
+    return recipes.load("bert_bookcorpus")
+
+
+@pytest.fixture(scope="module")
+def argument_types(bert_bookcorpus):
+    """The recipe's argument dataclasses, in its order."""
+    return (
+        bert_bookcorpus.ModelArguments,
+        bert_bookcorpus.DataArguments,
+        bert_bookcorpus.FlatnessArguments,
+        FlatBiasConfig,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,19 +61,19 @@ def tokenizer(tmp_path_factory):
         ("no_dropout_no_wd_sam", 0.0, 0.0, "sam"),
     ],
 )
-def test_the_three_paper_settings_parse(setting, dropout, weight_decay, method, tmp_path):
+def test_the_three_paper_settings_parse(argument_types, setting, dropout, weight_decay, method, tmp_path):
     config = CONFIGS / f"{setting}.yaml"
-    model, data, flatness, training = parse_recipe_args(
-        DATACLASSES, ["--config", str(config), "--output_dir", str(tmp_path)]
+    model, data, flatness, training = parse_dataclass_args(
+        argument_types, ["--config", str(config), "--output_dir", str(tmp_path)]
     )
     assert (model.dropout, training.weight_decay, training.flatness_method) == (dropout, weight_decay, method)
     assert training.output_dir == str(tmp_path)  # the command line wins over the YAML
     assert data.dataset == "auto" and flatness.trace_contexts > 0
 
 
-def test_released_code_config_parses_to_its_settings(tmp_path):
-    model, data, _, training = parse_recipe_args(
-        DATACLASSES, ["--config", str(CONFIGS / "released_code.yaml"), "--output_dir", str(tmp_path)]
+def test_released_code_config_parses_to_its_settings(argument_types, bert_bookcorpus, tmp_path):
+    model, data, _, training = parse_dataclass_args(
+        argument_types, ["--config", str(CONFIGS / "released_code.yaml"), "--output_dir", str(tmp_path)]
     )
     assert model.architecture == "roberta-prelayernorm" and model.half_precision == "auto"
     assert model.tokenizer_name_or_path == bert_bookcorpus.BERT_UNCASED_IF_AVAILABLE
@@ -82,7 +82,7 @@ def test_released_code_config_parses_to_its_settings(tmp_path):
     assert data.mlm_probability == 0.15
 
 
-def test_pre_ln_model_is_built_for_the_bert_tokenizer(tokenizer):
+def test_pre_ln_model_is_built_for_the_bert_tokenizer(bert_bookcorpus, tokenizer):
     model_args = bert_bookcorpus.ModelArguments(model_size="nano", architecture="roberta-prelayernorm")
     model = bert_bookcorpus.build_model(model_args, tokenizer)
     assert type(model).__name__ == "RobertaPreLayerNormForMaskedLM" and model.config.vocab_size == len(tokenizer)
@@ -90,10 +90,10 @@ def test_pre_ln_model_is_built_for_the_bert_tokenizer(tokenizer):
     assert model(**encoded).logits.shape[-1] == len(tokenizer)
 
 
-def test_smoke_preset_sits_between_yaml_and_command_line(tmp_path):
+def test_smoke_preset_sits_between_yaml_and_command_line(argument_types, bert_bookcorpus, tmp_path):
     config = CONFIGS / "no_dropout_no_wd_sam.yaml"
-    model, data, flatness, training = parse_recipe_args(
-        DATACLASSES,
+    model, data, flatness, training = parse_dataclass_args(
+        argument_types,
         ["--config", str(config), "--smoke", "--max_steps", "7", "--output_dir", str(tmp_path)],
         smoke_settings=bert_bookcorpus.SMOKE_SETTINGS,
     )
@@ -102,13 +102,13 @@ def test_smoke_preset_sits_between_yaml_and_command_line(tmp_path):
     assert training.flatness_method == "sam"  # YAML kept where smoke is silent
 
 
-def test_unknown_yaml_key_and_missing_file_are_errors(tmp_path):
+def test_unknown_yaml_key_and_missing_file_are_errors(argument_types, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("learning_rat: 0.1\n")
     with pytest.raises(ValueError, match="learning_rat"):
-        parse_recipe_args(DATACLASSES, ["--config", str(bad)])
+        parse_dataclass_args(argument_types, ["--config", str(bad)])
     with pytest.raises(ValueError, match="no such file"):
-        parse_recipe_args(DATACLASSES, ["--config", str(tmp_path / "missing.yaml")])
+        parse_dataclass_args(argument_types, ["--config", str(tmp_path / "missing.yaml")])
 
 
 def test_offline_text_is_real_english():
@@ -178,7 +178,9 @@ def test_loss_standard_error_matches_a_direct_bootstrap_over_blocks():
     generator = torch.Generator().manual_seed(0)
     counts = torch.randint(5, 25, (400,), generator=generator).double()  # masked tokens per block vary
     block_difficulty = torch.randn(400, generator=generator, dtype=torch.float64)  # tokens of a block are correlated
-    sums = counts * (3.0 + block_difficulty) + counts.sqrt() * torch.randn(400, generator=generator, dtype=torch.float64)
+    sums = counts * (3.0 + block_difficulty) + counts.sqrt() * torch.randn(
+        400, generator=generator, dtype=torch.float64
+    )
     mean, stderr = text_data.ratio_mean_stderr(sums, counts)
     assert mean == pytest.approx(float(sums.sum() / counts.sum()))
 
@@ -202,40 +204,19 @@ def test_row_losses_sum_to_the_mean_loss(tokenizer):
     assert float(sums.sum() / counts.sum()) == pytest.approx(masked_lm_loss(model, rows, batch_size=5), rel=1e-9)
 
 
-def _recipe_env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.update(
-        PYTHONPATH=str(REPO),
-        OMP_NUM_THREADS="1",
-        HF_HUB_OFFLINE="1",
-        HF_HOME=str(tmp_path / "hf_home"),
-        HF_FLATBIAS_CACHE=str(tmp_path / "cache"),
-    )
-    return env
-
-
-def run_bookcorpus_smoke(tmp_path: Path, setting: str, output_dir: Path, *extra: str) -> dict:
+def run_bookcorpus_smoke(recipes, tmp_path: Path, setting: str, output_dir: Path, *extra: str) -> dict:
     """Run the recipe as users do (a fresh process) and return its summary."""
-    command = [
-        sys.executable,
-        str(RECIPES / "bert_bookcorpus.py"),
-        "--config",
-        str(CONFIGS / f"{setting}.yaml"),
-        "--smoke",
-        "--output_dir",
-        str(output_dir),
-        *extra,
-    ]
-    completed = subprocess.run(command, env=_recipe_env(tmp_path), capture_output=True, text=True, timeout=300)
+    arguments = ["--config", str(CONFIGS / f"{setting}.yaml"), "--smoke", "--output_dir", str(output_dir), *extra]
+    completed = recipes.run("bert_bookcorpus.py", *arguments, tmp_path=tmp_path, timeout=300)
     assert completed.returncode == 0, completed.stderr[-4000:]
     return json.loads((output_dir / "pretraining_summary.json").read_text())
 
 
-def test_bookcorpus_smoke_run_saves_a_loadable_checkpoint_and_resumes(tmp_path):
+def test_bookcorpus_smoke_run_saves_a_loadable_checkpoint_and_resumes(recipes, tmp_path):
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 
     output = tmp_path / "run"
-    summary = run_bookcorpus_smoke(tmp_path, "no_dropout_no_wd_sam", output)
+    summary = run_bookcorpus_smoke(recipes, tmp_path, "no_dropout_no_wd_sam", output)
     assert summary["flatness_method"] == "sam" and summary["global_step"] == 30
     assert summary["hessian_trace"] > 0 and summary["eval_mlm_loss"] < 8.0
 
@@ -248,5 +229,5 @@ def test_bookcorpus_smoke_run_saves_a_loadable_checkpoint_and_resumes(tmp_path):
     )
     assert masked_lm_loss(model, rows) < 9.0  # a finite loss from the reloaded weights
 
-    resumed = run_bookcorpus_smoke(tmp_path, "no_dropout_no_wd_sam", output, "--max_steps", "32")
+    resumed = run_bookcorpus_smoke(recipes, tmp_path, "no_dropout_no_wd_sam", output, "--max_steps", "32")
     assert resumed["global_step"] == 32  # continued from checkpoint-30 rather than starting over

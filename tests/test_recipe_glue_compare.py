@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import csv
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from test_recipe_bookcorpus import run_bookcorpus_smoke
 from transformers import BertConfig, BertForMaskedLM, BertModel
 
 from hf_flatbias import glue
+from hf_flatbias.config import FlatBiasConfig
+from hf_flatbias.experiments import parse_dataclass_args
 from hf_flatbias.text_data import train_wordpiece_tokenizer
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "recipes"))
-
-import glue_compare  # noqa: E402
-from test_recipe_bookcorpus import _recipe_env, run_bookcorpus_smoke  # noqa: E402
 
 SENTENCES = ["the film was wonderful and moving", "a dull and tired story", "great acting, weak script"] * 5
 
@@ -31,13 +27,18 @@ def _config(vocab_size: int) -> BertConfig:
 
 
 @pytest.fixture(scope="module")
+def glue_compare(recipes):
+    return recipes.load("glue_compare")
+
+
+@pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return train_wordpiece_tokenizer(
         SENTENCES, vocab_size=60, min_frequency=1, cache_dir=tmp_path_factory.mktemp("tokenizers")
     )
 
 
-def test_leading_positionals_are_the_models():
+def test_leading_positionals_are_the_models(glue_compare):
     argv = ["ckpt/a", "org/b", "--tasks", "sst2,rte", "--smoke"]
     assert glue_compare.split_positional_models(argv) == [
         "--tasks",
@@ -50,34 +51,34 @@ def test_leading_positionals_are_the_models():
     assert glue_compare.split_positional_models(["--tasks", "rte"]) == ["--tasks", "rte"]
 
 
-def test_bad_task_fails_before_any_model_is_loaded(tmp_path):
+def test_bad_task_fails_before_any_model_is_loaded(glue_compare, tmp_path):
     with pytest.raises(ValueError, match="Unknown GLUE task 'sst5'"):
         glue_compare.main(["does/not/exist", "--tasks", "sst2,sst5", "--output_dir", str(tmp_path)])
     with pytest.raises(ValueError, match="at least one checkpoint"):
         glue_compare.main(["--tasks", "sst2", "--output_dir", str(tmp_path)])
 
 
-def test_checkpoint_without_mlm_head_is_rejected(tmp_path, tokenizer):
+def test_checkpoint_without_mlm_head_is_rejected(glue_compare, tmp_path, tokenizer):
     BertModel(_config(len(tokenizer)), add_pooling_layer=False).save_pretrained(tmp_path)  # encoder only
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="no trained masked-LM head"):
         glue_compare.load_masked_lm(str(tmp_path))
 
 
-def test_checkpoint_without_tokenizer_is_rejected(tmp_path, tokenizer):
+def test_checkpoint_without_tokenizer_is_rejected(glue_compare, tmp_path, tokenizer):
     BertForMaskedLM(_config(len(tokenizer))).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="only special tokens"):
         glue_compare.load_masked_lm(str(tmp_path))
 
 
-def test_tokenizer_larger_than_the_embedding_is_rejected(tmp_path, tokenizer):
+def test_tokenizer_larger_than_the_embedding_is_rejected(glue_compare, tmp_path, tokenizer):
     BertForMaskedLM(_config(len(tokenizer) - 10)).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="different checkpoints"):
         glue_compare.load_masked_lm(str(tmp_path))
 
 
-def _rows_and_pairs():
+def _rows_and_pairs(glue_compare):
     rows, scores = [], {}
     for model, loss, trace, per_task in (
         ("runs/sam", 3.1, 40.0, {"sst2": [0.8, 0.9, 0.85], "rte": [0.6, 0.62, 0.61]}),
@@ -113,8 +114,8 @@ def _rows_and_pairs():
     return rows, pairs
 
 
-def test_pairwise_comparisons_mark_same_and_different_losses():
-    _, pairs = _rows_and_pairs()
+def test_pairwise_comparisons_mark_same_and_different_losses(glue_compare):
+    _, pairs = _rows_and_pairs(glue_compare)
     (pair,) = pairs
     assert pair["loss_difference"] == pytest.approx(-0.01 / 3)  # identical per-block gaps: zero paired error
     assert pair["loss_difference_stderr"] == pytest.approx(0.0, abs=1e-12) and pair["same_loss"] is False
@@ -130,8 +131,8 @@ def test_pairwise_comparisons_mark_same_and_different_losses():
     assert apart["loss_difference"] is None and apart["same_loss"] is None  # different held-out text: not paired
 
 
-def test_outputs_hold_every_number(tmp_path):
-    rows, pairs = _rows_and_pairs()
+def test_outputs_hold_every_number(glue_compare, tmp_path):
+    rows, pairs = _rows_and_pairs(glue_compare)
     paths = glue_compare.write_outputs(rows, ["sst2", "rte"], tmp_path, standin_tasks=["sst2"], pairs=pairs)
     assert paths["plot"].stat().st_size > 10_000  # a rendered figure, not an empty file
 
@@ -159,11 +160,12 @@ def test_outputs_hold_every_number(tmp_path):
     assert float(paired[1]["difference"]) == pytest.approx(pairs[0]["sst2"]["difference"])
 
 
-def test_the_corpus_recorded_in_a_card_is_the_one_measured_on(tmp_path):
-    from bert_bookcorpus import DataArguments, corpus_record, held_out_text, load_text
-
+def test_the_corpus_recorded_in_a_card_is_the_one_measured_on(glue_compare, recipes, tmp_path):
     from hf_flatbias.modelcard import FlatnessCard
 
+    bert_bookcorpus = recipes.load("bert_bookcorpus")
+    DataArguments, corpus_record = bert_bookcorpus.DataArguments, bert_bookcorpus.corpus_record
+    held_out_text, load_text = bert_bookcorpus.held_out_text, bert_bookcorpus.load_text
     data = DataArguments(dataset="bbc_news", validation_texts=50)
     pretraining_split = load_text(data)["validation"]
     FlatnessCard(model_name="ckpt", pretraining_corpus=corpus_record(data)).save(tmp_path)
@@ -176,7 +178,7 @@ def test_the_corpus_recorded_in_a_card_is_the_one_measured_on(tmp_path):
     assert not train & set(pretraining_split["text"])
 
 
-def test_unknown_corpus_without_text_dataset_is_refused_before_any_compute(tmp_path, tokenizer):
+def test_unknown_corpus_without_text_dataset_is_refused_before_any_compute(glue_compare, tmp_path, tokenizer):
     BertForMaskedLM(_config(len(tokenizer))).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="does not record its pre-training corpus.*--text_dataset"):
@@ -184,7 +186,7 @@ def test_unknown_corpus_without_text_dataset_is_refused_before_any_compute(tmp_p
     assert not (tmp_path / "out").exists()
 
 
-def test_offline_tasks_without_data_are_skipped_with_one_line(monkeypatch, capsys):
+def test_offline_tasks_without_data_are_skipped_with_one_line(glue_compare, monkeypatch, capsys):
     monkeypatch.setattr(glue, "hub_is_reachable", lambda: False)
     found = glue_compare.load_task_data(["sst2", "rte"], None)
     assert list(found) == ["sst2"]
@@ -194,21 +196,14 @@ def test_offline_tasks_without_data_are_skipped_with_one_line(monkeypatch, capsy
         glue_compare.load_task_data(["rte"], None)
 
 
-def test_glue_compare_smoke_on_checkpoints_saved_by_the_recipe(tmp_path):
+def test_glue_compare_smoke_on_checkpoints_saved_by_the_recipe(recipes, tmp_path):
     checkpoints = []
     for setting in ("adamw_dropout_wd", "no_dropout_no_wd_sam"):
-        run_bookcorpus_smoke(tmp_path, setting, tmp_path / setting)
+        run_bookcorpus_smoke(recipes, tmp_path, setting, tmp_path / setting)
         checkpoints.append(str(tmp_path / setting))
     output = tmp_path / "compare"
-    command = [
-        sys.executable,
-        str(REPO / "recipes" / "glue_compare.py"),
-        *checkpoints,
-        "--smoke",
-        "--output_dir",
-        str(output),
-    ]
-    completed = subprocess.run(command, env=_recipe_env(tmp_path), capture_output=True, text=True, timeout=300)
+    arguments = [*checkpoints, "--smoke", "--output_dir", str(output)]
+    completed = recipes.run("glue_compare.py", *arguments, tmp_path=tmp_path, timeout=300)
     assert completed.returncode == 0, completed.stderr[-4000:]
 
     with (output / "glue_compare.csv").open() as handle:
@@ -229,34 +224,32 @@ def test_glue_compare_smoke_on_checkpoints_saved_by_the_recipe(tmp_path):
     assert torch.isfinite(torch.tensor([float(r["trace_stderr"]) for r in rows])).all()
 
 
-def test_standin_scores_never_go_into_a_card(tmp_path):
+def test_standin_scores_never_go_into_a_card(glue_compare, tmp_path):
     with pytest.raises(ValueError, match="stand-in scores as GLUE SST-2"):
         glue_compare.main(["some/model", "--tasks", "sst2", "--update_cards", "--output_dir", str(tmp_path)])
 
 
-def test_shipped_config_parses(tmp_path):
-    from recipe_args import parse_recipe_args
-
-    from hf_flatbias.config import FlatBiasConfig
-
+def test_shipped_config_parses(glue_compare, recipes, tmp_path):
     argv = glue_compare.split_positional_models(
-        ["runs/a", "runs/b", "--config", str(REPO / "recipes" / "configs" / "glue_compare.yaml")]
+        ["runs/a", "runs/b", "--config", str(recipes.directory / "configs" / "glue_compare.yaml")]
     )
-    args, training = parse_recipe_args((glue_compare.CompareArguments, FlatBiasConfig), argv)
+    args, training = parse_dataclass_args((glue_compare.CompareArguments, FlatBiasConfig), argv)
     assert args.models == ["runs/a", "runs/b"] and args.seeds == [0, 1, 2, 3, 4] and args.tasks == "sst2,qnli,rte"
     assert training.learning_rate == 2e-5 and training.num_train_epochs == 3
 
 
 @pytest.mark.slow
-def test_gpu_script_smoke_runs_the_whole_pipeline_on_cpu(tmp_path):
+def test_gpu_script_smoke_runs_the_whole_pipeline_on_cpu(recipes, tmp_path):
     output = tmp_path / "glue_gpu"
-    command = ["bash", str(REPO / "recipes" / "glue_gpu.sh"), "--smoke", str(output)]
-    completed = subprocess.run(command, env=_recipe_env(tmp_path), capture_output=True, text=True, timeout=900)
+    command = ["bash", str(recipes.directory / "glue_gpu.sh"), "--smoke", str(output)]
+    completed = subprocess.run(
+        command, env=recipes.environment(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=900
+    )
     assert completed.returncode == 0, completed.stderr[-4000:]
     assert "Skipping rte: no data" in completed.stderr  # offline: one line, not a failure
     table = (output / "compare" / "glue_compare.md").read_text()
     for setting in ("adamw_dropout_wd", "no_dropout_no_wd", "no_dropout_no_wd_sam"):
         assert f"{setting}`" in table
-        assert (output / setting / "config.json").read_text().count("roberta-prelayernorm") >= 1  # the pre-LN model
+        assert "roberta-prelayernorm" in (output / setting / "config.json").read_text()  # the pre-LN model
     with (output / "compare" / "glue_compare_paired.csv").open() as handle:
         assert len(list(csv.DictReader(handle))) == 3 * 2  # three pairs: loss and sst2 each

@@ -1,9 +1,7 @@
 """The adversarial pretraining objective, the recipes' MLM collator, and smoke runs of the paper-comparison recipes."""
 
-import importlib
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -11,8 +9,6 @@ import torch.nn.functional as F
 from transformers import BertConfig, BertForMaskedLM
 
 from hf_flatbias.adversarial import AdversarialPretrainingModel, confusion_loss
-
-RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
 
 
 def tiny_bert(seed=0):
@@ -107,18 +103,6 @@ def test_bad_settings_are_rejected(kwargs, message):
         AdversarialPretrainingModel(tiny_bert(), **kwargs)
 
 
-def _load_recipe(name):
-    pytest.importorskip("hf_flatbias.synthetic", reason="needs the synthetic languages (issue 4)")
-    pytest.importorskip("hf_flatbias.flatness.estimators", reason="needs the trace estimators (issue 3)")
-    pytest.importorskip("hf_flatbias.probe", reason="needs the linear probes (issue 4)")
-    import sys
-
-    if RECIPES not in sys.path:
-        sys.path.insert(0, RECIPES)
-    # Recipes import their shared module by name, as they do when run as scripts.
-    return importlib.import_module(name)
-
-
 def check_final_rows(rows, entropy):
     for row in rows:
         assert row["loss"] > entropy - 0.05  # nobody beats the language's entropy floor
@@ -129,8 +113,8 @@ def check_final_rows(rows, entropy):
         assert set(row["probe"]) == {"A", "B", "C"}
 
 
-def test_model_size_recipe_smoke_run(tmp_path):
-    recipe = _load_recipe("pcfg_model_size")
+def test_model_size_recipe_smoke_run(recipes, tmp_path):
+    recipe = recipes.load("pcfg_model_size")
     payload = recipe.main(["--smoke", "--output-dir", str(tmp_path)])
     result = json.loads((tmp_path / "results.json").read_text())
     assert [row["size"] for row in result["rows"]] == ["H16-L1-A1", "H32-L2-A2"]
@@ -143,22 +127,22 @@ def test_model_size_recipe_smoke_run(tmp_path):
 
 
 @pytest.mark.slow
-def test_adversarial_recipe_smoke_run(tmp_path):
-    payload = _load_recipe("pcfg_adversarial").main(["--smoke", "--output-dir", str(tmp_path)])
+def test_adversarial_recipe_smoke_run(recipes, tmp_path):
+    payload = recipes.load("pcfg_adversarial").main(["--smoke", "--output-dir", str(tmp_path)])
     assert [row["training"] for row in payload["rows"]] == ["standard", "adversarial_1"]
     check_final_rows(payload["rows"], payload["entropy_bound"])
     for row in payload["rows"]:
         assert row["cls_probe_accuracy_hidden_task"] == row["probe_cls"]["A"]["accuracy"]
 
 
-def test_adversarial_recipe_refuses_hmm():
+def test_adversarial_recipe_refuses_hmm(recipes):
     with pytest.raises(ValueError, match="--language pcfg"):
-        _load_recipe("pcfg_adversarial").main(["--smoke", "--language", "hmm"])
+        recipes.load("pcfg_adversarial").main(["--smoke", "--language", "hmm"])
 
 
 @pytest.mark.slow
-def test_checkpoint_selection_recipe_smoke_run(tmp_path):
-    payload = _load_recipe("pcfg_checkpoint_selection").main(["--smoke", "--output-dir", str(tmp_path)])
+def test_checkpoint_selection_recipe_smoke_run(recipes, tmp_path):
+    payload = recipes.load("pcfg_checkpoint_selection").main(["--smoke", "--output-dir", str(tmp_path)])
     assert [row["step"] for row in payload["rows"]] == [10, 20]
     summary = payload["summary"]
     assert summary["chosen_step"] in summary["candidates"]
@@ -167,7 +151,7 @@ def test_checkpoint_selection_recipe_smoke_run(tmp_path):
         assert row["eval_loss"] == pytest.approx(row["loss"], rel=1e-4)
 
 
-def test_model_size_recipe_rejects_sizes_that_do_not_embed():
-    recipe = _load_recipe("pcfg_model_size")
+def test_model_size_recipe_rejects_sizes_that_do_not_embed(recipes):
+    recipe = recipes.load("pcfg_model_size")
     with pytest.raises(ValueError, match="must embed into the largest"):
         recipe.main(["--sizes", "48x2", "64x2"])

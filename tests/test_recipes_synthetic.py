@@ -1,22 +1,23 @@
 """The synthetic-language recipes in --smoke mode: output schema and the entropy floor's place among the losses."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from hf_flatbias.constants import IGNORE_INDEX
+from hf_flatbias.experiments import (
+    at_common_loss,
+    build_model,
+    context_batch,
+    flatness_selection,
+    markdown_table,
+    partial_spearman,
+    summarize,
+)
+from hf_flatbias.synthetic import PCFG, build_pcfg_dataset, masked_contexts
+
 RECORD_KEYS = {"step", "loss", "loss_gap_to_entropy", "hessian_trace", "hessian_trace_stderr", "probe_accuracy"}
-
-
-@pytest.fixture
-def recipes(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "recipes"))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
 def check_records(records, entropy):
@@ -31,9 +32,7 @@ def check_records(records, entropy):
 
 @pytest.mark.slow  # about 70 s on the shared machine: exact conditional features of every probe sentence
 def test_lookup_table_recipe_smoke(recipes, tmp_path):
-    from pcfg_lookup_table import main
-
-    payload = main(["--smoke", "--output-dir", str(tmp_path)])
+    payload = recipes.load("pcfg_lookup_table").main(["--smoke", "--output-dir", str(tmp_path)])
     table = payload["lookup_table"]
     assert table["loss"] == pytest.approx(payload["entropy_bound"], abs=1e-4)
     check_records(payload["transformer"], payload["entropy_bound"])
@@ -41,9 +40,7 @@ def test_lookup_table_recipe_smoke(recipes, tmp_path):
 
 
 def test_continue_training_recipe_smoke(recipes, tmp_path):
-    from pcfg_continue_training import main
-
-    payload = main(["--smoke", "--output-dir", str(tmp_path)])
+    payload = recipes.load("pcfg_continue_training").main(["--smoke", "--output-dir", str(tmp_path)])
     assert [r["step"] for r in payload["records"]] == [0, 10, 20]
     check_records(payload["records"], payload["entropy_bound"])
     assert {
@@ -56,11 +53,26 @@ def test_continue_training_recipe_smoke(recipes, tmp_path):
     selection = payload["flatness_selection"]
     assert selection["flattest"]["step"] in selection["candidates"]
     assert (tmp_path / "plot.png").stat().st_size > 0
+    summary = summarize(tmp_path / "results.json").splitlines()
+    assert summary[0].startswith("### continue_training (pcfg)")
+    assert sum(line.startswith("| adamw |") for line in summary) == len(payload["records"])
 
 
-def test_partial_spearman_matches_the_correlation_of_rank_residuals(recipes):
+def test_contexts_are_padded_as_they_are_with_one_label_each():
+    contexts = masked_contexts(build_pcfg_dataset(PCFG.from_seed(0), 1, 12, seed=0)["validation"], seed=1)
+    batch = context_batch(contexts)
+    lengths = [len(row) for row in contexts["input_ids"]]
+    assert len(set(lengths)) > 1  # the padding is exercised
+    assert batch["input_ids"].shape == (len(contexts), max(lengths))
+    for i, (row, labels) in enumerate(zip(contexts["input_ids"], contexts["labels"], strict=True)):
+        assert batch["input_ids"][i, : len(row)].tolist() == row and batch["labels"][i, : len(row)].tolist() == labels
+        assert batch["attention_mask"][i].tolist() == [1] * len(row) + [0] * (max(lengths) - len(row))
+        assert (batch["labels"][i, len(row) :] == IGNORE_INDEX).all()
+        assert int((batch["labels"][i] != IGNORE_INDEX).sum()) == 1
+
+
+def test_partial_spearman_matches_the_correlation_of_rank_residuals():
     from scipy.stats import rankdata
-    from synthetic_common import partial_spearman
 
     rng = np.random.default_rng(0)
     loss = rng.normal(size=40)
@@ -77,9 +89,7 @@ def test_partial_spearman_matches_the_correlation_of_rank_residuals(recipes):
     assert partial_spearman([1, 2, 3], [3, 2, 1], [1, 2, 3]) is None  # the control explains everything
 
 
-def test_runs_are_compared_at_the_lowest_loss_all_of_them_reached(recipes):
-    from synthetic_common import at_common_loss
-
+def test_runs_are_compared_at_the_lowest_loss_all_of_them_reached():
     runs = {
         "fast": [{"step": 0, "loss": 4.0}, {"step": 10, "loss": 2.0}, {"step": 20, "loss": 1.5}],
         "slow": [{"step": 0, "loss": 4.0}, {"step": 10, "loss": 3.0}, {"step": 20, "loss": 2.1}],
@@ -93,9 +103,7 @@ def test_runs_are_compared_at_the_lowest_loss_all_of_them_reached(recipes):
 
 @pytest.mark.slow
 def test_optimizers_recipe_smoke(recipes, tmp_path):
-    from pcfg_optimizers import main
-
-    payload = main(["--smoke", "--output-dir", str(tmp_path)])
+    payload = recipes.load("pcfg_optimizers").main(["--smoke", "--output-dir", str(tmp_path)])
     assert set(payload["runs"]) == {"adamw_dropout_wd", "adamw_plain", "adamw_plain_sam"}
     for records in payload["runs"].values():
         check_records(records, payload["entropy_bound"])
@@ -103,38 +111,26 @@ def test_optimizers_recipe_smoke(recipes, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["hmm_continue_training.py", "hmm_lookup_table.py", "hmm_optimizers.py"])
-def test_hmm_recipes_run_as_scripts(script, tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    subprocess.run(
-        [sys.executable, str(REPO / "recipes" / script), "--smoke", "--output-dir", str(tmp_path)],
-        check=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=600,
-    )
+def test_hmm_recipes_run_as_scripts(script, recipes, tmp_path):
+    completed = recipes.run(script, "--smoke", "--output-dir", str(tmp_path), tmp_path=tmp_path)
+    assert completed.returncode == 0, completed.stderr[-4000:]
     payload = json.loads((tmp_path / "results.json").read_text())
     assert payload["language"] == "hmm"
 
 
-def test_build_model_heads_default_and_override(recipes):
-    from synthetic_common import build_model
-
+def test_build_model_heads_default_and_override():
     assert build_model(20, hidden=64, layers=1).config.num_attention_heads == 2  # hidden // 32, as before
     assert build_model(20, hidden=64, layers=1, heads=4).config.num_attention_heads == 4
     with pytest.raises(ValueError, match="heads"):
         build_model(20, hidden=64, layers=1, heads=3)
 
 
-def test_markdown_table_formats_cells(recipes):
-    from synthetic_common import markdown_table
-
+def test_markdown_table_formats_cells():
     table = markdown_table([{"a": 1, "b": 0.123456}, {"a": "x", "b": float("nan")}], ["a", "b", "c"])
     assert table.splitlines() == ["| a | b | c |", "|---|---|---|", "| 1 | 0.1235 |  |", "| x | nan |  |"]
 
 
-def test_selection_is_skipped_without_traces_and_never_sees_the_probe(recipes):
-    from synthetic_common import flatness_selection
-
+def test_selection_is_skipped_without_traces_and_never_sees_the_probe():
     records = [
         {"step": 10, "loss": 2.00, "hessian_trace": 90.0, "hessian_trace_stderr": 1.0, "probe_accuracy": 0.9},
         {"step": 20, "loss": 1.99, "hessian_trace": 80.0, "hessian_trace_stderr": 1.0, "probe_accuracy": 0.1},

@@ -1,1 +1,1 @@
-"""Sub-commands of the ``hf-flatbias`` CLI: each module here defines ``register(subparsers)``."""
+"""Sub-commands of the ``hf-flatbias`` CLI: each module defines ``register(subparsers)``; cli.COMMANDS lists them."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
+
+from .paths import local_path_or_hub_id
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,15 +23,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from huggingface_hub.errors import HfHubHTTPError
-
+    """Bad input (not a card, no such file, a Hub error) raises; `cli.main` reports it in one line."""
+    source = local_path_or_hub_id(args.repo_or_path, "REPO_OR_PATH", file_suffixes=(".md",))
     from ..modelcard import load_flatness_card
 
-    try:
-        card = load_flatness_card(args.repo_or_path, revision=args.revision)
-    except (ValueError, OSError, HfHubHTTPError) as error:  # not a card, no such file, Hub errors
-        print(f"hf-flatbias card: {error}", file=sys.stderr)
-        return 2
+    card = load_flatness_card(source, revision=args.revision)
     if args.json:
         print(json.dumps(dataclasses.asdict(card), indent=2, sort_keys=True))
     else:

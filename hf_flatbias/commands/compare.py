@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
+
+from .paths import local_path_or_hub_id
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,17 +25,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from huggingface_hub.errors import HfHubHTTPError
-
+    """Bad input (not a card, no such file, a Hub error) raises; `cli.main` reports it in one line."""
+    # every path is checked before the first card is fetched from the Hub
+    sources = [local_path_or_hub_id(name, "REPO_OR_PATH", file_suffixes=(".md",)) for name in args.models]
     from ..modelcard import format_comparison_table, load_flatness_card
 
-    cards = []
-    for name in args.models:
-        try:
-            cards.append((name, load_flatness_card(name)))
-        except (ValueError, OSError, HfHubHTTPError) as error:  # not a card, no such file, Hub errors
-            print(f"hf-flatbias compare: {error}", file=sys.stderr)
-            return 2
+    cards = [(name, load_flatness_card(source)) for name, source in zip(args.models, sources, strict=True)]
     if args.sort != "none":
         field = "hessian_trace" if args.sort == "trace" else "pretraining_loss"
         cards.sort(key=lambda item: (getattr(item[1], field) is None, getattr(item[1], field) or 0.0))

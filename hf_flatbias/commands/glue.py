@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 
+from .paths import existing_local_path, local_path_or_hub_id
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "glue",
         help="Fine-tune a checkpoint on a GLUE task over several seeds (mean and std of the validation metric).",
         description="Fine-tune (or linearly probe) a checkpoint on one GLUE task once per seed. Offline, SST-2 is "
-        "replaced by Rotten Tomatoes snippets and other tasks need --data_dir.",
+        "replaced by Rotten Tomatoes snippets and other tasks need --data-dir.",
     )
     parser.add_argument("model", help="Checkpoint folder or Hub id (with its tokenizer).")
     parser.add_argument("--task", required=True, help="cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte or wnli.")
@@ -22,29 +24,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="full fine-tuning; one linear layer on frozen [CLS] / token states; a new pooler and classifier on the "
         "frozen encoder (linear_probe: its old, deprecated name).",
     )
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--data_dir", default=None, help="Local GLUE files (train.* and validation.*).")
-    parser.add_argument("--learning_rate", type=float, default=None, help="Default: 2e-5 full, 1e-3 probe.")
-    parser.add_argument("--num_train_epochs", type=float, default=3.0)
-    parser.add_argument("--max_steps", type=int, default=-1)
-    parser.add_argument("--batch_size", type=int, default=32)
-    parser.add_argument("--max_length", type=int, default=128)
-    parser.add_argument("--max_train_samples", type=int, default=None)
-    parser.add_argument("--max_eval_samples", type=int, default=None)
-    parser.add_argument("--output_dir", default=None, help="Keep the runs here (default: a temporary folder).")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="Default: %(default)s.")
+    parser.add_argument("--data-dir", default=None, help="Local GLUE files (train.* and validation.*).")
+    parser.add_argument("--learning-rate", type=float, default=None, help="Default: 2e-5 full, 1e-3 probe.")
+    parser.add_argument("--num-train-epochs", type=float, default=3.0, help="Default: %(default)s.")
+    parser.add_argument("--max-steps", type=int, default=-1, help="Stop after this many steps (default: epochs).")
+    parser.add_argument("--batch-size", type=int, default=32, help="Training batch size (default: %(default)s).")
+    parser.add_argument("--max-length", type=int, default=128, help="Truncate inputs (default: %(default)s tokens).")
+    parser.add_argument("--max-train-samples", type=int, default=None, help="Use at most this many training rows.")
+    parser.add_argument("--max-eval-samples", type=int, default=None, help="Use at most this many validation rows.")
+    parser.add_argument("--output-dir", default=None, help="Keep the runs here (default: a temporary folder).")
     parser.add_argument("--json", action="store_true", help="Print the result as JSON.")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    model = local_path_or_hub_id(args.model, "MODEL")
+    data_dir = None if args.data_dir is None else existing_local_path(args.data_dir, "--data-dir")
     from ..glue import finetune_glue
 
     result = finetune_glue(
-        args.model,
+        model,
         args.task,
         mode=args.mode,
         seeds=args.seeds,
-        data_dir=args.data_dir,
+        data_dir=data_dir,
         output_dir=args.output_dir,
         learning_rate=args.learning_rate,
         num_train_epochs=args.num_train_epochs,

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
+from typing import TYPE_CHECKING
 
-from ..callbacks import TRACE_METRIC, TRACE_STDERR_METRIC
-from ..selection import (
-    CheckpointRecord,
-    records_from_log_history,
-    select_flattest_checkpoint,
-)
+from ..constants import TRACE_METRIC, TRACE_STDERR_METRIC
+from .paths import existing_local_path
+
+if TYPE_CHECKING:
+    from ..selection import CheckpointRecord
 
 TRAINER_STATE = "trainer_state.json"
 
@@ -20,7 +19,7 @@ TRAINER_STATE = "trainer_state.json"
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "select",
-        help="choose the flattest checkpoint within a loss tolerance of the best",
+        help="Choose the flattest checkpoint within a loss tolerance of the best.",
         description=(
             "Among checkpoints whose validation loss is within a tolerance of the lowest, choose the one with the "
             "smallest Hessian trace (Liu et al., 2023: at equal pre-training loss, flatter models transfer better)."
@@ -50,17 +49,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        records = _load_records(args)
-        selection = select_flattest_checkpoint(
-            records,
-            loss_tolerance=args.loss_tolerance,
-            relative_tolerance=args.relative,
-            trace_margin=args.trace_margin,
-        )
-    except (OSError, ValueError) as error:
-        print(f"hf-flatbias select: {error}", file=sys.stderr)
-        return 2
+    records = _load_records(args)
+    from ..selection import select_flattest_checkpoint
+
+    selection = select_flattest_checkpoint(
+        records,
+        loss_tolerance=args.loss_tolerance,
+        relative_tolerance=args.relative,
+        trace_margin=args.trace_margin,
+    )
     if args.json:
         print(json.dumps(selection.to_dict(), indent=2))
         return 0
@@ -87,7 +84,9 @@ def _fmt(value: float | None) -> str:
 
 
 def _load_records(args: argparse.Namespace) -> list[CheckpointRecord]:
-    path = args.source
+    path = existing_local_path(args.source, "SOURCE")
+    from ..selection import CheckpointRecord, records_from_log_history
+
     checkpoint_dir = None
     if os.path.isdir(path):
         checkpoint_dir = path

@@ -37,15 +37,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, RECOMMENDED_N_DRAWS
 from .contexts import IGNORE_INDEX, context_generator
 from .ghost import GhostNormRecorder
-
-ESTIMATORS = ("per_sample", "summed", "hutchinson", "naive")
-DEFAULT_BATCH_SIZE = 32
-# Measured in benchmarks/RESULTS.md: 1-2 draws per context gave the least error per second, both on a random
-# 4.5M BERT and on a small BERT trained on a synthetic Markov language (2 was best there, 8 cost 1.75x more); two
-# draws also measure the variance split behind `suggested_n_draws`. The paper used 50.
-RECOMMENDED_N_DRAWS = 2
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """FlatBiasTrainer's SAM/ASAM with real processes: DDP over gloo and DeepSpeed ZeRO 0-3 on CPU, 1 and 2 ranks.
 
-Each launch runs `tests/distributed_sam_script.py` once for all cases (starting processes is what costs time);
+Each launch runs `tests/helpers/distributed_sam_script.py` once for all cases (starting processes is what costs time);
 the tests below compare its saved weights with a plain-PyTorch SAM written here, on the same global batches.
 """
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed_sam_script import classification_rows, tiny_classifier
+from tests.helpers.distributed_sam_script import classification_rows, tiny_classifier
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = REPO_ROOT / "tests" / "distributed_sam_script.py"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = REPO_ROOT / "tests" / "helpers" / "distributed_sam_script.py"
 CONFIGS = REPO_ROOT / "recipes" / "configs"
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 LAUNCH_TIMEOUT_S = 1200
@@ -376,7 +376,7 @@ def test_accelerate_launch_with_the_zero3_recipe_config(launcher_runs):
 def test_trace_across_processes_equals_one_process(two_process_runs, case):
     """Each rank measured its share of the contexts; the gathered estimate is the one-process estimate."""
     from hf_flatbias.flatness.estimators import TraceContexts, compute_trace_samples, estimate_hessian_trace
-    from tests.distributed_sam_script import masked_rows, tiny_masked_lm
+    from tests.helpers.distributed_sam_script import masked_rows, tiny_masked_lm
 
     out_dir = two_process_runs(case["name"])
     infos = [json.loads((out_dir / f"{case['name']}.rank{rank}.json").read_text()) for rank in (0, 1)]
@@ -420,7 +420,7 @@ def test_fisher_penalty_under_deepspeed_equals_ddp(two_process_runs, engine):
 def test_trace_callback_logs_the_one_process_estimate(two_process_runs):
     """HessianTraceCallback runs on every rank; each logs the estimate of all contexts, as one process would."""
     from hf_flatbias.flatness.estimators import estimate_hessian_trace
-    from tests.distributed_sam_script import tiny_masked_lm
+    from tests.helpers.distributed_sam_script import tiny_masked_lm
 
     name = TRACE_CALLBACK_CASE["name"]
     infos = [json.loads((two_process_runs(name) / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]

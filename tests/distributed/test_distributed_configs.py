@@ -11,7 +11,7 @@ from accelerate.utils import DistributedType
 
 from hf_flatbias.sharpness.engines import check_deepspeed_supports_sam
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = REPO_ROOT / "recipes" / "configs"
 
 ACCELERATE_CONFIGS = {

@@ -1,7 +1,7 @@
 """Tiny BERT models, rows and trainer arguments shared by the SAM / regularizer tests and the launched script.
 
-Importable as ``tests.tiny_models`` from the tests (pytest puts the repository root on the path) and from
-``tests/distributed_sam_script.py`` (launched with the repository root on PYTHONPATH). Only builders live here;
+Importable as ``tests.helpers.tiny_models`` from the tests (pytest puts the repository root on the path) and from
+``tests/helpers/distributed_sam_script.py`` (launched with the repository root on PYTHONPATH). Only builders live here;
 the plain-PyTorch reference algorithms stay in the test files, independent of each other and of the package.
 """
 

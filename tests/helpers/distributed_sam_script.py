@@ -1,10 +1,11 @@
 """Runs FlatBiasTrainer SAM/ASAM cases inside one launched process group and saves each rank's final weights.
 
-Started by `tests/test_distributed.py` through ``accelerate launch`` (1 or 2 CPU processes); launching is the slow
-part (imports, DeepSpeed start-up), so one launch runs every case in turn and the tests only read the files:
+Started by `tests/distributed/test_distributed.py` through ``accelerate launch`` (1 or 2 CPU processes); launching
+is the slow part (imports, DeepSpeed start-up), so one launch runs every case in turn and the tests only read the
+files:
 
     accelerate launch --config_file recipes/configs/accelerate_cpu_2proc.yaml \
-        tests/distributed_sam_script.py CASES.json OUT_DIR
+        tests/helpers/distributed_sam_script.py CASES.json OUT_DIR
 
 CASES.json is a list of cases (see `Case`); for each case the script writes ``OUT_DIR/<name>.rank<r>.pt`` (the
 trained parameters, gathered under ZeRO-3) or ``OUT_DIR/<name>.rank<r>.error`` (the message of a ValueError the
@@ -28,10 +29,10 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 import torch  # noqa: E402
 from transformers import BertConfig, BertForMaskedLM  # noqa: E402
 
-from tests import tiny_models  # noqa: E402
-from tests.tiny_models import SEQ_LEN, VOCAB, tiny_classifier  # noqa: E402
+from tests.helpers import tiny_models  # noqa: E402
+from tests.helpers.tiny_models import SEQ_LEN, VOCAB, tiny_classifier  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = REPO_ROOT / "recipes" / "configs"
 
 N_ROWS = 48

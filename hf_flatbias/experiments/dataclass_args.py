@@ -1,4 +1,5 @@
-"""Command-line parsing shared by the recipes: ``HfArgumentParser`` dataclasses, a YAML ``--config``, ``--smoke``.
+"""Command-line parsing of the dataclass recipes (BookCorpus, GLUE): ``HfArgumentParser``, a YAML ``--config``,
+``--smoke``.
 
 Precedence, lowest first: the dataclass defaults, the YAML file, the recipe's smoke settings (with ``--smoke``),
 the command line. YAML values become command-line strings before parsing, so they are typed and validated exactly
@@ -42,7 +43,7 @@ def load_yaml_config(path: str | Path) -> dict[str, Any]:
     return values
 
 
-def parse_recipe_args(
+def parse_dataclass_args(
     dataclass_types: Sequence[type],
     argv: Sequence[str] | None,
     *,

@@ -7,7 +7,7 @@ import torch
 
 from hf_flatbias.flatness.distributed import share_of_contexts
 from hf_flatbias.flatness.estimators import estimate_hessian_trace
-from tests.distributed_sam_script import masked_rows, tiny_masked_lm
+from tests.helpers.distributed_sam_script import masked_rows, tiny_masked_lm
 
 
 @pytest.mark.parametrize("n,world_size", [(7, 2), (8, 2), (5, 3), (1, 2)])

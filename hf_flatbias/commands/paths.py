@@ -1,0 +1,51 @@
+"""Tell a mistyped local path from a Hub id before anything is loaded.
+
+Without this check a missing folder such as ``./runs/sam`` is handed to ``from_pretrained``, which retries the Hub
+for half a minute and then blames the connection. Hub ids are ``name`` or ``namespace/name`` and never start with
+``.``, ``/`` or ``~``; anything else is meant as a local path.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def looks_like_local_path(value: str, file_suffixes: tuple[str, ...] = ()) -> bool:
+    """Whether ``value`` can only mean a local path (it need not exist).
+
+    Args:
+        value: a command-line argument naming a checkpoint, card or data set.
+        file_suffixes: endings (lower case, with the dot) of files the argument may name, e.g. ``(".md",)``:
+            ``README.md`` is a file, not a Hub model called that.
+    """
+    if value.startswith((".", "/", "~")) or "\\" in value or ":" in value:  # ":" and "\\": Windows paths
+        return True
+    if file_suffixes and value.lower().endswith(file_suffixes):
+        return True
+    parts = value.split("/")
+    # "runs/sam" names a Hub repo only if there is no ./runs here: a folder that exists in part was meant.
+    return len(parts) > 2 or (len(parts) == 2 and os.path.exists(parts[0]))
+
+
+def local_path_or_hub_id(value: str, label: str, *, file_suffixes: tuple[str, ...] = ()) -> str:
+    """``value`` with ``~`` expanded when it is an existing local path or a Hub id.
+
+    Raises:
+        FileNotFoundError: ``value`` looks like a local path and does not exist; the message names it.
+    """
+    path = os.path.expanduser(value)
+    if os.path.exists(path):
+        return path
+    if looks_like_local_path(value, file_suffixes):
+        raise FileNotFoundError(
+            f"{label} {value}: no such file or folder (check the path; a Hub id is written namespace/name)."
+        )
+    return value
+
+
+def existing_local_path(value: str, label: str) -> str:
+    """``value`` with ``~`` expanded; raises `FileNotFoundError` naming it if it does not exist."""
+    path = os.path.expanduser(value)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{label} {value}: no such file or folder.")
+    return path

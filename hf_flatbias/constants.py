@@ -1,0 +1,23 @@
+"""Names every part of hf_flatbias shares: one definition each."""
+
+IGNORE_INDEX = -100
+"""The label of positions that are not predicted (the default ``ignore_index`` of PyTorch's cross-entropy)."""
+
+# The trace's names are here, not in flatness/, so that the command line can offer them without importing torch.
+ESTIMATORS = ("per_sample", "summed", "hutchinson", "naive")
+"""The Hessian-trace estimators of ``estimate_hessian_trace``; ``per_sample`` is the default."""
+
+DEFAULT_BATCH_SIZE = 32
+"""Contexts per forward pass of a trace estimate."""
+
+# Measured in benchmarks/RESULTS.md: 1-2 draws per context gave the least error per second, both on a random
+# 4.5M BERT and on a small BERT trained on a synthetic Markov language (2 was best there, 8 cost 1.75x more); two
+# draws also measure the variance split behind `suggested_n_draws`. The paper used 50.
+RECOMMENDED_N_DRAWS = 2
+"""Draws of the label per context recommended for a trace estimate."""
+
+TRACE_METRIC = "flatness/hessian_trace"
+"""The logged name of the Hessian trace (``log_history``, TensorBoard, checkpoint selection)."""
+
+TRACE_STDERR_METRIC = "flatness/hessian_trace_stderr"
+"""The logged name of the trace's standard error."""

@@ -1,0 +1,78 @@
+"""The synthetic-experiment library behind recipes/: language set-up, model building, runs, checkpoint evaluation,
+matched-loss analysis, plots and result files.
+
+A recipe is a parser and a ``main()`` that put these together (as trl's ``trl/scripts/`` do with ``trl/scripts/
+utils.py``); a new experiment adds a recipe, and a module here only for what a second recipe will share. One module
+per job: `language` (the language, its contexts, probe tasks and entropy floor), `models` (small BERTs from a config),
+`runs` (`RunSpec`, training through `FlatBiasTrainer`), `evaluation` (one record per checkpoint: one-mask loss,
+Fisher trace, probes), `analysis` (correlations, matched loss, selection by flatness), `results` (JSON and tables),
+`plots`, `summary` (results as the markdown tables of docs/), `arguments` (the synthetic recipes' flags) and
+`dataclass_args` (``HfArgumentParser`` with a YAML ``--config``, for the BookCorpus and GLUE recipes).
+"""
+
+from .analysis import at_common_loss, correlations, flatness_selection, matched_loss, partial_spearman, spearman
+from .arguments import (
+    add_common_arguments,
+    add_target_loss_argument,
+    apply_smoke,
+    parse_recipe_arguments,
+    run_spec_arguments,
+    setup_language_from_args,
+)
+from .dataclass_args import load_yaml_config, parse_dataclass_args
+from .evaluation import (
+    CheckpointEvaluator,
+    context_batch,
+    evaluate_checkpoint,
+    features_probe_scores,
+    format_record,
+    hessian_trace,
+    one_mask_loss,
+    probe_scores,
+)
+from .language import LanguageSetup, setup_language
+from .models import bert_config, build_model
+from .plots import plot_runs
+from .results import config_of, final_row, is_main_process, markdown_table, task_accuracies, write_json, write_results
+from .runs import RunSpec, train_and_evaluate
+from .summary import summarize
+
+__all__ = [
+    "CheckpointEvaluator",
+    "LanguageSetup",
+    "RunSpec",
+    "add_common_arguments",
+    "add_target_loss_argument",
+    "apply_smoke",
+    "at_common_loss",
+    "bert_config",
+    "build_model",
+    "config_of",
+    "context_batch",
+    "correlations",
+    "evaluate_checkpoint",
+    "features_probe_scores",
+    "final_row",
+    "flatness_selection",
+    "format_record",
+    "hessian_trace",
+    "is_main_process",
+    "load_yaml_config",
+    "markdown_table",
+    "matched_loss",
+    "one_mask_loss",
+    "parse_dataclass_args",
+    "parse_recipe_arguments",
+    "partial_spearman",
+    "plot_runs",
+    "probe_scores",
+    "run_spec_arguments",
+    "setup_language",
+    "setup_language_from_args",
+    "spearman",
+    "summarize",
+    "task_accuracies",
+    "train_and_evaluate",
+    "write_json",
+    "write_results",
+]

@@ -253,3 +253,19 @@ def test_gpu_script_smoke_runs_the_whole_pipeline_on_cpu(recipes, tmp_path):
         assert "roberta-prelayernorm" in (output / setting / "config.json").read_text()  # the pre-LN model
     with (output / "compare" / "glue_compare_paired.csv").open() as handle:
         assert len(list(csv.DictReader(handle))) == 3 * 2  # three pairs: loss and sst2 each
+
+
+def test_checkpoints_of_different_vocabularies_are_refused_before_any_compute(glue_compare, tmp_path, tokenizer):
+    other = train_wordpiece_tokenizer(
+        ["completely different words here", "nothing alike at all"] * 5,
+        vocab_size=50,
+        min_frequency=1,
+        cache_dir=tmp_path / "other_tokenizers",
+    )
+    for name, vocabulary in (("a", tokenizer), ("b", other)):
+        BertForMaskedLM(_config(len(vocabulary))).save_pretrained(tmp_path / name)
+        vocabulary.save_pretrained(tmp_path / name)
+    argv = [str(tmp_path / "a"), str(tmp_path / "b"), "--tasks", "sst2", "--text_dataset", "bbc_news"]
+    with pytest.raises(ValueError, match="another vocabulary"):
+        glue_compare.main([*argv, "--output_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

@@ -586,6 +586,7 @@ class FlatBiasTrainer(Trainer):
         dataset: str | list[str] | None = None,
         dataset_args: str | list[str] | None = None,
         glue_results: dict[str, dict[str, float]] | None = None,
+        pretraining_corpus: dict[str, Any] | None = None,
     ) -> None:
         """Write the flatness card to ``output_dir/README.md`` in place of transformers' card (world rank 0 only).
 
@@ -603,6 +604,7 @@ class FlatBiasTrainer(Trainer):
             "finetuned_from": finetuned_from,
             "dataset": dataset if dataset is not None else dataset_tags,
             "glue_results": glue_results,
+            "pretraining_corpus": pretraining_corpus,
         }
         remembered = getattr(self, "_flatness_card_kwargs", {})
         self._flatness_card_kwargs = {**remembered, **{k: v for k, v in given.items() if v is not None}}
@@ -708,7 +710,16 @@ def _hub_transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-_CARD_KWARGS = ("language", "license", "tags", "model_name", "finetuned_from", "dataset", "glue_results")
+_CARD_KWARGS = (
+    "language",
+    "license",
+    "tags",
+    "model_name",
+    "finetuned_from",
+    "dataset",
+    "glue_results",
+    "pretraining_corpus",
+)
 
 
 @dataclasses.dataclass

@@ -298,10 +298,9 @@ def main(argv: list[str] | None = None) -> dict:
         summary["eval_mlm_loss"] = masked_lm_loss(unwrapped, evaluation)
         final_logs = {"eval_loss": summary["eval_mlm_loss"]}
         if trace_callback is not None:
-            every = flatness.trace_every_n_steps
-            measured_now = every and trainer.state.global_step % every == 0 and trace_callback.last_estimate
-            # measure() logs flatness/hessian_trace and keeps the estimate for the card; skip it if the callback
-            # has just measured this very step.
+            # The callback measures at the last step itself (measure_at_end); measure() only if it has not, e.g.
+            # when nothing was trained after a resume. measure() logs the trace and keeps it for the card.
+            measured_now = trace_callback.last_estimate_step == trainer.state.global_step
             trace = trace_callback.last_estimate if measured_now else trace_callback.measure()
             summary.update(
                 {

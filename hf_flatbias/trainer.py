@@ -56,6 +56,9 @@ from .utils import forward_normalizes_by_num_items, token_weighted_loss
 
 logger = logging.get_logger(__name__)
 
+#: The loss at ``w + e`` of the SAM-family steps, logged beside the clean ``loss``.
+PERTURBED_LOSS = "sam/perturbed_loss"
+
 
 class FlatBiasTrainer(Trainer):
     """A drop-in replacement for [`~transformers.Trainer`] whose steps seek flat minima.
@@ -344,7 +347,7 @@ class FlatBiasTrainer(Trainer):
 
     def _record_perturbed_loss(self, loss: torch.Tensor) -> None:
         """Sum the scaled second-pass losses over the update, as the Trainer sums ``loss``, and log the sum."""
-        self._flatness_log.add_to_update("sam/perturbed_loss", float(loss.detach()))
+        self._flatness_log.add_to_update(PERTURBED_LOSS, float(loss.detach()))
         if self.accelerator.sync_gradients:
             self._flatness_log.close_update()
 
@@ -559,8 +562,15 @@ class FlatBiasTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
+            if self.args.uses_sam and self.args.world_size > 1:
+                # Like `loss`, the perturbed loss describes the global batch: each rank only saw its own rows.
+                # Every rank logs the training loss at the same step, so this collective is reached by all of them.
+                self._flatness_log.average_over_processes(PERTURBED_LOSS, self._sum_over_processes)
             self._flatness_log.drain_into(logs)
         super().log(logs, start_time)
+
+    def _sum_over_processes(self, values: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(values.to(self.args.device), reduction="sum").cpu()
 
     # ------------------------------------------------------------------ flatness model card
     # transformers' own card keeps only whitelisted metric names and would drop the Hessian trace, so every card
@@ -583,6 +593,7 @@ class FlatBiasTrainer(Trainer):
         dataset: str | list[str] | None = None,
         dataset_args: str | list[str] | None = None,
         glue_results: dict[str, dict[str, float]] | None = None,
+        pretraining_corpus: dict[str, Any] | None = None,
     ) -> None:
         """Write the flatness card to ``output_dir/README.md`` in place of transformers' card (world rank 0 only).
 
@@ -600,6 +611,7 @@ class FlatBiasTrainer(Trainer):
             "finetuned_from": finetuned_from,
             "dataset": dataset if dataset is not None else dataset_tags,
             "glue_results": glue_results,
+            "pretraining_corpus": pretraining_corpus,
         }
         remembered = getattr(self, "_flatness_card_kwargs", {})
         self._flatness_card_kwargs = {**remembered, **{k: v for k, v in given.items() if v is not None}}
@@ -705,7 +717,16 @@ def _hub_transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-_CARD_KWARGS = ("language", "license", "tags", "model_name", "finetuned_from", "dataset", "glue_results")
+_CARD_KWARGS = (
+    "language",
+    "license",
+    "tags",
+    "model_name",
+    "finetuned_from",
+    "dataset",
+    "glue_results",
+    "pretraining_corpus",
+)
 
 
 @dataclasses.dataclass
@@ -727,6 +748,14 @@ class _FlatnessLog:
         for key, value in self.update_sums.items():
             self.record(key, value)
         self.update_sums.clear()
+
+    def average_over_processes(self, key: str, sum_over_processes: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace this process's values of ``key`` by their mean over every process's values (a collective: every
+        process must call it, with or without values of its own)."""
+        values = self.metrics.get(key, [])
+        total, count = sum_over_processes(torch.tensor([sum(values), len(values)], dtype=torch.float64)).tolist()
+        if count > 0:
+            self.metrics[key] = [total / count]
 
     def drain_into(self, logs: dict[str, float]) -> None:
         for key, values in self.metrics.items():

@@ -165,21 +165,6 @@ def bbc_news_tokenizer(vocab_size: int = 8192, cache_dir: str | os.PathLike | No
     return train_wordpiece_tokenizer(bbc_news_paragraphs(), vocab_size=vocab_size, cache_dir=cache_dir)
 
 
-def check_real_tokenizer(tokenizer: PreTrainedTokenizerBase, source: str) -> None:
-    """Raise if ``tokenizer`` has no vocabulary beyond its special tokens.
-
-    transformers 5 returns a 5-token BERT tokenizer, without a warning, for a folder that has no tokenizer files;
-    every word then maps to ``[UNK]`` and training or evaluation silently learns nothing.
-    """
-    special = set(tokenizer.all_special_tokens)
-    if all(token in special for token in tokenizer.get_vocab()):
-        raise ValueError(
-            f"The tokenizer loaded from {source!r} has only special tokens ({len(tokenizer)} entries): the checkpoint "
-            "has no tokenizer files. Save the tokenizer next to the model (tokenizer.save_pretrained(folder)) or "
-            "pass a tokenizer path explicitly."
-        )
-
-
 # --- masked-LM data ------------------------------------------------------------------------------------------------
 
 

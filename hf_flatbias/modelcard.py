@@ -98,6 +98,9 @@ class FlatnessCard:
         base_model, datasets, language, license, tags: the Hub's usual card metadata (``tags`` beyond the
             automatic ``hf_flatbias``/method tags).
         training_hyperparameters: learning rate, batch sizes, schedule, seed... as recorded from the arguments.
+        pretraining_corpus: the pre-training text and its held-out split, as the recipe that trained the model
+            recorded them (e.g. ``{"dataset": "bbc_news", "text_column": "text", "validation_texts": 3000,
+            "split_seed": 0}``), so that a later comparison measures the loss on text the model never saw.
     """
 
     model_name: str
@@ -128,6 +131,7 @@ class FlatnessCard:
     license: str | None = None
     tags: list[str] = field(default_factory=list)
     training_hyperparameters: dict[str, Any] = field(default_factory=dict)
+    pretraining_corpus: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------- checks
 
@@ -197,6 +201,7 @@ class FlatnessCard:
             "model_type": self.model_type,
             "num_parameters": self.num_parameters,
             "training": dict(self.training_hyperparameters) or None,
+            "pretraining_corpus": dict(self.pretraining_corpus) if self.pretraining_corpus else None,
         }
         return {key: value for key, value in metadata.items() if value is not None}
 
@@ -341,6 +346,9 @@ class FlatnessCard:
         training = flatness.get("training") or {}
         if not isinstance(training, Mapping):
             raise ValueError(f"{source}: flatness.training is {training!r}, not a mapping of hyperparameters.")
+        corpus = flatness.get("pretraining_corpus") or {}
+        if not isinstance(corpus, Mapping):
+            raise ValueError(f"{source}: flatness.pretraining_corpus is {corpus!r}, not a mapping.")
         base_model = data.base_model if isinstance(data.base_model, str) or data.base_model is None else None
         datasets = data.datasets if isinstance(data.datasets, list) else ([data.datasets] if data.datasets else [])
         own_tags = {FLATNESS_TAG, "flatness", str(method)}
@@ -368,6 +376,7 @@ class FlatnessCard:
             model_type=flatness.get("model_type"),
             num_parameters=number("num_parameters", integer=True),
             training_hyperparameters=dict(training),
+            pretraining_corpus=dict(corpus) if corpus else None,
             glue=glue,
             base_model=base_model,
             datasets=list(datasets),
@@ -459,6 +468,7 @@ def flatness_card_from_trainer(
     finetuned_from: str | None = None,
     dataset: str | Iterable[str] | None = None,
     glue_results: Mapping[str, Mapping[str, float]] | None = None,
+    pretraining_corpus: Mapping[str, Any] | None = None,
 ) -> FlatnessCard:
     """Build the card from a FlatBiasTrainer (or Trainer)'s arguments, state, model and callbacks, read duck-typed.
 
@@ -517,6 +527,7 @@ def flatness_card_from_trainer(
         license=license,
         tags=_as_list(tags),
         training_hyperparameters=_training_hyperparameters(args),
+        pretraining_corpus=dict(pretraining_corpus) if pretraining_corpus else None,
         **(trace or {}),
     )
 

@@ -23,14 +23,12 @@ import torch
 from huggingface_hub.errors import HfHubHTTPError
 from torch import nn
 from transformers import Trainer, TrainingArguments
-from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-)
+from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
 from .config import FlatBiasConfig
+from .flatness.lm import is_causal_lm
 from .modelcard import FlatnessCard, flatness_card_from_trainer
 from .sharpness.engines import (
     PerturbableParameters,
@@ -57,6 +55,9 @@ from .sharpness.sam import Perturbation, perturb_weights, squared_norm
 from .utils import forward_normalizes_by_num_items, token_weighted_loss
 
 logger = logging.get_logger(__name__)
+
+#: The loss at ``w + e`` of the SAM-family steps, logged beside the clean ``loss``.
+PERTURBED_LOSS = "sam/perturbed_loss"
 
 
 class FlatBiasTrainer(Trainer):
@@ -118,7 +119,7 @@ class FlatBiasTrainer(Trainer):
         if not (self.model_accepts_loss_kwargs and forward_normalizes_by_num_items(self.model) is False):
             return
         module = unwrap_peft_model(self.model)
-        is_causal = module._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        is_causal = is_causal_lm(module)
         is_language_model = is_causal or module._get_name() in MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()
         # One micro-batch on one process: the model's own mean is already the token-weighted loss, bit for bit.
         split_update = self.args.gradient_accumulation_steps > 1 or self.args.world_size > 1
@@ -346,7 +347,7 @@ class FlatBiasTrainer(Trainer):
 
     def _record_perturbed_loss(self, loss: torch.Tensor) -> None:
         """Sum the scaled second-pass losses over the update, as the Trainer sums ``loss``, and log the sum."""
-        self._flatness_log.add_to_update("sam/perturbed_loss", float(loss.detach()))
+        self._flatness_log.add_to_update(PERTURBED_LOSS, float(loss.detach()))
         if self.accelerator.sync_gradients:
             self._flatness_log.close_update()
 
@@ -372,8 +373,7 @@ class FlatBiasTrainer(Trainer):
             raise ValueError(
                 "flatness_method='fisher_penalty' needs the model output to carry 'logits' (a ModelOutput or dict)."
             )
-        shift = unwrap_peft_model(module)._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-        return labelled_logits(logits, labels, shift=shift)
+        return labelled_logits(logits, labels, shift=is_causal_lm(module))
 
     def _fisher_penalty_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
         """One micro-batch of ``fisher_penalty``: ``g`` is the gradient of the loss of labels sampled from the model
@@ -562,8 +562,15 @@ class FlatBiasTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
+            if self.args.uses_sam and self.args.world_size > 1:
+                # Like `loss`, the perturbed loss describes the global batch: each rank only saw its own rows.
+                # Every rank logs the training loss at the same step, so this collective is reached by all of them.
+                self._flatness_log.average_over_processes(PERTURBED_LOSS, self._sum_over_processes)
             self._flatness_log.drain_into(logs)
         super().log(logs, start_time)
+
+    def _sum_over_processes(self, values: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(values.to(self.args.device), reduction="sum").cpu()
 
     # ------------------------------------------------------------------ flatness model card
     # transformers' own card keeps only whitelisted metric names and would drop the Hessian trace, so every card
@@ -586,6 +593,7 @@ class FlatBiasTrainer(Trainer):
         dataset: str | list[str] | None = None,
         dataset_args: str | list[str] | None = None,
         glue_results: dict[str, dict[str, float]] | None = None,
+        pretraining_corpus: dict[str, Any] | None = None,
     ) -> None:
         """Write the flatness card to ``output_dir/README.md`` in place of transformers' card (world rank 0 only).
 
@@ -603,6 +611,7 @@ class FlatBiasTrainer(Trainer):
             "finetuned_from": finetuned_from,
             "dataset": dataset if dataset is not None else dataset_tags,
             "glue_results": glue_results,
+            "pretraining_corpus": pretraining_corpus,
         }
         remembered = getattr(self, "_flatness_card_kwargs", {})
         self._flatness_card_kwargs = {**remembered, **{k: v for k, v in given.items() if v is not None}}
@@ -708,7 +717,16 @@ def _hub_transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-_CARD_KWARGS = ("language", "license", "tags", "model_name", "finetuned_from", "dataset", "glue_results")
+_CARD_KWARGS = (
+    "language",
+    "license",
+    "tags",
+    "model_name",
+    "finetuned_from",
+    "dataset",
+    "glue_results",
+    "pretraining_corpus",
+)
 
 
 @dataclasses.dataclass
@@ -730,6 +748,14 @@ class _FlatnessLog:
         for key, value in self.update_sums.items():
             self.record(key, value)
         self.update_sums.clear()
+
+    def average_over_processes(self, key: str, sum_over_processes: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace this process's values of ``key`` by their mean over every process's values (a collective: every
+        process must call it, with or without values of its own)."""
+        values = self.metrics.get(key, [])
+        total, count = sum_over_processes(torch.tensor([sum(values), len(values)], dtype=torch.float64)).tolist()
+        if count > 0:
+            self.metrics[key] = [total / count]
 
     def drain_into(self, logs: dict[str, float]) -> None:
         for key, values in self.metrics.items():

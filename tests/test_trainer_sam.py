@@ -9,10 +9,19 @@ import math
 import pytest
 import torch
 from torch.utils.data import IterableDataset
-from transformers import BertConfig, BertForMaskedLM, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
-from tests.helpers.tiny_models import SEQ_LEN, VOCAB, classification_rows, flatbias_config, stack, tiny_classifier
+from tests.helpers.tiny_models import (
+    SEQ_LEN,
+    VOCAB,
+    classification_rows,
+    flatbias_config,
+    randomly_masked_rows,
+    stack,
+    tiny_classifier,
+    tiny_mlm,
+)
 
 
 def config(tmp_path, **overrides) -> FlatBiasConfig:
@@ -159,21 +168,10 @@ def test_batch_scope_streams_an_iterable_dataset(tmp_path):
 
 def test_bert_mlm_accumulation_keeps_the_gradient_scale(tmp_path):
     """BERT accepts **kwargs but ignores num_items_in_batch: accumulation must still divide the loss."""
-    torch.manual_seed(0)
-    mlm_config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=16,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, VOCAB, (8, SEQ_LEN), generator=g)
     rows = [{"input_ids": ids[i], "labels": ids[i].clone()} for i in range(8)]  # every position labelled: equal counts
-    base = BertForMaskedLM(mlm_config)
+    base = tiny_mlm()
     runs = {}
     for k in (1, 2):
         args = config(
@@ -381,32 +379,6 @@ def test_resumed_run_is_bit_identical_for_every_method(tmp_path, method, overrid
 
 
 # ---------------------------------------------------------------- what a run reports (issue 13)
-
-
-def tiny_mlm(seed: int = 0) -> BertForMaskedLM:
-    torch.manual_seed(seed)
-    return BertForMaskedLM(
-        BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=32,
-            max_position_embeddings=16,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-    )
-
-
-def randomly_masked_rows(n: int = 16, seed: int = 7) -> list[dict[str, torch.Tensor]]:
-    """15% of positions labelled at random (at least one per row): rows hold unequal label counts."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, VOCAB, (n, SEQ_LEN), generator=g)
-    labelled = torch.rand(n, SEQ_LEN, generator=g) < 0.15
-    labelled[:, 0] = True
-    labels = torch.where(labelled, ids, torch.full_like(ids, -100))
-    return [{"input_ids": ids[i], "labels": labels[i]} for i in range(n)]
 
 
 @pytest.mark.parametrize("method", ["none", "sam"])

@@ -55,10 +55,18 @@ def measure_branch(
     record: dict[str, Any] = {"kl": kl.kl, "saturated": kl.saturated, "saturation": kl.to_dict()}
     if trace_contexts > 0:
         n = min(trace_contexts, len(language.trace_contexts))
-        fisher = estimate_hessian_trace(model, language.trace_contexts, n_contexts=n, n_draws=trace_draws, seed=seed)
+        fisher = estimate_hessian_trace(
+            model, language.trace_contexts, n_contexts=n, n_draws=trace_draws, seed=seed, progress=False
+        )
         # the released calculate_hessian.py: v^T H v of the loss of the data labels (not the model's own samples)
         data_loss = estimate_hessian_trace(
-            model, language.trace_contexts, n_contexts=n, n_draws=hutchinson_draws, estimator="hutchinson", seed=seed
+            model,
+            language.trace_contexts,
+            n_contexts=n,
+            n_draws=hutchinson_draws,
+            estimator="hutchinson",
+            seed=seed,
+            progress=False,
         )
         record.update(
             fisher_trace=fisher.mean,

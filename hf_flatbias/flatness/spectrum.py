@@ -314,6 +314,7 @@ def lanczos(
     alphas: list[float] = []
     betas: list[float] = []
     residual_norm = 0.0
+    invariant_tolerance = 1e3 * torch.finfo(start.dtype).eps
     for j in range(n_steps):
         basis[j] = q
         w = matvec(q)
@@ -325,7 +326,12 @@ def lanczos(
         residual_norm = float(w.norm())
         scale = max(abs(a) for a in alphas) + (max(betas) if betas else 0.0)
         run = LanczosRun(alphas, betas, basis[: j + 1], residual_norm)
-        if residual_norm <= 1e-10 * max(scale, 1e-30) or j == n_steps - 1 or (stop is not None and stop(run)):
+        # an invariant subspace, up to the rounding of the products (low-rank Fisher matrices reach one early)
+        if (
+            residual_norm <= invariant_tolerance * max(scale, 1e-30)
+            or j == n_steps - 1
+            or (stop is not None and stop(run))
+        ):
             return run
         betas.append(residual_norm)
         q = w / residual_norm

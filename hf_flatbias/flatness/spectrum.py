@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..constants import DEFAULT_BATCH_SIZE, SPECTRUM_MATRICES
 from ..sharpness.sam import perturb_weights
 from .contexts import TraceContexts
 from .lm import (
@@ -39,8 +40,7 @@ from .lm import (
     preserved_global_rng,
 )
 
-MATRICES = ("fisher", "hessian")
-"""The matrices whose spectrum can be measured: the Fisher (Gauss-Newton) matrix or the Hessian of the loss."""
+MATRICES = SPECTRUM_MATRICES
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -377,7 +377,7 @@ def estimate_top_eigenvalues(
     max_iterations: int = 100,
     tol: float = 1e-4,
     seed: int = 0,
-    batch_size: int = 32,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     causal: bool | None = None,
 ) -> TopEigenvalues:
     """The ``k`` largest eigenvalues of the Fisher or the Hessian of the pre-training loss, by Lanczos.
@@ -459,7 +459,7 @@ def estimate_spectral_density(
     n_runs: int = 4,
     n_contexts: int | None = None,
     seed: int = 0,
-    batch_size: int = 32,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     causal: bool | None = None,
 ) -> SpectralDensity:
     """The eigenvalue density of the Fisher or Hessian of the pre-training loss by stochastic Lanczos quadrature.
@@ -513,7 +513,7 @@ def estimate_sam_sharpness(
     dataset: Iterable[Mapping[str, Any]],
     rho: float = 0.05,
     *,
-    batch_size: int = 32,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     adaptive: bool = False,
     eta: float = 0.01,
     n_contexts: int | None = None,

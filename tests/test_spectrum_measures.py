@@ -1,20 +1,25 @@
 """The measures beyond the trace in training and on cards: the callback logs them without changing training, the card
 records each with its settings and step and reads them back, and compare shows them."""
 
+import json
 import math
 
 import pytest
 import torch
+from transformers import BertForMaskedLM
 
 from hf_flatbias.callbacks import HessianTraceCallback
+from hf_flatbias.cli import main
 from hf_flatbias.constants import (
     SAM_SHARPNESS_METRIC,
     SAM_SHARPNESS_STDERR_METRIC,
     TOP_EIGENVALUE_METRIC,
     TRACE_METRIC,
 )
+from hf_flatbias.flatness import build_masked_contexts
 from hf_flatbias.flatness.spectrum import estimate_sam_sharpness, estimate_top_eigenvalues
 from hf_flatbias.modelcard import flatness_card_from_trainer, format_comparison_table, load_flatness_card
+from tests.test_cli_trace import checkpoint  # noqa: F401 - the fixture
 from tests.test_modelcard import front_matter, full_card
 from tests.test_trace_callback import _train, tokenizer  # noqa: F401 - the fixture
 
@@ -112,3 +117,40 @@ def test_callback_logs_the_measures_without_changing_training(tmp_path, tokenize
 def test_bad_measure_arguments_fail_when_the_callback_is_made(arguments, message):
     with pytest.raises(ValueError, match=message):
         HessianTraceCallback(**arguments)
+
+
+def test_trace_command_takes_every_measure(checkpoint, tmp_path, capsys):  # noqa: F811
+    folder, data, text_tokenizer, lines = checkpoint
+    output = tmp_path / "measures.json"
+    arguments = ["trace", str(folder), "--data", str(data), "--n-contexts", "6", "--seed", "2", "--output", str(output)]
+    measures = ["--measures", "trace,top_eigenvalue,sam_sharpness", "--top-k", "2", "--eigenvalue-matrix", "hessian"]
+    assert main([*arguments, *measures, "--sam-rho", "0.1", "--sam-batch-size", "4", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "Hessian trace of" in printed and "Largest hessian eigenvalue(s)" in printed and "SAM sharpness" in printed
+    written = json.loads(output.read_text())
+
+    model = BertForMaskedLM.from_pretrained(folder)
+    encoded = text_tokenizer(lines[:6], truncation=True, max_length=128)
+    rows = [
+        {"input_ids": ids, "attention_mask": mask}
+        for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
+    ]
+    contexts = build_masked_contexts(
+        rows,
+        mask_token_id=text_tokenizer.mask_token_id,
+        n_contexts=6,
+        seed=2,
+        special_token_ids=text_tokenizer.all_special_ids,
+    )
+    eigenvalues = estimate_top_eigenvalues(model, contexts, k=2, matrix="hessian", seed=2)
+    sharpness = estimate_sam_sharpness(model, contexts, 0.1, batch_size=4)
+    assert written["top_eigenvalues"]["eigenvalues"] == pytest.approx(eigenvalues.eigenvalues, rel=1e-5)
+    assert written["sam_sharpness"]["per_batch"] == pytest.approx(sharpness.per_batch, rel=1e-5)
+    assert written["estimate"]["n_contexts"] == 6
+
+    assert main([*arguments, "--measures", "sam_sharpness", "--no-progress"]) == 0
+    only = json.loads(output.read_text())
+    assert "estimate" not in only and "top_eigenvalues" not in only and only["sam_sharpness"]["rho"] == 0.05
+    with pytest.raises(SystemExit):
+        main([*arguments, "--measures", "trace,flatness"])
+    assert "choose a comma-separated list" in capsys.readouterr().err

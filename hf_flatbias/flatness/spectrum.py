@@ -181,12 +181,15 @@ class CurvatureOperator:
         *,
         matrix: str,
         batch_size: int,
+        vector_dtype: torch.dtype = torch.float64,
     ) -> None:
         if matrix not in MATRICES:
             raise ValueError(f"matrix={matrix!r} is not supported; choose one of {list(MATRICES)}.")
         self.matrix = matrix
         self.params = list(params)
-        self.dtype = torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
+        self.dtype = vector_dtype
+        # the products are only as exact as the parameters' dtype, whatever the vectors' dtype
+        self.rounding = max(torch.finfo(p.dtype).eps for p in self.params)
         self.device = self.params[0].device
         self.dimension = sum(p.numel() for p in self.params)
         self.n_matvecs = 0
@@ -206,7 +209,8 @@ class CurvatureOperator:
                 if matrix == "hessian":
                     loss = torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum") / n
                     grads = torch.autograd.grad(loss, self.params, create_graph=True, allow_unused=True)
-                    self._batches.append({"grads": [g for g in grads if g is not None], "used": _used(grads)})
+                    used = _used(grads)
+                    self._batches.append({"grads": [grads[i] for i in used], "used": used})
                 else:
                     probs = torch.softmax(logits.detach().double(), dim=-1)
                     self._batches.append({"batch": batch, "positions": positions, "logits": logits, "probs": probs})
@@ -270,7 +274,8 @@ class CurvatureOperator:
 
 
 def _used(grads: Sequence[torch.Tensor | None]) -> list[int]:
-    return [i for i, g in enumerate(grads) if g is not None]
+    # a gradient that does not depend on the parameters (or is absent) has no second derivative to take
+    return [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -302,10 +307,13 @@ def lanczos(
     n_steps: int,
     *,
     stop: Callable[[LanczosRun], bool] | None = None,
+    rounding: float | None = None,
 ) -> LanczosRun:
     """Lanczos with full reorthogonalisation (twice, which keeps the basis orthonormal to working precision).
 
-    Stops after ``n_steps``, at an invariant subspace (the next vector vanishes), or when ``stop(run)`` says so.
+    Stops after ``n_steps``, at an invariant subspace (the next vector vanishes to within ``1000 x rounding`` of the
+    matrix's scale; ``rounding``, the products' unit rounding, defaults to that of ``start``'s dtype), or when
+    ``stop(run)`` says so.
     """
     dimension = start.numel()
     n_steps = min(n_steps, dimension)
@@ -314,7 +322,7 @@ def lanczos(
     alphas: list[float] = []
     betas: list[float] = []
     residual_norm = 0.0
-    invariant_tolerance = 1e3 * torch.finfo(start.dtype).eps
+    invariant_tolerance = 1e3 * (torch.finfo(start.dtype).eps if rounding is None else rounding)
     for j in range(n_steps):
         basis[j] = q
         w = matvec(q)
@@ -379,6 +387,7 @@ def estimate_top_eigenvalues(
     seed: int = 0,
     batch_size: int = DEFAULT_BATCH_SIZE,
     causal: bool | None = None,
+    vector_dtype: torch.dtype = torch.float64,
 ) -> TopEigenvalues:
     """The ``k`` largest eigenvalues of the Fisher or the Hessian of the pre-training loss, by Lanczos.
 
@@ -397,6 +406,10 @@ def estimate_top_eigenvalues(
         seed: of the random start vector.
         batch_size: contexts per forward; the graphs of all batches are kept during the run.
         causal: whether the model is a causal LM; detected by default.
+        vector_dtype: of the Lanczos vectors, kept on the model's device (``max_iterations x parameters`` of them at
+            most). In float32 the values of a 0.94M-parameter BERT stopped at about 1e-4 relative error (true
+            residual, `benchmarks/RESULTS.md`); float64, the default, reaches the products' own precision for twice
+            the memory.
 
     Returns:
         A `TopEigenvalues`.
@@ -425,9 +438,11 @@ def estimate_top_eigenvalues(
         return bool((run.residual_norm * top_last.abs() <= tol * top_values.abs()).all())
 
     with evaluation_mode(model), preserved_global_rng():
-        operator = CurvatureOperator(model, contexts, n_used, params, matrix=matrix, batch_size=batch_size)
+        operator = CurvatureOperator(
+            model, contexts, n_used, params, matrix=matrix, batch_size=batch_size, vector_dtype=vector_dtype
+        )
         start = _random_start(dimension, seed, operator.dtype, operator.device)
-        run = lanczos(operator, start, max_iterations, stop=converged)
+        run = lanczos(operator, start, max_iterations, stop=converged, rounding=operator.rounding)
         values, vectors = run.ritz()
         order = torch.argsort(values, descending=True)[:k]
         eigenvalues, residuals = [], []
@@ -461,6 +476,7 @@ def estimate_spectral_density(
     seed: int = 0,
     batch_size: int = DEFAULT_BATCH_SIZE,
     causal: bool | None = None,
+    vector_dtype: torch.dtype = torch.float64,
 ) -> SpectralDensity:
     """The eigenvalue density of the Fisher or Hessian of the pre-training loss by stochastic Lanczos quadrature.
 
@@ -468,7 +484,7 @@ def estimate_spectral_density(
     first components of their vectors; `SpectralDensity.smoothed` averages the runs into a smooth density.
 
     Args:
-        matrix, n_contexts, batch_size, causal: as for `estimate_top_eigenvalues`.
+        matrix, n_contexts, batch_size, causal, vector_dtype: as for `estimate_top_eigenvalues`.
         n_steps: Lanczos steps per run (the quadrature's nodes; it is exact for polynomials up to degree
             ``2 n_steps - 1``).
         n_runs: random starts averaged over.
@@ -486,11 +502,14 @@ def estimate_spectral_density(
     contexts, params, n_used = _prepare(model, dataset, n_contexts, causal)
     nodes, weights = [], []
     with evaluation_mode(model), preserved_global_rng():
-        operator = CurvatureOperator(model, contexts, n_used, params, matrix=matrix, batch_size=batch_size)
+        operator = CurvatureOperator(
+            model, contexts, n_used, params, matrix=matrix, batch_size=batch_size, vector_dtype=vector_dtype
+        )
         for run_index in range(n_runs):
             generator = torch.Generator().manual_seed(seed + run_index)
             signs = torch.randint(0, 2, (operator.dimension,), generator=generator).mul_(2).sub_(1)
-            run = lanczos(operator, signs.to(device=operator.device, dtype=operator.dtype), n_steps)
+            start = signs.to(device=operator.device, dtype=operator.dtype)
+            run = lanczos(operator, start, n_steps, rounding=operator.rounding)
             values, vectors = run.ritz()
             nodes.append(values.tolist())
             weights.append(vectors[0].square().tolist())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -95,6 +96,25 @@ class FlatBiasTrainer(Trainer):
             self._bind_callback(callback)
 
     # ------------------------------------------------------------------ setup
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
+        """`Trainer.train`, after checking that the checkpoint to resume from is intact and of this model's shape."""
+        if resume_from_checkpoint:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            from .checkpoints import check_resumable
+
+            if resume_from_checkpoint is True:
+                last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+                if last is None:
+                    raise ValueError(
+                        f"resume_from_checkpoint=True but {self.args.output_dir} holds no checkpoint-* folder; "
+                        "start without resuming or pass the checkpoint's path."
+                    )
+                resume_from_checkpoint = last
+            model_config = getattr(unwrap_peft_model(self.accelerator.unwrap_model(self.model)), "config", None)
+            check_resumable(resume_from_checkpoint, model_config)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def add_callback(self, callback) -> None:
         super().add_callback(callback)

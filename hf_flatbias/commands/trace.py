@@ -69,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Load the checkpoint and the data, build the contexts and estimate; raises `ValueError` on bad input."""
+    from ..utils import quiet_deepspeed_without_accelerator
+
+    quiet_deepspeed_without_accelerator()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import (

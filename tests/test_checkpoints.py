@@ -3,7 +3,7 @@
 import hashlib
 
 import pytest
-from helpers.tiny_models import classification_rows, flatbias_config, tiny_classifier
+from tests.helpers.tiny_models import classification_rows, flatbias_config, tiny_classifier
 from transformers import BertConfig, BertForSequenceClassification
 
 from hf_flatbias import FlatBiasTrainer

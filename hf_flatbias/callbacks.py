@@ -28,7 +28,11 @@ class HessianTraceCallback(TrainerCallback):
     or the trainer's eval set; every measurement uses the same contexts and draws, so values are comparable across
     steps. The estimate is logged as ``flatness/hessian_trace`` and ``flatness/hessian_trace_stderr`` through
     ``Trainer.log``, so it lands in ``state.log_history`` and reaches every reporter (TensorBoard, W&B, ...), and the
-    latest `TraceEstimate` stays in `last_estimate` for the model card.
+    latest `TraceEstimate` stays in `last_estimate` (measured at step `last_estimate_step`) for the model card.
+
+    By default the callback also measures at the last step of training when its latest measurement is older, so
+    the final checkpoint and ``trainer.train(); trainer.push_to_hub()`` publish the trace of the weights they carry.
+    The trace covers the model's trainable parameters (``requires_grad``): with LoRA, the adapters only.
 
     Measuring does not change training: the model is put in ``eval()`` and every module back in its own mode after,
     draws use their own generators and the global random streams are restored, no ``.grad`` is written
@@ -45,6 +49,9 @@ class HessianTraceCallback(TrainerCallback):
             (see `estimate_hessian_trace`).
         every_n_steps: also measure every that many optimizer steps; ``None`` measures only on evaluation.
         on_evaluate: measure after each evaluation.
+        measure_at_end: measure at the end of training (its last step, or where it stopped early) unless the latest
+            measurement was taken on those weights; ``False`` measures only when ``every_n_steps`` or
+            ``on_evaluate`` say so.
         estimator: see `estimate_hessian_trace`.
         seed: fixes both the contexts and the draws.
         batch_size: contexts per forward.
@@ -59,6 +66,7 @@ class HessianTraceCallback(TrainerCallback):
         n_draws: int = RECOMMENDED_N_DRAWS,
         every_n_steps: int | None = None,
         on_evaluate: bool = True,
+        measure_at_end: bool = True,
         estimator: str = "per_sample",
         seed: int = 0,
         batch_size: int = DEFAULT_BATCH_SIZE,
@@ -75,11 +83,13 @@ class HessianTraceCallback(TrainerCallback):
         self.n_draws = n_draws
         self.every_n_steps = every_n_steps
         self.measure_on_evaluate = on_evaluate
+        self.measure_at_end = measure_at_end
         self.estimator = estimator
         self.seed = seed
         self.batch_size = batch_size
         self.mask_token_id = mask_token_id
         self.last_estimate: TraceEstimate | None = None
+        self.last_estimate_step: int | None = None
         self._trainer = None
         self._contexts: list[dict[str, list[int]]] | None = None
         self._measured_step: int | None = None
@@ -112,8 +122,20 @@ class HessianTraceCallback(TrainerCallback):
             )
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
-        if self.every_n_steps is not None and state.global_step % self.every_n_steps == 0:
+        scheduled = self.every_n_steps is not None and state.global_step % self.every_n_steps == 0
+        # the last step's checkpoint is saved right after on_step_end: measuring here puts its trace on its card
+        last = self.measure_at_end and state.max_steps > 0 and state.global_step >= state.max_steps
+        if scheduled or last:
             self._measure_once_at(state.global_step)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        # a run stopped early (e.g. EarlyStoppingCallback) ends before max_steps; the final save and push follow
+        if not self.measure_at_end or state.global_step == 0:
+            return
+        step = state.global_step
+        if args.load_best_model_at_end and state.best_model_checkpoint and state.best_global_step is not None:
+            step = state.best_global_step  # the Trainer has just loaded that checkpoint's weights
+        self._measure_once_at(step)
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if self.measure_on_evaluate:
@@ -122,13 +144,16 @@ class HessianTraceCallback(TrainerCallback):
     def _measure_once_at(self, step: int) -> None:
         # an evaluation right after a scheduled measurement sees the same weights: measuring again only costs time
         if self._measured_step != step:
-            self.measure()
-            self._measured_step = step
+            self.measure(step=step)
 
     # ------------------------------------------------------------------ measuring
 
-    def measure(self) -> TraceEstimate:
-        """Estimate the trace now on the trainer's model, log it through the trainer and return it."""
+    def measure(self, step: int | None = None) -> TraceEstimate:
+        """Estimate the trace now on the trainer's model, log it through the trainer and return it.
+
+        ``step``: the training step of the model's weights, kept as `last_estimate_step` for the card; the trainer's
+        current step by default.
+        """
         if self._trainer is None:
             raise RuntimeError("HessianTraceCallback.measure needs a trainer: call bind_trainer(trainer) first.")
         if self._contexts is None:
@@ -144,6 +169,8 @@ class HessianTraceCallback(TrainerCallback):
             across_processes=self._trainer.args.world_size > 1,
         )
         self.last_estimate = estimate
+        self.last_estimate_step = int(self._trainer.state.global_step if step is None else step)
+        self._measured_step = self.last_estimate_step
         self._log({TRACE_METRIC: estimate.mean, TRACE_STDERR_METRIC: estimate.stderr})
         return estimate
 

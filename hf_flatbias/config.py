@@ -12,6 +12,15 @@ from .utils import quiet_deepspeed_without_accelerator
 SAM_METHODS = ("sam", "asam", "looksam")
 PENALTY_METHODS = ("fisher_penalty", "grad_norm_penalty")
 FLATNESS_METHODS = ("none", *SAM_METHODS, *PENALTY_METHODS)
+# The fields below that each method reads: a model card records these and no others (no sam_rho on a penalty run).
+FLATNESS_METHOD_HYPERPARAMETERS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "sam": ("sam_rho", "sam_every_k"),
+    "asam": ("sam_rho", "asam_eta", "sam_every_k"),
+    "looksam": ("sam_rho", "sam_every_k", "looksam_alpha"),
+    "fisher_penalty": ("penalty_lambda", "penalty_fd_step"),
+    "grad_norm_penalty": ("penalty_lambda", "penalty_fd_step"),
+}
 SAM_SCOPES = ("micro_batch", "batch")
 SAM_PERTURBATIONS = ("global", "per_rank")
 
@@ -29,7 +38,9 @@ class FlatBiasConfig(TrainingArguments):
         metadata={
             "help": "How training seeks flat minima. 'none': the plain Trainer step; 'sam': sharpness-aware "
             "minimization (Foret et al., 2021), the gradient taken at w + rho * g / ||g||; 'asam': adaptive SAM "
-            "(Kwon et al., 2021), the neighbourhood scaled elementwise by |w| + asam_eta; 'looksam': LookSAM "
+            "(Kwon et al., 2021), the neighbourhood scaled elementwise by |w| + asam_eta for every trainable "
+            "parameter, biases and LayerNorms included (the official ASAM code scales only weights; asam_eta=0 "
+            "reproduces davda54/sam's adaptive mode); 'looksam': LookSAM "
             "(Liu et al., CVPR 2022), a SAM update every sam_every_k updates and one-pass updates in between that "
             "reuse the stored SAM direction; 'fisher_penalty': adds penalty_lambda x the sampled-label Fisher trace "
             "of the micro-batch to the loss; 'grad_norm_penalty': adds penalty_lambda x ||grad L|| (Zhao et al., "
@@ -43,7 +54,11 @@ class FlatBiasConfig(TrainingArguments):
     )
     asam_eta: float = field(
         default=0.01,
-        metadata={"help": "ASAM's offset in T_w = |w| + eta, so that zero weights are still perturbed."},
+        metadata={
+            "help": "ASAM's offset in T_w = |w| + eta, so that zero weights are still perturbed. T_w applies to every "
+            "trainable parameter, biases included (the official ASAM code gives biases T = 1); asam_eta=0 gives "
+            "davda54/sam's adaptive mode."
+        },
     )
     sam_scope: str = field(
         default="micro_batch",

@@ -14,18 +14,25 @@ import os
 import tempfile
 import urllib.error
 import urllib.request
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 logger = logging.getLogger(__name__)
 
 GLUE_HUB_DATASET = "nyu-mll/glue"
 LOCAL_GLUE_METRIC_PATH = Path(__file__).parent / "metrics" / "glue"
-FINETUNE_MODES = ("full", "linear_probe")
+# full: every weight trains. linear_cls / linear_tokens: one linear layer on the frozen encoder's [CLS] state or on
+# its first token states concatenated (the released run_lp.py probes positions 1..18 this way). pooler_head: a new
+# pooler and classifier (two layers) on the frozen encoder, which this package used to call "linear_probe".
+FINETUNE_MODES = ("full", "linear_cls", "linear_tokens", "pooler_head")
+DEPRECATED_MODES = {"linear_probe": "pooler_head"}
+LINEAR_PROBE_MODES = ("linear_cls", "linear_tokens")
 _DATA_FILE_BUILDERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
@@ -315,6 +322,81 @@ def probe_parameter_names(model, new_parameter_names: set[str]) -> set[str]:
     return {name for name, _ in model.named_parameters() if not name.startswith(prefix) or name in new_parameter_names}
 
 
+def resolve_finetune_mode(mode: str) -> str:
+    """``mode`` checked against [`FINETUNE_MODES`]; the old name ``linear_probe`` still works, with a warning."""
+    if mode in DEPRECATED_MODES:
+        warnings.warn(
+            f"mode={mode!r} trains a new pooler and a classifier (two layers), not a linear probe; it is now called "
+            f"{DEPRECATED_MODES[mode]!r}. For one linear layer on frozen features use 'linear_cls' or 'linear_tokens'.",
+            FutureWarning,
+            stacklevel=3,
+        )
+        return DEPRECATED_MODES[mode]
+    if mode not in FINETUNE_MODES:
+        raise ValueError(f"mode={mode!r} is not supported; choose one of {list(FINETUNE_MODES)}.")
+    return mode
+
+
+class LinearProbeClassifier(torch.nn.Module):
+    """One linear layer on the features of a frozen encoder: its ``[CLS]`` state, or its first token states
+    concatenated (positions ``1..n_positions``, zeros past the end of a shorter input), as the released ``run_lp.py``.
+
+    The encoder stays in eval mode (frozen features, no dropout) and gets no gradient; dropout applies to the
+    features during training only. The forward returns what the Trainer reads: ``loss`` (cross-entropy, or mean
+    squared error for one label) and ``logits``.
+    """
+
+    def __init__(
+        self,
+        encoder: torch.nn.Module,
+        num_labels: int,
+        *,
+        features: str = "cls",
+        n_positions: int = 18,
+        dropout: float = 0.1,
+    ) -> None:
+        super().__init__()
+        if features not in ("cls", "tokens"):
+            raise ValueError(f"features={features!r}: use 'cls' or 'tokens'.")
+        if n_positions < 1:
+            raise ValueError(f"n_positions must be at least 1, got {n_positions}.")
+        self.encoder = encoder.requires_grad_(False)
+        self.features = features
+        self.n_positions = n_positions
+        self.num_labels = num_labels
+        hidden = encoder.config.hidden_size
+        self.dropout = torch.nn.Dropout(dropout)
+        self.classifier = torch.nn.Linear(hidden if features == "cls" else hidden * n_positions, num_labels)
+
+    def train(self, mode: bool = True) -> LinearProbeClassifier:
+        super().train(mode)
+        self.encoder.eval()
+        return self
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        with torch.no_grad():
+            kwargs = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
+            hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+        if self.features == "cls":
+            features = hidden[:, 0]
+        else:
+            tokens = hidden[:, 1 : 1 + self.n_positions]
+            if attention_mask is not None:
+                tokens = tokens * attention_mask[:, 1 : 1 + self.n_positions, None].to(tokens.dtype)
+            missing = self.n_positions - tokens.shape[1]
+            features = torch.nn.functional.pad(tokens, (0, 0, 0, missing)).flatten(1)
+        logits = self.classifier(self.dropout(features))
+        loss = None
+        if labels is not None:
+            if self.num_labels == 1:
+                loss = torch.nn.functional.mse_loss(logits.squeeze(-1), labels.to(logits.dtype))
+            else:
+                loss = torch.nn.functional.cross_entropy(logits, labels)
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
 @dataclass
 class GlueResult:
     """Scores of one checkpoint on one GLUE task over several seeds.
@@ -322,7 +404,7 @@ class GlueResult:
     Attributes:
         model: the checkpoint (path or Hub id).
         task: the GLUE task.
-        mode: ``full`` fine-tuning or ``linear_probe``.
+        mode: one of [`FINETUNE_MODES`].
         metric: the name of the main metric in ``scores``.
         seeds: the seeds run.
         scores: the main metric per seed.
@@ -346,8 +428,56 @@ class GlueResult:
         """Sample standard deviation over seeds (``ddof=1``); 0 for a single seed."""
         return float(np.std(self.scores, ddof=1)) if len(self.scores) > 1 else 0.0
 
+    @property
+    def interval(self) -> tuple[float, float]:
+        """95% confidence interval of the mean over seeds (Student t); ``(nan, nan)`` for a single seed."""
+        estimate = mean_interval(self.scores)
+        return estimate.low, estimate.high
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "mean": self.mean, "std": self.std}
+        low, high = self.interval
+        return {**asdict(self), "mean": self.mean, "std": self.std, "ci_low": low, "ci_high": high}
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A mean over ``n`` values with its two-sided confidence interval ``[low, high]`` (Student t)."""
+
+    estimate: float
+    low: float
+    high: float
+    n: int
+    confidence: float = 0.95
+
+    @property
+    def excludes_zero(self) -> bool:
+        return self.low > 0 or self.high < 0
+
+
+def mean_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
+    """The mean of ``values`` with its Student-t confidence interval (``nan`` bounds for fewer than two values)."""
+    from scipy.stats import t
+
+    array = np.asarray(values, dtype=np.float64)
+    if array.size == 0:
+        raise ValueError("mean_interval needs at least one value.")
+    mean = float(array.mean())
+    if array.size < 2:
+        return Interval(mean, float("nan"), float("nan"), 1, confidence)
+    half = float(t.ppf(0.5 + confidence / 2, df=array.size - 1) * array.std(ddof=1) / math.sqrt(array.size))
+    return Interval(mean, mean - half, mean + half, int(array.size), confidence)
+
+
+def paired_difference(scores_a: Sequence[float], scores_b: Sequence[float], confidence: float = 0.95) -> Interval:
+    """Mean of ``a - b`` over paired runs (the same seed: head initialisation and data order) with its t-interval.
+
+    Pairing removes what the seed does to both checkpoints alike, so a gap smaller than either one's spread over
+    seeds can still be resolved.
+    """
+    a, b = np.asarray(scores_a, dtype=np.float64), np.asarray(scores_b, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"Paired scores need the same seeds: got {a.size} and {b.size} values.")
+    return mean_interval(a - b, confidence)
 
 
 def _predictions_for_metric(task: GlueTask, logits: np.ndarray) -> np.ndarray:
@@ -375,6 +505,7 @@ def finetune_glue(
     weight_decay: float = 0.0,
     warmup_steps: float = 0.0,
     reinitialize_head: bool = False,
+    probe_positions: int = 18,
     training_kwargs: Mapping[str, Any] | None = None,
 ) -> GlueResult:
     """Fine-tune a checkpoint on a GLUE task once per seed and report the validation metric's mean and std.
@@ -382,14 +513,17 @@ def finetune_glue(
     Args:
         model_name_or_path: a local folder or Hub id holding the model and its tokenizer.
         task: one of cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli.
-        mode: ``full`` (all weights train) or ``linear_probe`` (only the new head trains on frozen features).
+        mode: ``full`` (all weights train); ``linear_cls`` / ``linear_tokens``: one linear layer on the frozen
+            encoder's ``[CLS]`` state / first ``probe_positions`` token states (see [`LinearProbeClassifier`]);
+            ``pooler_head``: a new pooler and classifier on the frozen encoder (formerly ``linear_probe``).
         seeds: one run per seed; the seed sets the head's initialisation and the data order.
         dataset: a ``DatasetDict`` to use instead of [`load_glue_dataset`] (``train`` and the task's validation split).
         data_dir: local GLUE files, see [`load_glue_dataset`].
-        learning_rate: default 2e-5 for ``full`` (BERT's recipe) and 1e-3 for ``linear_probe``.
+        learning_rate: default 2e-5 for ``full`` (BERT's recipe) and 1e-3 for the frozen-encoder modes.
         max_train_samples / max_eval_samples: cap the splits (the same rows for every seed).
         warmup_steps: linear warm-up, in steps (>= 1) or as a fraction of all steps (< 1).
         reinitialize_head: replace an existing classification head whose label count differs from the task's.
+        probe_positions: token states concatenated by ``linear_tokens`` (the released code: 18).
         training_kwargs: any further [`FlatBiasConfig`] / ``TrainingArguments`` fields, e.g. ``{"use_cpu": True}``
             or ``{"flatness_method": "sam", "sam_rho": 0.05}`` to fine-tune with SAM.
 
@@ -402,8 +536,7 @@ def finetune_glue(
     from .trainer import FlatBiasTrainer
 
     spec = get_glue_task(task)
-    if mode not in FINETUNE_MODES:
-        raise ValueError(f"mode={mode!r} is not supported; choose one of {list(FINETUNE_MODES)}.")
+    mode = resolve_finetune_mode(mode)
     seeds = [int(seed) for seed in seeds]
     if not seeds:
         raise ValueError("finetune_glue needs at least one seed.")
@@ -458,8 +591,15 @@ def finetune_glue(
                 tokenizer_name_or_path=tokenizer_name_or_path,
                 reinitialize_head=reinitialize_head,
             )
-            if mode == "linear_probe":
+            if mode == "pooler_head":
                 freeze_all_but(model, probe_parameter_names(model, new_names))
+            elif mode in LINEAR_PROBE_MODES:
+                model = LinearProbeClassifier(
+                    model.base_model,
+                    spec.num_labels,
+                    features=mode.removeprefix("linear_"),
+                    n_positions=probe_positions,
+                )
             arguments = {
                 "output_dir": str(root / f"{spec.name}-{mode}-seed{seed}"),
                 "learning_rate": learning_rate,

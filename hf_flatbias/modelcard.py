@@ -6,8 +6,13 @@ blocks in the README's YAML front matter:
 - ``model-index``: [`huggingface_hub.EvalResult`] entries, the Hub's standard place for results. The Hessian trace of
   the pre-training loss is a metric of type ``hessian_trace`` (its standard error and estimator settings in the
   metric's ``args``), next to the pre-training loss and any GLUE results;
-- ``flatness``: the same numbers flat and typed (``hessian_trace``, ``hessian_trace_stderr``, ``estimator``,
-  ``n_contexts``, ``n_draws``, ``method``, ``sam_rho``, ``pretraining_loss``), which [`load_flatness_card`] reads.
+- ``flatness``: the same numbers flat and typed (``hessian_trace``, ``hessian_trace_stderr``, ``trace_step``,
+  ``estimator``, ``n_contexts``, ``n_draws``, ``method`` and the hyperparameters that method reads,
+  ``pretraining_loss``...), which [`load_flatness_card`] reads. Keys without a value are left out.
+
+The list of methods and the hyperparameters each one reads come from `hf_flatbias.config`
+(``FLATNESS_METHOD_HYPERPARAMETERS``), so a card exists for every method the trainer runs and records exactly what
+that method used.
 
 Nothing here imports the Trainer: [`flatness_card_from_trainer`] reads a trainer duck-typed, so the card can be
 built, tested and rendered on its own.
@@ -19,6 +24,7 @@ import functools
 import math
 import os
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -29,7 +35,8 @@ import jinja2
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .callbacks import TRACE_METRIC, TRACE_STDERR_METRIC
+from .config import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS
+from .constants import TRACE_METRIC, TRACE_STDERR_METRIC
 
 HESSIAN_TRACE_METRIC = "hessian_trace"
 PRETRAINING_LOSS_METRIC = "loss"
@@ -41,7 +48,20 @@ GLUE_DATASET = "glue"
 GLUE_TASK_TYPE = "text-classification"
 # GLUE results in the trainer's log history: "glue/<task>/<metric>", optionally with the Trainer's "eval_" prefix.
 GLUE_LOG_KEY = re.compile(r"^(?:eval_)?glue/(?P<task>[a-z0-9_-]+)/(?P<metric>[a-z0-9_]+)$")
-KNOWN_METHODS = ("none", "sam", "asam")
+# How the card names each method of `FlatBiasConfig.flatness_method`; its hyperparameters follow in parentheses.
+METHOD_TITLES = {
+    "none": "none (plain optimizer steps)",
+    "sam": "SAM",
+    "asam": "ASAM",
+    "looksam": "LookSAM",
+    "fisher_penalty": "Fisher-trace penalty",
+    "grad_norm_penalty": "gradient-norm penalty",
+}
+# Every hyperparameter any method reads, in a stable order; each is a field of FlatnessCard.
+METHOD_HYPERPARAMETERS = tuple(
+    dict.fromkeys(name for names in FLATNESS_METHOD_HYPERPARAMETERS.values() for name in names)
+)
+_INTEGER_HYPERPARAMETERS = ("sam_every_k",)
 _YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 PAPER_CITATION = """@inproceedings{liu2023same,
@@ -64,11 +84,13 @@ class FlatnessCard:
 
     Attributes:
         model_name: name in the ``model-index`` (the repo name by default).
-        method: how training sought flatness: ``"none"``, ``"sam"`` or ``"asam"`` (`FlatBiasConfig.flatness_method`).
-        sam_rho, asam_eta: the SAM/ASAM hyperparameters (``None`` when unused).
+        method: how training sought flatness, one of `FlatBiasConfig.flatness_method`'s choices.
+        sam_rho, asam_eta, sam_every_k, looksam_alpha, penalty_lambda, penalty_fd_step: the method's
+            hyperparameters, set for the ones the method reads and ``None`` for the others.
         pretraining_loss: the pre-training (masked-LM) loss; ``pretraining_loss_source`` says ``"eval"`` or
             ``"train"``.
         hessian_trace, hessian_trace_stderr: Tr(H) of the pre-training loss and its standard error.
+        trace_step: the training step whose weights the trace was measured on.
         estimator, n_contexts, n_draws, trace_seconds: how the trace was estimated and how long it took.
         glue: GLUE validation results, ``{task: {metric: value}}``.
         global_step, epoch: where in training the card was written.
@@ -76,16 +98,24 @@ class FlatnessCard:
         base_model, datasets, language, license, tags: the Hub's usual card metadata (``tags`` beyond the
             automatic ``hf_flatbias``/method tags).
         training_hyperparameters: learning rate, batch sizes, schedule, seed... as recorded from the arguments.
+        pretraining_corpus: the pre-training text and its held-out split, as the recipe that trained the model
+            recorded them (e.g. ``{"dataset": "bbc_news", "text_column": "text", "validation_texts": 3000,
+            "split_seed": 0}``), so that a later comparison measures the loss on text the model never saw.
     """
 
     model_name: str
     method: str = "none"
     sam_rho: float | None = None
     asam_eta: float | None = None
+    sam_every_k: int | None = None
+    looksam_alpha: float | None = None
+    penalty_lambda: float | None = None
+    penalty_fd_step: float | None = None
     pretraining_loss: float | None = None
     pretraining_loss_source: str | None = None
     hessian_trace: float | None = None
     hessian_trace_stderr: float | None = None
+    trace_step: int | None = None
     estimator: str | None = None
     n_contexts: int | None = None
     n_draws: int | None = None
@@ -101,6 +131,7 @@ class FlatnessCard:
     license: str | None = None
     tags: list[str] = field(default_factory=list)
     training_hyperparameters: dict[str, Any] = field(default_factory=dict)
+    pretraining_corpus: dict[str, Any] | None = None
 
     # ---------------------------------------------------------------- checks
 
@@ -108,9 +139,17 @@ class FlatnessCard:
         """Raise ``ValueError`` if the card would publish a non-finite or inconsistent number."""
         if not self.model_name:
             raise ValueError("FlatnessCard.model_name is empty: pass the repository or model name.")
-        if self.method not in KNOWN_METHODS:
-            raise ValueError(f"FlatnessCard.method={self.method!r} is unknown; use one of {list(KNOWN_METHODS)}.")
-        for name in ("hessian_trace", "hessian_trace_stderr", "pretraining_loss", "sam_rho", "asam_eta"):
+        if self.method not in FLATNESS_METHODS:
+            raise ValueError(f"FlatnessCard.method={self.method!r} is unknown; use one of {list(FLATNESS_METHODS)}.")
+        used = FLATNESS_METHOD_HYPERPARAMETERS[self.method]
+        for name in METHOD_HYPERPARAMETERS:
+            if name not in used and getattr(self, name) is not None:
+                raise ValueError(
+                    f"FlatnessCard.{name} is set but method {self.method!r} does not use it (it reads "
+                    f"{list(used) or 'no hyperparameter'}); set {name}=None."
+                )
+        floats = [name for name in METHOD_HYPERPARAMETERS if name not in _INTEGER_HYPERPARAMETERS]
+        for name in ("hessian_trace", "hessian_trace_stderr", "pretraining_loss", *floats):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise ValueError(
@@ -123,10 +162,14 @@ class FlatnessCard:
             raise ValueError(f"hessian_trace_stderr must be >= 0 (got {self.hessian_trace_stderr}).")
         if self.hessian_trace_stderr is not None and self.hessian_trace is None:
             raise ValueError("hessian_trace_stderr is set but hessian_trace is None: set both or neither.")
-        for name in ("n_contexts", "n_draws"):
+        for name in ("n_contexts", "n_draws", *_INTEGER_HYPERPARAMETERS):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer (got {value!r}).")
+        if self.trace_step is not None and (not isinstance(self.trace_step, int) or self.trace_step < 0):
+            raise ValueError(f"trace_step must be an integer >= 0 (got {self.trace_step!r}).")
+        if self.trace_step is not None and self.hessian_trace is None:
+            raise ValueError("trace_step is set but hessian_trace is None: set both or neither.")
         for task, metrics in self.glue.items():
             for metric, value in metrics.items():
                 if not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -134,17 +177,22 @@ class FlatnessCard:
 
     # ---------------------------------------------------------------- metadata
 
+    def method_hyperparameters(self) -> dict[str, float | int]:
+        """The hyperparameters of the card's method that are known, in the config's order."""
+        names = FLATNESS_METHOD_HYPERPARAMETERS.get(self.method, ())
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
     def flatness_metadata(self) -> dict[str, Any]:
-        """The ``flatness:`` block of the README's front matter (every key present, ``None`` when unknown)."""
-        return {
+        """The ``flatness:`` block of the README's front matter; keys without a value are left out."""
+        metadata = {
             "hessian_trace": self.hessian_trace,
             "hessian_trace_stderr": self.hessian_trace_stderr,
+            "trace_step": self.trace_step,
             "estimator": self.estimator,
             "n_contexts": self.n_contexts,
             "n_draws": self.n_draws,
             "method": self.method,
-            "sam_rho": self.sam_rho,
-            "asam_eta": self.asam_eta,
+            **self.method_hyperparameters(),
             "pretraining_loss": self.pretraining_loss,
             "pretraining_loss_source": self.pretraining_loss_source,
             "trace_seconds": self.trace_seconds,
@@ -153,7 +201,9 @@ class FlatnessCard:
             "model_type": self.model_type,
             "num_parameters": self.num_parameters,
             "training": dict(self.training_hyperparameters) or None,
+            "pretraining_corpus": dict(self.pretraining_corpus) if self.pretraining_corpus else None,
         }
+        return {key: value for key, value in metadata.items() if value is not None}
 
     def eval_results(self) -> list[EvalResult]:
         """The card's results as ``model-index`` entries: pre-training loss and trace, then GLUE."""
@@ -176,6 +226,7 @@ class FlatnessCard:
         if self.hessian_trace is not None:
             trace_args = {
                 "stderr": self.hessian_trace_stderr,
+                "step": self.trace_step,
                 "estimator": self.estimator,
                 "n_contexts": self.n_contexts,
                 "n_draws": self.n_draws,
@@ -259,7 +310,15 @@ class FlatnessCard:
 
     @classmethod
     def from_model_card(cls, card: ModelCard, source: str = "README.md") -> FlatnessCard:
-        """Read the card back from a parsed README; raises ``ValueError`` without a ``flatness:`` block."""
+        """Read the card back from a parsed README.
+
+        A number that is not finite (``.nan``, ``.inf``) is read as unknown, with a warning naming the file and the
+        field, since a card must not rank or compare on it.
+
+        Raises:
+            ValueError: without a ``flatness:`` block, or with a field that is not a number where one is expected
+                (the message names the file and the field).
+        """
         data = card.data
         flatness = data.get("flatness")
         if not isinstance(flatness, Mapping):
@@ -267,31 +326,57 @@ class FlatnessCard:
                 f"{source} has no `flatness:` metadata block, so it was not written by hf_flatbias. Save a card with "
                 "FlatnessCard(...).save(directory), or train with FlatBiasTrainer, which writes one on every save."
             )
+        method = flatness.get("method") or "none"
+        if method not in FLATNESS_METHODS:
+            raise ValueError(
+                f"{source}: flatness.method is {method!r}, not one of {list(FLATNESS_METHODS)}. Fix the card's "
+                "metadata or write it again with FlatnessCard(...).save(folder)."
+            )
+
+        def number(key: str, integer: bool = False) -> float | int | None:
+            return _read_number(flatness.get(key), f"flatness.{key}", source, integer=integer)
+
         glue: dict[str, dict[str, float]] = {}
         for result in data.eval_results or []:
             if result.dataset_type == GLUE_DATASET and result.dataset_config:
-                glue.setdefault(result.dataset_config, {})[result.metric_type] = float(result.metric_value)
+                field_name = f"model-index GLUE {result.dataset_config}/{result.metric_type}"
+                value = _read_number(result.metric_value, field_name, source)
+                if value is not None:
+                    glue.setdefault(result.dataset_config, {})[result.metric_type] = value
+        training = flatness.get("training") or {}
+        if not isinstance(training, Mapping):
+            raise ValueError(f"{source}: flatness.training is {training!r}, not a mapping of hyperparameters.")
+        corpus = flatness.get("pretraining_corpus") or {}
+        if not isinstance(corpus, Mapping):
+            raise ValueError(f"{source}: flatness.pretraining_corpus is {corpus!r}, not a mapping.")
         base_model = data.base_model if isinstance(data.base_model, str) or data.base_model is None else None
         datasets = data.datasets if isinstance(data.datasets, list) else ([data.datasets] if data.datasets else [])
-        own_tags = {FLATNESS_TAG, "flatness", str(flatness.get("method"))}
+        own_tags = {FLATNESS_TAG, "flatness", str(method)}
+        hyperparameters = {
+            name: number(name, integer=name in _INTEGER_HYPERPARAMETERS)
+            for name in FLATNESS_METHOD_HYPERPARAMETERS[method]
+        }
+        hessian_trace = number("hessian_trace")
         return cls(
             model_name=data.model_name or source,
-            method=flatness.get("method") or "none",
-            sam_rho=_optional_float(flatness.get("sam_rho")),
-            asam_eta=_optional_float(flatness.get("asam_eta")),
-            pretraining_loss=_optional_float(flatness.get("pretraining_loss")),
+            method=method,
+            **hyperparameters,
+            pretraining_loss=number("pretraining_loss"),
             pretraining_loss_source=flatness.get("pretraining_loss_source"),
-            hessian_trace=_optional_float(flatness.get("hessian_trace")),
-            hessian_trace_stderr=_optional_float(flatness.get("hessian_trace_stderr")),
+            hessian_trace=hessian_trace,
+            # the error and the step of a trace that could not be read describe nothing
+            hessian_trace_stderr=number("hessian_trace_stderr") if hessian_trace is not None else None,
+            trace_step=number("trace_step", integer=True) if hessian_trace is not None else None,
             estimator=flatness.get("estimator"),
-            n_contexts=_optional_int(flatness.get("n_contexts")),
-            n_draws=_optional_int(flatness.get("n_draws")),
-            trace_seconds=_optional_float(flatness.get("trace_seconds")),
-            global_step=_optional_int(flatness.get("global_step")),
-            epoch=_optional_float(flatness.get("epoch")),
+            n_contexts=number("n_contexts", integer=True),
+            n_draws=number("n_draws", integer=True),
+            trace_seconds=number("trace_seconds"),
+            global_step=number("global_step", integer=True),
+            epoch=number("epoch"),
             model_type=flatness.get("model_type"),
-            num_parameters=_optional_int(flatness.get("num_parameters")),
-            training_hyperparameters=dict(flatness.get("training") or {}),
+            num_parameters=number("num_parameters", integer=True),
+            training_hyperparameters=dict(training),
+            pretraining_corpus=dict(corpus) if corpus else None,
             glue=glue,
             base_model=base_model,
             datasets=list(datasets),
@@ -321,7 +406,9 @@ def load_flatness_card(
         cache_dir: Hub cache folder, as for `hf_hub_download`.
 
     Raises:
-        ValueError: the README has no ``flatness:`` block, or a local-looking path does not exist.
+        ValueError: the README has no ``flatness:`` block, its YAML front matter cannot be parsed, a field is not a
+            number where one is expected, or a local-looking path does not exist. Non-finite numbers are read as
+            unknown, with a warning.
     """
     local = Path(repo_id_or_path)
     if local.is_dir():
@@ -340,8 +427,17 @@ def load_flatness_card(
         from huggingface_hub import hf_hub_download
 
         card_path = Path(hf_hub_download(name, CARD_FILENAME, revision=revision, token=token, cache_dir=cache_dir))
-    card = ModelCard(card_path.read_text(encoding="utf-8"))
-    return FlatnessCard.from_model_card(card, source=str(repo_id_or_path))
+    source = str(card_path) if local.exists() else f"{repo_id_or_path} ({CARD_FILENAME})"
+    try:
+        card = ModelCard(card_path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, ValueError, KeyError, TypeError) as error:
+        # yaml's messages span several lines with a caret; the first line says what is wrong
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(
+            f"{source}: the card's YAML metadata cannot be read ({reason}). Fix the front matter between the two "
+            "'---' lines, or write the card again with FlatnessCard(...).save(folder)."
+        ) from error
+    return FlatnessCard.from_model_card(card, source=source)
 
 
 def add_glue_results(path: str | os.PathLike, glue_results: Mapping[str, Mapping[str, float]]) -> FlatnessCard:
@@ -372,13 +468,16 @@ def flatness_card_from_trainer(
     finetuned_from: str | None = None,
     dataset: str | Iterable[str] | None = None,
     glue_results: Mapping[str, Mapping[str, float]] | None = None,
+    pretraining_corpus: Mapping[str, Any] | None = None,
 ) -> FlatnessCard:
     """Build the card from a FlatBiasTrainer (or Trainer)'s arguments, state, model and callbacks, read duck-typed.
 
     - trace: the ``last_estimate`` (``mean``, ``stderr``, ``n_contexts``, ``n_draws``, ``estimator``, ``seconds``)
       of any callback that has one, else the last ``flatness/hessian_trace`` (and ``..._stderr``) in the log history;
     - pre-training loss: the last ``eval_loss`` in the log history, else the last training ``loss``;
-    - method and ``sam_rho``: the arguments' ``flatness_method`` (``"none"`` for a plain ``TrainingArguments``);
+    - trace step: the callback's ``last_estimate_step``, else the ``step`` of the log entry the trace came from;
+    - method and its hyperparameters: the arguments' ``flatness_method`` (``"none"`` for a plain
+      ``TrainingArguments``) and the arguments that method reads (``FLATNESS_METHOD_HYPERPARAMETERS``);
     - GLUE: ``glue_results`` (``{"sst2": {"accuracy": 0.91}}``) merged over ``glue/<task>/<metric>`` log entries.
     """
     args = trainer.args
@@ -405,11 +504,16 @@ def flatness_card_from_trainer(
         # Under DeepSpeed ZeRO-3 a parameter's numel() is its local shard (often 0); ds_numel is the full size.
         num_parameters = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
 
+    hyperparameters = {}
+    for name in FLATNESS_METHOD_HYPERPARAMETERS.get(method, ()):
+        value = getattr(args, name, None)
+        if value is not None:
+            hyperparameters[name] = int(value) if name in _INTEGER_HYPERPARAMETERS else float(value)
+
     return FlatnessCard(
         model_name=model_name,
         method=method,
-        sam_rho=float(args.sam_rho) if method != "none" else None,
-        asam_eta=float(args.asam_eta) if method == "asam" else None,
+        **hyperparameters,
         pretraining_loss=loss,
         pretraining_loss_source=loss_source,
         glue=glue,
@@ -423,6 +527,7 @@ def flatness_card_from_trainer(
         license=license,
         tags=_as_list(tags),
         training_hyperparameters=_training_hyperparameters(args),
+        pretraining_corpus=dict(pretraining_corpus) if pretraining_corpus else None,
         **(trace or {}),
     )
 
@@ -436,9 +541,11 @@ def _trace_from_callbacks(callbacks: Iterable[Any]) -> dict[str, Any] | None:
         seconds = getattr(estimate, "seconds", None)
         n_contexts = getattr(estimate, "n_contexts", None)
         n_draws = getattr(estimate, "n_draws", None)
+        step = getattr(callback, "last_estimate_step", None)
         return {
             "hessian_trace": float(estimate.mean),
             "hessian_trace_stderr": float(stderr) if stderr is not None else None,
+            "trace_step": int(step) if step is not None else None,
             "estimator": getattr(estimate, "estimator", None),
             "n_contexts": int(n_contexts) if n_contexts is not None else None,
             "n_draws": int(n_draws) if n_draws is not None else None,
@@ -451,9 +558,11 @@ def _trace_from_history(history: Sequence[Mapping[str, Any]]) -> dict[str, Any] 
     for entry in reversed(history):
         if TRACE_METRIC in entry:
             stderr = entry.get(TRACE_STDERR_METRIC)
+            step = entry.get("step")
             return {
                 "hessian_trace": float(entry[TRACE_METRIC]),
                 "hessian_trace_stderr": float(stderr) if stderr is not None else None,
+                "trace_step": int(step) if step is not None else None,
             }
     return None
 
@@ -492,10 +601,13 @@ def _training_hyperparameters(args: Any) -> dict[str, Any]:
         "sam_scope",
         "sam_perturbation",
     )
+    # max_steps > 0 overrides num_train_epochs: record the one that decided how long training ran
+    max_steps = getattr(args, "max_steps", None)
+    skipped = {"num_train_epochs"} if isinstance(max_steps, int) and max_steps > 0 else {"max_steps"}
     values: dict[str, Any] = {}
     for name in names:
         value = getattr(args, name, None)
-        if value is None:
+        if value is None or name in skipped:
             continue
         value = getattr(value, "value", value)  # transformers' str enums (SchedulerType, OptimizerNames)
         values[name] = value if type(value) in (int, float, str, bool) else str(value)
@@ -529,12 +641,12 @@ def _format_trace(trace: float | None, stderr: float | None) -> str:
     return _format_number(trace) if stderr is None else f"{_format_number(trace)} ± {_format_number(stderr, 2)}"
 
 
-def _format_method(card: FlatnessCard) -> str:
-    if card.method == "sam":
-        return f"SAM (rho = {card.sam_rho:g})"
-    if card.method == "asam":
-        return f"ASAM (rho = {card.sam_rho:g}, eta = {card.asam_eta:g})"
-    return "none (plain optimizer steps)"
+def _format_method(card: FlatnessCard, *, short: bool = False) -> str:
+    if card.method == "none":
+        return "none" if short else METHOD_TITLES["none"]
+    settings = ", ".join(f"{name} = {value:g}" for name, value in card.method_hyperparameters().items())
+    title = METHOD_TITLES[card.method]
+    return f"{title} ({settings})" if settings else title
 
 
 def _glue_rows(glue: Mapping[str, Mapping[str, float]]) -> list[tuple[str, str, str]]:
@@ -559,7 +671,7 @@ def format_comparison_table(cards: Sequence[tuple[str, FlatnessCard]]) -> str:
             label,
             _format_number(card.pretraining_loss) if card.pretraining_loss is not None else "-",
             _format_trace(card.hessian_trace, card.hessian_trace_stderr) if card.hessian_trace is not None else "-",
-            _format_method(card).split(" (plain")[0],
+            _format_method(card, short=True),
             estimator,
         ]
         for task, metric in glue_columns:
@@ -576,12 +688,34 @@ def _looks_like_repo_id(name: str) -> bool:
     return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) is not None and not name.startswith(".")
 
 
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def _optional_int(value: Any) -> int | None:
-    return None if value is None else int(value)
+def _read_number(value: Any, field_name: str, source: str, *, integer: bool = False) -> float | int | None:
+    """A number read from a card: ``None`` when absent or not finite (with a warning), ``ValueError`` when not a
+    number at all; both name the file and the field."""
+    if value is None:
+        return None
+    number = None
+    if not isinstance(value, bool):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            pass
+    if number is None:
+        raise ValueError(
+            f"{source}: {field_name} is {value!r}, not a number. Fix the card's metadata, or write it again with "
+            "FlatnessCard(...).save(folder)."
+        )
+    if not math.isfinite(number):
+        warnings.warn(
+            f"{source}: {field_name} is {number}, not a finite number; it is read as unknown.",
+            UserWarning,
+            stacklevel=2,
+        )
+        return None
+    if integer:
+        if not number.is_integer():
+            raise ValueError(f"{source}: {field_name} is {value!r}, not a whole number.")
+        return int(number)
+    return number
 
 
 def _as_list(value: str | Iterable[str] | None) -> list[str]:

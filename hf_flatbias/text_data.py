@@ -254,17 +254,15 @@ def mask_blocks_once(
     )
 
 
-def masked_lm_loss(model, dataset: Dataset, *, batch_size: int = 32) -> float:
-    """Mean cross-entropy over every labelled token of ``dataset`` (rows of equal length, ``labels`` -100 elsewhere).
-
-    Averaged over tokens, not over batches, so the value does not depend on ``batch_size``.
-    """
+def masked_lm_row_losses(model, dataset: Dataset, *, batch_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``dataset`` (rows of equal length, ``labels`` -100 off the scored tokens): the summed cross-entropy
+    of its labelled tokens and their count, both float64. The rows are the units of [`ratio_mean_stderr`]."""
     import torch.nn.functional as F
 
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    total, count = 0.0, 0
+    sums, counts = [], []
     with torch.no_grad():
         for start in range(0, len(dataset), batch_size):
             batch = dataset[start : start + batch_size]
@@ -273,9 +271,37 @@ def masked_lm_loss(model, dataset: Dataset, *, batch_size: int = 32) -> float:
                 input_ids=torch.tensor(batch["input_ids"], device=device),
                 attention_mask=torch.tensor(batch["attention_mask"], device=device),
             ).logits
-            total += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum").item()
-            count += int((labels != -100).sum())
+            token_losses = F.cross_entropy(logits.transpose(1, 2).float(), labels, reduction="none")
+            sums.append(token_losses.double().sum(dim=1).cpu())
+            counts.append((labels != -100).sum(dim=1).double().cpu())
     model.train(was_training)
-    if count == 0:
+    return torch.cat(sums), torch.cat(counts)
+
+
+def ratio_mean_stderr(sums: torch.Tensor, counts: torch.Tensor) -> tuple[float, float]:
+    """Mean loss per token ``sum(sums) / sum(counts)`` and its standard error with rows as the sampling units.
+
+    Tokens of one row share their text and are not independent draws, so the error is that of a ratio of row
+    totals (first-order, the bootstrap over rows converges to it): ``sqrt(n / (n - 1) * sum((s_i - R c_i)^2)) /
+    sum(c)``. The difference of two models scored on the same rows passes ``sums_a - sums_b`` (a paired error,
+    far smaller than either model's own). ``nan`` for a single row.
+    """
+    sums, counts = sums.double(), counts.double()
+    total = float(counts.sum())
+    if total == 0:
         raise ValueError("The dataset has no labelled (masked) token to score.")
-    return total / count
+    mean = float(sums.sum()) / total
+    n = len(sums)
+    if n < 2:
+        return mean, float("nan")
+    residuals = sums - mean * counts
+    return mean, float((n / (n - 1) * residuals.square().sum()).sqrt()) / total
+
+
+def masked_lm_loss(model, dataset: Dataset, *, batch_size: int = 32) -> float:
+    """Mean cross-entropy over every labelled token of ``dataset`` (rows of equal length, ``labels`` -100 elsewhere).
+
+    Averaged over tokens, not over batches, so the value does not depend on ``batch_size``.
+    """
+    sums, counts = masked_lm_row_losses(model, dataset, batch_size=batch_size)
+    return ratio_mean_stderr(sums, counts)[0]

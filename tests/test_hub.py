@@ -6,6 +6,7 @@ configures it, with environment variables in a new process.
 """
 
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -14,12 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+from huggingface_hub import HfApi, ModelCard, hf_hub_download, snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError
 from test_modelcard import FixedTraceCallback, full_card, tiny_args, tiny_mlm_setup
 from transformers import BertForMaskedLM
 
+from hf_flatbias.config import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS
 from hf_flatbias.modelcard import load_flatness_card
+from hf_flatbias.synthetic.tokenizer import make_tokenizer
 from hf_flatbias.trainer import FlatBiasTrainer
 from tests.helpers.hub_server import HubServer, hub_client_environment, point_hub_client_at
 
@@ -138,6 +141,19 @@ def test_server_failure_mid_push_raises_keeps_the_local_save_and_a_retry_succeed
     assert load_flatness_card("user/flaky").hessian_trace == 3.0
 
 
+def test_unreachable_hub_at_the_final_push_names_what_is_intact_and_how_to_retry(hub, tmp_path):
+    model, data = tiny_mlm_setup()
+    output_dir = tmp_path / "run"
+    args = tiny_args(output_dir, push_to_hub=True, hub_model_id="user/gone", save_strategy="no", max_steps=2)
+    trainer = FlatBiasTrainer(model=model, args=args, train_dataset=data, callbacks=[FixedTraceCallback(3.0)])
+    trainer.train()
+    hub.stop()
+    with pytest.raises(ConnectionError, match=r"(?s)did not complete.*intact.*push_to_hub\(\) again"):
+        trainer.save_model()
+    assert load_flatness_card(output_dir).hessian_trace == 3.0
+    assert os.path.isfile(output_dir / "model.safetensors")
+
+
 def test_failed_background_checkpoint_push_is_reported(hub, tmp_path, caplog):
     model, data = tiny_mlm_setup()
     args = tiny_args(tmp_path / "run", push_to_hub=True, hub_model_id="user/bg", hub_strategy="checkpoint")
@@ -165,6 +181,57 @@ def test_pushing_a_non_finite_trace_is_refused_before_any_upload(hub, tmp_path):
         trainer.push_to_hub()
     assert len(hub.commits("user/nan")) == initial_commits
     assert hub.state.calls["preupload"] == 0 and hub.state.calls["commit"] == 0
+
+
+@pytest.mark.parametrize("method", FLATNESS_METHODS)
+def test_every_method_saves_and_pushes_its_card(hub, tmp_path, method):
+    model, data = tiny_mlm_setup()
+    repo_id = f"user/tiny-{method.replace('_', '-')}"
+    args = tiny_args(tmp_path / "run", flatness_method=method, max_steps=2, push_to_hub=True, hub_model_id=repo_id)
+    trainer = FlatBiasTrainer(model=model, args=args, train_dataset=data, callbacks=[FixedTraceCallback(6.5)])
+    trainer.train()
+    trainer.push_to_hub()
+
+    local = load_flatness_card(tmp_path / "run" / "checkpoint-2")
+    pushed = load_flatness_card(repo_id)
+    for card in (local, pushed):
+        assert (card.method, card.hessian_trace, card.global_step) == (method, 6.5, 2)
+        assert card.method_hyperparameters() == {
+            name: getattr(args, name) for name in FLATNESS_METHOD_HYPERPARAMETERS[method]
+        }
+    assert hub.files(repo_id)["README.md"] == (tmp_path / "run" / "README.md").read_bytes()
+
+
+def readme_python_block(heading: str) -> str:
+    """The first ```python block of the README's section ``heading``."""
+    section = (REPO_ROOT / "README.md").read_text(encoding="utf-8").split(f"\n## {heading}\n", 1)[1].split("\n## ")[0]
+    return section.split("```python\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_readme_hub_example_publishes_the_trace_of_the_pushed_weights(hub, tmp_path, monkeypatch, capsys):
+    model, data = tiny_mlm_setup()
+    words = [f"w{i}" for i in range(model.config.vocab_size - 5)]  # ids 5.. are words, as in tiny_mlm_setup's data
+    namespace = {
+        "model": model,
+        "train": data,
+        "valid": [{"input_ids": row["input_ids"].tolist()} for row in data],
+        "collator": None,
+        "tokenizer": make_tokenizer(words),
+    }
+    monkeypatch.chdir(tmp_path)
+    exec(compile(readme_python_block("Model cards and the Hub"), "README.md", "exec"), namespace)
+
+    trainer = namespace["trainer"]
+    final_step = trainer.state.global_step
+    assert final_step == trainer.args.max_steps > 0
+    # the card exactly as the Hub serves it, parsed with huggingface_hub's own ModelCard
+    card = ModelCard(hub.files("me/bert-sam")["README.md"].decode())
+    flatness = card.data.flatness
+    assert math.isfinite(flatness["hessian_trace"]) and flatness["hessian_trace"] > 0
+    assert flatness["trace_step"] == flatness["global_step"] == final_step
+    measured_at = [e["step"] for e in trainer.state.log_history if "flatness/hessian_trace" in e]
+    assert measured_at == [final_step], "no evaluation ran, so the only measurement is the one at the end"
+    assert f"at step {final_step}" in capsys.readouterr().out
 
 
 PUSH_CARDS_SCRIPT = """

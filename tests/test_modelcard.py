@@ -8,11 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from huggingface_hub import ModelCard
 from transformers import BertConfig, BertForMaskedLM, TrainerCallback
 
 from hf_flatbias.cli import main as cli_main
-from hf_flatbias.config import FlatBiasConfig
+from hf_flatbias.config import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS, SAM_METHODS, FlatBiasConfig
+from hf_flatbias.flatness import estimate_hessian_trace
 from hf_flatbias.modelcard import (
+    METHOD_HYPERPARAMETERS,
+    METHOD_TITLES,
     FlatnessCard,
     add_glue_results,
     flatness_card_from_trainer,
@@ -37,6 +41,7 @@ def full_card(**changes):
         pretraining_loss_source="eval",
         hessian_trace=123.25,
         hessian_trace_stderr=4.5,
+        trace_step=40,
         estimator="per_sample",
         n_contexts=64,
         n_draws=2,
@@ -82,7 +87,9 @@ def test_card_metadata_matches_the_issue_spec(tmp_path):
     assert metrics[("glue", "stsb", "spearmanr")]["value"] == 0.25
 
     body = (tmp_path / "README.md").read_text(encoding="utf-8")
-    assert "123.2 ± 4.5" in body and "SAM (rho = 0.05)" in body
+    assert "123.2 ± 4.5" in body and "SAM (sam_rho = 0.05)" in body
+    assert "| Trace measured at step | 40 |" in body
+    assert "pypi.org" not in body, "no link to a package page that may not exist"
     assert "arXiv" in body or "arxiv.org/abs/2210.14199" in body
     assert "| sst2 | accuracy | 0.8750 |" in body
 
@@ -101,6 +108,7 @@ def test_card_reads_back_as_the_same_typed_object(tmp_path):
             "pretraining_loss",
             "hessian_trace",
             "hessian_trace_stderr",
+            "trace_step",
             "estimator",
             "n_contexts",
             "n_draws",
@@ -137,8 +145,10 @@ def test_glue_results_added_later_are_merged_into_the_card(tmp_path):
 
 def test_card_without_trace_or_sam_is_still_a_card(tmp_path):
     FlatnessCard(model_name="plain", pretraining_loss=3.0, pretraining_loss_source="train").save(tmp_path)
+    text = (tmp_path / "README.md").read_text(encoding="utf-8")
+    assert "null" not in text, "keys without a value are left out, not written as null"
     meta = front_matter(tmp_path / "README.md")
-    assert meta["flatness"]["hessian_trace"] is None and meta["flatness"]["method"] == "none"
+    assert set(meta["flatness"]) == {"method", "pretraining_loss", "pretraining_loss_source"}
     assert "sam" not in meta["tags"]
     metric_types = [m["type"] for r in meta["model-index"][0]["results"] for m in r["metrics"]]
     assert metric_types == ["loss"]
@@ -269,7 +279,7 @@ def test_cli_card_and_compare(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 4
     assert lines[2].startswith(f"| {flat} |") and lines[3].startswith(f"| {sharp} |")
-    assert "SAM (rho = 0.05)" in lines[2] and "| none |" in lines[3]
+    assert "SAM (sam_rho = 0.05)" in lines[2] and "| none |" in lines[3]
 
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "README.md").write_text("# no metadata\n")
@@ -390,6 +400,7 @@ def test_trainer_card_carries_the_hessian_trace_callback_estimate(tmp_path):
         assert flatness["hessian_trace"] == logged[step]["flatness/hessian_trace"] > 0
         assert flatness["hessian_trace_stderr"] == logged[step]["flatness/hessian_trace_stderr"]
         assert (flatness["n_contexts"], flatness["n_draws"], flatness["estimator"]) == (6, 2, "per_sample")
+        assert flatness["trace_step"] == step
 
 
 def test_trainer_keeps_checkpoints_but_skips_a_non_finite_card(tmp_path, caplog):
@@ -416,3 +427,141 @@ def test_only_world_rank_zero_writes_cards(tmp_path, monkeypatch):
     trainer.create_model_card()
     trainer.save_model(str(tmp_path / "saved"))
     assert not (tmp_path / "README.md").exists() and not (tmp_path / "saved" / "README.md").exists()
+
+
+# ----------------------------------------------------------------------------- every method has a card
+
+
+@pytest.mark.parametrize("method", FLATNESS_METHODS)
+def test_every_config_method_gets_a_card_recording_exactly_its_hyperparameters(tmp_path, method):
+    args = tiny_args(tmp_path, flatness_method=method, sam_every_k=3 if method in SAM_METHODS else 1)
+    trainer = SimpleNamespace(
+        args=args,
+        state=SimpleNamespace(log_history=[{"loss": 2.0, "step": 5}], global_step=5, epoch=1.0),
+        model=None,
+        callback_handler=SimpleNamespace(callbacks=[FixedTraceCallback(9.0)]),
+    )
+    flatness_card_from_trainer(trainer).save(tmp_path)
+
+    card = ModelCard.load(tmp_path / "README.md")  # the Hub's own parser
+    flatness = card.data.flatness
+    assert flatness["method"] == method
+    recorded = {name for name in flatness if name in METHOD_HYPERPARAMETERS}
+    assert recorded == set(FLATNESS_METHOD_HYPERPARAMETERS[method])
+    for name in recorded:
+        assert flatness[name] == getattr(args, name), name
+    assert ("sam_rho" in flatness) == (method in SAM_METHODS), "no sam_rho on a penalty or plain run"
+    assert METHOD_TITLES[method] in card.text
+    assert load_flatness_card(tmp_path).method == method
+
+
+def test_card_method_titles_cover_the_config_methods_and_nothing_else():
+    assert set(METHOD_TITLES) == set(FLATNESS_METHODS) == set(FLATNESS_METHOD_HYPERPARAMETERS)
+
+
+def test_a_hyperparameter_the_method_does_not_read_is_refused():
+    with pytest.raises(ValueError, match="sam_rho is set but method 'fisher_penalty' does not use it"):
+        full_card(method="fisher_penalty").validate()
+    full_card(method="fisher_penalty", sam_rho=None, penalty_lambda=0.01, penalty_fd_step=0.01).validate()
+
+
+def test_training_block_shows_max_steps_when_it_overrides_the_epochs(tmp_path):
+    def recorded(**overrides):
+        args = tiny_args(tmp_path, **overrides)
+        trainer = SimpleNamespace(args=args, state=SimpleNamespace(log_history=[], global_step=0, epoch=None))
+        return flatness_card_from_trainer(trainer).training_hyperparameters
+
+    by_steps = recorded(max_steps=4, num_train_epochs=3)
+    assert by_steps["max_steps"] == 4 and "num_train_epochs" not in by_steps
+    by_epochs = recorded(max_steps=-1, num_train_epochs=3)
+    assert by_epochs["num_train_epochs"] == 3 and "max_steps" not in by_epochs
+
+
+# ----------------------------------------------------------------------------- the trace of the saved weights
+
+
+def trace_callback(data, **options):
+    from hf_flatbias.callbacks import HessianTraceCallback
+
+    rows = [{"input_ids": row["input_ids"].tolist()} for row in data[:6]]
+    return HessianTraceCallback(
+        eval_dataset=rows, n_contexts=6, n_draws=2, on_evaluate=False, mask_token_id=4, **options
+    )
+
+
+def test_the_last_checkpoint_carries_the_trace_of_its_own_weights(tmp_path):
+    model, data = tiny_mlm_setup()
+    trace = trace_callback(data, every_n_steps=3)
+    trainer = FlatBiasTrainer(model=model, args=tiny_args(tmp_path), train_dataset=data, callbacks=[trace])
+    trainer.train()
+
+    measured = [e["step"] for e in trainer.state.log_history if "flatness/hessian_trace" in e]
+    assert measured == [3, 4], "every 3 steps, and once more at the last step"
+    assert "hessian_trace" not in front_matter(tmp_path / "checkpoint-2" / "README.md")["flatness"]
+    flatness = front_matter(tmp_path / "checkpoint-4" / "README.md")["flatness"]
+    assert flatness["trace_step"] == flatness["global_step"] == 4
+    # an independent estimate on the final weights, with the callback's contexts and seed
+    expected = estimate_hessian_trace(trainer.model, trace._contexts, n_draws=2, seed=0)
+    assert flatness["hessian_trace"] == pytest.approx(expected.mean, rel=1e-6)
+
+
+def test_measure_at_end_can_be_turned_off_and_the_card_then_says_how_old_the_trace_is(tmp_path):
+    model, data = tiny_mlm_setup()
+    trace = trace_callback(data, every_n_steps=3, measure_at_end=False)
+    trainer = FlatBiasTrainer(model=model, args=tiny_args(tmp_path), train_dataset=data, callbacks=[trace])
+    trainer.train()
+    assert [e["step"] for e in trainer.state.log_history if "flatness/hessian_trace" in e] == [3]
+    flatness = front_matter(tmp_path / "checkpoint-4" / "README.md")["flatness"]
+    assert (flatness["trace_step"], flatness["global_step"]) == (3, 4)
+    body = (tmp_path / "checkpoint-4" / "README.md").read_text(encoding="utf-8")
+    assert "| Trace measured at step | 3 (these weights are from step 4) |" in body
+
+
+# ----------------------------------------------------------------------------- reading cards that went wrong
+
+
+def write_card(folder, flatness_yaml):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "README.md").write_text(f"---\nflatness:\n{flatness_yaml}\n---\n# hand-edited\n", encoding="utf-8")
+    return folder
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf"])
+def test_non_finite_traces_are_read_as_unknown_with_a_warning_naming_file_and_field(tmp_path, value):
+    folder = write_card(tmp_path / "a", f"  method: none\n  hessian_trace: {value}\n  hessian_trace_stderr: 1.0")
+    with pytest.warns(UserWarning, match=r"a/README.md: flatness.hessian_trace is .*not a finite number"):
+        card = load_flatness_card(folder)
+    assert card.hessian_trace is None and card.hessian_trace_stderr is None
+
+
+@pytest.mark.parametrize(
+    "flatness_yaml, message",
+    [
+        ("  method: none\n  hessian_trace: twelve", r"flatness.hessian_trace is 'twelve', not a number"),
+        ("  method: none\n  n_contexts: 2.5", r"flatness.n_contexts is 2.5, not a whole number"),
+        ("  method: sgd", r"flatness.method is 'sgd'"),
+        ("  method: none\n  hessian_trace: [1", r"YAML metadata cannot be read"),
+    ],
+)
+def test_broken_cards_are_refused_with_the_file_and_field_named(tmp_path, capsys, flatness_yaml, message):
+    folder = write_card(tmp_path / "broken", flatness_yaml)
+    with pytest.raises(ValueError, match=message) as error:
+        load_flatness_card(folder)
+    assert str(folder / "README.md") in str(error.value)
+    for command in (["card", str(folder)], ["compare", str(folder)]):
+        assert cli_main(command) == 2
+        err = capsys.readouterr().err
+        assert str(folder / "README.md") in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_compare_sorts_unknown_and_nan_traces_last(tmp_path, capsys):
+    nan = write_card(tmp_path / "nan", "  method: none\n  hessian_trace: .nan")
+    missing = write_card(tmp_path / "missing", "  method: none")
+    low, high = tmp_path / "low", tmp_path / "high"
+    full_card(hessian_trace=5.0).save(low)
+    full_card(hessian_trace=50.0).save(high)
+    assert cli_main(["compare", str(nan), str(high), str(missing), str(low), "--sort", "trace"]) == 0
+    captured = capsys.readouterr()
+    rows = [line.split("|")[1].strip() for line in captured.out.strip().splitlines()[2:]]
+    assert rows[:2] == [str(low), str(high)] and set(rows[2:]) == {str(nan), str(missing)}
+    assert "warning:" in captured.err and "flatness.hessian_trace is nan" in captured.err

@@ -71,6 +71,25 @@ def test_the_three_paper_settings_parse(argument_types, setting, dropout, weight
     assert data.dataset == "auto" and flatness.trace_contexts > 0
 
 
+def test_released_code_config_parses_to_its_settings(argument_types, bert_bookcorpus, tmp_path):
+    model, data, _, training = parse_dataclass_args(
+        argument_types, ["--config", str(CONFIGS / "released_code.yaml"), "--output_dir", str(tmp_path)]
+    )
+    assert model.architecture == "roberta-prelayernorm" and model.half_precision == "auto"
+    assert model.tokenizer_name_or_path == bert_bookcorpus.BERT_UNCASED_IF_AVAILABLE
+    assert (training.adam_epsilon, training.adam_beta2, training.warmup_steps) == (1e-6, 0.98, 0.133)
+    assert training.max_grad_norm == 0 and not training.fp16  # fp16 is switched on only when a GPU is present
+    assert data.mlm_probability == 0.15
+
+
+def test_pre_ln_model_is_built_for_the_bert_tokenizer(bert_bookcorpus, tokenizer):
+    model_args = bert_bookcorpus.ModelArguments(model_size="nano", architecture="roberta-prelayernorm")
+    model = bert_bookcorpus.build_model(model_args, tokenizer)
+    assert type(model).__name__ == "RobertaPreLayerNormForMaskedLM" and model.config.vocab_size == len(tokenizer)
+    encoded = tokenizer(["the cat sat"], ["a dog ran"], return_tensors="pt")  # token type 1 on the second sentence
+    assert model(**encoded).logits.shape[-1] == len(tokenizer)
+
+
 def test_smoke_preset_sits_between_yaml_and_command_line(argument_types, bert_bookcorpus, tmp_path):
     config = CONFIGS / "no_dropout_no_wd_sam.yaml"
     model, data, flatness, training = parse_dataclass_args(
@@ -164,6 +183,36 @@ def test_masked_lm_loss_averages_over_tokens(tokenizer):
                     nll -= log_probs[position, label].item()
                     count += 1
     assert masked_lm_loss(model, rows, batch_size=3) == pytest.approx(nll / count, rel=1e-5)
+
+
+def test_loss_standard_error_matches_a_direct_bootstrap_over_blocks():
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.randint(5, 25, (400,), generator=generator).double()  # masked tokens per block vary
+    block_difficulty = torch.randn(400, generator=generator, dtype=torch.float64)  # tokens of a block are correlated
+    sums = counts * (3.0 + block_difficulty) + counts.sqrt() * torch.randn(
+        400, generator=generator, dtype=torch.float64
+    )
+    mean, stderr = text_data.ratio_mean_stderr(sums, counts)
+    assert mean == pytest.approx(float(sums.sum() / counts.sum()))
+
+    resampled = torch.randint(0, 400, (4000, 400), generator=generator)
+    bootstrap = sums[resampled].sum(dim=1) / counts[resampled].sum(dim=1)
+    assert stderr == pytest.approx(float(bootstrap.std()), rel=0.06)
+    # Treating tokens as independent would understate it badly: the blocks are the sampling units.
+    assert stderr > 3 * float(block_difficulty.std()) / float(counts.sum()) ** 0.5
+
+
+def test_row_losses_sum_to_the_mean_loss(tokenizer):
+    blocks = tokenize_into_blocks(Dataset.from_dict({"text": TEXTS}), tokenizer, block_size=16)
+    rows = mask_blocks_once(blocks, tokenizer, mlm_probability=0.3)
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    model = BertForMaskedLM(config)
+    sums, counts = text_data.masked_lm_row_losses(model, rows, batch_size=4)
+    assert counts.tolist() == [sum(label != -100 for label in row["labels"]) for row in rows]
+    assert float(sums.sum() / counts.sum()) == pytest.approx(masked_lm_loss(model, rows, batch_size=5), rel=1e-9)
 
 
 def run_bookcorpus_smoke(recipes, tmp_path: Path, setting: str, output_dir: Path, *extra: str) -> dict:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import csv
+import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from test_recipe_bookcorpus import run_bookcorpus_smoke
 from transformers import BertConfig, BertForMaskedLM, BertModel
 
+from hf_flatbias import glue
 from hf_flatbias.config import FlatBiasConfig
 from hf_flatbias.experiments import parse_dataclass_args
 from hf_flatbias.text_data import train_wordpiece_tokenizer
@@ -75,42 +78,122 @@ def test_tokenizer_larger_than_the_embedding_is_rejected(glue_compare, tmp_path,
         glue_compare.load_masked_lm(str(tmp_path))
 
 
-def test_outputs_hold_every_number(glue_compare, tmp_path):
-    rows = []
-    for model, loss, trace, scores in (
-        ("runs/sam", 3.1, 40.0, {"sst2": [0.8, 0.9], "rte": [0.6, 0.62]}),
-        ("runs/plain", 3.1, 90.0, {"sst2": [0.7, 0.72], "rte": [0.5, 0.6]}),
+def _rows_and_pairs(glue_compare):
+    rows, scores = [], {}
+    for model, loss, trace, per_task in (
+        ("runs/sam", 3.1, 40.0, {"sst2": [0.8, 0.9, 0.85], "rte": [0.6, 0.62, 0.61]}),
+        ("runs/plain", 3.1, 90.0, {"sst2": [0.7, 0.72, 0.74], "rte": [0.5, 0.6, 0.55]}),
     ):
-        for task, values in scores.items():
+        for task, values in per_task.items():
+            interval = glue.mean_interval(values)
             rows.append(
                 {
                     "model": model,
+                    "corpus": "bbc_news (held-out: 3000 texts, split seed 0)",
                     "pretrain_loss": loss,
+                    "pretrain_loss_stderr": 0.004,
                     "trace": trace,
                     "trace_stderr": 1.5,
+                    "released_trace": -12.0,
+                    "released_trace_stderr": 3.0,
                     "task": task,
                     "mode": "full",
                     "metric": "accuracy",
-                    "mean": sum(values) / 2,
-                    "std": abs(values[0] - values[1]) / 2**0.5,
+                    "mean": interval.estimate,
+                    "ci_low": interval.low,
+                    "ci_high": interval.high,
+                    "std": float(np.std(values, ddof=1)),
                     "scores": values,
                 }
             )
-    paths = glue_compare.write_outputs(rows, ["sst2", "rte"], tmp_path, standin_tasks=["sst2"])
+            scores[(model, task)] = values
+    sums = torch.tensor([10.0, 12.0, 11.0, 9.0], dtype=torch.float64)
+    losses = {"runs/sam": (sums, torch.full((4,), 3.0)), "runs/plain": (sums + 0.01, torch.full((4,), 3.0))}
+    corpora = {"runs/sam": "bbc", "runs/plain": "bbc"}
+    pairs = glue_compare.pairwise_comparisons(["runs/sam", "runs/plain"], ["sst2", "rte"], losses, scores, corpora)
+    return rows, pairs
+
+
+def test_pairwise_comparisons_mark_same_and_different_losses(glue_compare):
+    _, pairs = _rows_and_pairs(glue_compare)
+    (pair,) = pairs
+    assert pair["loss_difference"] == pytest.approx(-0.01 / 3)  # identical per-block gaps: zero paired error
+    assert pair["loss_difference_stderr"] == pytest.approx(0.0, abs=1e-12) and pair["same_loss"] is False
+    expected = glue.paired_difference([0.8, 0.9, 0.85], [0.7, 0.72, 0.74])
+    assert (pair["sst2"]["difference"], pair["sst2"]["ci_low"]) == pytest.approx((expected.estimate, expected.low))
+
+    noisy = {"a": (torch.tensor([10.0, 12.0, 11.0], dtype=torch.float64), torch.full((3,), 3.0))}
+    noisy["b"] = (torch.tensor([10.3, 11.7, 11.0], dtype=torch.float64), torch.full((3,), 3.0))
+    scores = {("a", "rte"): [0.5, 0.6], ("b", "rte"): [0.5, 0.7]}
+    (same,) = glue_compare.pairwise_comparisons(["a", "b"], ["rte"], noisy, scores, {"a": "x", "b": "x"})
+    assert same["loss_difference"] == pytest.approx(0.0, abs=1e-12) and same["same_loss"] is True
+    (apart,) = glue_compare.pairwise_comparisons(["a", "b"], ["rte"], noisy, scores, {"a": "x", "b": "y"})
+    assert apart["loss_difference"] is None and apart["same_loss"] is None  # different held-out text: not paired
+
+
+def test_outputs_hold_every_number(glue_compare, tmp_path):
+    rows, pairs = _rows_and_pairs(glue_compare)
+    paths = glue_compare.write_outputs(rows, ["sst2", "rte"], tmp_path, standin_tasks=["sst2"], pairs=pairs)
     assert paths["plot"].stat().st_size > 10_000  # a rendered figure, not an empty file
 
     table = paths["markdown"].read_text().splitlines()
-    assert table[0] == "| checkpoint | pre-training loss | Tr(H) ± s.e. | sst2* (accuracy) | rte (accuracy) | average |"
+    assert table[0] == (
+        "| checkpoint | held-out loss ± s.e. | Tr(F) ± s.e. | released-code Tr(H) ± s.e. | sst2* (accuracy) "
+        "| rte (accuracy) | average |"
+    )
     assert table[-1].startswith("* Offline stand-in, not GLUE")
-    sam = next(line for line in table if "runs/sam" in line)
-    # sst2 mean 85.00, std 7.07; rte 61.00 ± 1.41; average of the task means 73.00
-    assert "| 85.00 ± 7.07 | 61.00 ± 1.41 | 73.00 |" in sam
-    assert "| 40 ± 1.5 |" in sam
+    sam = next(line for line in table if line.startswith("| `runs/sam`"))
+    low, high = glue.mean_interval([0.8, 0.9, 0.85]).low, glue.mean_interval([0.8, 0.9, 0.85]).high
+    assert f"| 85.00 [{100 * low:.2f}, {100 * high:.2f}] |" in sam
+    assert "| 3.1000 ± 0.0040 | 40 ± 1.5 | -12 ± 3 |" in sam and sam.endswith("| 73.00 |")
+    pair_line = next(line for line in table if line.startswith("| `runs/sam` | `runs/plain`"))
+    assert "-0.0033 ± 0.0000 | **no** |" in pair_line
 
     with paths["csv"].open() as handle:
         written = list(csv.DictReader(handle))
     assert [(r["model"], r["task"]) for r in written] == [(r["model"], r["task"]) for r in rows]
-    assert written[1]["scores"] == "0.6 0.62" and float(written[3]["trace"]) == 90.0
+    assert written[1]["scores"] == "0.6 0.62 0.61" and float(written[3]["trace"]) == 90.0
+    assert float(written[0]["ci_low"]) == pytest.approx(low)
+    with paths["paired_csv"].open() as handle:
+        paired = list(csv.DictReader(handle))
+    assert [r["quantity"] for r in paired] == ["pretrain_loss", "sst2", "rte"]
+    assert float(paired[1]["difference"]) == pytest.approx(pairs[0]["sst2"]["difference"])
+
+
+def test_the_corpus_recorded_in_a_card_is_the_one_measured_on(glue_compare, recipes, tmp_path):
+    from hf_flatbias.modelcard import FlatnessCard
+
+    bert_bookcorpus = recipes.load("bert_bookcorpus")
+    DataArguments, corpus_record = bert_bookcorpus.DataArguments, bert_bookcorpus.corpus_record
+    held_out_text, load_text = bert_bookcorpus.held_out_text, bert_bookcorpus.load_text
+    data = DataArguments(dataset="bbc_news", validation_texts=50)
+    pretraining_split = load_text(data)["validation"]
+    FlatnessCard(model_name="ckpt", pretraining_corpus=corpus_record(data)).save(tmp_path)
+
+    corpus = glue_compare.held_out_corpus(str(tmp_path))
+    assert corpus == {"dataset": "bbc_news", "text_column": "text", "validation_texts": 50, "split_seed": 0}
+    assert held_out_text(corpus)["text"] == pretraining_split["text"]  # the very texts held out from pre-training
+    assert held_out_text(corpus, max_texts=7)["text"] == pretraining_split["text"][:7]
+    train = set(load_text(DataArguments(dataset="bbc_news", validation_texts=50))["train"]["text"])
+    assert not train & set(pretraining_split["text"])
+
+
+def test_unknown_corpus_without_text_dataset_is_refused_before_any_compute(glue_compare, tmp_path, tokenizer):
+    BertForMaskedLM(_config(len(tokenizer))).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="does not record its pre-training corpus.*--text_dataset"):
+        glue_compare.main([str(tmp_path), "--tasks", "sst2", "--output_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_offline_tasks_without_data_are_skipped_with_one_line(glue_compare, monkeypatch, capsys):
+    monkeypatch.setattr(glue, "hub_is_reachable", lambda: False)
+    found = glue_compare.load_task_data(["sst2", "rte"], None)
+    assert list(found) == ["sst2"]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Skipping rte: no data")
+    with pytest.raises(ValueError, match="None of the tasks"):
+        glue_compare.load_task_data(["rte"], None)
 
 
 def test_glue_compare_smoke_on_checkpoints_saved_by_the_recipe(recipes, tmp_path):
@@ -132,6 +215,10 @@ def test_glue_compare_smoke_on_checkpoints_saved_by_the_recipe(recipes, tmp_path
     for row in rows:
         assert 0.0 <= float(row["mean"]) <= 1.0 and len(row["scores"].split()) == 2
         assert float(row["trace"]) > 0 and 0 < float(row["pretrain_loss"]) < 9
+        assert 0 < float(row["pretrain_loss_stderr"]) < 0.5 and float(row["released_trace_stderr"]) > 0
+        # the corpus each checkpoint's card recorded, not a default
+        assert row["corpus"] == "bbc_news (held-out: 200 texts, split seed 0)"
+    assert len(list(csv.DictReader((output / "glue_compare_paired.csv").open()))) == 2  # loss and sst2
     assert (output / "glue_compare.png").stat().st_size > 10_000
     assert "adamw_dropout_wd" in (output / "glue_compare.md").read_text()
     assert torch.isfinite(torch.tensor([float(r["trace_stderr"]) for r in rows])).all()
@@ -147,5 +234,38 @@ def test_shipped_config_parses(glue_compare, recipes, tmp_path):
         ["runs/a", "runs/b", "--config", str(recipes.directory / "configs" / "glue_compare.yaml")]
     )
     args, training = parse_dataclass_args((glue_compare.CompareArguments, FlatBiasConfig), argv)
-    assert args.models == ["runs/a", "runs/b"] and args.seeds == [0, 1, 2] and args.tasks == "sst2,qnli,rte"
+    assert args.models == ["runs/a", "runs/b"] and args.seeds == [0, 1, 2, 3, 4] and args.tasks == "sst2,qnli,rte"
     assert training.learning_rate == 2e-5 and training.num_train_epochs == 3
+
+
+@pytest.mark.slow
+def test_gpu_script_smoke_runs_the_whole_pipeline_on_cpu(recipes, tmp_path):
+    output = tmp_path / "glue_gpu"
+    command = ["bash", str(recipes.directory / "glue_gpu.sh"), "--smoke", str(output)]
+    completed = subprocess.run(
+        command, env=recipes.environment(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=900
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    assert "Skipping rte: no data" in completed.stderr  # offline: one line, not a failure
+    table = (output / "compare" / "glue_compare.md").read_text()
+    for setting in ("adamw_dropout_wd", "no_dropout_no_wd", "no_dropout_no_wd_sam"):
+        assert f"{setting}`" in table
+        assert "roberta-prelayernorm" in (output / setting / "config.json").read_text()  # the pre-LN model
+    with (output / "compare" / "glue_compare_paired.csv").open() as handle:
+        assert len(list(csv.DictReader(handle))) == 3 * 2  # three pairs: loss and sst2 each
+
+
+def test_checkpoints_of_different_vocabularies_are_refused_before_any_compute(glue_compare, tmp_path, tokenizer):
+    other = train_wordpiece_tokenizer(
+        ["completely different words here", "nothing alike at all"] * 5,
+        vocab_size=50,
+        min_frequency=1,
+        cache_dir=tmp_path / "other_tokenizers",
+    )
+    for name, vocabulary in (("a", tokenizer), ("b", other)):
+        BertForMaskedLM(_config(len(vocabulary))).save_pretrained(tmp_path / name)
+        vocabulary.save_pretrained(tmp_path / name)
+    argv = [str(tmp_path / "a"), str(tmp_path / "b"), "--tasks", "sst2", "--text_dataset", "bbc_news"]
+    with pytest.raises(ValueError, match="another vocabulary"):
+        glue_compare.main([*argv, "--output_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

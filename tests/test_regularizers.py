@@ -110,6 +110,8 @@ def reference_penalty_sgd(model, rows, *, method, steps, batch_size, accumulatio
 
     fisher: grad = g_data(w + h u) + 2 lam N ||g|| / h * (g_y(w + h u) - g_y(w)), u = g_y / ||g_y||, labels y drawn
     from softmax(logits) with a generator seeded 0; grad_norm: grad = (1 - lam/h) g(w) + lam/h g(w + h u).
+    Masked-LM data losses with accumulation are token-weighted over the update: a micro-batch's data-loss gradients
+    weigh (its labelled tokens / the update's), not 1 / accumulation.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     generator = torch.Generator().manual_seed(0)
@@ -120,8 +122,13 @@ def reference_penalty_sgd(model, rows, *, method, steps, batch_size, accumulatio
 
     for step in range(steps):
         total = [torch.zeros_like(p) for p in params]
-        for batch in micro_batches_of(rows, step, batch_size, accumulation):
+        update = micro_batches_of(rows, step, batch_size, accumulation)
+        update_tokens = sum(int((batch["labels"] != -100).sum()) for batch in update)
+        token_weighted = isinstance(model, BertForMaskedLM) and accumulation > 1
+        for batch in update:
             mask = batch["labels"] != -100
+            # The data loss's weight in the update's gradient, relative to 1 / accumulation.
+            share = int(mask.sum()) * accumulation / update_tokens if token_weighted else 1.0
             out = forward(batch)
             if method == "fisher_penalty":
                 logits = out.logits[mask].float()
@@ -139,11 +146,11 @@ def reference_penalty_sgd(model, rows, *, method, steps, batch_size, accumulatio
                 data_grad = grad_list(out.loss, params, retain_graph=True)
                 y_grad = grad_list(F.cross_entropy(out.logits[mask].float(), y), params)
                 c = 2 * lam * len(y) * g_norm / h
-                step_grad = [d + c * (s - gi) for d, s, gi in zip(data_grad, y_grad, g, strict=True)]
+                step_grad = [share * d + c * (s - gi) for d, s, gi in zip(data_grad, y_grad, g, strict=True)]
             else:
                 shifted = grad_list(out.loss, params)
                 r = lam / h
-                step_grad = [(1 - r) * gi + r * s for gi, s in zip(g, shifted, strict=True)]
+                step_grad = [share * ((1 - r) * gi + r * s) for gi, s in zip(g, shifted, strict=True)]
             with torch.no_grad():
                 for p, s in zip(params, saved, strict=True):
                     p.copy_(s)

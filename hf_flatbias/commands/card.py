@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
+import warnings
 
 from .paths import local_path_or_hub_id
 
@@ -27,12 +29,22 @@ def run(args: argparse.Namespace) -> int:
     source = local_path_or_hub_id(args.repo_or_path, "REPO_OR_PATH", file_suffixes=(".md",))
     from ..modelcard import load_flatness_card
 
-    card = load_flatness_card(source, revision=args.revision)
+    card = read_card_reporting_warnings("hf-flatbias card", load_flatness_card, source, args.revision)
     if args.json:
         print(json.dumps(dataclasses.asdict(card), indent=2, sort_keys=True))
     else:
         print(format_card_summary(args.repo_or_path, card))
     return 0
+
+
+def read_card_reporting_warnings(program: str, load, repo_or_path: str, revision: str | None = None):
+    """``load(repo_or_path)``, its warnings (e.g. a non-finite trace read as unknown) printed as one line each."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        card = load(repo_or_path, revision=revision)
+    for warning in caught:
+        print(f"{program}: warning: {warning.message}", file=sys.stderr)
+    return card
 
 
 def format_card_summary(label: str, card) -> str:
@@ -53,10 +65,10 @@ def format_card_summary(label: str, card) -> str:
     rows = [
         ("model", label),
         ("method", card.method),
-        ("sam_rho", card.sam_rho),
-        ("asam_eta", card.asam_eta),
+        *card.method_hyperparameters().items(),
         ("pre-training loss", loss),
         ("Hessian trace ± stderr", trace),
+        ("trace measured at step", card.trace_step),
         ("estimator", estimator),
         ("step", card.global_step),
     ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from .paths import local_path_or_hub_id
 
@@ -29,10 +30,20 @@ def run(args: argparse.Namespace) -> int:
     # every path is checked before the first card is fetched from the Hub
     sources = [local_path_or_hub_id(name, "REPO_OR_PATH", file_suffixes=(".md",)) for name in args.models]
     from ..modelcard import format_comparison_table, load_flatness_card
+    from .card import read_card_reporting_warnings
 
-    cards = [(name, load_flatness_card(source)) for name, source in zip(args.models, sources, strict=True)]
+    cards = [
+        (name, read_card_reporting_warnings("hf-flatbias compare", load_flatness_card, source))
+        for name, source in zip(args.models, sources, strict=True)
+    ]
     if args.sort != "none":
         field = "hessian_trace" if args.sort == "trace" else "pretraining_loss"
-        cards.sort(key=lambda item: (getattr(item[1], field) is None, getattr(item[1], field) or 0.0))
+        cards.sort(key=lambda item: _unknown_last(getattr(item[1], field)))
     print(format_comparison_table(cards))
     return 0
+
+
+def _unknown_last(value: float | None) -> tuple[bool, float]:
+    # NaN compares false with everything, so it must be sorted as unknown explicitly
+    unknown = value is None or not math.isfinite(value)
+    return unknown, 0.0 if unknown else value

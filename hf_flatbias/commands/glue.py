@@ -17,7 +17,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("model", help="Checkpoint folder or Hub id (with its tokenizer).")
     parser.add_argument("--task", required=True, help="cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte or wnli.")
-    parser.add_argument("--mode", default="full", choices=["full", "linear_probe"], help="Default: %(default)s.")
+    parser.add_argument(
+        "--mode",
+        default="full",
+        choices=["full", "linear_cls", "linear_tokens", "pooler_head", "linear_probe"],
+        help="full fine-tuning; one linear layer on frozen [CLS] / token states; a new pooler and classifier on the "
+        "frozen encoder (linear_probe: its old, deprecated name).",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="Default: %(default)s.")
     parser.add_argument("--data-dir", default=None, help="Local GLUE files (train.* and validation.*).")
     parser.add_argument("--learning-rate", type=float, default=None, help="Default: 2e-5 full, 1e-3 probe.")

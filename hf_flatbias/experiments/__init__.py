@@ -4,10 +4,11 @@ matched-loss analysis, plots and result files.
 A recipe is a parser and a ``main()`` that put these together (as trl's ``trl/scripts/`` do with ``trl/scripts/
 utils.py``); a new experiment adds a recipe, and a module here only for what a second recipe will share. One module
 per job: `language` (the language, its contexts, probe tasks and entropy floor), `models` (small BERTs from a config),
-`runs` (`RunSpec`, training through `FlatBiasTrainer`), `evaluation` (one record per checkpoint: one-mask loss,
-Fisher trace, probes), `analysis` (correlations, matched loss, selection by flatness), `results` (JSON and tables),
-`plots`, `summary` (results as the markdown tables of docs/), `arguments` (the synthetic recipes' flags) and
-`dataclass_args` (``HfArgumentParser`` with a YAML ``--config``, for the BookCorpus and GLUE recipes).
+`runs` (`RunSpec`, training through `FlatBiasTrainer`), `branches` (anneal-to-evaluate copies of a constant-rate
+trunk), `saturation` (KL to the exact conditionals over every position), `evaluation` (one record per checkpoint:
+one-mask loss, Fisher trace, probes), `analysis` (correlations, matched loss, selection by flatness), `results` (JSON
+and tables), `plots`, `summary` (results as the markdown tables of docs/), `arguments` (the synthetic recipes'
+flags) and `dataclass_args` (``HfArgumentParser`` with a YAML ``--config``, for the BookCorpus and GLUE recipes).
 """
 
 from .analysis import at_common_loss, correlations, flatness_selection, matched_loss, partial_spearman, spearman
@@ -19,6 +20,7 @@ from .arguments import (
     run_spec_arguments,
     setup_language_from_args,
 )
+from .branches import BranchEvaluator, anneal_branch, branch_batches, linear_anneal_rates
 from .dataclass_args import load_yaml_config, parse_dataclass_args
 from .evaluation import (
     CheckpointEvaluator,
@@ -35,17 +37,22 @@ from .models import bert_config, build_model
 from .plots import plot_runs
 from .results import config_of, final_row, is_main_process, markdown_table, task_accuracies, write_json, write_results
 from .runs import RunSpec, train_and_evaluate
+from .saturation import SaturationResult, measure_saturation, model_masked_log_probs, saturation
 from .summary import summarize
 
 __all__ = [
+    "BranchEvaluator",
     "CheckpointEvaluator",
     "LanguageSetup",
     "RunSpec",
+    "SaturationResult",
     "add_common_arguments",
     "add_target_loss_argument",
+    "anneal_branch",
     "apply_smoke",
     "at_common_loss",
     "bert_config",
+    "branch_batches",
     "build_model",
     "config_of",
     "context_batch",
@@ -57,9 +64,12 @@ __all__ = [
     "format_record",
     "hessian_trace",
     "is_main_process",
+    "linear_anneal_rates",
     "load_yaml_config",
     "markdown_table",
     "matched_loss",
+    "measure_saturation",
+    "model_masked_log_probs",
     "one_mask_loss",
     "parse_dataclass_args",
     "parse_recipe_arguments",
@@ -67,6 +77,7 @@ __all__ = [
     "plot_runs",
     "probe_scores",
     "run_spec_arguments",
+    "saturation",
     "setup_language",
     "setup_language_from_args",
     "spearman",

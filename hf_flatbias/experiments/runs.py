@@ -28,6 +28,10 @@ class RunSpec:
     batch_size: int = 64
     learning_rate: float = 2e-3
     warmup_steps: int = 100
+    # the paper's shape is AdamW with beta2 0.98 and a linear decay to 0 ("linear"); constant suits a trunk that
+    # anneal-to-evaluate branches (experiments.branches) are taken from
+    lr_scheduler_type: str = "constant_with_warmup"
+    adam_beta2: float = 0.999
     dropout: float = 0.0
     weight_decay: float = 0.0
     flatness_method: str = "none"
@@ -92,7 +96,8 @@ def train_and_evaluate(
         max_steps=spec.steps,
         per_device_train_batch_size=spec.batch_size,
         learning_rate=spec.learning_rate,
-        lr_scheduler_type="constant_with_warmup",  # constant: training continues at full speed after convergence
+        lr_scheduler_type=spec.lr_scheduler_type,
+        adam_beta2=spec.adam_beta2,
         warmup_steps=spec.warmup_steps,
         weight_decay=spec.weight_decay,
         flatness_method=spec.flatness_method,

@@ -407,12 +407,16 @@ def _per_sample_batch(
     for k in range(n_draws):
         cotangent = -probs.clone()
         cotangent[torch.arange(len(indices)), labels[:, k]] += 1.0
-        grads = torch.autograd.grad(
-            logits,
-            outputs,
-            grad_outputs=cotangent.to(logits.dtype).unsqueeze(1),
-            retain_graph=k < n_draws - 1 or validate,
-            allow_unused=True,
+        grad_logits = cotangent.to(logits.dtype).unsqueeze(1)
+        if validate and k == 0:
+            recorder.check_unsupported_unused(logits, grad_logits)
+        # no recorded output: none of the parameters reaches the logits, and every norm is zero
+        grads = (
+            torch.autograd.grad(
+                logits, outputs, grad_outputs=grad_logits, retain_graph=k < n_draws - 1 or validate, allow_unused=True
+            )
+            if outputs
+            else []
         )
         recorder.set_grad_outputs(grads)
         if use_expectation:
@@ -443,9 +447,10 @@ def _validate_against_autograd(
         unsupported = f" Parameters outside those layers: {recorder.unsupported[:8]}." if recorder.unsupported else ""
         raise ValueError(
             f"Per-sample gradient norms do not match a plain backward on {type(model).__name__} ({ghost:.6g} vs "
-            f"{reference:.6g}): estimator='per_sample' sees the parameters of Linear, Conv1D, Embedding and LayerNorm "
-            f"layers used inside those layers only.{unsupported} Use estimator='naive' (exact for any model, "
-            "slower), or freeze the other parameters (requires_grad=False) to leave them out of the trace."
+            f"{reference:.6g}): estimator='per_sample' sees the parameters of Linear, Conv1D, Embedding, LayerNorm "
+            f"and elementwise norm layers used inside those layers only.{unsupported} Use estimator='naive' (exact "
+            "for any model, slower), or freeze the other parameters (requires_grad=False) to leave them out of the "
+            "trace."
         )
 
 
@@ -528,13 +533,13 @@ def _length_sorted_batches(contexts: TraceContexts, indices: Sequence[int], batc
     return [ordered[start : start + batch_size] for start in range(0, len(ordered), batch_size)]
 
 
-def _check_arguments(estimator: str, n_draws: int, batch_size: int) -> None:
+def _check_arguments(estimator: str, n_draws: int, batch_size: int | str) -> None:
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator={estimator!r} is not supported; choose one of {list(ESTIMATORS)}.")
     if not isinstance(n_draws, int) or n_draws < 1:
         raise ValueError(f"n_draws must be an integer >= 1 (got {n_draws!r}); {RECOMMENDED_N_DRAWS} is usually best.")
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1 (got {batch_size!r}).")
+    if batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be an integer >= 1 or 'auto' (got {batch_size!r}).")
 
 
 def compute_trace_samples(
@@ -545,7 +550,7 @@ def compute_trace_samples(
     n_draws: int = 50,
     estimator: str = "per_sample",
     seed: int = 0,
-    batch_size: int = DEFAULT_BATCH_SIZE,
+    batch_size: int | str = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,
 ) -> TraceSamples:
     """Estimator values for the contexts ``indices`` (all by default), to be concatenated and summarized.
@@ -567,6 +572,10 @@ def compute_trace_samples(
             parts = [_naive_context(model, contexts, i, params, n_draws, seed).unsqueeze(0) for i in indices]
             weights = torch.ones(len(indices))
         else:
+            if batch_size == "auto":
+                from .memory import auto_batch_size
+
+                batch_size = auto_batch_size(model, contexts, indices)
             batches = _length_sorted_batches(contexts, indices, batch_size)
             weights = torch.ones(len(indices))
             for number, group in enumerate(batches):
@@ -605,7 +614,7 @@ def estimate_hessian_trace(
     n_draws: int = 50,
     estimator: str = "per_sample",
     seed: int = 0,
-    batch_size: int = DEFAULT_BATCH_SIZE,
+    batch_size: int | str = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,
     causal: bool | None = None,
     across_processes: bool = False,
@@ -626,7 +635,9 @@ def estimate_hessian_trace(
         estimator: ``"per_sample"`` (default, fastest), ``"summed"``, ``"hutchinson"`` or ``"naive"`` (see the
             module docstring).
         seed: the draws of context ``i`` depend only on ``(seed, i)``.
-        batch_size: contexts per forward.
+        batch_size: contexts per forward, or ``"auto"``: as many as keep the measurement's working memory under
+            80% of the free GPU memory (half the available RAM on CPU), measured on the longest context
+            (`hf_flatbias.flatness.memory.auto_batch_size`, which also takes a stated budget).
         exact_output_expectation: with ``per_sample``, replace the output layer's own term by its exact expectation
             over ``y`` (unbiased, less noise). ``False`` gives the plain sampled norms, draw for draw equal to
             ``naive``.

@@ -4,34 +4,48 @@ For a layer whose weight gradient is a sum of outer products over positions, ``d
 norm of one sample's gradient is ``sum_{t,s} (l_t . l_s)(r_t . r_s)``: it needs the layer's input and the gradient
 at its output, never the per-sample weight gradient itself. Tied weights (a word embedding reused as the decoder)
 add the cross terms ``2 <dW_u, dW_v>`` between their uses, which have the same form. Norm layers' gradients are
-per-sample vectors and are formed directly.
+per-sample vectors and are formed directly: LayerNorm by its formula, and any other module whose 1-D parameters act
+elementwise on the last axis (RMSNorm in its Llama, Mistral, Qwen2 and Gemma ``(1 + weight)`` forms, T5's LayerNorm,
+...) through the derivative of its output with respect to each parameter, taken by forward-mode differentiation and
+checked on the first call to really be elementwise.
 
 ``GhostNormRecorder`` hooks the supported modules of a model, records what each call saw during a forward, and turns
 the gradients at the recorded outputs (one ``torch.autograd.grad`` for the whole batch) into per-sample squared
-norms over the chosen parameters. Nothing here knows about the Trainer.
+norms over the chosen parameters. A parameter it cannot follow is refused by name if the forward uses it
+(`GhostNormRecorder.check_unsupported_unused`). Nothing here knows about the Trainer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call, jvp
 from transformers.pytorch_utils import Conv1D
 
-SUPPORTED_MODULE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, Conv1D, nn.Embedding, nn.LayerNorm)
+# What each kind of layer is recognised by; "elementwise" is any parameter-leaf module whose parameters are all 1-D.
+LAYER_KINDS = ("linear", "conv1d", "embedding", "layer_norm", "elementwise")
 
 
 @dataclass
 class _LayerCall:
-    """What one call of a hooked module saw: its input (ids for embeddings) and its output tensor."""
+    """What one call of a hooked module saw: its input (ids for embeddings) and its output tensor.
+
+    ``output_scale`` is the constant an embedding subclass multiplies its lookup by (Gemma's ``sqrt(hidden)``);
+    ``coefficients`` holds, for an elementwise module, ``d output / d parameter`` per parameter name (the normalised
+    input for an RMSNorm weight), shaped like the output.
+    """
 
     module: nn.Module
     inputs: torch.Tensor
     output: torch.Tensor
     grad_output: torch.Tensor | None = None
+    output_scale: float = 1.0
+    coefficients: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -115,14 +129,92 @@ def _outer_squared_norm(a: _OuterFactors, cache: _GramCache) -> torch.Tensor:
     return _outer_inner_product(a, a, cache)
 
 
+def _layer_kind(module: nn.Module) -> str | None:
+    """Which of `LAYER_KINDS` a module with trainable parameters is, or ``None`` for one the recorder cannot follow."""
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, Conv1D):
+        return "conv1d"
+    if isinstance(module, nn.Embedding):
+        return None if module.max_norm is not None or module.scale_grad_by_freq else "embedding"
+    if isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward:
+        return "layer_norm" if len(module.normalized_shape) == 1 else None
+    own = list(module.parameters(recurse=False))
+    # A parameter leaf (no sub-module holds parameters) with only vector parameters may be an elementwise norm; the
+    # first call decides (`_elementwise_coefficients`).
+    if own and len(own) == sum(1 for _ in module.parameters()) and all(p.dim() == 1 for p in own):
+        return "elementwise"
+    return None
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
+
+
+def _embedding_output_scale(module: nn.Embedding, ids: torch.Tensor, output: torch.Tensor) -> float | None:
+    """The constant an embedding subclass scales its lookup by (1.0 for the stock forward), or ``None`` when its
+    output is not a constant multiple of the looked-up rows."""
+    if type(module).forward is nn.Embedding.forward:
+        return 1.0
+    with torch.no_grad():
+        rows = F.embedding(ids, module.weight, module.padding_idx).double()
+        out = output.detach().double()
+        energy = rows.square().sum()
+        scale = float((out * rows).sum() / energy) if energy > 0 else 1.0
+        tol = _tolerance(output.dtype)
+        if not torch.allclose(out, scale * rows, rtol=tol, atol=tol * float(out.abs().max().clamp_min(1e-30))):
+            return None
+    return scale
+
+
+def _elementwise_coefficients(
+    module: nn.Module, inputs: torch.Tensor, output: torch.Tensor, names: Sequence[str], check: bool
+) -> dict[str, torch.Tensor] | str:
+    """``d output / d parameter`` in the all-ones direction for each named 1-D parameter, shaped like the output, or
+    the reason the module is not elementwise in it.
+
+    Forward-mode differentiation of the module's own forward gives the coefficient whatever the formula (``weight *
+    normalised``, ``(1 + weight) * normalised``, a bias). With ``check``, a second, random direction must give the
+    coefficient times that direction: the Jacobian is diagonal, so the per-sample gradient is ``sum_t g_t * c_t``.
+    """
+    params = dict(module.named_parameters(recurse=False))
+    inputs = inputs.detach()
+    coefficients = {}
+    with torch.no_grad():
+        for name in names:
+            value = params[name].detach()
+            if value.shape[0] != output.shape[-1]:
+                return (
+                    f"its parameter '{name}' has {value.shape[0]} entries but its output's last axis {output.shape[-1]}"
+                )
+
+            def forward(parameter: torch.Tensor, name: str = name, inputs: torch.Tensor = inputs) -> torch.Tensor:
+                return functional_call(module, {name: parameter}, (inputs,))
+
+            _, coefficient = jvp(forward, (value,), (torch.ones_like(value),))
+            if check:
+                # on the first sample only: the structure does not depend on the sample
+                generator = torch.Generator().manual_seed(0)
+                direction = (torch.rand(value.shape, generator=generator, dtype=torch.float64) + 0.5).to(value)
+                _, along = jvp(partial(forward, inputs=inputs[:1]), (value,), (direction,))
+                expected = coefficient[:1] * direction
+                tol = _tolerance(output.dtype)
+                scale = float(expected.abs().max().clamp_min(1e-30))
+                if not torch.allclose(along, expected, rtol=tol, atol=tol * scale):
+                    return f"its output does not depend on '{name}' elementwise along the last axis"
+            coefficients[name] = coefficient
+    return coefficients
+
+
 class GhostNormRecorder:
     """Records the calls of supported layers during a forward and returns per-sample squared gradient norms.
 
     Args:
         model: the module whose parameters are measured.
-        params: the parameters that count (usually the trainable ones). Only those of supported layers
-            (`nn.Linear`, transformers' `Conv1D`, `nn.Embedding`, `nn.LayerNorm`) are seen; the names of the others
-            are in `unsupported`, for the caller to check that they receive no gradient.
+        params: the parameters that count (usually the trainable ones). Those of `nn.Linear`, transformers'
+            `Conv1D`, `nn.Embedding` (also a subclass scaling its lookup by a constant), `nn.LayerNorm` and of
+            modules acting elementwise through 1-D parameters (RMSNorm and its kin) are measured; the others are
+            listed in `unsupported`, and `check_unsupported_unused` refuses them if the forward uses them.
 
     Use as a context manager around the forward; then call `outputs()` for the tensors to differentiate,
     `set_grad_outputs(...)` with their gradients, and `squared_norms(...)`.
@@ -132,34 +224,74 @@ class GhostNormRecorder:
         self.model = model
         self.params = list(params)
         wanted = {id(p) for p in self.params}
-        self._modules: list[nn.Module] = []
-        covered: set[int] = set()
-        for module in model.modules():
-            own = [p for p in module.parameters(recurse=False) if id(p) in wanted]
-            if not own:
+        self._kinds: dict[nn.Module, str] = {}
+        self._refused: dict[nn.Module, str] = {}
+        self._module_names: dict[nn.Module, str] = {}
+        for name, module in model.named_modules():
+            if not any(id(p) in wanted for p in module.parameters(recurse=False)):
                 continue
-            if not isinstance(module, SUPPORTED_MODULE_TYPES):
-                continue
-            if isinstance(module, nn.Embedding) and (module.max_norm is not None or module.scale_grad_by_freq):
-                continue
-            if isinstance(module, nn.LayerNorm) and len(module.normalized_shape) != 1:
-                continue
-            self._modules.append(module)
-            covered.update(id(p) for p in own)
-        # Parameters outside the supported layers are left out of the per-sample norms. That is right when they
-        # get no gradient (e.g. BERT's untied output bias, which the forward never uses) and wrong otherwise; the
-        # estimator compares one context against a plain backward to tell the two apart.
-        self.unsupported = [name for name, p in model.named_parameters() if id(p) in wanted and id(p) not in covered]
+            self._module_names[module] = name
+            kind = _layer_kind(module)
+            if kind is None:
+                self._refused[module] = f"a {type(module).__name__} is not a layer per_sample can follow"
+            else:
+                self._kinds[module] = kind
         self.calls: list[_LayerCall] = []
         self.batch_size: int | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._checked: set[nn.Module] = set()
+        self._probing = False
+
+    def _covered_ids(self) -> set[int]:
+        return {id(p) for module in self._kinds for p in module.parameters(recurse=False)}
+
+    def unsupported_parameters(self) -> list[tuple[str, nn.Parameter, str]]:
+        """``(name, parameter, reason)`` for every wanted parameter outside the layers the recorder follows."""
+        wanted, covered = {id(p) for p in self.params}, self._covered_ids()
+        owners = {id(p): module for module in self._refused for p in module.parameters(recurse=False)}
+        found = []
+        for name, param in self.model.named_parameters():
+            if id(param) in wanted and id(param) not in covered:
+                owner = owners.get(id(param))
+                reason = self._refused.get(owner, "") if owner is not None else ""
+                found.append((name, param, reason))
+        return found
+
+    @property
+    def unsupported(self) -> list[str]:
+        return [name for name, _, _ in self.unsupported_parameters()]
+
+    def check_unsupported_unused(self, root: torch.Tensor, grad_root: torch.Tensor) -> None:
+        """Raise a `ValueError` naming every parameter outside the followed layers that ``root`` depends on.
+
+        Parameters the forward never uses (BERT's untied output bias) get no gradient and contribute nothing; a
+        used one would be silently missing from the norms.
+        """
+        missing = self.unsupported_parameters()
+        if not missing:
+            return
+        grads = torch.autograd.grad(
+            root, [p for _, p, _ in missing], grad_outputs=grad_root, retain_graph=True, allow_unused=True
+        )
+        used = [
+            f"'{name}' ({reason})" if reason else f"'{name}'"
+            for (name, _, reason), g in zip(missing, grads, strict=True)
+            if g is not None
+        ]
+        if used:
+            raise ValueError(
+                f"estimator='per_sample' cannot form per-sample gradients of {', '.join(used[:8])}"
+                f"{f' and {len(used) - 8} more' if len(used) > 8 else ''}: it follows Linear, Conv1D, Embedding, "
+                "LayerNorm and elementwise norm layers (RMSNorm) only. Use estimator='naive' (exact for any model, "
+                "slower), or freeze those parameters (requires_grad=False) to leave them out of the trace."
+            )
 
     def __enter__(self) -> GhostNormRecorder:
         self.calls = []
         self._cache = _GramCache()
         self._static_views: dict[int, dict] = {}
-        for module in self._modules:
-            self._handles.append(module.register_forward_hook(self._record))
+        for module in self._kinds:
+            self._handles.append(module.register_forward_hook(self._record, with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -167,12 +299,44 @@ class GhostNormRecorder:
             handle.remove()
         self._handles = []
 
-    def _record(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+    def _refuse(self, module: nn.Module, reason: str) -> None:
+        """Stop following a module whose first call showed it is not what its structure suggested."""
+        self._kinds.pop(module, None)
+        self._refused[module] = reason
+        self.calls = [call for call in self.calls if call.module is not module]
+
+    def _record(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor | None:
+        if self._probing or module not in self._kinds:
+            return None
         if self.batch_size is None:
             raise RuntimeError("GhostNormRecorder.batch_size must be set before the forward.")
-        inputs = args[0]
         if not isinstance(output, torch.Tensor) or not output.requires_grad:
             return None
+        kind = self._kinds[module]
+        if not args or not isinstance(args[0], torch.Tensor) or (kind == "elementwise" and (len(args) > 1 or kwargs)):
+            self._refuse(module, f"a {type(module).__name__} called with other than one tensor argument")
+            return None
+        inputs = args[0]
+        call = _LayerCall(module=module, inputs=inputs.detach(), output=output)
+        if kind == "embedding":
+            scale = _embedding_output_scale(module, inputs, output)
+            if scale is None:
+                self._refuse(module, f"a {type(module).__name__} whose output is not a constant times its lookup")
+                return None
+            call.output_scale = scale
+        elif kind == "elementwise":
+            wanted = {id(p) for p in self.params}
+            names = [name for name, p in module.named_parameters(recurse=False) if id(p) in wanted]
+            self._probing = True
+            try:
+                found = _elementwise_coefficients(module, inputs, output, names, check=module not in self._checked)
+            finally:
+                self._probing = False
+            if isinstance(found, str):
+                self._refuse(module, f"a {type(module).__name__}: {found}")
+                return None
+            self._checked.add(module)
+            call.coefficients = found
         if output.shape[0] != self.batch_size:
             if output.shape[0] != 1:
                 raise ValueError(
@@ -182,8 +346,9 @@ class GhostNormRecorder:
             # A broadcast call (e.g. position embeddings of shape (1, T, d)) serves every sample: expanding it
             # here gives each sample its own gradient at the output.
             output = output.expand(self.batch_size, *output.shape[1:])
-            inputs = inputs.expand(self.batch_size, *inputs.shape[1:])
-        call = _LayerCall(module=module, inputs=inputs.detach(), output=output)
+            call.output = output
+            call.inputs = call.inputs.expand(self.batch_size, *call.inputs.shape[1:])
+            call.coefficients = {name: c.expand(self.batch_size, *c.shape[1:]) for name, c in call.coefficients.items()}
         self.calls.append(call)
         return output
 
@@ -215,29 +380,38 @@ class GhostNormRecorder:
             module, grad = call.module, call.grad_output
             if grad is None:
                 continue
+            kind = self._kinds[module]
             weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
             g = _flatten_positions(grad, batch)
-            if isinstance(module, nn.Linear):
+            if kind == "elementwise":
+                params = dict(module.named_parameters(recurse=False))
+                for name, coefficient in call.coefficients.items():
+                    c = _flatten_positions(coefficient, batch).to(g.dtype)
+                    entry(params[name]).vectors.append((call, (g * c).sum(dim=1)))
+                continue
+            if kind == "linear":
                 if weight is not None and id(weight) in wanted:
                     x = self._static(_flatten_positions(call.inputs, batch).to(g.dtype), call)
                     entry(weight).outer.append((call, _OuterFactors(left=g, right=x)))
-            elif isinstance(module, Conv1D):
+            elif kind == "conv1d":
                 if id(weight) in wanted:
                     x = self._static(_flatten_positions(call.inputs, batch).to(g.dtype), call)
                     entry(weight).outer.append((call, _OuterFactors(left=x, right=g)))
-            elif isinstance(module, nn.Embedding):
+            elif kind == "embedding":
                 if id(weight) in wanted:
                     ids = self._static(call.inputs.reshape(batch, -1), call)
+                    if call.output_scale != 1.0:
+                        g = g * call.output_scale
                     if module.padding_idx is not None:
                         # the padding row never receives a gradient
                         g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
                     entry(weight).outer.append((call, _OuterFactors(left_ids=ids, right=g)))
-            elif isinstance(module, nn.LayerNorm):
+            elif kind == "layer_norm":
                 if weight is not None and id(weight) in wanted:
                     x = _flatten_positions(call.inputs, batch)
                     normalized = F.layer_norm(x, module.normalized_shape, None, None, module.eps).to(g.dtype)
                     entry(weight).vectors.append((call, (g * normalized).sum(dim=1)))
-            if bias is not None and id(bias) in wanted and not isinstance(module, nn.Embedding):
+            if bias is not None and id(bias) in wanted and kind != "embedding":
                 entry(bias).vectors.append((call, g.sum(dim=1)))
         return uses
 
@@ -247,7 +421,8 @@ class GhostNormRecorder:
         With `exclude_self_terms_of`, the squared norms of that call's own weight and bias contributions are left
         out (its cross terms with other uses of the same parameters stay): the caller adds their expectation.
         """
-        total = torch.zeros(self.batch_size, dtype=torch.float64, device=self.calls[0].output.device)
+        device = self.calls[0].output.device if self.calls else self.params[0].device
+        total = torch.zeros(self.batch_size, dtype=torch.float64, device=device)
         for use in self._uses().values():
             if use.outer and use.vectors:
                 raise ValueError("a parameter used both as a matrix and as a vector is not supported")

@@ -7,7 +7,7 @@ unwrapped module, and anything the engine would normally do for them (averaging 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +29,42 @@ def gradients_of(loss: torch.Tensor, params: Sequence[torch.Tensor]) -> list[tor
     """
     grads = torch.autograd.grad(loss, list(params), allow_unused=True)
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+
+
+def first_gradient(
+    losses: torch.Tensor | Iterable[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    *,
+    scaler: torch.amp.GradScaler | None = None,
+    average_over_processes: bool = False,
+) -> list[torch.Tensor]:
+    """``d sum(losses) / d params`` off the engine's hooks, unscaled, optionally averaged over processes.
+
+    Args:
+        losses: one loss, or an iterable of them (a generator keeps one micro-batch graph alive at a time).
+        params: the tensors to differentiate against (`perturbable_parameters(...).params`).
+        scaler: the fp16 gradient scaler, if any. Each loss is multiplied by its scale so that small gradients do
+            not underflow, and the sum is unscaled on our own copy: the optimizer's scaler never sees these
+            gradients, so nothing is unscaled twice.
+        average_over_processes: average the result over all processes (``sam_perturbation="global"``).
+
+    Returns:
+        One gradient per parameter (zeros for a parameter the losses do not reach).
+    """
+    grads: list[torch.Tensor] | None = None
+    for loss in [losses] if isinstance(losses, torch.Tensor) else losses:
+        loss_grads = gradients_of(scaler.scale(loss) if scaler is not None else loss, params)
+        if grads is None:
+            grads = loss_grads
+        else:
+            torch._foreach_add_(grads, loss_grads)
+    if grads is None:
+        raise ValueError("first_gradient needs at least one loss.")
+    if scaler is not None:
+        torch._foreach_div_(grads, scaler.get_scale())
+    if average_over_processes:
+        average_across_processes(grads)
+    return grads
 
 
 def average_across_processes(tensors: list[torch.Tensor]) -> None:

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.distributed_sam_script import classification_rows, tiny_classifier
+from tests.helpers.distributed_sam_script import classification_rows, tiny_classifier, token_weighted_rows
+from tests.helpers.tiny_models import stack, tiny_mlm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "tests" / "helpers" / "distributed_sam_script.py"
@@ -105,8 +106,30 @@ TWO_PROCESS_CASES += [*TRACE_CASES, TRACE_CALLBACK_CASE]
 if HAS_DEEPSPEED:
     TWO_PROCESS_CASES.append({"name": "tracecb-zero3-per_sample-rejected", "engine": "zero3", "kind": "trace_callback",
                               "trace": {"n_contexts": 7, "n_draws": 2}})
+# BERT's masked LM ignores num_items_in_batch: its loss is weighted by the update's tokens over both ranks, which hold
+# unequal label counts. Each is compared with the one-process step on the same 8 rows (reference_token_weighted_sgd).
+TOKEN_WEIGHTED_VARIANTS = {
+    "none_acc2": {"flatness_method": "none", "gradient_accumulation_steps": 2},
+    "sam_batch_acc2": {"sam_scope": "batch", "gradient_accumulation_steps": 2},
+    "sam_micro_acc2": {"gradient_accumulation_steps": 2},
+}
+TOKEN_WEIGHTED_ENGINES = {"ddp": list(TOKEN_WEIGHTED_VARIANTS)}
+if HAS_DEEPSPEED:
+    TOKEN_WEIGHTED_ENGINES.update(zero2=["none_acc2", "sam_batch_acc2"], zero3=["sam_batch_acc2"])
+TOKEN_WEIGHTED_CASES = [
+    {"name": f"{engine}-mlm-{variant}", "engine": engine, "task": "masked_lm", "args": TOKEN_WEIGHTED_VARIANTS[variant]}
+    for engine, variants in TOKEN_WEIGHTED_ENGINES.items()
+    for variant in variants
+]
+# Without the token count summed over ranks, each rank weighs its own tokens: the average of per-rank means, which
+# the tolerance of the token-weighted tests must tell apart from the one-process step.
+PER_RANK_TOKENS_CASE = {"name": "ddp-mlm-sam_batch_acc2-per_rank_tokens", "engine": "ddp", "task": "masked_lm",
+                        "args": {**TOKEN_WEIGHTED_VARIANTS["sam_batch_acc2"], "average_tokens_across_devices": False}}
+TWO_PROCESS_CASES += [*TOKEN_WEIGHTED_CASES, PER_RANK_TOKENS_CASE]
 SAM_TWO_PROCESS_CASES = [c for c in TWO_PROCESS_CASES if c.get("kind", "sam") == "sam"]
-SAM_REFERENCE_CASES = [c for c in SAM_TWO_PROCESS_CASES if c not in PENALTY_TWO_PROCESS_CASES]
+SAM_REFERENCE_CASES = [
+    c for c in SAM_TWO_PROCESS_CASES if c not in PENALTY_TWO_PROCESS_CASES and c.get("task") != "masked_lm"
+]
 
 # The user's path: the engine set up by `accelerate launch --config_file accelerate_deepspeed_zero3.yaml`.
 LAUNCHER_CASE = {"name": "launcher-zero3-sam_batch_acc2", "engine": "launcher", "args": SAM_CASES["sam_batch_acc2"]}
@@ -263,6 +286,63 @@ def reference_sam_sgd(
             for p, g in zip(params, total, strict=True):
                 p.sub_(LR * g)
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def reference_token_weighted_sgd(
+    *, flatness_method: str = "sam", sam_scope: str = "micro_batch", gradient_accumulation_steps: int = 1,
+    sam_rho: float = 0.05, world_size: int = 2, **ignored,
+) -> tuple[dict[str, torch.Tensor], list[tuple[float, float]]]:
+    """SGD with SAM on one process, the loss of each update being the mean over all its labelled tokens.
+
+    Micro-batch ``j`` of an update gathers micro-batch ``j`` of every rank: ``world_size * PER_DEVICE`` consecutive
+    rows (see `reference_sam_sgd`). Its share of the update's loss is BERT's own token mean over its rows, weighted
+    by its label count over the update's. Returns the parameters and, per update, the loss at ``w`` and the loss
+    at ``w + e`` (summed over the micro-batches, each at its own perturbation in micro-batch scope).
+    """
+    assert flatness_method in ("none", "sam")
+    model = tiny_mlm()
+    rows = token_weighted_rows()
+    params = [p for p in model.parameters() if p.requires_grad]
+    k, size = gradient_accumulation_steps, world_size * PER_DEVICE
+
+    def n_labels(b) -> int:
+        return int((b["labels"] != -100).sum())
+
+    def loss_and_grad(batches, n_update, eps=()):
+        saved = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, e in zip(params, eps, strict=False):
+                p.add_(e)
+        loss = sum(model(**b).loss * n_labels(b) / n_update for b in batches)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        with torch.no_grad():
+            for p, w in zip(params, saved, strict=True):
+                p.copy_(w)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+        return float(loss.detach()), grads
+
+    def perturbation(g):
+        norm = math.sqrt(sum(float((x * x).sum()) for x in g))
+        return [sam_rho * x / norm for x in g]
+
+    losses = []
+    for step in range(STEPS):
+        micro = [stack(rows[(step * k + j) * size: (step * k + j + 1) * size]) for j in range(k)]
+        n_update = sum(n_labels(b) for b in micro)
+        scopes = [micro] if sam_scope == "batch" or flatness_method == "none" else [[b] for b in micro]
+        total, clean, perturbed = [torch.zeros_like(p) for p in params], 0.0, 0.0
+        for batches in scopes:
+            loss_w, g = loss_and_grad(batches, n_update)
+            clean += loss_w
+            if flatness_method == "sam":
+                loss_w, g = loss_and_grad(batches, n_update, perturbation(g))
+                perturbed += loss_w
+            total = [t + x for t, x in zip(total, g, strict=True)]
+        losses.append((clean, perturbed))
+        with torch.no_grad():
+            for p, g in zip(params, total, strict=True):
+                p.sub_(LR * g)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, losses
 
 
 def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -430,3 +510,54 @@ def test_trace_callback_logs_the_one_process_estimate(two_process_runs):
                                          batch_size=trace["batch_size"])
     assert infos[0]["estimate"]["n_contexts"] == one_process.n_contexts == trace["n_contexts"]
     assert infos[0]["logged_trace"] == [pytest.approx(one_process.mean, rel=1e-6)]
+
+
+def token_weighted_param(case: dict):
+    return pytest.param(case, id=case["name"], marks=marks_for(case["engine"]))
+
+
+def test_ranks_hold_unequal_label_counts():
+    """What the token-weighted cases rely on: in every update, rank 0 and rank 1 hold different numbers of labels."""
+    rows = token_weighted_rows()
+    k, size = 2, 2 * PER_DEVICE
+    for step in range(STEPS):
+        counts = [0, 0]
+        for j in range(k):
+            for rank in (0, 1):
+                start = (step * k + j) * size + rank * PER_DEVICE
+                counts[rank] += sum(int((row["labels"] != -100).sum()) for row in rows[start: start + PER_DEVICE])
+        assert counts[0] != counts[1], (step, counts)
+
+
+@pytest.mark.parametrize("case", [token_weighted_param(c) for c in TOKEN_WEIGHTED_CASES])
+def test_token_weighted_two_processes_equal_one_process_on_the_global_batch(two_process_runs, case):
+    saved = load(two_process_runs, case["name"])
+    info = json.loads((two_process_runs(case["name"]) / f"{case['name']}.rank0.json").read_text())
+    assert info["token_weighted_loss"] and info["world_size"] == 2
+    reference, _ = reference_token_weighted_sgd(**case["args"])
+    assert max_difference(saved["params"], reference) < 1e-6
+
+
+@pytest.mark.parametrize("case", [token_weighted_param(c) for c in TOKEN_WEIGHTED_CASES])
+def test_logged_losses_are_those_of_the_global_batch(two_process_runs, case):
+    """``loss`` and ``sam/perturbed_loss`` are means over both ranks' tokens, the same on every rank."""
+    _, reference = reference_token_weighted_sgd(**case["args"])
+    for rank in (0, 1):
+        info = json.loads((two_process_runs(case["name"]) / f"{case['name']}.rank{rank}.json").read_text())
+        logged = [entry for entry in info["log_history"] if "loss" in entry]
+        assert [entry["loss"] for entry in logged] == pytest.approx([clean for clean, _ in reference], rel=1e-5)
+        if case["args"].get("flatness_method", "sam") == "sam":
+            perturbed = [entry["sam/perturbed_loss"] for entry in logged]
+            assert perturbed == pytest.approx([loss for _, loss in reference], rel=1e-5)
+
+
+def test_token_weighted_reference_tells_the_weightings_apart(two_process_runs):
+    """The 1e-6 tolerance is meaningful: the average of per-rank means (tokens not summed over ranks), SAM in the
+    other scope and the plain step all land farther from the one-process token-weighted step."""
+    args = PER_RANK_TOKENS_CASE["args"]
+    per_rank_means = load(two_process_runs, PER_RANK_TOKENS_CASE["name"])["params"]
+    reference, _ = reference_token_weighted_sgd(**args)
+    assert max_difference(per_rank_means, reference) > 1e-4
+    plain, _ = reference_token_weighted_sgd(**{**args, "flatness_method": "none"})
+    micro, _ = reference_token_weighted_sgd(**{**args, "sam_scope": "micro_batch"})
+    assert max_difference(plain, reference) > 1e-4 and max_difference(micro, reference) > 1e-4

@@ -57,10 +57,18 @@ class Case:
     #: HessianTraceCallback(**trace) measures during a step at learning rate 0.
     kind: str = "sam"
     trace: dict = field(default_factory=dict)
+    #: What a "sam" case trains: "classification" (`tiny_classifier` on `classification_rows`) or "masked_lm"
+    #: (`tiny_mlm` on `token_weighted_rows`, whose micro-batches and ranks hold unequal label counts).
+    task: str = "classification"
 
 
 def classification_rows(n: int = N_ROWS, seed: int = 1) -> list[dict[str, torch.Tensor]]:
     return tiny_models.classification_rows(n, seed)
+
+
+def token_weighted_rows(n: int = N_ROWS) -> list[dict[str, torch.Tensor]]:
+    """Randomly masked rows (15%) for the token-weighted loss across processes."""
+    return tiny_models.randomly_masked_rows(n)
 
 
 def tiny_masked_lm(seed: int = 0) -> BertForMaskedLM:
@@ -230,9 +238,14 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
     if case.kind == "trace_callback":
         return run_trace_callback_case(case, values)
 
+    model, rows = {
+        "classification": (tiny_classifier, classification_rows),
+        "masked_lm": (tiny_models.tiny_mlm, token_weighted_rows),
+    }[case.task]
+
     def train(resume_from_checkpoint: str | None = None) -> FlatBiasTrainer:
         args = FlatBiasConfig(**values)
-        trainer = FlatBiasTrainer(model=tiny_classifier(), args=args, train_dataset=classification_rows())
+        trainer = FlatBiasTrainer(model=model(), args=args, train_dataset=rows())
         trainer.train(resume_from_checkpoint=resume_from_checkpoint)
         return trainer
 
@@ -245,6 +258,7 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
         result["resumed_params"] = trained_parameters(resumed.model)
         trainer = resumed
     result["log_history"] = trainer.state.log_history
+    result["token_weighted_loss"] = trainer._token_weighted_loss
     result["world_size"] = trainer.args.world_size
     result["zero_stage"] = deepspeed_zero_stage(trainer._deepspeed_engine())
     return result

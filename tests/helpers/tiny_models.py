@@ -8,7 +8,7 @@ the plain-PyTorch reference algorithms stay in the test files, independent of ea
 from __future__ import annotations
 
 import torch
-from transformers import BertConfig, BertForSequenceClassification
+from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
 
 VOCAB = 30
 SEQ_LEN = 6
@@ -40,6 +40,33 @@ def classification_rows(n: int = 12, seed: int = 1) -> list[dict[str, torch.Tens
         {"input_ids": ids[i], "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long), "labels": labels[i]}
         for i in range(n)
     ]
+
+
+def tiny_mlm(seed: int = 0) -> BertForMaskedLM:
+    """One-layer, dropout-free BERT masked LM (BERT's forward ignores ``num_items_in_batch``)."""
+    torch.manual_seed(seed)
+    return BertForMaskedLM(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=16,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
+
+
+def randomly_masked_rows(n: int = 16, seed: int = 7) -> list[dict[str, torch.Tensor]]:
+    """15% of positions labelled at random (at least one per row): rows hold unequal label counts."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (n, SEQ_LEN), generator=g)
+    labelled = torch.rand(n, SEQ_LEN, generator=g) < 0.15
+    labelled[:, 0] = True
+    labels = torch.where(labelled, ids, torch.full_like(ids, -100))
+    return [{"input_ids": ids[i], "labels": labels[i]} for i in range(n)]
 
 
 def stack(rows):

@@ -81,11 +81,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     from ..flatness.contexts import build_masked_contexts
     from ..flatness.estimators import check_lm_model, estimate_hessian_trace
+    from ..text_data import check_text_fits_tokenizer
 
     if args.n_draws < 1:
         raise ValueError(f"--n-draws must be >= 1 (got {args.n_draws}).")
     if args.n_contexts < 1:
         raise ValueError(f"--n-contexts must be >= 1 (got {args.n_contexts}).")
+    rows = _load_rows(args)  # before the model: a bad data file is reported at once
+    if not rows:
+        raise ValueError(f"{args.data} holds no rows.")
     config = AutoConfig.from_pretrained(args.model)
     architectures = list(getattr(config, "architectures", None) or [])
     causal_names, masked_names = (
@@ -105,9 +109,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     check_lm_model(model)
     vocab_size = model.get_output_embeddings().weight.shape[0]
 
-    rows = _load_rows(args)
-    if not rows:
-        raise ValueError(f"{args.data} holds no rows.")
     tokenizer = None
     if "input_ids" not in rows[0]:
         if args.text_column not in rows[0]:
@@ -121,6 +122,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if not texts:
             raise ValueError(f"The {args.text_column!r} column of {args.data} holds no text.")
         encoded = tokenizer(texts, truncation=True, max_length=args.max_length)
+        check_text_fits_tokenizer(tokenizer, encoded["input_ids"], source=args.model, data=args.data)
         rows = [
             {"input_ids": ids, "attention_mask": mask}
             for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
@@ -189,7 +191,16 @@ def _load_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         file_format = DATA_FILE_FORMATS.get(path.suffix.lower())
         if file_format is None:
             raise ValueError(f"--data {args.data}: unknown file type; use one of {sorted(DATA_FILE_FORMATS)}.")
-        loaded = datasets.load_dataset(file_format, data_files=str(path))
+        if not path.read_bytes().strip():
+            raise ValueError(f"--data {args.data} is empty; give a file with one text (or row) per line.")
+        try:
+            loaded = datasets.load_dataset(file_format, data_files=str(path))
+        except datasets.exceptions.DatasetGenerationError as error:
+            cause = error.__cause__ or error
+            raise ValueError(
+                f"--data {args.data} could not be read as {file_format} ({type(cause).__name__}: {cause}); check "
+                "the file's format against its extension."
+            ) from error
     else:
         loaded = datasets.load_dataset(args.data, args.config_name)
     if isinstance(loaded, datasets.DatasetDict):

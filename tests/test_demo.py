@@ -73,3 +73,11 @@ def test_matched_loss_is_the_lowest_loss_both_runs_reached():
 def test_demo_rejects_a_non_positive_size(tmp_path, flag):
     with pytest.raises(SystemExit, match=flag):
         main(["demo", "--output-dir", str(tmp_path), flag, "0"])
+
+
+def test_demo_refuses_to_mix_with_an_earlier_run(demo, capsys):
+    out, _ = demo
+    before = sorted(path.name for path in (out / "sam").iterdir())
+    with pytest.raises(SystemExit, match="already holds a demo run"):
+        main(["demo", "--output-dir", str(out), *SMALL])
+    assert sorted(path.name for path in (out / "sam").iterdir()) == before

@@ -48,6 +48,13 @@ def run_demo(args: argparse.Namespace) -> int:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if args.rho <= 0:
         raise SystemExit("--rho must be > 0")
+    output_dir = Path(args.output_dir)
+    earlier = sorted(str(path) for label in RUNS for path in (output_dir / label).glob("checkpoint-*"))
+    if earlier:
+        # the comparison and `hf-flatbias select` read every checkpoint-* folder: an earlier run's would mix in
+        raise SystemExit(
+            f"{output_dir} already holds a demo run ({earlier[0]}, ...); pass another --output-dir or delete it."
+        )
     # 0.1M-parameter models and 500-row probes: a second thread (torch's or the BLAS's under numpy and scikit-learn)
     # only adds synchronisation, and on a busy machine it made the demo many times slower. Set before they load.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -62,7 +69,6 @@ def run_demo(args: argparse.Namespace) -> int:
 
     transformers_logging.disable_progress_bar()  # per-checkpoint "Writing model shards" bars drown the demo's lines
 
-    output_dir = Path(args.output_dir)
     print(f"hf-flatbias demo: writing to {output_dir.resolve()}", flush=True)
     setup = setup_language(
         "pcfg",

@@ -43,6 +43,10 @@ def test_both_runs_leave_checkpoints_cards_and_the_comparison(demo):
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "At matched validation loss" in printed and "What it does not show" in printed
     assert "{'loss'" not in printed  # the Trainer's raw log dictionaries are replaced by one line per evaluation
+    for label, rows in histories.items():  # one line per evaluation, with that step's own loss and trace
+        for row in rows:
+            line = f"{label} step {row['step']:>4}: loss {row['eval_loss']:.4f}, trace {row['trace']:.1f}"
+            assert printed.count(line) == 1, line
 
 
 def test_tensorboard_logs_are_written_when_tensorboard_is_installed(demo):

@@ -168,14 +168,21 @@ def _evaluation_printer(label: str):
     from transformers import TrainerCallback
 
     class EvaluationPrinter(TrainerCallback):
+        # the trace of the last step can be logged before that step's evaluation: print once both are in
+        def __init__(self):
+            self.printed: set[int] = set()
+
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and TRACE_METRIC in logs:
-                loss = next(e["eval_loss"] for e in reversed(state.log_history) if "eval_loss" in e)
-                print(
-                    f"  {label} step {state.global_step:>4}: loss {loss:.4f}, "
-                    f"trace {logs[TRACE_METRIC]:.1f} +- {logs[TRACE_STDERR_METRIC]:.1f}",
-                    flush=True,
-                )
+            step = state.global_step
+            latest = {key: entry[key] for entry in state.log_history if entry.get("step") == step for key in entry}
+            if step in self.printed or "eval_loss" not in latest or TRACE_METRIC not in latest:
+                return
+            self.printed.add(step)
+            print(
+                f"  {label} step {step:>4}: loss {latest['eval_loss']:.4f}, "
+                f"trace {latest[TRACE_METRIC]:.1f} +- {latest[TRACE_STDERR_METRIC]:.1f}",
+                flush=True,
+            )
 
     return EvaluationPrinter()
 

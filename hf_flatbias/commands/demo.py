@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -239,7 +240,8 @@ def summary_text(comparison: dict[str, Any], steps: int) -> str:
         "loss, where flatter models transfer better. docs/reproduction/synthetic.md has longer runs, including where "
         "they do not reproduce.",
     ]
-    return "\n".join(lines)
+    wrap = textwrap.TextWrapper(width=116, subsequent_indent="  ")
+    return "\n".join(wrap.fill(line) if len(line) > wrap.width else line for line in lines)
 
 
 def _difference(subject: str, larger: dict, smaller: dict, key: str, direction: str) -> str:

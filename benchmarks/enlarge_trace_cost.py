@@ -16,7 +16,7 @@ import torch
 from transformers import BertConfig, BertForMaskedLM
 
 from hf_flatbias.enlarge import enlarge
-from hf_flatbias.flatness.estimators import estimate_hessian_trace
+from hf_flatbias.flatness import estimate_hessian_trace
 
 
 def config(hidden: int, layers: int, vocab: int = 45) -> BertConfig:

@@ -30,8 +30,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from hf_flatbias.flatness import TraceContexts, compute_trace_samples  # noqa: E402
 from hf_flatbias.flatness.contexts import build_masked_contexts  # noqa: E402
-from hf_flatbias.flatness.estimators import TraceContexts, compute_trace_samples, evaluation_mode  # noqa: E402
+from hf_flatbias.flatness.lm import evaluation_mode  # noqa: E402
 from hf_flatbias.flatness.memory import (  # noqa: E402
     auto_batch_size,
     one_context_check_bytes,

@@ -20,8 +20,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from transformers import BertConfig, BertForMaskedLM  # noqa: E402
 
-from hf_flatbias.flatness.contexts import build_masked_contexts  # noqa: E402
-from hf_flatbias.flatness.estimators import estimate_hessian_trace  # noqa: E402
+from hf_flatbias.flatness import build_masked_contexts, estimate_hessian_trace  # noqa: E402
 from hf_flatbias.synthetic import HMM  # noqa: E402
 from hf_flatbias.synthetic.tokenizer import MASK_ID, N_SPECIAL, PAD_ID, word_ids_to_token_ids  # noqa: E402
 

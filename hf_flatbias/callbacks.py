@@ -7,16 +7,11 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .constants import TRACE_METRIC, TRACE_STDERR_METRIC
+from .constants import DEFAULT_BATCH_SIZE, RECOMMENDED_N_DRAWS, TRACE_METRIC, TRACE_STDERR_METRIC
+from .flatness.api import estimate_hessian_trace
 from .flatness.contexts import build_masked_contexts
-from .flatness.estimators import (
-    DEFAULT_BATCH_SIZE,
-    RECOMMENDED_N_DRAWS,
-    TraceEstimate,
-    check_lm_model,
-    estimate_hessian_trace,
-    is_causal_lm,
-)
+from .flatness.lm import check_tokenizer_fits_model, is_causal_lm, output_vocab_size
+from .flatness.results import TraceEstimate
 
 _CONTEXT_COLUMNS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -167,6 +162,8 @@ class HessianTraceCallback(TrainerCallback):
             batch_size=self.batch_size,
             # every rank runs the callbacks: each measures its share of the contexts, all get the whole estimate
             across_processes=self._trainer.args.world_size > 1,
+            # a long measurement shows a bar as the trainer's evaluation does, and is silenced with it
+            progress=False if self._trainer.args.disable_tqdm else None,
         )
         self.last_estimate = estimate
         self.last_estimate_step = int(self._trainer.state.global_step if step is None else step)
@@ -213,13 +210,9 @@ class HessianTraceCallback(TrainerCallback):
                     "(processing_class=tokenizer) or pass HessianTraceCallback(mask_token_id=...)."
                 )
         special = list(getattr(tokenizer, "all_special_ids", []) or [])
-        vocab_size = check_lm_model(model).weight.shape[0]
-        if tokenizer is not None and hasattr(tokenizer, "__len__") and len(tokenizer) > vocab_size:
-            raise ValueError(
-                f"The tokenizer has {len(tokenizer)} tokens but the model's vocabulary only {vocab_size}: they do not "
-                "belong together. Use the model's own tokenizer or resize its embeddings."
-            )
-        contexts = build_masked_contexts(
+        if tokenizer is not None:
+            check_tokenizer_fits_model(tokenizer, output_vocab_size(model), source="the trainer's processing_class")
+        return build_masked_contexts(
             rows,
             mask_token_id=mask_token_id,
             causal=causal,
@@ -227,7 +220,3 @@ class HessianTraceCallback(TrainerCallback):
             seed=self.seed,
             special_token_ids=special,
         )
-        if rows and "token_type_ids" in rows[0]:
-            for index, context in enumerate(contexts):
-                context["token_type_ids"] = list(rows[index % len(rows)]["token_type_ids"])
-        return contexts

@@ -227,7 +227,7 @@ def load_tokenizer(model_name_or_path: str, tokenizer_name_or_path: str | None =
     """``AutoTokenizer`` of a checkpoint, refusing the special-tokens-only tokenizer of a folder without one."""
     from transformers import AutoTokenizer
 
-    from .text_data import check_real_tokenizer
+    from .flatness.lm import check_tokenizer_fits_model
 
     source = tokenizer_name_or_path or model_name_or_path
     try:
@@ -237,17 +237,8 @@ def load_tokenizer(model_name_or_path: str, tokenizer_name_or_path: str | None =
             f"No tokenizer could be loaded from {source!r} ({error}). Save one next to the checkpoint or pass "
             "tokenizer_name_or_path."
         ) from error
-    check_real_tokenizer(tokenizer, source)
+    check_tokenizer_fits_model(tokenizer, None, source=source)
     return tokenizer
-
-
-def _check_tokenizer_fits(tokenizer, config, source: str) -> None:
-    vocab_size = getattr(config, "vocab_size", None)
-    if vocab_size is not None and len(tokenizer) > vocab_size:
-        raise ValueError(
-            f"The tokenizer of {source!r} has {len(tokenizer)} tokens but the model's embedding only {vocab_size}: "
-            "they belong to different checkpoints. Pass the tokenizer the model was trained with."
-        )
 
 
 def load_classifier(
@@ -269,12 +260,13 @@ def load_classifier(
     """
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
+    from .flatness.lm import check_tokenizer_fits_model
     from .utils import without_load_report
 
     spec = task if isinstance(task, GlueTask) else get_glue_task(task)
     tokenizer = load_tokenizer(model_name_or_path, tokenizer_name_or_path)
     config = AutoConfig.from_pretrained(model_name_or_path)
-    _check_tokenizer_fits(tokenizer, config, model_name_or_path)
+    check_tokenizer_fits_model(tokenizer, getattr(config, "vocab_size", None), source=model_name_or_path)
     has_classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
     if has_classifier and config.num_labels != spec.num_labels and not reinitialize_head:
         raise ValueError(

@@ -102,37 +102,6 @@ def sst2_standin_dataset(validation_size: int = 872, seed: int = 0) -> DatasetDi
     return DatasetDict(train=split["train"], validation=split["test"])
 
 
-def check_text_fits_tokenizer(
-    tokenizer: PreTrainedTokenizerBase,
-    input_ids: Sequence[Sequence[int]],
-    *,
-    source: str | None = None,
-    data: str | None = None,
-    max_unknown_share: float = 0.5,
-) -> float:
-    """Refuse text that ``tokenizer`` mostly cannot represent; return the share of unknown tokens.
-
-    A model trained on another vocabulary (English text on a model of a generated language, say) turns every word
-    into the unknown token: the trace would be measured on nothing but that token. Counted over the tokens that are
-    not structure (``[CLS]``, ``[SEP]``, padding): above ``max_unknown_share`` unknown, a `ValueError` says so.
-    """
-    unknown = tokenizer.unk_token_id
-    if unknown is None:
-        return 0.0  # byte-level tokenizers (GPT-2) represent every text
-    structure = set(tokenizer.all_special_ids) - {unknown}
-    counted = [token for row in input_ids for token in row if token not in structure]
-    share = sum(token == unknown for token in counted) / len(counted) if counted else 0.0
-    if share > max_unknown_share:
-        model = f" of {source}" if source else ""
-        text = f"the text of {data}" if data else "this text"
-        raise ValueError(
-            f"The tokenizer{model} does not fit {text}: {share:.0%} of its tokens are unknown "
-            f"({tokenizer.unk_token}); the model was trained on another vocabulary. Use text in the model's own "
-            "language or vocabulary, or a model whose tokenizer covers this text."
-        )
-    return share
-
-
 def default_tokenizer_cache_dir() -> Path:
     """Where trained tokenizers are cached: ``$HF_FLATBIAS_CACHE`` or ``$HF_HOME/hf_flatbias/tokenizers``."""
     if "HF_FLATBIAS_CACHE" in os.environ:
@@ -194,21 +163,6 @@ def train_wordpiece_tokenizer(
 def bbc_news_tokenizer(vocab_size: int = 8192, cache_dir: str | os.PathLike | None = None) -> BertTokenizer:
     """The cached WordPiece tokenizer of the BBC news text (the recipes' offline default)."""
     return train_wordpiece_tokenizer(bbc_news_paragraphs(), vocab_size=vocab_size, cache_dir=cache_dir)
-
-
-def check_real_tokenizer(tokenizer: PreTrainedTokenizerBase, source: str) -> None:
-    """Raise if ``tokenizer`` has no vocabulary beyond its special tokens.
-
-    transformers 5 returns a 5-token BERT tokenizer, without a warning, for a folder that has no tokenizer files;
-    every word then maps to ``[UNK]`` and training or evaluation silently learns nothing.
-    """
-    special = set(tokenizer.all_special_tokens)
-    if all(token in special for token in tokenizer.get_vocab()):
-        raise ValueError(
-            f"The tokenizer loaded from {source!r} has only special tokens ({len(tokenizer)} entries): the checkpoint "
-            "has no tokenizer files. Save the tokenizer next to the model (tokenizer.save_pretrained(folder)) or "
-            "pass a tokenizer path explicitly."
-        )
 
 
 # --- masked-LM data ------------------------------------------------------------------------------------------------

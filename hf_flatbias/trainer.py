@@ -23,14 +23,12 @@ import torch
 from huggingface_hub.errors import HfHubHTTPError
 from torch import nn
 from transformers import Trainer, TrainingArguments
-from transformers.models.auto.modeling_auto import (
-    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-)
+from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
 from .config import FlatBiasConfig
+from .flatness.lm import is_causal_lm
 from .modelcard import FlatnessCard, flatness_card_from_trainer
 from .sharpness.engines import (
     PerturbableParameters,
@@ -140,7 +138,7 @@ class FlatBiasTrainer(Trainer):
         if not (self.model_accepts_loss_kwargs and forward_normalizes_by_num_items(self.model) is False):
             return
         module = unwrap_peft_model(self.model)
-        is_causal = module._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+        is_causal = is_causal_lm(module)
         is_language_model = is_causal or module._get_name() in MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()
         # One micro-batch on one process: the model's own mean is already the token-weighted loss, bit for bit.
         split_update = self.args.gradient_accumulation_steps > 1 or self.args.world_size > 1
@@ -394,8 +392,7 @@ class FlatBiasTrainer(Trainer):
             raise ValueError(
                 "flatness_method='fisher_penalty' needs the model output to carry 'logits' (a ModelOutput or dict)."
             )
-        shift = unwrap_peft_model(module)._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-        return labelled_logits(logits, labels, shift=shift)
+        return labelled_logits(logits, labels, shift=is_causal_lm(module))
 
     def _fisher_penalty_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
         """One micro-batch of ``fisher_penalty``: ``g`` is the gradient of the loss of labels sampled from the model

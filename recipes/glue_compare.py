@@ -156,6 +156,7 @@ def load_masked_lm(model_name_or_path: str):
     """The checkpoint's masked-LM model and tokenizer; errors if either is missing or they disagree."""
     from transformers import AutoModelForMaskedLM
 
+    from hf_flatbias.flatness.lm import check_tokenizer_fits_model
     from hf_flatbias.glue import load_tokenizer
 
     tokenizer = load_tokenizer(model_name_or_path)
@@ -170,11 +171,7 @@ def load_masked_lm(model_name_or_path: str):
             " its pre-training loss and Hessian trace would be those of random weights. Use the full pre-training "
             "checkpoint (e.g. one saved by recipes/bert_bookcorpus.py)."
         )
-    if len(tokenizer) > model.config.vocab_size:
-        raise ValueError(
-            f"The tokenizer of {model_name_or_path!r} has {len(tokenizer)} tokens, the model only "
-            f"{model.config.vocab_size}: they belong to different checkpoints."
-        )
+    check_tokenizer_fits_model(tokenizer, model.config.vocab_size, source=model_name_or_path)
     return model, tokenizer
 
 
@@ -231,8 +228,7 @@ def released_code_batches(blocks, tokenizer, *, n_batches: int, batch_size: int,
 def pretraining_measurements(model_name_or_path: str, raw_text, args: CompareArguments, *, seed: int, device: str):
     """Loss on held-out text (per-block sums, for paired errors), the paper's Fisher trace and the released code's
     trace of one checkpoint. Returns ``(row fields, per-block loss sums, per-block counts)``."""
-    from hf_flatbias.flatness.contexts import build_masked_contexts
-    from hf_flatbias.flatness.estimators import estimate_hessian_trace
+    from hf_flatbias.flatness import build_masked_contexts, estimate_hessian_trace
     from hf_flatbias.flatness.released_code import released_code_trace
     from hf_flatbias.text_data import ratio_mean_stderr, tokenize_into_blocks
 

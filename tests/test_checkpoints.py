@@ -3,11 +3,11 @@
 import hashlib
 
 import pytest
-from tests.helpers.tiny_models import classification_rows, flatbias_config, tiny_classifier
 from transformers import BertConfig, BertForSequenceClassification
 
 from hf_flatbias import FlatBiasTrainer
 from hf_flatbias.checkpoints import CheckpointError, checkpoint_problem, newest_intact_checkpoint
+from tests.helpers.tiny_models import classification_rows, flatbias_config, tiny_classifier
 
 
 def snapshot(folder):

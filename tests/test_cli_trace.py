@@ -7,8 +7,7 @@ import torch
 from transformers import BertConfig, BertForMaskedLM, BertModel
 
 from hf_flatbias.cli import main
-from hf_flatbias.flatness.contexts import build_masked_contexts
-from hf_flatbias.flatness.estimators import estimate_hessian_trace
+from hf_flatbias.flatness import build_masked_contexts, estimate_hessian_trace
 from hf_flatbias.synthetic import make_tokenizer
 
 WORDS = [f"w{i}" for i in range(10)]
@@ -64,7 +63,9 @@ def test_trace_command_prints_and_writes_the_library_estimate(checkpoint, tmp_pa
     assert written["model"] == str(folder)
     estimate = written["estimate"]
     assert estimate["n_contexts"] == 6 and estimate["n_draws"] == 3 and estimate["estimator"] == "per_sample"
-    assert "Hessian trace" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "Hessian trace" in printed.out
+    assert "Hessian trace (per_sample)" in printed.err and "6/6" in printed.err  # the progress bar, on stderr
 
     # the same measurement through the library, contexts built independently here
     encoded = tokenizer(lines[:6])
@@ -78,6 +79,13 @@ def test_trace_command_prints_and_writes_the_library_estimate(checkpoint, tmp_pa
     expected = estimate_hessian_trace(BertForMaskedLM.from_pretrained(folder), contexts, n_draws=3, seed=4)
     assert estimate["mean"] == pytest.approx(expected.mean, rel=1e-6)
     assert estimate["stderr"] == pytest.approx(expected.stderr, rel=1e-6)
+
+
+def test_trace_command_progress_bar_can_be_turned_off(checkpoint, tmp_path, capsys):
+    folder, data, _, _ = checkpoint
+    arguments = ["trace", str(folder), "--data", str(data), "--n-contexts", "2", "--n-draws", "1", "--no-progress"]
+    assert main([*arguments, "--output", str(tmp_path / "trace.json")]) == 0
+    assert "Hessian trace" not in capsys.readouterr().err  # stderr still holds the loading bars of transformers
 
 
 def test_trace_command_accepts_ready_made_contexts(checkpoint, tmp_path):
@@ -120,7 +128,7 @@ def test_trace_command_rejects_bad_input(checkpoint, tmp_path, capsys):
     BertForMaskedLM(_config(tokenizer)).save_pretrained(other)
     make_tokenizer([f"v{i}" for i in range(40)]).save_pretrained(other)
     assert main(["trace", str(other), "--data", str(data), "--output", str(tmp_path / "y.json")]) == 2
-    assert "do not match" in capsys.readouterr().err
+    assert "do not belong together" in capsys.readouterr().err
 
     assert main(["trace", str(folder), "--data", str(tmp_path / "missing.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err

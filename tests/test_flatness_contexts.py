@@ -1,8 +1,11 @@
 """Masked contexts: one predicted position per context, seeded, the right token masked and labelled."""
 
 import pytest
+import torch
+from transformers import BertConfig, BertForMaskedLM
 
-from hf_flatbias.flatness.contexts import IGNORE_INDEX, build_masked_contexts
+from hf_flatbias.constants import IGNORE_INDEX
+from hf_flatbias.flatness.contexts import TraceContexts, build_masked_contexts
 
 MASK, CLS, SEP, PAD = 4, 2, 3, 0
 ROWS = [
@@ -32,6 +35,21 @@ def test_masked_lm_contexts_mask_one_ordinary_token_and_label_it():
         chosen.add((index % 2, position))
     # every ordinary position of both rows gets picked somewhere in 40 draws
     assert chosen == {(0, 1), (0, 2), (0, 3), (0, 4), (1, 1), (1, 2)}
+
+
+def test_token_type_ids_go_from_the_rows_through_the_contexts_to_the_model():
+    rows = [{**row, "token_type_ids": [0] * 3 + [1] * (len(row["input_ids"]) - 3)} for row in ROWS]
+    contexts = build_masked_contexts(rows, mask_token_id=MASK, n_contexts=5, special_token_ids=[CLS, SEP, PAD])
+    assert [c["token_type_ids"] for c in contexts] == [rows[i % 2]["token_type_ids"] for i in range(5)]
+    assert all("token_type_ids" not in c for c in build_masked_contexts(ROWS, mask_token_id=MASK))
+
+    model = BertForMaskedLM(
+        BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8)
+    )
+    inputs = TraceContexts.from_rows(contexts, causal=False).model_inputs([0, 1], model)
+    # trimmed after the last attended token (6 of row 0's 8), then padded to the longest
+    assert inputs["token_type_ids"].tolist() == [rows[0]["token_type_ids"][:6], rows[1]["token_type_ids"] + [0] * 2]
+    assert inputs["token_type_ids"].dtype == torch.long
 
 
 def test_contexts_depend_only_on_the_seed():

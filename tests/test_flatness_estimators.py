@@ -5,19 +5,21 @@ import math
 import pytest
 import torch
 from torch.func import functional_call, jacrev
-from transformers import BertConfig, BertForMaskedLM, BertModel, GPT2Config, GPT2LMHeadModel
+from transformers import BertConfig, BertForMaskedLM, BertLMHeadModel, BertModel, GPT2Config, GPT2LMHeadModel
 
-from hf_flatbias.flatness.contexts import IGNORE_INDEX, build_masked_contexts
-from hf_flatbias.flatness.estimators import (
+import hf_flatbias.flatness.api
+from hf_flatbias.constants import IGNORE_INDEX
+from hf_flatbias.flatness import (
     ESTIMATORS,
     TraceContexts,
     TraceSamples,
+    build_masked_contexts,
     compute_trace_samples,
     estimate_hessian_trace,
-    is_causal_lm,
     summarize_trace_samples,
 )
 from hf_flatbias.flatness.exact import exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
+from hf_flatbias.flatness.lm import is_causal_lm, trainable_parameters
 
 VOCAB, MASK = 14, 1
 
@@ -292,6 +294,44 @@ def test_bad_input_raises_clear_errors(bert_case):
     with pytest.raises(ValueError, match="n_contexts=99"):
         estimate_hessian_trace(model, rows, n_contexts=99)
     assert set(ESTIMATORS) == {"per_sample", "summed", "hutchinson", "naive"}
+
+
+def test_one_causal_lm_test_for_models_configs_decoders_and_peft_wrappers():
+    bert, gpt2 = _tiny_bert(), _tiny_gpt2()
+    assert not is_causal_lm(bert) and is_causal_lm(gpt2)
+    # a BERT built as a decoder shifts its labels: its config says so, whatever the class
+    decoder_config = BertConfig(**{**bert.config.to_dict(), "is_decoder": True})
+    assert is_causal_lm(BertLMHeadModel(decoder_config)) and is_causal_lm(BertForMaskedLM(decoder_config))
+    # a checkpoint's config, before any class is chosen: its architectures decide
+    assert is_causal_lm(GPT2Config(architectures=["GPT2LMHeadModel"]))
+    assert not is_causal_lm(BertConfig(architectures=["BertForMaskedLM"]))
+    assert not is_causal_lm(GPT2Config())  # no architectures: nothing says causal
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=2, target_modules=["c_attn"])
+    assert is_causal_lm(peft.get_peft_model(_tiny_gpt2(), lora))
+
+
+def test_progress_bar_when_asked_or_when_the_estimate_is_long(bert_case, capsys, monkeypatch):
+    model, rows, _ = bert_case
+    estimate_hessian_trace(model, rows, n_draws=2, batch_size=8, progress=True)
+    bar = capsys.readouterr().err
+    assert "Hessian trace (per_sample)" in bar and f"{len(rows)}/{len(rows)}" in bar
+    estimate_hessian_trace(model, rows, n_draws=2, progress=False)
+    estimate_hessian_trace(model, rows, n_draws=2)  # 48 context-draws: too short for a bar
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(hf_flatbias.flatness.api, "PROGRESS_MIN_CONTEXT_DRAWS", 2 * len(rows))
+    estimate_hessian_trace(model, rows, n_draws=2, estimator="naive")
+    assert "Hessian trace (naive)" in capsys.readouterr().err
+
+
+def test_a_frozen_model_is_refused_before_any_pass():
+    model, rows = _tiny_bert().requires_grad_(False), _contexts(2)
+    with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
+        estimate_hessian_trace(model, rows)
+    with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
+        exact_fisher_trace(model, rows)
+    # the training side perturbs nothing instead of failing (the trainer refuses a frozen model itself)
+    assert trainable_parameters(model) == []
 
 
 def test_per_sample_refuses_parameters_it_cannot_see_and_ignores_unused_ones():

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hf_flatbias.flatness import TraceContexts, estimate_hessian_trace
 from hf_flatbias.flatness.contexts import build_masked_contexts
-from hf_flatbias.flatness.estimators import TraceContexts, estimate_hessian_trace
 from hf_flatbias.flatness.memory import auto_batch_size, per_sample_bytes_per_context
 
 VOCAB = 32

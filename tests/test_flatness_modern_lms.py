@@ -17,8 +17,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from hf_flatbias.flatness import TraceContexts, compute_trace_samples, estimate_hessian_trace
 from hf_flatbias.flatness.contexts import build_masked_contexts
-from hf_flatbias.flatness.estimators import TraceContexts, compute_trace_samples, estimate_hessian_trace
 from hf_flatbias.flatness.exact import exact_fisher_trace
 
 VOCAB = 16

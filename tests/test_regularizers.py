@@ -22,12 +22,25 @@ from hf_flatbias.sharpness.penalties import (
     sample_model_labels,
     sampled_label_loss,
 )
+from hf_flatbias.sharpness.sam import squared_norm
 from tests.helpers.tiny_models import flatbias_config as config
 from tests.helpers.tiny_models import stack
 
 VOCAB = 30
 SEQ_LEN = 6
 N_ROWS = 12
+
+
+def test_squared_norm_skips_unused_gradients_and_accumulates_in_the_dtype_asked():
+    a, b = torch.tensor([3.0, 4.0]), torch.tensor([[1.0, 2.0]], dtype=torch.bfloat16)
+    assert squared_norm([a, None, b]).dtype == torch.float32
+    assert float(squared_norm([a, None, b])) == 30.0
+    wide = squared_norm([a, None, b], dtype=torch.float64)
+    assert wide.dtype == torch.float64 and float(wide) == pytest.approx(30.0, rel=1e-15)
+    # float32 would round 1 + 1e-9 to 1; float64 keeps it
+    tiny = torch.tensor([1.0, 3.16227766e-5], dtype=torch.float64)
+    assert float(squared_norm([tiny.float()], dtype=torch.float64)) != float(squared_norm([tiny.float()]))
+    assert squared_norm([None]).item() == 0.0
 
 
 def bert_config(**overrides) -> BertConfig:

@@ -13,7 +13,7 @@ from transformers import (
 )
 
 from hf_flatbias.callbacks import TRACE_METRIC, TRACE_STDERR_METRIC, HessianTraceCallback
-from hf_flatbias.flatness.estimators import TraceEstimate
+from hf_flatbias.flatness import TraceEstimate
 from hf_flatbias.synthetic import make_tokenizer
 from hf_flatbias.trainer import FlatBiasTrainer
 

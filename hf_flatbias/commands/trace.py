@@ -46,6 +46,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu).")
     parser.add_argument("--causal", action="store_true", help="Treat the model as a causal LM (default: detect).")
     parser.add_argument("--output", default="hessian_trace.json", help="JSON file to write (default: %(default)s).")
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Show a progress bar with the time left on stderr (default: shown).",
+    )
     parser.set_defaults(func=run)
 
 
@@ -79,9 +85,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
+    from ..flatness.api import estimate_hessian_trace
     from ..flatness.contexts import build_masked_contexts
-    from ..flatness.estimators import check_lm_model, estimate_hessian_trace
-    from ..text_data import check_text_fits_tokenizer
+    from ..flatness.lm import check_tokenizer_fits_model, is_causal_lm, output_vocab_size
 
     if args.n_draws < 1:
         raise ValueError(f"--n-draws must be >= 1 (got {args.n_draws}).")
@@ -101,13 +107,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             f"{args.model} is a {architectures} checkpoint without a language-model head; loading it as an LM would "
             "initialise a random head. Measure the pre-trained checkpoint (e.g. ...ForMaskedLM / ...ForCausalLM)."
         )
-    causal = args.causal or (bool(architectures) and all(a in causal_names for a in architectures))
+    causal = args.causal or is_causal_lm(config)
     model_class = AutoModelForCausalLM if causal else AutoModelForMaskedLM
     model = model_class.from_pretrained(args.model)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
-    check_lm_model(model)
-    vocab_size = model.get_output_embeddings().weight.shape[0]
+    vocab_size = output_vocab_size(model)
 
     tokenizer = None
     if "input_ids" not in rows[0]:
@@ -117,12 +122,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 f"{sorted(rows[0])}); name the text column with --text-column."
             )
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        _check_tokenizer(tokenizer, vocab_size, args.model)
         texts = [row[args.text_column] for row in rows if row[args.text_column] and row[args.text_column].strip()]
         if not texts:
             raise ValueError(f"The {args.text_column!r} column of {args.data} holds no text.")
         encoded = tokenizer(texts, truncation=True, max_length=args.max_length)
-        check_text_fits_tokenizer(tokenizer, encoded["input_ids"], source=args.model, data=args.data)
+        check_tokenizer_fits_model(
+            tokenizer, vocab_size, source=args.model, input_ids=encoded["input_ids"], text_source=args.data
+        )
         rows = [
             {"input_ids": ids, "attention_mask": mask}
             for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
@@ -134,7 +140,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     else:
         if tokenizer is None and not causal:
             tokenizer = AutoTokenizer.from_pretrained(args.model)
-            _check_tokenizer(tokenizer, vocab_size, args.model)
+            check_tokenizer_fits_model(tokenizer, vocab_size, source=args.model)
         if not causal and tokenizer.mask_token_id is None:
             raise ValueError(f"The tokenizer of {args.model} has no mask token; is this a masked LM?")
         contexts = build_masked_contexts(
@@ -155,6 +161,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         batch_size=args.batch_size,
         causal=causal,
+        progress=args.progress,
     )
     return {
         "model": args.model,
@@ -164,17 +171,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "device": device,
         "estimate": estimate.to_dict(),
     }
-
-
-def _check_tokenizer(tokenizer, vocab_size: int, model: str) -> None:
-    size = len(tokenizer)
-    # A folder without tokenizer files loads as a handful of special tokens without any error.
-    if size > vocab_size or size < vocab_size // 2:
-        raise ValueError(
-            f"The tokenizer of {model} has {size} tokens but the model's vocabulary {vocab_size}: tokenizer and model "
-            "do not match (is the tokenizer saved in the checkpoint folder?). Pass data with input_ids made by the "
-            "model's own tokenizer."
-        )
 
 
 def _count_labelled(rows: list[dict[str, Any]]) -> int:

@@ -1,17 +1,12 @@
 """The paper's flatness measure, the trace of the Hessian of the pre-training loss: estimators, exact references and
 the contexts they run on. Nothing here knows about the Trainer."""
 
-from .contexts import build_masked_contexts
-from .estimators import (
-    ESTIMATORS,
-    TraceContexts,
-    TraceEstimate,
-    TraceSamples,
-    compute_trace_samples,
-    estimate_hessian_trace,
-    summarize_trace_samples,
-)
+from ..constants import ESTIMATORS
+from .api import estimate_hessian_trace
+from .contexts import TraceContexts, build_masked_contexts
+from .estimators import compute_trace_samples
 from .exact import exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
+from .results import TraceEstimate, TraceSamples, summarize_trace_samples
 
 __all__ = [
     "ESTIMATORS",

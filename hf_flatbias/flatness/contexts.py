@@ -4,17 +4,23 @@ The paper (Liu et al., 2023, App. B.1) measures the trace on masked-LM contexts 
 position ``t`` replaced by the mask token, the model predicting that position. For causal LMs nothing is masked:
 the prefix before ``t`` is the context. Both kinds come out in the same row format, ``input_ids``,
 ``attention_mask`` and ``labels`` with -100 everywhere except the one predicted position (for causal LMs the labels
-follow transformers' convention: ``labels[t]`` is the token predicted from the positions before ``t``).
+follow transformers' convention: ``labels[t]`` is the token predicted from the positions before ``t``), plus
+``token_type_ids`` when the tokenized rows have them.
+
+`build_masked_contexts` writes such rows; `TraceContexts.from_rows` reads them back into what the estimators run on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
-IGNORE_INDEX = -100
+from ..constants import IGNORE_INDEX
+from .lm import model_device
 
 
 def context_generator(seed: int, index: int) -> torch.Generator:
@@ -43,8 +49,8 @@ def build_masked_contexts(
     """Turn tokenized rows into trace contexts with exactly one labelled position each.
 
     Args:
-        rows: mappings with ``input_ids`` and optionally ``attention_mask`` (other keys are ignored; existing
-            ``labels`` are replaced). A list or a `datasets.Dataset`.
+        rows: mappings with ``input_ids`` and optionally ``attention_mask`` and ``token_type_ids`` (other keys are
+            ignored; existing ``labels`` are replaced). A list or a `datasets.Dataset`.
         mask_token_id: the tokenizer's mask id; required for masked LMs, unused for causal LMs.
         causal: build causal-LM contexts (no masking; the labelled position is predicted from its prefix, so
             position 0 is never chosen).
@@ -54,7 +60,8 @@ def build_masked_contexts(
         special_token_ids: tokens never chosen as the predicted position (e.g. ``[CLS]``, ``[SEP]``, padding).
 
     Returns:
-        A list of rows ``{"input_ids", "attention_mask", "labels"}`` (lists of ints).
+        A list of rows ``{"input_ids", "attention_mask", "labels"}`` (lists of ints), with the row's
+        ``token_type_ids`` too when it has them (BERT's segment ids; the model must see them as it was trained).
 
     Raises:
         ValueError: no rows, a masked LM without a mask id, or a row without any position that can be predicted.
@@ -94,5 +101,102 @@ def build_masked_contexts(
         masked = list(input_ids)
         if not causal:
             masked[position] = int(mask_token_id)
-        contexts.append({"input_ids": masked, "attention_mask": list(attention_mask), "labels": labels})
+        context = {"input_ids": masked, "attention_mask": list(attention_mask), "labels": labels}
+        if "token_type_ids" in row:
+            context["token_type_ids"] = _as_list(row["token_type_ids"])
+        contexts.append(context)
     return contexts
+
+
+@dataclass
+class TraceContexts:
+    """Contexts ready for the estimators: one predicted position each.
+
+    ``input_ids[i]`` is trimmed to what the model must see (for causal LMs the prefix before the predicted token),
+    ``positions[i]`` is where the logits are read, ``targets[i]`` the data token there.
+    """
+
+    input_ids: list[torch.Tensor]
+    attention_mask: list[torch.Tensor]
+    token_type_ids: list[torch.Tensor] | None
+    positions: list[int]
+    targets: list[int]
+    causal: bool
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[Mapping[str, Any]], *, causal: bool) -> TraceContexts:
+        """Each labelled position (``labels != -100``) of each row becomes one context.
+
+        Raises:
+            ValueError: a row without ``input_ids``/``labels`` or without any labelled position.
+        """
+        input_ids, attention_mask, token_type_ids, positions, targets = [], [], [], [], []
+        has_token_types = None
+        for row_index, row in enumerate(rows):
+            for key in ("input_ids", "labels"):
+                if key not in row:
+                    raise ValueError(
+                        f"Row {row_index} has no '{key}'. Rows need input_ids, attention_mask and labels (-100 "
+                        "except at the predicted positions); hf_flatbias.flatness.contexts.build_masked_contexts "
+                        "builds them from tokenized text."
+                    )
+            ids = torch.as_tensor(row["input_ids"], dtype=torch.long).reshape(-1)
+            labels = torch.as_tensor(row["labels"], dtype=torch.long).reshape(-1)
+            mask = (
+                torch.as_tensor(row["attention_mask"], dtype=torch.long).reshape(-1)
+                if "attention_mask" in row
+                else torch.ones_like(ids)
+            )
+            types = (
+                torch.as_tensor(row["token_type_ids"], dtype=torch.long).reshape(-1)
+                if "token_type_ids" in row
+                else None
+            )
+            if has_token_types is None:
+                has_token_types = types is not None
+            labelled = (labels != IGNORE_INDEX).nonzero().flatten().tolist()
+            if not labelled:
+                raise ValueError(
+                    f"Row {row_index} has no labelled position (all labels are -100): each context needs one "
+                    "predicted position. Build contexts with hf_flatbias.flatness.contexts.build_masked_contexts."
+                )
+            attended = mask.nonzero().flatten()
+            end = int(attended[-1]) + 1 if len(attended) else len(ids)
+            for t in labelled:
+                if causal:
+                    if t == 0:
+                        raise ValueError(f"Row {row_index}: a causal LM cannot predict position 0 (nothing before it).")
+                    keep, position = t, t - 1
+                else:
+                    keep, position = max(end, t + 1), t
+                input_ids.append(ids[:keep])
+                attention_mask.append(mask[:keep])
+                if has_token_types:
+                    token_type_ids.append(types[:keep])
+                positions.append(position)
+                targets.append(int(labels[t]))
+        if not positions:
+            raise ValueError("No contexts: the dataset is empty.")
+        return cls(input_ids, attention_mask, token_type_ids if has_token_types else None, positions, targets, causal)
+
+    def model_inputs(self, indices: Sequence[int], model: nn.Module) -> dict[str, torch.Tensor]:
+        """Right-padded tensors for the contexts ``indices``; padding is masked out, so its value does not matter."""
+        pad_id = getattr(getattr(model, "config", None), "pad_token_id", None) or 0
+        length = max(len(self.input_ids[i]) for i in indices)
+        device = model_device(model)
+        input_ids = torch.full((len(indices), length), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(indices), length), dtype=torch.long)
+        token_type_ids = torch.zeros((len(indices), length), dtype=torch.long) if self.token_type_ids else None
+        for row, i in enumerate(indices):
+            n = len(self.input_ids[i])
+            input_ids[row, :n] = self.input_ids[i]
+            attention_mask[row, :n] = self.attention_mask[i]
+            if token_type_ids is not None:
+                token_type_ids[row, :n] = self.token_type_ids[i]
+        batch = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
+        if token_type_ids is not None:
+            batch["token_type_ids"] = token_type_ids.to(device)
+        return batch

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .estimators import TraceSamples
+from .results import TraceSamples
 
 
 @dataclass

@@ -18,15 +18,9 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .estimators import (
-    TraceContexts,
-    _batch,
-    check_lm_model,
-    evaluation_mode,
-    is_causal_lm,
-    preserved_global_rng,
-    trainable_parameters,
-)
+from ..sharpness.sam import squared_norm
+from .contexts import TraceContexts
+from .lm import check_lm_model, evaluation_mode, is_causal_lm, measured_parameters, preserved_global_rng
 
 MAX_EXACT_HESSIAN_PARAMETERS = 20_000
 
@@ -41,18 +35,17 @@ def per_context_fisher_traces(
 ) -> torch.Tensor:
     """``sum_y p_y ||grad_theta log p_y||^2`` for every context (labelled position), in float64."""
     contexts = _contexts(model, dataset, causal)
-    params = trainable_parameters(model)
+    params = measured_parameters(model)
     traces = torch.empty(len(contexts), dtype=torch.float64)
     with evaluation_mode(model), preserved_global_rng(), torch.enable_grad():
         for index in range(len(contexts)):
-            logits = model(**_batch(model, contexts, [index])).logits[0, contexts.positions[index]]
+            logits = model(**contexts.model_inputs([index], model)).logits[0, contexts.positions[index]]
             log_probs = torch.log_softmax(logits.double(), dim=-1)
             probs = log_probs.detach().exp()
             total = torch.zeros((), dtype=torch.float64)
             for label in range(log_probs.shape[0]):
                 grads = torch.autograd.grad(log_probs[label], params, retain_graph=True, allow_unused=True)
-                squared = sum(g.double().square().sum() for g in grads if g is not None)
-                total += probs[label].cpu() * squared.cpu()
+                total += probs[label].cpu() * squared_norm(grads, dtype=torch.float64).cpu()
             traces[index] = total
     return traces
 
@@ -70,7 +63,7 @@ def exact_hessian_trace(model: nn.Module, dataset: Iterable[Mapping[str, Any]], 
     ``MAX_EXACT_HESSIAN_PARAMETERS`` parameters.
     """
     contexts = _contexts(model, dataset, causal)
-    params = trainable_parameters(model)
+    params = measured_parameters(model)
     n_params = sum(p.numel() for p in params)
     if n_params > MAX_EXACT_HESSIAN_PARAMETERS:
         raise ValueError(
@@ -79,7 +72,7 @@ def exact_hessian_trace(model: nn.Module, dataset: Iterable[Mapping[str, Any]], 
         )
     indices = list(range(len(contexts)))
     with evaluation_mode(model), preserved_global_rng(), torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
-        all_logits = model(**_batch(model, contexts, indices)).logits
+        all_logits = model(**contexts.model_inputs(indices, model)).logits
         rows = torch.arange(len(indices), device=all_logits.device)
         positions = torch.tensor(contexts.positions, device=all_logits.device)
         targets = torch.tensor(contexts.targets, device=all_logits.device)

@@ -15,6 +15,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .contexts import TraceContexts
+from .ghost import GhostNormRecorder
+from .lm import logits_at_positions, model_device, trainable_parameters
+
 # Margin for what the count leaves out: transient tensors inside one draw (a materialised per-sample gradient of a
 # small layer, the softmax) and the allocator's rounding.
 SAFETY_FACTOR = 1.25
@@ -35,12 +39,9 @@ def default_memory_budget(device: torch.device) -> int:
     return int(available * CPU_BUDGET_FRACTION)
 
 
-def per_sample_bytes_per_context(model: nn.Module, contexts, index: int) -> int:
+def per_sample_bytes_per_context(model: nn.Module, contexts: TraceContexts, index: int) -> int:
     """Working memory one context adds to a ``per_sample`` batch, counted on one forward and draw of context
     ``index`` (use the longest: memory grows with the length). The model must be in the mode it is measured in."""
-    from .estimators import _batch, _selected_logits, trainable_parameters
-    from .ghost import GhostNormRecorder
-
     resident = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     seen: set[int] = set()
     counted = 0
@@ -58,10 +59,10 @@ def per_sample_bytes_per_context(model: nn.Module, contexts, index: int) -> int:
 
     recorder = GhostNormRecorder(model, trainable_parameters(model))
     recorder.batch_size = 1
-    batch = _batch(model, contexts, [index])
+    batch = contexts.model_inputs([index], model)
     positions = torch.tensor([contexts.positions[index]], device=batch["input_ids"].device)
     with torch.enable_grad(), recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        logits = _selected_logits(model, batch, positions)
+        logits = logits_at_positions(model, batch, positions)
     outputs = recorder.outputs()
     if outputs:
         probs = torch.softmax(logits.detach()[:, 0].double(), dim=-1)
@@ -82,14 +83,14 @@ def per_sample_bytes_per_context(model: nn.Module, contexts, index: int) -> int:
 def one_context_check_bytes(model: nn.Module) -> int:
     """What the estimator's one-context check against a plain backward holds once: a full gradient, and the float64
     copy and square of its largest tensor while it sums the squares."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    trainable = trainable_parameters(model)
     largest = max((p.numel() for p in trainable), default=0)
     return sum(p.numel() * p.element_size() for p in trainable) + 2 * 8 * largest
 
 
 def auto_batch_size(
     model: nn.Module,
-    contexts,
+    contexts: TraceContexts,
     indices: Sequence[int],
     *,
     memory_budget: int | None = None,
@@ -103,7 +104,7 @@ def auto_batch_size(
         ValueError: not even one context fits the budget.
     """
     longest = max(indices, key=lambda i: len(contexts.input_ids[i]))
-    device = next(model.parameters()).device
+    device = model_device(model)
     budget = default_memory_budget(device) if memory_budget is None else int(memory_budget)
     per_context = per_sample_bytes_per_context(model, contexts, longest)
     check_bytes = one_context_check_bytes(model)

@@ -18,8 +18,10 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .contexts import IGNORE_INDEX, context_generator
-from .estimators import TraceEstimate, evaluation_mode, preserved_global_rng
+from ..constants import IGNORE_INDEX
+from .contexts import context_generator
+from .lm import evaluation_mode, preserved_global_rng
+from .results import TraceEstimate
 
 RELEASED_CODE_ESTIMATOR = "released_code_hutchinson"
 

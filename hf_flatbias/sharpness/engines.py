@@ -14,12 +14,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..flatness.lm import trainable_parameters
 from .sam import Perturbation, SquaredNormReducer, perturb_weights
-
-
-def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """Parameters a flatness step may perturb: the trainable ones (LoRA adapters only under PEFT)."""
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 def gradients_of(loss: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:

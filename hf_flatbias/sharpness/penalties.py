@@ -35,9 +35,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..constants import IGNORE_INDEX
 from .sam import squared_norm
-
-IGNORE_INDEX = -100
 
 
 def _at_least_float32(tensor: torch.Tensor) -> torch.Tensor:

@@ -33,14 +33,24 @@ class Perturbation:
         torch._foreach_copy_(self.params, self.saved_weights)
 
 
-def squared_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Sum of squared entries of all tensors, accumulated in float32 or wider."""
-    if not tensors:
-        return torch.zeros(())
-    tensors = list(tensors)
-    # float32 at least (half-precision squares overflow); float64 stays float64, which _foreach_norm cannot narrow.
-    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=dtype)).square().sum()
+def squared_norm(tensors: Sequence[torch.Tensor | None], *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Sum of squared entries of all tensors, accumulated in ``dtype``.
+
+    Args:
+        tensors: the tensors; ``None`` entries (the unused parameters of ``torch.autograd.grad(...,
+            allow_unused=True)``) count as zeros.
+        dtype: the accumulation dtype. By default float32 or wider: half-precision squares overflow, and float64
+            inputs stay float64 (which ``_foreach_norm`` cannot narrow). The trace estimators ask for float64.
+
+    Returns:
+        A 0-dim tensor of ``dtype`` on the tensors' device (a zero on the CPU when there are none).
+    """
+    present = [t for t in tensors if t is not None]
+    if dtype is None:
+        dtype = torch.float64 if any(t.dtype == torch.float64 for t in present) else torch.float32
+    if not present:
+        return torch.zeros((), dtype=dtype)
+    return torch.stack(torch._foreach_norm(present, 2, dtype=dtype)).square().sum()
 
 
 def asam_scale(param: torch.Tensor, eta: float) -> torch.Tensor:

@@ -15,12 +15,11 @@ import torch
 from datasets import Dataset, DatasetDict
 from transformers.modeling_outputs import MaskedLMOutput
 
+from ..constants import IGNORE_INDEX
 from .dyck import Dyck
 from .hmm import HMM
 from .pcfg import PCFG
 from .tokenizer import CLS_ID, MASK_ID, MASKED_WORD, N_SPECIAL, PAD_ID, PAD_WORD, SEP_ID
-
-IGNORE_INDEX = -100
 
 
 class Language(Protocol):

@@ -455,7 +455,7 @@ def test_accelerate_launch_with_the_zero3_recipe_config(launcher_runs):
 )
 def test_trace_across_processes_equals_one_process(two_process_runs, case):
     """Each rank measured its share of the contexts; the gathered estimate is the one-process estimate."""
-    from hf_flatbias.flatness.estimators import TraceContexts, compute_trace_samples, estimate_hessian_trace
+    from hf_flatbias.flatness import TraceContexts, compute_trace_samples, estimate_hessian_trace
     from tests.helpers.distributed_sam_script import masked_rows, tiny_masked_lm
 
     out_dir = two_process_runs(case["name"])
@@ -499,7 +499,7 @@ def test_fisher_penalty_under_deepspeed_equals_ddp(two_process_runs, engine):
 
 def test_trace_callback_logs_the_one_process_estimate(two_process_runs):
     """HessianTraceCallback runs on every rank; each logs the estimate of all contexts, as one process would."""
-    from hf_flatbias.flatness.estimators import estimate_hessian_trace
+    from hf_flatbias.flatness import estimate_hessian_trace
     from tests.helpers.distributed_sam_script import tiny_masked_lm
 
     name = TRACE_CALLBACK_CASE["name"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_flatbias.flatness.api import estimate_hessian_trace
 from hf_flatbias.flatness.distributed import share_of_contexts
-from hf_flatbias.flatness.estimators import estimate_hessian_trace
 from tests.helpers.distributed_sam_script import masked_rows, tiny_masked_lm
 
 

@@ -178,24 +178,24 @@ def trained_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def run_trace_case(case: Case, values: dict) -> dict:
     """The engine is set up by one training step at learning rate 0, so the weights stay those of `tiny_masked_lm`."""
     from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
-    from hf_flatbias.flatness import estimators
+    from hf_flatbias.flatness import api
     from hf_flatbias.sharpness.engines import deepspeed_zero_stage
 
     values.update(flatness_method="none", learning_rate=0.0, max_steps=1)
     trainer = FlatBiasTrainer(model=tiny_masked_lm(), args=FlatBiasConfig(**values), train_dataset=masked_rows())
     trainer.train()
     summarized = []
-    real_summary = estimators.summarize_trace_samples
+    real_summary = api.summarize_trace_samples
 
     def keep_samples(samples, **kwargs):
         summarized.append(samples)
         return real_summary(samples, **kwargs)
 
-    estimators.summarize_trace_samples = keep_samples
+    api.summarize_trace_samples = keep_samples
     try:
-        estimate = estimators.estimate_hessian_trace(trainer.model, masked_rows(), across_processes=True, **case.trace)
+        estimate = api.estimate_hessian_trace(trainer.model, masked_rows(), across_processes=True, **case.trace)
     finally:
-        estimators.summarize_trace_samples = real_summary
+        api.summarize_trace_samples = real_summary
     return {
         "estimate": estimate.to_dict(),
         "per_context_values": summarized[0].values,

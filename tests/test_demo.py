@@ -1,10 +1,16 @@
 """`hf-flatbias demo`, the README's first command: two runs side by side, compared at matched loss."""
 
+import contextlib
+import io
 import json
 import math
+import random
 
+import numpy as np
 import pytest
+import torch
 import yaml
+from transformers.utils import logging as transformers_logging
 
 from hf_flatbias.cli import main
 from hf_flatbias.commands.demo import compare_at_matched_loss
@@ -12,14 +18,22 @@ from hf_flatbias.commands.demo import compare_at_matched_loss
 SMALL = ["--steps", "20", "--eval-every", "10", "--n-train", "400", "--trace-contexts", "32", "--n-probe", "60"]
 
 
+@contextlib.contextmanager
+def numpy_and_python_random_state():
+    numpy_state, python_state = np.random.get_state(), random.getstate()
+    try:
+        yield
+    finally:
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "out"
-    import contextlib
-    import io
-
     printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
+    # training seeds the global random streams: later tests must not depend on whether the demo ran before them
+    with contextlib.redirect_stdout(printed), torch.random.fork_rng(), numpy_and_python_random_state():
         assert main(["demo", "--output-dir", str(out), *SMALL]) == 0
     return out, printed.getvalue()
 
@@ -47,6 +61,10 @@ def test_both_runs_leave_checkpoints_cards_and_the_comparison(demo):
         for row in rows:
             line = f"{label} step {row['step']:>4}: loss {row['eval_loss']:.4f}, trace {row['trace']:.1f}"
             assert printed.count(line) == 1, line
+
+
+def test_demo_leaves_transformers_progress_bars_as_they_were(demo):
+    assert transformers_logging.is_progress_bar_enabled()
 
 
 def test_tensorboard_logs_are_written_when_tensorboard_is_installed(demo):

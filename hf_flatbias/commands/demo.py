@@ -66,9 +66,18 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from transformers.utils import logging as transformers_logging
 
-    from ..experiments import setup_language
-
+    bars_were_on = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()  # per-checkpoint "Writing model shards" bars drown the demo's lines
+    try:
+        return _compare_runs(args, output_dir)
+    finally:
+        if bars_were_on:
+            transformers_logging.enable_progress_bar()
+
+
+def _compare_runs(args: argparse.Namespace, output_dir: Path) -> int:
+    """Train both runs, compare them at matched loss, write the plot and the JSON, print the table."""
+    from ..experiments import setup_language, write_json
 
     print(f"hf-flatbias demo: writing to {output_dir.resolve()}", flush=True)
     setup = setup_language(
@@ -95,9 +104,6 @@ def run_demo(args: argparse.Namespace) -> int:
         checkpoint = output_dir / label / f"checkpoint-{row['step']}"
         row["probe_accuracy"], row["probe_stderr"] = _probe_accuracy(setup, checkpoint)
     plot_path = _plot(histories, comparison, output_dir / "demo.png")
-
-    from ..experiments import write_json
-
     report = summary_text(comparison, args.steps)
     settings = {key: value for key, value in vars(args).items() if key != "func"}
     write_json(output_dir / "demo.json", {"config": settings, "histories": histories, "comparison": comparison})

@@ -132,3 +132,42 @@ def test_trace_command_rejects_bad_input(checkpoint, tmp_path, capsys):
 
     assert main(["trace", str(folder), "--data", str(tmp_path / "missing.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def _one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    error = captured.err.strip().splitlines()[-1]  # after any progress bar of the data loading
+    assert error.startswith("hf-flatbias trace: error: ")
+    return error
+
+
+def test_english_text_on_a_model_of_another_vocabulary_says_the_tokenizer_does_not_fit(checkpoint, tmp_path, capsys):
+    folder, *_ = checkpoint
+    english = tmp_path / "english.txt"
+    english.write_text("The quick brown fox jumps over the lazy dog.\nIt rained all day in the city.\n")
+    error = _one_line_error(capsys, ["trace", str(folder), "--data", str(english), "--n-contexts", "4"])
+    assert "does not fit" in error and "100% of its tokens are unknown" in error
+
+
+@pytest.mark.parametrize(("name", "content"), [("empty.txt", ""), ("blank.jsonl", "\n\n"), ("broken.jsonl", '{"te')])
+def test_an_empty_or_unreadable_data_file_is_one_line_naming_it(checkpoint, tmp_path, capsys, name, content):
+    folder, *_ = checkpoint
+    data = tmp_path / name
+    data.write_text(content)
+    error = _one_line_error(capsys, ["trace", str(folder), "--data", str(data)])
+    assert str(data) in error and ("is empty" in error or "could not be read" in error)
+    assert data.read_text() == content
+
+
+def test_a_config_json_that_is_not_json_is_one_line_naming_it(checkpoint, tmp_path, capsys):
+    folder, data, *_ = checkpoint
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in folder.iterdir():
+        if path.is_file():
+            (broken / path.name).write_bytes(path.read_bytes())
+    (broken / "config.json").write_text("{not json")
+    error = _one_line_error(capsys, ["trace", str(broken), "--data", str(data)])
+    assert str(broken / "config.json") in error and "not a valid JSON" in error

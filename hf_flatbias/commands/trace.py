@@ -75,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Load the checkpoint and the data, build the contexts and estimate; raises `ValueError` on bad input."""
+    from ..utils import quiet_deepspeed_without_accelerator
+
+    quiet_deepspeed_without_accelerator()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import (
@@ -90,6 +93,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--n-draws must be >= 1 (got {args.n_draws}).")
     if args.n_contexts < 1:
         raise ValueError(f"--n-contexts must be >= 1 (got {args.n_contexts}).")
+    rows = _load_rows(args)  # before the model: a bad data file is reported at once
+    if not rows:
+        raise ValueError(f"{args.data} holds no rows.")
     config = AutoConfig.from_pretrained(args.model)
     architectures = list(getattr(config, "architectures", None) or [])
     causal_names, masked_names = (
@@ -108,9 +114,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     model.to(device)
     vocab_size = output_vocab_size(model)
 
-    rows = _load_rows(args)
-    if not rows:
-        raise ValueError(f"{args.data} holds no rows.")
     tokenizer = None
     if "input_ids" not in rows[0]:
         if args.text_column not in rows[0]:
@@ -119,11 +122,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 f"{sorted(rows[0])}); name the text column with --text-column."
             )
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        check_tokenizer_fits_model(tokenizer, vocab_size, source=args.model)
         texts = [row[args.text_column] for row in rows if row[args.text_column] and row[args.text_column].strip()]
         if not texts:
             raise ValueError(f"The {args.text_column!r} column of {args.data} holds no text.")
         encoded = tokenizer(texts, truncation=True, max_length=args.max_length)
+        check_tokenizer_fits_model(
+            tokenizer, vocab_size, source=args.model, input_ids=encoded["input_ids"], text_source=args.data
+        )
         rows = [
             {"input_ids": ids, "attention_mask": mask}
             for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
@@ -182,7 +187,16 @@ def _load_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         file_format = DATA_FILE_FORMATS.get(path.suffix.lower())
         if file_format is None:
             raise ValueError(f"--data {args.data}: unknown file type; use one of {sorted(DATA_FILE_FORMATS)}.")
-        loaded = datasets.load_dataset(file_format, data_files=str(path))
+        if not path.read_bytes().strip():
+            raise ValueError(f"--data {args.data} is empty; give a file with one text (or row) per line.")
+        try:
+            loaded = datasets.load_dataset(file_format, data_files=str(path))
+        except datasets.exceptions.DatasetGenerationError as error:
+            cause = error.__cause__ or error
+            raise ValueError(
+                f"--data {args.data} could not be read as {file_format} ({type(cause).__name__}: {cause}); check "
+                "the file's format against its extension."
+            ) from error
     else:
         loaded = datasets.load_dataset(args.data, args.config_name)
     if isinstance(loaded, datasets.DatasetDict):

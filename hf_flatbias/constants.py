@@ -7,6 +7,9 @@ IGNORE_INDEX = -100
 ESTIMATORS = ("per_sample", "summed", "hutchinson", "naive")
 """The Hessian-trace estimators of ``estimate_hessian_trace``; ``per_sample`` is the default."""
 
+HUTCHINSON_PROBES = ("rademacher", "gaussian")
+"""Probe distributions of the ``hutchinson`` estimator; Rademacher (the default) has the smaller variance."""
+
 DEFAULT_BATCH_SIZE = 32
 """Contexts per forward pass of a trace estimate."""
 

@@ -110,10 +110,10 @@ class HessianTraceCallback(TrainerCallback):
         # Fail at the start of training, not at the first measurement hours later.
         plugin = getattr(self._trainer.accelerator.state, "deepspeed_plugin", None)
         stage = None if plugin is None else plugin.deepspeed_config.get("zero_optimization", {}).get("stage")
-        if stage == 3 and self.estimator != "naive":
+        if (stage == 3 or self._trainer.args.world_size > 1) and self.estimator not in ("per_sample", "naive"):
             raise ValueError(
-                f"HessianTraceCallback(estimator={self.estimator!r}) does not support DeepSpeed ZeRO-3; pass "
-                "estimator='naive' (same values, one backward per draw) or train with ZeRO stage 0-2."
+                f"HessianTraceCallback(estimator={self.estimator!r}) on several processes needs a per-context "
+                "estimator: pass estimator='per_sample' (default) or 'naive'."
             )
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -11,7 +12,7 @@ from transformers.utils.logging import is_progress_bar_enabled
 
 from ..constants import DEFAULT_BATCH_SIZE, RECOMMENDED_N_DRAWS
 from .contexts import TraceContexts
-from .distributed import gather_trace_samples, needs_lockstep, share_of_contexts, world
+from .distributed import gather_trace_samples, gathered_parameters, needs_lockstep, share_of_contexts, world
 from .estimators import check_estimator_arguments, compute_trace_samples
 from .groups import GroupOf
 from .lm import check_lm_model, evaluation_mode, is_causal_lm, measured_parameters, preserved_global_rng
@@ -67,7 +68,9 @@ def estimate_hessian_trace(
             ``naive`` only; off by default, when it costs nothing.
         across_processes: with several processes (DDP, DeepSpeed), every process calls this with the same
             arguments, measures every world-size-th context and gets the whole estimate: the one-process estimate
-            on the same contexts and draws. Per-context estimators (``per_sample``, ``naive``) only.
+            on the same contexts and draws. Per-context estimators (``per_sample``, ``naive``) only. Under DeepSpeed
+            ZeRO-3, ``per_sample`` holds the whole model on every rank while it measures
+            (`hf_flatbias.flatness.distributed.gathered_parameters`); ``naive`` lets ZeRO-3 gather per module.
         progress: a bar with the time left on stderr, on the main process only (rank 0, counting its own share of
             the contexts). ``None`` shows it for estimates of at least `PROGRESS_MIN_CONTEXT_DRAWS` contexts x draws
             unless transformers' progress bars are disabled; ``True``/``False`` force it on or off.
@@ -94,7 +97,7 @@ def estimate_hessian_trace(
         indices = list(range(n_contexts))
     else:
         indices = list(range(len(contexts)))
-    _check_partitioned_model(model, estimator, across_processes)
+    _check_partitioned_model(model, across_processes)
     measure = dict(
         n_draws=n_draws,
         estimator=estimator,
@@ -121,19 +124,13 @@ def _shows_progress(progress: bool | None, context_draws: int) -> bool:
     return progress
 
 
-def _check_partitioned_model(model: nn.Module, estimator: str, across_processes: bool) -> None:
+def _check_partitioned_model(model: nn.Module, across_processes: bool) -> None:
     if not needs_lockstep(model):
         return
     if not across_processes:
         raise ValueError(
             "The model's parameters are partitioned by DeepSpeed ZeRO-3: every forward is a collective over all "
             "processes. Call estimate_hessian_trace on every process with across_processes=True."
-        )
-    if estimator == "per_sample":
-        raise ValueError(
-            "estimator='per_sample' does not support DeepSpeed ZeRO-3 (its backward stops at layer outputs, where "
-            "ZeRO-3 has already released the parameters). Use estimator='naive' under ZeRO-3 (same values, one "
-            "backward per draw), or measure under ZeRO 0-2 / on the consolidated model in one process."
         )
 
 
@@ -148,6 +145,9 @@ def _samples_across_processes(
             f"across_processes=True needs a per-context estimator ('per_sample' or 'naive'), got "
             f"{measure['estimator']!r}: its units are batches of contexts, which would differ from one process."
         )
-    share = share_of_contexts(indices, rank, world_size, lockstep=needs_lockstep(model))
-    local = compute_trace_samples(model, contexts, indices=share.indices, **measure) if share.indices else None
+    lockstep = needs_lockstep(model)
+    share = share_of_contexts(indices, rank, world_size, lockstep=lockstep)
+    gather_whole = lockstep and measure["estimator"] == "per_sample"
+    with gathered_parameters(model) if gather_whole else contextlib.nullcontext():
+        local = compute_trace_samples(model, contexts, indices=share.indices, **measure) if share.indices else None
     return gather_trace_samples(local, share.n_measured, world_size)

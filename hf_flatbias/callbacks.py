@@ -40,8 +40,8 @@ class HessianTraceCallback(TrainerCallback):
         eval_dataset: tokenized rows (``input_ids``, optionally ``attention_mask``); the trainer's ``eval_dataset``
             when ``None``. Existing labels are ignored: contexts are re-masked one position per row.
         n_contexts: contexts per measurement (rows are reused with other positions if there are fewer).
-        n_draws: draws of ``y`` per context. The default, 2, measured a better error per second than the paper's 50
-            (see `estimate_hessian_trace`).
+        n_draws: draws of ``y`` per context. The default, 2, measured a better error per second than 50 (the
+            paper's, unverified; see `estimate_hessian_trace`).
         every_n_steps: also measure every that many optimizer steps; ``None`` measures only on evaluation.
         on_evaluate: measure after each evaluation.
         measure_at_end: measure at the end of training (its last step, or where it stopped early) unless the latest

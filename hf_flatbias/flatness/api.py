@@ -49,8 +49,9 @@ def estimate_hessian_trace(
             `hf_flatbias.flatness.contexts.build_masked_contexts` makes such rows from tokenized text.
         n_contexts: use the first ``n_contexts`` contexts; all by default.
         n_draws: draws of ``y`` per context (probes for ``hutchinson``). The default, 2
-            (`hf_flatbias.constants.RECOMMENDED_N_DRAWS`), measured a better error per second than the paper's 50
-            with ``per_sample``; `TraceEstimate`'s ``suggested_n_draws`` reports the best value on your model.
+            (`hf_flatbias.constants.RECOMMENDED_N_DRAWS`), measured a better error per second with ``per_sample``
+            than 50 (the paper's number as a secondary summary gives it, unverified); `TraceEstimate`'s
+            ``suggested_n_draws`` reports the best value on your model.
         estimator: ``"per_sample"`` (default, fastest), ``"summed"``, ``"hutchinson"`` or ``"naive"`` (see
             `hf_flatbias.flatness.estimators`).
         seed: the draws of context ``i`` depend only on ``(seed, i)``.

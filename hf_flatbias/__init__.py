@@ -18,6 +18,7 @@ _import_structure = {
     "config": ["FlatBiasConfig"],
     "enlarge": ["check_enlargeable", "enlarge"],
     "flatness": [
+        "GroupTrace",
         "TraceEstimate",
         "build_masked_contexts",
         "estimate_hessian_trace",
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from .config import FlatBiasConfig
     from .enlarge import check_enlargeable, enlarge
     from .flatness import (
+        GroupTrace,
         TraceEstimate,
         build_masked_contexts,
         estimate_hessian_trace,

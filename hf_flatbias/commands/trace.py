@@ -11,6 +11,22 @@ from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, IGNORE_INDEX, RECOMMENDE
 from .paths import local_path_or_hub_id
 
 DATA_FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+GROUPED_ESTIMATORS = ("per_sample", "naive")
+"""The estimators that split the trace by parameter group (per-context ones)."""
+
+
+def batch_size_argument(value: str) -> int | str:
+    """``--batch-size``: a positive integer or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
+    return size
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,7 +58,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--estimator", default="per_sample", choices=list(ESTIMATORS), help="Estimator to use.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the masked positions and the draws.")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="Contexts per forward.")
+    parser.add_argument(
+        "--batch-size",
+        type=batch_size_argument,
+        default=DEFAULT_BATCH_SIZE,
+        help="Contexts per forward, or 'auto': as many as keep the working memory under 80%% of the free GPU memory "
+        "(half the available RAM on CPU). Default: %(default)s.",
+    )
+    parser.add_argument(
+        "--by-group",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Split the trace by parameter group (embeddings, each block, final norm, head, the decoder's own "
+        "output-layer term) and print a table of it (default: on for the per_sample and naive estimators).",
+    )
+    parser.add_argument(
+        "--plot", default=None, help="Draw the per-group trace as a bar chart into this .png/.pdf/.svg file."
+    )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu).")
     parser.add_argument("--causal", action="store_true", help="Treat the model as a causal LM (default: detect).")
     parser.add_argument("--output", default="hessian_trace.json", help="JSON file to write (default: %(default)s).")
@@ -60,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     args.data = local_path_or_hub_id(args.data, "--data", file_suffixes=tuple(DATA_FILE_FORMATS))
     result = measure(args)
     estimate = result["estimate"]
+    if estimate.get("by_group"):
+        print(format_group_table(estimate))
     print(
         f"Hessian trace of {args.model}: {estimate['mean']:.6g} +- {estimate['stderr']:.3g} (standard error; "
         f"{estimate['estimator']}, {estimate['n_contexts']} contexts x {estimate['n_draws']} draws, "
@@ -70,7 +104,43 @@ def run(args: argparse.Namespace) -> int:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     print(f"Wrote {args.output}")
+    if args.plot:
+        plot_groups(estimate, args.plot, title=f"Hessian trace by parameter group: {args.model}")
+        print(f"Wrote {args.plot}")
     return 0
+
+
+def format_group_table(estimate: dict[str, Any]) -> str:
+    """The per-group trace as a text table: mean, standard error and share of the total."""
+    total = estimate["mean"]
+    width = max(len("group"), *(len(group) for group in estimate["by_group"]))
+    lines = [f"{'group':<{width}}  {'trace':>12}  {'stderr':>10}  {'share':>6}"]
+    for group, part in estimate["by_group"].items():
+        share = f"{part['mean'] / total:6.1%}" if total else "     -"
+        lines.append(f"{group:<{width}}  {part['mean']:12.6g}  {part['stderr']:10.3g}  {share}")
+    lines.append(f"{'total':<{width}}  {total:12.6g}  {estimate['stderr']:10.3g}  {'100.0%' if total else '     -'}")
+    return "\n".join(lines)
+
+
+def plot_groups(estimate: dict[str, Any], path: str, *, title: str) -> None:
+    """A bar per parameter group with its standard error (matplotlib, imported only here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(estimate["by_group"])
+    means = [estimate["by_group"][g]["mean"] for g in groups]
+    errors = [estimate["by_group"][g]["stderr"] for g in groups]
+    figure, axis = plt.subplots(figsize=(max(4.0, 0.6 * len(groups) + 2), 3.5))
+    axis.bar(range(len(groups)), means, yerr=errors, capsize=3, color="tab:blue")
+    axis.set_xticks(range(len(groups)), groups, rotation=45, ha="right")
+    axis.set_ylabel("Tr(H) (Fisher), per group")
+    axis.set_title(title, fontsize=9)
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -93,6 +163,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--n-draws must be >= 1 (got {args.n_draws}).")
     if args.n_contexts < 1:
         raise ValueError(f"--n-contexts must be >= 1 (got {args.n_contexts}).")
+    if args.by_group is None:
+        args.by_group = args.estimator in GROUPED_ESTIMATORS
+    if (args.by_group or args.plot) and args.estimator not in GROUPED_ESTIMATORS:
+        raise ValueError(
+            f"--by-group and --plot need a per-context estimator ({', '.join(GROUPED_ESTIMATORS)}), got "
+            f"--estimator {args.estimator}."
+        )
+    if args.plot and not args.by_group:
+        raise ValueError("--plot draws the per-group trace: drop --no-by-group.")
+    if args.plot and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
+        raise ValueError(f"--plot {args.plot}: use a file ending in one of {list(PLOT_SUFFIXES)}.")
     rows = _load_rows(args)  # before the model: a bad data file is reported at once
     if not rows:
         raise ValueError(f"{args.data} holds no rows.")
@@ -161,6 +242,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         batch_size=args.batch_size,
         causal=causal,
+        by_group=args.by_group,
         progress=args.progress,
     )
     return {

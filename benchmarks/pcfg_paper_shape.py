@@ -24,21 +24,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from hf_flatbias.experiments import MIN_PROBE_WORDS, onehot_position_word  # noqa: E402
 from hf_flatbias.probe import probe_accuracy  # noqa: E402
 from hf_flatbias.synthetic import PCFG  # noqa: E402
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
-#: the released downstream generator keeps sentences of more than 4 words
-MIN_PROBE_LENGTH = 5
-
-
-def onehot_position_word(word_ids: np.ndarray, lengths: np.ndarray, width: int, n_words: int) -> np.ndarray:
-    """``(n, width * n_words)`` one-hot of the word at each position; positions past the end stay zero."""
-    out = np.zeros((len(lengths), width, n_words), dtype=np.float32)
-    rows, cols = np.nonzero(np.arange(width)[None, :] < lengths[:, None])
-    out[rows, cols, word_ids[rows, cols]] = 1.0
-    return out.reshape(len(lengths), -1)
 
 
 def main(argv=None) -> None:
@@ -56,7 +46,7 @@ def main(argv=None) -> None:
     print(f"sample {args.n_sample:,} sentences: {t_sample:.1f} s ({args.n_sample / t_sample:,.0f} sentences/s)")
     print(f"  lengths {sample.lengths.min()}-{sample.lengths.max()}, mean {sample.lengths.mean():.2f}")
 
-    keep = np.flatnonzero(sample.lengths >= MIN_PROBE_LENGTH)[: 3 * args.n_probe]
+    keep = np.flatnonzero(sample.lengths >= MIN_PROBE_WORDS)[: 3 * args.n_probe]
     word_ids, lengths = sample.word_ids[keep], sample.lengths[keep]
     start = time.perf_counter()
     labels = grammar.task_labels(word_ids, lengths)

@@ -18,6 +18,7 @@ _import_structure = {
     "config": ["FlatBiasConfig"],
     "enlarge": ["check_enlargeable", "enlarge"],
     "flatness": [
+        "GroupTrace",
         "SharpnessEstimate",
         "SpectralDensity",
         "TopEigenvalues",
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from .config import FlatBiasConfig
     from .enlarge import check_enlargeable, enlarge
     from .flatness import (
+        GroupTrace,
         SharpnessEstimate,
         SpectralDensity,
         TopEigenvalues,

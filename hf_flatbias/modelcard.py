@@ -101,6 +101,8 @@ class FlatnessCard:
             ``"train"``.
         hessian_trace, hessian_trace_stderr: Tr(H) of the pre-training loss and its standard error.
         trace_step: the training step whose weights the trace was measured on.
+        hessian_trace_by_group: the trace split by parameter group, ``{group: {"mean": ..., "stderr": ...}}``
+            (`hf_flatbias.flatness.TraceEstimate.by_group`), when it was measured.
         estimator, n_contexts, n_draws, trace_seconds: how the trace was estimated and how long it took.
         glue: GLUE validation results, ``{task: {metric: value}}``.
         global_step, epoch: where in training the card was written.
@@ -132,6 +134,7 @@ class FlatnessCard:
     n_contexts: int | None = None
     n_draws: int | None = None
     trace_seconds: float | None = None
+    hessian_trace_by_group: dict[str, dict[str, float]] | None = None
     glue: dict[str, dict[str, float]] = field(default_factory=dict)
     global_step: int | None = None
     epoch: float | None = None
@@ -187,6 +190,13 @@ class FlatnessCard:
             for metric, value in metrics.items():
                 if not isinstance(value, (int, float)) or not math.isfinite(value):
                     raise ValueError(f"GLUE result {task}/{metric}={value!r} is not a finite number.")
+        for group, part in (self.hessian_trace_by_group or {}).items():
+            for key, value in part.items():
+                if not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise ValueError(
+                        f"hessian_trace_by_group[{group!r}][{key!r}]={value!r} is not a finite number; set "
+                        "hessian_trace_by_group=None to publish the card without the split."
+                    )
         for name, record in self.measures.items():
             _check_measure_record(name, record)
 
@@ -211,6 +221,11 @@ class FlatnessCard:
             "pretraining_loss": self.pretraining_loss,
             "pretraining_loss_source": self.pretraining_loss_source,
             "trace_seconds": self.trace_seconds,
+            "hessian_trace_by_group": (
+                {group: dict(part) for group, part in self.hessian_trace_by_group.items()}
+                if self.hessian_trace_by_group
+                else None
+            ),
             **{name: dict(self.measures[name]) for name in EXTRA_MEASURES if name in self.measures},
             "global_step": self.global_step,
             "epoch": self.epoch,
@@ -374,6 +389,16 @@ class FlatnessCard:
             for name in FLATNESS_METHOD_HYPERPARAMETERS[method]
         }
         hessian_trace = number("hessian_trace")
+        by_group = flatness.get("hessian_trace_by_group") or {}
+        if not isinstance(by_group, Mapping) or not all(isinstance(part, Mapping) for part in by_group.values()):
+            raise ValueError(f"{source}: flatness.hessian_trace_by_group is {by_group!r}, not a mapping of groups.")
+        groups = {
+            str(group): {
+                key: _read_number(value, f"flatness.hessian_trace_by_group.{group}.{key}", source)
+                for key, value in part.items()
+            }
+            for group, part in by_group.items()
+        }
         measures = {}
         for name in EXTRA_MEASURES:
             record = _read_measure_record(flatness.get(name), name, source)
@@ -393,6 +418,10 @@ class FlatnessCard:
             n_contexts=number("n_contexts", integer=True),
             n_draws=number("n_draws", integer=True),
             trace_seconds=number("trace_seconds"),
+            # a split whose numbers could not all be read is left out, like an unreadable trace
+            hessian_trace_by_group=(
+                groups if groups and all(v is not None for part in groups.values() for v in part.values()) else None
+            ),
             global_step=number("global_step", integer=True),
             epoch=number("epoch"),
             model_type=flatness.get("model_type"),
@@ -568,6 +597,7 @@ def _trace_from_callbacks(callbacks: Iterable[Any]) -> dict[str, Any] | None:
         n_contexts = getattr(estimate, "n_contexts", None)
         n_draws = getattr(estimate, "n_draws", None)
         step = getattr(callback, "last_estimate_step", None)
+        by_group = getattr(estimate, "by_group", None)
         return {
             "hessian_trace": float(estimate.mean),
             "hessian_trace_stderr": float(stderr) if stderr is not None else None,
@@ -576,6 +606,11 @@ def _trace_from_callbacks(callbacks: Iterable[Any]) -> dict[str, Any] | None:
             "n_contexts": int(n_contexts) if n_contexts is not None else None,
             "n_draws": int(n_draws) if n_draws is not None else None,
             "trace_seconds": float(seconds) if seconds is not None else None,
+            "hessian_trace_by_group": (
+                {group: {"mean": float(part.mean), "stderr": float(part.stderr)} for group, part in by_group.items()}
+                if by_group
+                else None
+            ),
         }
     return None
 

@@ -83,10 +83,7 @@ def probe_accuracy(
     Returns:
         [`ProbeResult`] with the accuracy and its interval.
     """
-    from sklearn.linear_model import LogisticRegression
     from sklearn.model_selection import train_test_split
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
 
     x, y = _clean(features, labels, "features")
     if test_features is None:
@@ -104,10 +101,7 @@ def probe_accuracy(
         if x_test.shape[1] != x.shape[1]:
             raise ValueError(f"test_features have {x_test.shape[1]} columns but features have {x.shape[1]}.")
     classes = np.unique(y)
-    if len(classes) < 2:
-        raise ValueError("probe_accuracy needs at least two distinct labels among the training rows.")
-    model = make_pipeline(StandardScaler(), LogisticRegression(C=regularization, max_iter=max_iter))
-    model.fit(x, y)
+    model = fit_probe(x, y, regularization=regularization, max_iter=max_iter)
     correct = int((model.predict(x_test) == y_test).sum())
     majority = classes[np.argmax([(y == c).sum() for c in classes])]
     low, high = wilson_interval(correct, len(y_test), confidence)
@@ -121,6 +115,27 @@ def probe_accuracy(
         n_classes=len(np.unique(np.concatenate([y, y_test]))),
         chance=float((y_test == majority).mean()),
     )
+
+
+def fit_probe(
+    features: np.ndarray,
+    labels: np.ndarray,
+    *,
+    regularization: float = 1.0,
+    max_iter: int = 1000,
+    warm_start: bool = False,
+):
+    """The probe itself: standardised features into a multinomial logistic regression with inverse L2 strength
+    ``regularization``, fitted on rows already checked by `_clean`; returns the fitted scikit-learn pipeline.
+    ``warm_start``: a later ``fit`` with another ``logisticregression__C`` starts from this solution (a C path)."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    if len(np.unique(labels)) < 2:
+        raise ValueError("a probe needs at least two distinct labels among the training rows.")
+    head = LogisticRegression(C=regularization, max_iter=max_iter, warm_start=warm_start)
+    return make_pipeline(StandardScaler(), head).fit(features, labels)
 
 
 def _clean(features, labels, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -150,6 +165,7 @@ def extract_features(
     layer: int = -1,
     batch_size: int = 256,
     pad_token_id: int = 0,
+    width: int | None = None,
 ) -> np.ndarray:
     """Frozen features of an encoder (any model returning ``hidden_states``, e.g. ``BertForMaskedLM``).
 
@@ -162,6 +178,8 @@ def extract_features(
         layer: index into ``hidden_states`` (``-1``: last layer, ``0``: embeddings).
         batch_size: rows per forward pass.
         pad_token_id: id used to pad rows to the batch's longest.
+        width: with ``'concat'``, the token positions every row is padded to, so features of different calls (a
+            probe's fit and test rows) have the same columns; default: the longest row of this call.
 
     Returns:
         ``(n, d)`` float32 array (``d * max_length`` for ``'concat'``).
@@ -172,12 +190,16 @@ def extract_features(
     model.eval()
     device = next(model.parameters()).device
     max_length = max(len(r) for r in input_ids)
+    if width is not None:
+        if width < max_length:
+            raise ValueError(f"width={width} but a row has {max_length} tokens; pass a width of at least the longest.")
+        max_length = width
     chunks = []
     try:
         for start in range(0, len(input_ids), batch_size):
             rows = input_ids[start : start + batch_size]
-            width = max_length if pooling == "concat" else max(len(r) for r in rows)
-            ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+            padded = max_length if pooling == "concat" else max(len(r) for r in rows)
+            ids = torch.full((len(rows), padded), pad_token_id, dtype=torch.long)
             mask = torch.zeros_like(ids)
             for i, r in enumerate(rows):
                 ids[i, : len(r)] = torch.as_tensor(list(r))

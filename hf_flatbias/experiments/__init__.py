@@ -5,7 +5,9 @@ A recipe is a parser and a ``main()`` that put these together (as trl's ``trl/sc
 utils.py``); a new experiment adds a recipe, and a module here only for what a second recipe will share. One module
 per job: `language` (the language, its contexts, probe tasks and entropy floor), `models` (small BERTs from a config),
 `runs` (`RunSpec`, training through `FlatBiasTrainer`), `branches` (anneal-to-evaluate copies of a constant-rate
-trunk), `saturation` (KL to the exact conditionals over every position), `evaluation` (one record per checkpoint:
+trunk), `saturation` (KL to the exact conditionals over every position), `paper_language` / `paper_probes` /
+`protocol` / `verdicts` (the paper-shaped protocol: its fixed material, fixed-width probes, branch measurements and
+claim verdicts), `evaluation` (one record per checkpoint:
 one-mask loss, Fisher trace, probes), `analysis` (correlations, matched loss, selection by flatness), `results` (JSON
 and tables), `plots`, `summary` (results as the markdown tables of docs/), `arguments` (the synthetic recipes'
 flags) and `dataclass_args` (``HfArgumentParser`` with a YAML ``--config``, for the BookCorpus and GLUE recipes).
@@ -14,8 +16,11 @@ flags) and `dataclass_args` (``HfArgumentParser`` with a YAML ``--config``, for 
 from .analysis import at_common_loss, correlations, flatness_selection, matched_loss, partial_spearman, spearman
 from .arguments import (
     add_common_arguments,
+    add_paper_protocol_arguments,
     add_target_loss_argument,
+    apply_paper_smoke,
     apply_smoke,
+    default_output_dir,
     parse_recipe_arguments,
     run_spec_arguments,
     setup_language_from_args,
@@ -34,56 +39,94 @@ from .evaluation import (
 )
 from .language import LanguageSetup, setup_language
 from .models import bert_config, build_model
+from .paper_language import MIN_PROBE_WORDS, PaperLanguage, SentenceSet, setup_paper_language
+from .paper_probes import (
+    REGULARIZATION_GRID,
+    encoder_features,
+    exact_conditional_features,
+    lexical_features,
+    mcnemar,
+    onehot_position_word,
+    probe_all_tasks,
+    selected_probe,
+    without_predictions,
+)
 from .plots import plot_runs
+from .protocol import measure_branch, reference_rows, train_annealed, train_with_branches
 from .results import config_of, final_row, is_main_process, markdown_table, task_accuracies, write_json, write_results
 from .runs import RunSpec, train_and_evaluate
 from .saturation import SaturationResult, measure_saturation, model_masked_log_probs, saturation
 from .summary import summarize
+from .verdicts import C1_RULE, c1_verdict, compared_branches, t_interval
 
 __all__ = [
     "BranchEvaluator",
+    "C1_RULE",
     "CheckpointEvaluator",
     "LanguageSetup",
+    "MIN_PROBE_WORDS",
+    "PaperLanguage",
+    "REGULARIZATION_GRID",
     "RunSpec",
     "SaturationResult",
+    "SentenceSet",
     "add_common_arguments",
+    "add_paper_protocol_arguments",
     "add_target_loss_argument",
     "anneal_branch",
+    "apply_paper_smoke",
     "apply_smoke",
     "at_common_loss",
     "bert_config",
     "branch_batches",
     "build_model",
+    "c1_verdict",
+    "compared_branches",
     "config_of",
     "context_batch",
     "correlations",
+    "default_output_dir",
+    "encoder_features",
     "evaluate_checkpoint",
+    "exact_conditional_features",
     "features_probe_scores",
     "final_row",
     "flatness_selection",
     "format_record",
     "hessian_trace",
     "is_main_process",
+    "lexical_features",
     "linear_anneal_rates",
     "load_yaml_config",
     "markdown_table",
     "matched_loss",
+    "mcnemar",
+    "measure_branch",
     "measure_saturation",
     "model_masked_log_probs",
     "one_mask_loss",
+    "onehot_position_word",
     "parse_dataclass_args",
     "parse_recipe_arguments",
     "partial_spearman",
     "plot_runs",
+    "probe_all_tasks",
     "probe_scores",
+    "reference_rows",
     "run_spec_arguments",
     "saturation",
+    "selected_probe",
     "setup_language",
     "setup_language_from_args",
+    "setup_paper_language",
     "spearman",
     "summarize",
+    "t_interval",
     "task_accuracies",
     "train_and_evaluate",
+    "train_annealed",
+    "train_with_branches",
+    "without_predictions",
     "write_json",
     "write_results",
 ]

@@ -85,6 +85,14 @@ def parse_recipe_arguments(
     return args
 
 
+def default_output_dir(args: argparse.Namespace, name: str, root: str = "outputs") -> Path:
+    """``--output-dir``, else ``<root>/<name>`` (an ignored folder); a ``--smoke`` run gets ``<name>-smoke``, so it
+    never overwrites the results of a real run."""
+    if args.output_dir is not None:
+        return Path(args.output_dir)
+    return Path(root) / (f"{name}-smoke" if args.smoke else name)
+
+
 def setup_language_from_args(args: argparse.Namespace, *, train_columns: Sequence[str] = ()) -> LanguageSetup:
     """``setup_language`` with the sizes, seed and probe pooling of ``add_common_arguments``."""
     return setup_language(
@@ -112,3 +120,26 @@ def run_spec_arguments(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         mask_probability=args.mask_probability,
     )
+
+
+def add_paper_protocol_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags the paper-shaped protocol's recipes share (grammar gate, C1): grammar, model, optimizer, sizes."""
+    parser.add_argument("--concentration", type=float, default=1.0, help="Dirichlet concentration of the grammar")
+    parser.add_argument("--warmup-steps", type=int, default=500)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--learning-rate", type=float, default=2e-3, help="peak (gate) or constant (C1 trunk) rate")
+    parser.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's (the released code's 0.01)")
+    parser.add_argument("--hidden", type=int, default=64, help="BERT hidden size (64 x 3 layers: 0.17M parameters)")
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--heads", type=int, default=None, help="attention heads (default: hidden // 32)")
+    parser.add_argument("--n-train", type=int, default=400_000, help="training sentences")
+    parser.add_argument("--n-kl", type=int, default=1000, help="held-out sentences of the KL (every position)")
+    parser.add_argument("--n-probe", type=int, default=2000, help="probe fit and test sentences each (>= 5 words)")
+    parser.add_argument("--output-dir", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (tests)")
+
+
+def apply_paper_smoke(args: argparse.Namespace) -> None:
+    """`add_paper_protocol_arguments`'s sizes for a test that runs in seconds."""
+    args.warmup_steps, args.batch_size, args.hidden, args.layers = 5, 16, 32, 1
+    args.n_train, args.n_kl, args.n_probe = 400, 16, 60

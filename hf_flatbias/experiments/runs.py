@@ -91,25 +91,7 @@ def train_and_evaluate(
         optional["remove_unused_columns"] = False  # the wrapper's forward takes task_labels, not the model's
     if spec.callbacks:
         optional.update(eval_strategy="steps", eval_steps=spec.eval_every, per_device_eval_batch_size=256)
-    settings: dict[str, Any] = dict(
-        output_dir=str(output_dir / spec.label),
-        max_steps=spec.steps,
-        per_device_train_batch_size=spec.batch_size,
-        learning_rate=spec.learning_rate,
-        lr_scheduler_type=spec.lr_scheduler_type,
-        adam_beta2=spec.adam_beta2,
-        warmup_steps=spec.warmup_steps,
-        weight_decay=spec.weight_decay,
-        flatness_method=spec.flatness_method,
-        sam_rho=spec.sam_rho,
-        save_strategy="no",
-        report_to=[],
-        logging_steps=max(1, spec.eval_every),
-        disable_tqdm=True,
-        seed=spec.seed,
-        use_cpu=True,
-        dataloader_num_workers=0,
-    )
+    settings = trainer_settings(spec, output_dir / spec.label)
     settings.update(optional)
     settings.update(spec.flatness_overrides)  # a method's own settings win over the shared ones
     args = FlatBiasConfig(**settings)
@@ -137,3 +119,26 @@ def train_and_evaluate(
             hessian_trace_estimator=trace["estimator"],
         )
     return evaluator.records
+
+
+def trainer_settings(spec: RunSpec, output_dir: Path) -> dict[str, Any]:
+    """`FlatBiasConfig` fields of ``spec``: one CPU process, no checkpoints, no reports (a recipe adds its own)."""
+    return dict(
+        output_dir=str(output_dir),
+        max_steps=spec.steps,
+        per_device_train_batch_size=spec.batch_size,
+        learning_rate=spec.learning_rate,
+        lr_scheduler_type=spec.lr_scheduler_type,
+        adam_beta2=spec.adam_beta2,
+        warmup_steps=spec.warmup_steps,
+        weight_decay=spec.weight_decay,
+        flatness_method=spec.flatness_method,
+        sam_rho=spec.sam_rho,
+        save_strategy="no",
+        report_to=[],
+        logging_steps=max(1, spec.eval_every),
+        disable_tqdm=True,
+        seed=spec.seed,
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )

@@ -7,7 +7,8 @@ from .api import estimate_hessian_trace
 from .contexts import TraceContexts, build_masked_contexts
 from .estimators import compute_trace_samples
 from .exact import exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
-from .results import TraceEstimate, TraceSamples, summarize_trace_samples
+from .groups import default_group_of, parameter_groups
+from .results import GroupTrace, TraceEstimate, TraceSamples, summarize_trace_samples
 from .spectrum import (
     SharpnessEstimate,
     SpectralDensity,
@@ -19,6 +20,7 @@ from .spectrum import (
 
 __all__ = [
     "ESTIMATORS",
+    "GroupTrace",
     "SharpnessEstimate",
     "SpectralDensity",
     "TopEigenvalues",
@@ -27,12 +29,14 @@ __all__ = [
     "TraceSamples",
     "build_masked_contexts",
     "compute_trace_samples",
+    "default_group_of",
     "estimate_hessian_trace",
     "estimate_sam_sharpness",
     "estimate_spectral_density",
     "estimate_top_eigenvalues",
     "exact_fisher_trace",
     "exact_hessian_trace",
+    "parameter_groups",
     "per_context_fisher_traces",
     "summarize_trace_samples",
 ]

@@ -178,9 +178,10 @@ class PCFG:
 
         The released grammar has 9 sentence types, each with one rule into two level-1 symbols; 4 levels of 10
         symbols; every symbol of levels 1-3 has 18-20 distinct binary rules into the next level plus one lexical rule
-        carrying 4-42% of its mass; the last level emits words; 200 words, each emitted by 2-8 nonterminals. Sentences
-        therefore have 2 to ``2 ** n_levels`` (16) words. The same arguments give the same grammar; ``seed`` is the
-        grammar's own seed, independent of any data or model seed.
+        carrying 4-42% of its mass; the last level emits words; 200 words, each emitted by 1-8 nonterminals (5 of them
+        by one only; the default ``emitters_per_word`` here is 2-8). Sentences therefore have 2 to ``2 ** n_levels``
+        (16) words. The same arguments give the same grammar; ``seed`` is the grammar's own seed, independent of any
+        data or model seed.
 
         Args:
             seed: seed of the grammar's random draws.

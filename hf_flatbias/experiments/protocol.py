@@ -1,0 +1,184 @@
+"""The paper-shaped protocol's runs: a constant-rate trunk with annealed branches, each branch measured, resumable.
+
+[`measure_branch`] is what every compared point gets: KL to the exact conditionals over every position (`saturation`),
+the Fisher trace (``per_sample``), the Hutchinson trace of the data-label loss (the released code's quantity) and the
+fixed-width probes. [`train_with_branches`] trains the trunk through `FlatBiasTrainer`, saving a checkpoint after every
+branch so a stopped run resumes from its last branch; [`reference_rows`] measures what no pre-training gives.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.trainer_utils import get_last_checkpoint
+
+from ..config import FlatBiasConfig
+from ..flatness import estimate_hessian_trace
+from ..synthetic import MaskedWordCollator
+from ..trainer import FlatBiasTrainer
+from .branches import BranchEvaluator
+from .models import build_model
+from .paper_language import PaperLanguage
+from .paper_probes import encoder_features, exact_conditional_features, lexical_features, probe_all_tasks
+from .runs import RunSpec, trainer_settings
+from .saturation import measure_saturation
+
+#: the Fisher trace is reported whole: hf_flatbias.flatness offers no split into output-layer and other terms yet
+FISHER_TRACE_SPLIT = "not available: hf_flatbias.flatness reports the total trace only"
+
+
+def measure_branch(
+    model: torch.nn.Module,
+    language: PaperLanguage,
+    *,
+    trace_contexts: int,
+    trace_draws: int,
+    hutchinson_draws: int,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """KL saturation, Fisher trace, Hutchinson trace of the data-label loss and probes of one (annealed) model.
+
+    ``trace_contexts=0`` skips both traces (reference rows). ``seed`` seeds the bootstrap and the trace draws.
+    """
+    start = time.perf_counter()
+    kl = measure_saturation(
+        model,
+        language.kl_sentences.word_ids,
+        language.kl_conditionals,
+        language.kl_sentences.lengths,
+        seed=seed,
+    )
+    record: dict[str, Any] = {"kl": kl.kl, "saturated": kl.saturated, "saturation": kl.to_dict()}
+    if trace_contexts > 0:
+        n = min(trace_contexts, len(language.trace_contexts))
+        fisher = estimate_hessian_trace(
+            model, language.trace_contexts, n_contexts=n, n_draws=trace_draws, seed=seed, progress=False
+        )
+        # the released calculate_hessian.py: v^T H v of the loss of the data labels (not the model's own samples)
+        data_loss = estimate_hessian_trace(
+            model,
+            language.trace_contexts,
+            n_contexts=n,
+            n_draws=hutchinson_draws,
+            estimator="hutchinson",
+            seed=seed,
+            progress=False,
+        )
+        record.update(
+            fisher_trace=fisher.mean,
+            fisher_trace_stderr=fisher.stderr,
+            fisher_trace_split=FISHER_TRACE_SPLIT,
+            hutchinson_trace_data_loss=data_loss.mean,
+            hutchinson_trace_data_loss_stderr=data_loss.stderr,
+            trace_contexts=n,
+        )
+    record.update(probe_all_tasks(encoder_features(model, language), language))
+    record["measure_seconds"] = time.perf_counter() - start
+    return record
+
+
+def reference_rows(language: PaperLanguage, spec: RunSpec) -> dict[str, Any]:
+    """Probe rows without pre-training: lexical baseline, the untrained encoder of ``spec``, the exact conditionals."""
+    untrained = build_model(
+        len(language.tokenizer), hidden=spec.hidden, layers=spec.layers, seed=spec.seed, heads=spec.heads
+    )
+    return {
+        "lexical_baseline": probe_all_tasks(lexical_features(language), language),
+        "untrained_encoder": probe_all_tasks(encoder_features(untrained, language), language),
+        "exact_conditionals": probe_all_tasks(exact_conditional_features(language), language),
+    }
+
+
+def train_with_branches(
+    language: PaperLanguage,
+    spec: RunSpec,
+    output_dir: Path,
+    *,
+    branch_every: int,
+    anneal_steps: int,
+    measure_kwargs: dict[str, Any],
+) -> list[dict[str, Any]]:
+    """Train ``spec``'s trunk and measure an annealed branch every ``branch_every`` steps; resumes where it stopped.
+
+    ``output_dir/branches.json`` is rewritten after every branch and the trunk (weights, optimizer, scheduler, random
+    states) is saved right after it, so a rerun continues from the last measured branch: the records up to that
+    step are kept and the trunk's Trainer resumes from its checkpoint (the masking collator restarts its own stream).
+    """
+    if branch_every < 1 or spec.steps < branch_every:
+        raise ValueError(f"need 1 <= branch_every <= steps, got {branch_every} and {spec.steps}.")
+    trunk_dir = output_dir / "trunk"
+    records_path = output_dir / "branches.json"
+    last = get_last_checkpoint(str(trunk_dir)) if trunk_dir.is_dir() else None
+    records: list[dict[str, Any]] = []
+    if last is not None and records_path.exists():
+        resumed_step = int(Path(last).name.split("-")[-1])
+        records = [r for r in json.loads(records_path.read_text())["records"] if r["step"] <= resumed_step]
+        print(f"resuming from {last} with {len(records)} measured branches", flush=True)
+    elif last is not None:
+        last = None  # a checkpoint without its records: start again rather than lose branches silently
+    model = build_model(
+        len(language.tokenizer),
+        hidden=spec.hidden,
+        layers=spec.layers,
+        dropout=spec.dropout,
+        seed=spec.seed,
+        heads=spec.heads,
+    )
+
+    def measure(branch, step):
+        record = measure_branch(branch, language, seed=step, **measure_kwargs)
+        print(
+            f"[seed {spec.seed}] branch {step}: KL {record['kl']:.4f} "
+            f"[{record['saturation']['ci_low']:.4f}, {record['saturation']['ci_high']:.4f}] "
+            f"Fisher {record.get('fisher_trace', float('nan')):.1f} probe {record['probe_accuracy']:.3f} "
+            f"({record['measure_seconds']:.0f} s)",
+            flush=True,
+        )
+        return record
+
+    evaluator = BranchEvaluator(
+        language.train,
+        every=branch_every,
+        anneal_steps=anneal_steps,
+        batch_size=spec.batch_size,
+        measure=measure,
+        seed=spec.seed,
+        partial_path=records_path,
+    )
+    evaluator.records = records
+    settings = trainer_settings(spec, trunk_dir)
+    settings.update(save_strategy="steps", save_steps=branch_every, save_total_limit=1, logging_steps=branch_every)
+    trainer = FlatBiasTrainer(
+        model=model,
+        args=FlatBiasConfig(**settings),
+        train_dataset=language.train,
+        data_collator=MaskedWordCollator(0.0, seed=spec.seed),
+        callbacks=[evaluator],
+    )
+    trainer.train(resume_from_checkpoint=last)
+    return evaluator.records
+
+
+def train_annealed(language: PaperLanguage, spec: RunSpec, output_dir: Path) -> torch.nn.Module:
+    """One run of ``spec`` (normally warm-up then linear decay to 0, the paper's shape) on the language; the model."""
+    model = build_model(
+        len(language.tokenizer),
+        hidden=spec.hidden,
+        layers=spec.layers,
+        dropout=spec.dropout,
+        seed=spec.seed,
+        heads=spec.heads,
+    )
+    settings = trainer_settings(spec, output_dir)
+    settings.update(logging_steps=max(1, spec.steps // 10))
+    FlatBiasTrainer(
+        model=model,
+        args=FlatBiasConfig(**settings),
+        train_dataset=language.train,
+        data_collator=MaskedWordCollator(0.0, seed=spec.seed),
+    ).train()
+    return model.eval()

@@ -1,0 +1,108 @@
+"""Verdicts of the paper's claims, recomputed from result JSON alone (pure functions: no models, no training).
+
+Claim C1, continued training (issue 15), stated before any run:
+
+* Per seed, the *compared branches* are its saturated branches (KL <= 0.010, bootstrap upper end <= 0.015) when it has
+  at least 3; otherwise its branches with KL <= 0.020 within 0.003 nats of the seed's lowest such KL ("matched, not
+  saturated"), when it has at least 3; otherwise the seed has none and is undecided.
+* PASS when (a) Spearman(training step, Fisher trace) < 0 among the compared branches in at least 4 of the 5 seeds,
+  and (b) the last-minus-first compared branch's probe accuracy (mean over tasks A/B/C on the fixed test set) has a
+  95% seed-level t interval above 0. FAIL when at least 4 seeds have compared branches and (a) or (b) does not hold.
+  "undecided (not saturated)" when fewer than 4 seeds have compared branches.
+* Reported beside it, never part of it: pooled Spearman(trace, accuracy) and Spearman(KL, accuracy) over every
+  compared branch of every seed (the KL ranks as the loss against exact conditionals does: same sentences).
+
+The thresholds are module constants; the verdict is never tuned until it passes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .analysis import spearman
+from .saturation import SATURATED_KL, SATURATED_KL_UPPER
+
+#: fewest compared branches a seed needs for a rank correlation
+MIN_COMPARED_BRANCHES = 3
+#: "matched, not saturated": branches with KL at most this ...
+MATCHED_KL_CEILING = 0.020
+#: ... and within this of the seed's lowest such KL
+MATCHED_KL_TOLERANCE = 0.003
+#: seeds (of 5) whose step-trace correlation must be negative
+SEEDS_REQUIRED = 4
+CONFIDENCE = 0.95
+
+C1_RULE = (
+    "PASS if Spearman(training step, Fisher trace) < 0 among compared branches in >= 4 of 5 seeds AND the "
+    "last-minus-first compared branch probe accuracy has a 95% seed-level t interval above 0. Compared branches: a "
+    "seed's saturated ones (KL <= 0.010, upper <= 0.015) if >= 3, else those with KL <= 0.020 within 0.003 nats of "
+    "its lowest such KL ('matched, not saturated') if >= 3, else none. Fewer than 4 seeds with compared branches: "
+    "'undecided (not saturated)'."
+)
+
+
+def compared_branches(records: Sequence[dict[str, Any]]) -> tuple[str, list[dict[str, Any]]]:
+    """One seed's compared branches and their regime: ``"saturated"``, ``"matched, not saturated"`` or ``"none"``."""
+    saturated = [r for r in records if r["kl"] <= SATURATED_KL and r["saturation"]["ci_high"] <= SATURATED_KL_UPPER]
+    if len(saturated) >= MIN_COMPARED_BRANCHES:
+        return "saturated", sorted(saturated, key=lambda r: r["step"])
+    low = [r for r in records if r["kl"] <= MATCHED_KL_CEILING]
+    if low:
+        best = min(r["kl"] for r in low)
+        matched = [r for r in low if r["kl"] <= best + MATCHED_KL_TOLERANCE]
+        if len(matched) >= MIN_COMPARED_BRANCHES:
+            return "matched, not saturated", sorted(matched, key=lambda r: r["step"])
+    return "none", []
+
+
+def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """``(mean, low, high)``: Student-t interval of the mean of ``values`` (nan bounds below 2 values)."""
+    from scipy.stats import t
+
+    x = np.asarray(values, dtype=np.float64)
+    mean = float(x.mean()) if len(x) else math.nan
+    if len(x) < 2:
+        return mean, math.nan, math.nan
+    half = float(t.ppf(0.5 + confidence / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
+    return mean, mean - half, mean + half
+
+
+def c1_verdict(seeds: dict[str, Sequence[dict[str, Any]]]) -> dict[str, Any]:
+    """The C1 verdict from each seed's branch records (``step``, ``kl``, ``saturation``, ``fisher_trace``,
+    ``probe_accuracy``), by the rule of this module's docstring (`C1_RULE`)."""
+    per_seed, gains, pooled = {}, [], []
+    for seed, records in seeds.items():
+        regime, compared = compared_branches(records)
+        row: dict[str, Any] = {"regime": regime, "compared_steps": [r["step"] for r in compared]}
+        if compared:
+            row["spearman_step_trace"] = spearman([r["step"] for r in compared], [r["fisher_trace"] for r in compared])
+            row["accuracy_gain"] = compared[-1]["probe_accuracy"] - compared[0]["probe_accuracy"]
+            gains.append(row["accuracy_gain"])
+            pooled.extend(compared)
+        per_seed[seed] = row
+    decided = [row for row in per_seed.values() if row["regime"] != "none"]
+    negative = sum(1 for row in decided if row["spearman_step_trace"] is not None and row["spearman_step_trace"] < 0)
+    mean_gain, low, high = t_interval(gains)
+    if len(decided) < SEEDS_REQUIRED:
+        verdict = "undecided (not saturated)"
+    else:
+        verdict = "PASS" if negative >= SEEDS_REQUIRED and low > 0 else "FAIL"
+    regimes = {row["regime"] for row in decided}
+    accuracy = [r["probe_accuracy"] for r in pooled]
+    return {
+        "rule": C1_RULE,
+        "verdict": verdict,
+        "regime": "saturated" if regimes == {"saturated"} else ("matched, not saturated" if decided else "none"),
+        "seeds_with_compared_branches": len(decided),
+        "seeds_with_negative_step_trace_spearman": negative,
+        # None, not NaN, where undefined: the JSON stays standard
+        "accuracy_gain_mean": None if math.isnan(mean_gain) else mean_gain,
+        "accuracy_gain_ci": None if math.isnan(low) else [low, high],
+        "pooled_spearman_trace_accuracy": spearman([r["fisher_trace"] for r in pooled], accuracy),
+        "pooled_spearman_kl_accuracy": spearman([r["kl"] for r in pooled], accuracy),
+        "per_seed": per_seed,
+    }

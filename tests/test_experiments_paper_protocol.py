@@ -1,0 +1,197 @@
+"""The paper-shaped protocol's pipeline: fixed-width probes, paired comparisons, the C1 verdict and its recipes."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.stats import binomtest, t
+
+from hf_flatbias.experiments import (
+    build_model,
+    c1_verdict,
+    compared_branches,
+    encoder_features,
+    lexical_features,
+    mcnemar,
+    onehot_position_word,
+    selected_probe,
+    setup_paper_language,
+    t_interval,
+)
+from hf_flatbias.probe import extract_features
+
+FIXTURE = Path(__file__).parent / "data" / "c1_verdict_fixture.json"
+
+
+@pytest.fixture(scope="module")
+def language():
+    return setup_paper_language(0, n_train=50, n_kl=8, n_trace=8, n_probe=40, with_conditionals=False)
+
+
+def test_material_depends_on_the_grammar_seed_only_and_probe_sentences_are_long(language):
+    again = setup_paper_language(0, n_train=50, n_kl=8, n_trace=8, n_probe=40, with_conditionals=False)
+    for split, sentences in language.probes.items():
+        np.testing.assert_array_equal(sentences.word_ids, again.probes[split].word_ids)
+        assert sentences.lengths.min() >= 5
+        assert set(sentences.labels) == {"A", "B", "C"}
+    other = setup_paper_language(1, n_train=50, n_kl=8, n_trace=8, n_probe=40, with_conditionals=False)
+    assert not np.array_equal(language.probes["test"].lengths, other.probes["test"].lengths)
+
+
+def test_fit_and_test_features_have_one_width_whatever_the_lengths(language):
+    model = build_model(len(language.tokenizer), hidden=32, layers=1)
+    features = encoder_features(model, language)
+    longest = {split: int(s.lengths.max()) for split, s in language.probes.items()}
+    assert len(set(longest.values())) > 1 or max(longest.values()) < language.width  # widths differ from the rows'
+    assert {f.shape[1] for f in features.values()} == {(language.width + 2) * 32}
+    lexical = lexical_features(language)
+    assert {f.shape[1] for f in lexical.values()} == {language.width * language.grammar.n_words}
+    # the fixed width only pads: the columns a row fills are those of the row's own unpadded features
+    short = language.probes["test"]
+    row = [2, *(short.word_ids[0, : short.lengths[0]] + 5).tolist(), 3]
+    alone = extract_features(model, [row], pooling="concat")
+    np.testing.assert_allclose(features["test"][0, : alone.shape[1]], alone[0], atol=1e-5)
+    assert not features["test"][0, alone.shape[1] :].any()
+    with pytest.raises(ValueError, match="width"):
+        extract_features(model, [row], pooling="concat", width=len(row) - 1)
+
+
+def test_onehot_position_word_marks_each_word_at_its_position():
+    out = onehot_position_word(np.array([[2, 0, -1], [1, -1, -1]]), np.array([2, 1]), 3, 3).reshape(2, 3, 3)
+    expected = np.zeros((2, 3, 3))
+    expected[0, 0, 2] = expected[0, 1, 0] = expected[1, 0, 1] = 1
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_selected_probe_chooses_on_validation_and_refuses_unequal_widths():
+    rng = np.random.default_rng(0)
+    x = {s: rng.normal(size=(200, 5)) for s in ("fit", "validation", "test")}
+    y = {s: (x[s][:, 0] > 0).astype(int) for s in x}
+    result = selected_probe(x, y, grid=(1e-4, 1.0))
+    assert result["accuracy"] > 0.9 and result["regularization"] == 1.0  # C=1e-4 shrinks the weights to nothing
+    assert len(result["correct"]) == 200 and result["accuracy"] == result["correct"].count("1") / 200
+    x["test"] = x["test"][:, :4]
+    with pytest.raises(ValueError, match="fixed width"):
+        selected_probe(x, y)
+
+
+def test_mcnemar_counts_discordant_rows_and_matches_the_exact_binomial_test():
+    a = [1] * 30 + [0] * 10 + [1] * 3 + [0] * 7
+    b = [1] * 30 + [1] * 10 + [0] * 3 + [0] * 7
+    result = mcnemar(a, b)
+    assert (result["only_a"], result["only_b"]) == (3, 10)
+    assert result["difference"] == pytest.approx(7 / 50)
+    assert result["p_value"] == pytest.approx(binomtest(3, 13, 0.5).pvalue)
+    assert mcnemar("".join(map(str, a)), "".join(map(str, b))) == result
+    assert mcnemar(a, a)["p_value"] == 1.0
+    with pytest.raises(ValueError, match="same test rows"):
+        mcnemar(a, b[:-1])
+
+
+def test_t_interval_matches_scipy():
+    values = [0.01, 0.03, -0.005, 0.02, 0.015]
+    mean, low, high = t_interval(values)
+    expected = t.interval(0.95, 4, loc=np.mean(values), scale=np.std(values, ddof=1) / np.sqrt(5))
+    assert mean == pytest.approx(np.mean(values)) and (low, high) == pytest.approx(expected)
+
+
+def test_c1_verdict_recomputed_from_the_json_fixture():
+    fixture = json.loads(FIXTURE.read_text())
+    verdict = c1_verdict(fixture["seeds"])
+    assert verdict["verdict"] == fixture["expected_verdict"] == "PASS"
+    assert verdict["regime"] == "saturated" and verdict["seeds_with_negative_step_trace_spearman"] == 4
+    assert verdict["accuracy_gain_ci"][0] > 0
+    json.dumps(verdict, allow_nan=False)  # standard JSON
+
+
+def branch(step, kl, trace, accuracy, ci_high=None):
+    return {
+        "step": step,
+        "kl": kl,
+        "saturation": {"ci_high": kl + 0.002 if ci_high is None else ci_high},
+        "fisher_trace": trace,
+        "probe_accuracy": accuracy,
+    }
+
+
+def test_c1_verdict_fails_undecides_and_falls_back_to_matched_as_stated():
+    fixture = json.loads(FIXTURE.read_text())["seeds"]
+    # one more seed with a rising trace: only 3 of 5 negative, so the rule fails (never "nearly passes")
+    rising = dict(fixture)
+    rising["3"] = [dict(r, fisher_trace=100.0 + r["step"]) for r in fixture["3"]]
+    assert c1_verdict(rising)["verdict"] == "FAIL"
+    # accuracy flat within noise: the t interval straddles 0, the rule fails
+    flat = {
+        s: [dict(r, probe_accuracy=0.5 + 0.001 * ((int(s) + i) % 3 - 1)) for i, r in enumerate(rs)]
+        for s, rs in fixture.items()
+    }
+    assert c1_verdict(flat)["verdict"] == "FAIL"
+    # nothing below 0.02 nats: undecided
+    far = {s: [dict(r, kl=0.05) for r in rs] for s, rs in fixture.items()}
+    assert c1_verdict(far)["verdict"] == "undecided (not saturated)"
+    # a saturated upper bound above 0.015 does not count as saturated; KLs within 0.003 below 0.02 are matched
+    records = [branch(s, 0.012 + 0.001 * i, 50 - i, 0.5 + 0.01 * i, ci_high=0.02) for i, s in enumerate((1, 2, 3, 4))]
+    regime, compared = compared_branches(records)
+    assert regime == "matched, not saturated" and [r["step"] for r in compared] == [1, 2, 3, 4]
+    records.append(branch(5, 0.019, 40, 0.6))  # 0.007 above the lowest: outside the matched set
+    assert [r["step"] for r in compared_branches(records)[1]] == [1, 2, 3, 4]
+    assert c1_verdict({str(s): records for s in range(5)})["regime"] == "matched, not saturated"
+
+
+def test_c1_recipe_smoke_resumes_and_merges(recipes, tmp_path, capsys):
+    c1 = recipes.load("pcfg_c1_continued_training")
+    out = ["--smoke", "--output-dir", str(tmp_path), "--seeds", "0"]
+    c1.main([*out, "--steps", "20"])  # stopped after its first branch, as an interrupted run would be
+    (tmp_path / "seed0" / "result.json").unlink()
+    first = json.loads((tmp_path / "seed0" / "branches.json").read_text())["records"]
+    c1.main(out)
+    assert "resuming from" in capsys.readouterr().out
+    records = json.loads((tmp_path / "seed0" / "result.json").read_text())["records"]
+    assert [r["step"] for r in records] == [20, 40] and records[0] == first[0]
+    c1.main(out)  # finished: skipped
+    assert "finished earlier" in capsys.readouterr().out
+    payload = c1.main([*out, "--merge"])
+    assert payload["verdict"]["verdict"] == "undecided (not saturated)"
+    assert set(payload["references"]) == {"lexical_baseline", "untrained_encoder", "exact_conditionals"}
+    assert set(payload["mcnemar"]["0"]) == {
+        f"{c}_{t}" for c in ("last_vs_first_branch", "last_branch_vs_lexical") for t in "ABC"
+    }
+    record = payload["seeds"]["0"][-1]
+    assert {"kl", "saturation", "fisher_trace", "hutchinson_trace_data_loss", "probe_accuracy"} <= set(record)
+    assert "correct" not in record["probe"]["A"]
+    saved = json.loads((tmp_path / "c1_results.json").read_text())
+    assert c1_verdict(saved["seeds"]) == saved["verdict"]
+
+
+def test_grammar_gate_smoke_tables_candidates_and_keeps_the_rule(recipes, tmp_path):
+    gate = recipes.load("pcfg_grammar_gate")
+    payload = gate.main(["--smoke", "--output-dir", str(tmp_path)])
+    assert [(r["grammar_seed"], r["concentration"]) for r in payload["table"]] != []
+    assert len(payload["table"]) == 2 and payload["chosen"] is None  # 20 steps saturate nothing
+    lexical = [r["lexical_baseline"] for r in payload["table"]]
+    assert lexical == sorted(lexical)
+    passing = gate.gate(
+        [
+            {
+                "grammar_seed": s,
+                "concentration": 1.0,
+                "pilot_kl": kl,
+                "lexical_baseline": {"probe_accuracy": acc, "probe": {}},
+            }
+            for s, kl, acc in ((0, 0.03, 0.5), (1, 0.05, 0.3), (2, 0.04, 0.4))
+        ],
+        0.04,
+    )
+    assert passing["chosen"]["grammar_seed"] == 2  # the lowest baseline among those within the KL limit
+
+
+def test_committed_grammar_gate_verdict_follows_from_its_candidates(recipes):
+    """docs/reproduction/synthetic.md says no grammar passed: recompute that from the committed candidate JSON."""
+    folder = Path(__file__).resolve().parents[1] / "docs" / "reproduction" / "pcfg_grammar_gate"
+    candidates = [json.loads(path.read_text()) for path in sorted(folder.glob("candidate_*.json"))]
+    committed = json.loads((folder / "gate.json").read_text())
+    recomputed = recipes.load("pcfg_grammar_gate").gate(candidates, committed["max_kl"])
+    assert len(candidates) == 4
+    assert recomputed["chosen"] is None and committed["chosen"] is None
+    assert min(c["pilot_kl"] for c in candidates) > committed["max_kl"]

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 from torch.func import functional_call, jacrev
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_flatbias.constants import IGNORE_INDEX
 from hf_flatbias.flatness.exact import exact_fisher_trace
@@ -17,7 +16,7 @@ from hf_flatbias.flatness.spectrum import (
     estimate_top_eigenvalues,
     gaussian_mixture,
 )
-from tests.test_flatness_estimators import VOCAB, _contexts, _tiny_bert, _tiny_gpt2
+from tests.test_flatness_estimators import _contexts, _tiny_bert, _tiny_gpt2
 
 N_CONTEXTS = 6
 
@@ -70,19 +69,7 @@ def _small_bert():
 
 
 def _small_gpt2():
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=4,
-        n_layer=1,
-        n_head=2,
-        n_positions=16,
-        bos_token_id=2,
-        eos_token_id=2,
-        initializer_range=0.4,
-        attn_implementation="eager",
-    )
-    return GPT2LMHeadModel(config).eval()
+    return _tiny_gpt2(n_embd=4)
 
 
 def _partly_frozen_bert():

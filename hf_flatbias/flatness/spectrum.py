@@ -183,8 +183,7 @@ class CurvatureOperator:
         batch_size: int,
         vector_dtype: torch.dtype = torch.float64,
     ) -> None:
-        if matrix not in MATRICES:
-            raise ValueError(f"matrix={matrix!r} is not supported; choose one of {list(MATRICES)}.")
+        _check_matrix(matrix)
         self.matrix = matrix
         self.params = list(params)
         self.dtype = vector_dtype
@@ -370,6 +369,11 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an integer >= 1 (got {value!r}).")
 
 
+def _check_matrix(matrix: str) -> None:
+    if matrix not in MATRICES:
+        raise ValueError(f"matrix={matrix!r} is not supported; choose one of {list(MATRICES)}.")
+
+
 def _random_start(dimension: int, seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(dimension, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
@@ -418,8 +422,7 @@ def estimate_top_eigenvalues(
     _check_positive_int("k", k)
     _check_positive_int("max_iterations", max_iterations)
     _check_positive_int("batch_size", batch_size)
-    if matrix not in MATRICES:
-        raise ValueError(f"matrix={matrix!r} is not supported; choose one of {list(MATRICES)}.")
+    _check_matrix(matrix)
     if not tol > 0:
         raise ValueError(f"tol must be > 0 (got {tol!r}).")
     contexts, params, n_used = _prepare(model, dataset, n_contexts, causal)
@@ -497,8 +500,7 @@ def estimate_spectral_density(
     _check_positive_int("n_steps", n_steps)
     _check_positive_int("n_runs", n_runs)
     _check_positive_int("batch_size", batch_size)
-    if matrix not in MATRICES:
-        raise ValueError(f"matrix={matrix!r} is not supported; choose one of {list(MATRICES)}.")
+    _check_matrix(matrix)
     contexts, params, n_used = _prepare(model, dataset, n_contexts, causal)
     nodes, weights = [], []
     with evaluation_mode(model), preserved_global_rng():

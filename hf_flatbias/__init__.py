@@ -19,9 +19,15 @@ _import_structure = {
     "enlarge": ["check_enlargeable", "enlarge"],
     "flatness": [
         "GroupTrace",
+        "SharpnessEstimate",
+        "SpectralDensity",
+        "TopEigenvalues",
         "TraceEstimate",
         "build_masked_contexts",
         "estimate_hessian_trace",
+        "estimate_sam_sharpness",
+        "estimate_spectral_density",
+        "estimate_top_eigenvalues",
         "exact_fisher_trace",
         "exact_hessian_trace",
     ],
@@ -45,9 +51,15 @@ if TYPE_CHECKING:
     from .enlarge import check_enlargeable, enlarge
     from .flatness import (
         GroupTrace,
+        SharpnessEstimate,
+        SpectralDensity,
+        TopEigenvalues,
         TraceEstimate,
         build_masked_contexts,
         estimate_hessian_trace,
+        estimate_sam_sharpness,
+        estimate_spectral_density,
+        estimate_top_eigenvalues,
         exact_fisher_trace,
         exact_hessian_trace,
     )

@@ -25,3 +25,20 @@ TRACE_METRIC = "flatness/hessian_trace"
 
 TRACE_STDERR_METRIC = "flatness/hessian_trace_stderr"
 """The logged name of the trace's standard error."""
+
+MEASURES = ("trace", "top_eigenvalue", "sam_sharpness")
+"""Flatness measures a checkpoint can be given: the Hessian (Fisher) trace, the largest eigenvalue of the Fisher or
+Hessian (`hf_flatbias.flatness.spectrum.estimate_top_eigenvalues`) and SAM's sharpness (``estimate_sam_sharpness``)."""
+
+SPECTRUM_MATRICES = ("fisher", "hessian")
+"""The matrices whose eigenvalues can be measured: the Fisher (Gauss-Newton) matrix, whose trace is the paper's
+measure, or the Hessian of the data-label loss."""
+
+TOP_EIGENVALUE_METRIC = "flatness/top_eigenvalue"
+"""The logged name of the largest eigenvalue."""
+
+SAM_SHARPNESS_METRIC = "flatness/sam_sharpness"
+"""The logged name of SAM's sharpness, ``L(w + rho g/||g||) - L(w)`` averaged over batches."""
+
+SAM_SHARPNESS_STDERR_METRIC = "flatness/sam_sharpness_stderr"
+"""The logged name of its standard error over batches."""

@@ -42,9 +42,9 @@ def _tiny_bert(seed=0, **overrides):
     return BertForMaskedLM(BertConfig(**config)).eval()
 
 
-def _tiny_gpt2(seed=0):
+def _tiny_gpt2(seed=0, **overrides):
     torch.manual_seed(seed)
-    config = GPT2Config(
+    config = dict(
         vocab_size=VOCAB,
         n_embd=8,
         n_layer=1,
@@ -55,7 +55,8 @@ def _tiny_gpt2(seed=0):
         initializer_range=0.4,
         attn_implementation="eager",
     )
-    return GPT2LMHeadModel(config).eval()
+    config.update(overrides)
+    return GPT2LMHeadModel(GPT2Config(**config)).eval()
 
 
 def _rows(n_rows, seed=0):

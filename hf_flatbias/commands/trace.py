@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, IGNORE_INDEX, RECOMMENDED_N_DRAWS
+from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, IGNORE_INDEX, MEASURES, RECOMMENDED_N_DRAWS, SPECTRUM_MATRICES
 from .paths import local_path_or_hub_id
 
 DATA_FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
@@ -84,23 +84,68 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=True,
         help="Show a progress bar with the time left on stderr (default: shown).",
     )
+    parser.add_argument(
+        "--measures",
+        type=_measure_list,
+        default=("trace",),
+        help=f"Comma-separated measures to take, of {','.join(MEASURES)} (default: trace). top_eigenvalue: the largest "
+        "eigenvalue(s) of the Fisher or Hessian by Lanczos; sam_sharpness: L(w + rho g/||g||) - L(w) per batch.",
+    )
+    parser.add_argument(
+        "--eigenvalue-matrix",
+        default="fisher",
+        choices=list(SPECTRUM_MATRICES),
+        help="Matrix of top_eigenvalue (default: %(default)s, whose trace is the paper's measure).",
+    )
+    parser.add_argument("--top-k", type=int, default=1, help="How many of the largest eigenvalues (default: 1).")
+    parser.add_argument("--sam-rho", type=float, default=0.05, help="Radius of sam_sharpness (default: 0.05).")
+    parser.add_argument(
+        "--sam-batch-size",
+        type=int,
+        default=None,
+        help="Contexts per ascent step of sam_sharpness, as the training batch (default: --batch-size).",
+    )
     parser.set_defaults(func=run)
+
+
+def _measure_list(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in MEASURES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose a comma-separated list of {', '.join(MEASURES)}.")
+    return names
 
 
 def run(args: argparse.Namespace) -> int:
     args.model = local_path_or_hub_id(args.model, "MODEL")
     args.data = local_path_or_hub_id(args.data, "--data", file_suffixes=tuple(DATA_FILE_FORMATS))
     result = measure(args)
-    estimate = result["estimate"]
-    if estimate.get("by_group"):
-        print(format_group_table(estimate))
-    print(
-        f"Hessian trace of {args.model}: {estimate['mean']:.6g} +- {estimate['stderr']:.3g} (standard error; "
-        f"{estimate['estimator']}, {estimate['n_contexts']} contexts x {estimate['n_draws']} draws, "
-        f"{estimate['seconds']:.1f} s)"
-    )
-    if estimate.get("suggested_n_draws"):
-        print(f"Draws per context with the least error per second on this model: {estimate['suggested_n_draws']}")
+    estimate = result.get("estimate")
+    if estimate is not None:
+        if estimate.get("by_group"):
+            print(format_group_table(estimate))
+        print(
+            f"Hessian trace of {args.model}: {estimate['mean']:.6g} +- {estimate['stderr']:.3g} (standard error; "
+            f"{estimate['estimator']}, {estimate['n_contexts']} contexts x {estimate['n_draws']} draws, "
+            f"{estimate['seconds']:.1f} s)"
+        )
+        if estimate.get("suggested_n_draws"):
+            print(f"Draws per context with the least error per second on this model: {estimate['suggested_n_draws']}")
+    eigenvalues = result.get("top_eigenvalues")
+    if eigenvalues is not None:
+        values = ", ".join(f"{v:.6g}" for v in eigenvalues["eigenvalues"])
+        print(
+            f"Largest {eigenvalues['matrix']} eigenvalue(s): {values} (residuals "
+            f"{', '.join(f'{r:.2g}' for r in eigenvalues['residuals'])}; {eigenvalues['n_contexts']} contexts, "
+            f"{eigenvalues['n_matvecs']} products, {eigenvalues['seconds']:.1f} s)"
+        )
+    sharpness = result.get("sam_sharpness")
+    if sharpness is not None:
+        print(
+            f"SAM sharpness (rho={sharpness['rho']:g}): {sharpness['mean']:.6g} +- {sharpness['stderr']:.3g} "
+            f"(standard error over {len(sharpness['per_batch'])} batches of {sharpness['batch_size']} contexts, "
+            f"{sharpness['seconds']:.1f} s)"
+        )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     print(f"Wrote {args.output}")
@@ -174,6 +219,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--plot draws the per-group trace: drop --no-by-group.")
     if args.plot and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
         raise ValueError(f"--plot {args.plot}: use a file ending in one of {list(PLOT_SUFFIXES)}.")
+    if args.top_k < 1:
+        raise ValueError(f"--top-k must be >= 1 (got {args.top_k}).")
+    if not args.sam_rho > 0:
+        raise ValueError(f"--sam-rho must be > 0 (got {args.sam_rho}).")
+    if args.sam_batch_size is not None and args.sam_batch_size < 1:
+        raise ValueError(f"--sam-batch-size must be >= 1 (got {args.sam_batch_size}).")
+    if args.plot and "trace" not in args.measures:
+        raise ValueError("--plot draws the per-group trace: add trace to --measures.")
     rows = _load_rows(args)  # before the model: a bad data file is reported at once
     if not rows:
         raise ValueError(f"{args.data} holds no rows.")
@@ -233,26 +286,50 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             special_token_ids=list(getattr(tokenizer, "all_special_ids", []) or []),
         )
         n_contexts = None
-    estimate = estimate_hessian_trace(
-        model,
-        contexts,
-        n_contexts=n_contexts,
-        n_draws=args.n_draws,
-        estimator=args.estimator,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        causal=causal,
-        by_group=args.by_group,
-        progress=args.progress,
-    )
-    return {
-        "model": args.model,
-        "data": args.data,
-        "split": args.split,
-        "seed": args.seed,
-        "device": device,
-        "estimate": estimate.to_dict(),
-    }
+    result = {"model": args.model, "data": args.data, "split": args.split, "seed": args.seed, "device": device}
+    if "trace" in args.measures:
+        estimate = estimate_hessian_trace(
+            model,
+            contexts,
+            n_contexts=n_contexts,
+            n_draws=args.n_draws,
+            estimator=args.estimator,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            causal=causal,
+            by_group=args.by_group,
+            progress=args.progress,
+        )
+        result["estimate"] = estimate.to_dict()
+    result.update(_measures_beyond_trace(args, model, contexts, n_contexts, causal))
+    return result
+
+
+def _measures_beyond_trace(args: argparse.Namespace, model, contexts, n_contexts, causal: bool) -> dict[str, Any]:
+    from ..flatness.spectrum import estimate_sam_sharpness, estimate_top_eigenvalues
+
+    results: dict[str, Any] = {}
+    if "top_eigenvalue" in args.measures:
+        results["top_eigenvalues"] = estimate_top_eigenvalues(
+            model,
+            contexts,
+            k=args.top_k,
+            matrix=args.eigenvalue_matrix,
+            n_contexts=n_contexts,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            causal=causal,
+        ).to_dict()
+    if "sam_sharpness" in args.measures:
+        results["sam_sharpness"] = estimate_sam_sharpness(
+            model,
+            contexts,
+            args.sam_rho,
+            batch_size=args.sam_batch_size or args.batch_size,
+            n_contexts=n_contexts,
+            causal=causal,
+        ).to_dict()
+    return results
 
 
 def _count_labelled(rows: list[dict[str, Any]]) -> int:

@@ -18,9 +18,16 @@ _import_structure = {
     "config": ["FlatBiasConfig"],
     "enlarge": ["check_enlargeable", "enlarge"],
     "flatness": [
+        "GroupTrace",
+        "SharpnessEstimate",
+        "SpectralDensity",
+        "TopEigenvalues",
         "TraceEstimate",
         "build_masked_contexts",
         "estimate_hessian_trace",
+        "estimate_sam_sharpness",
+        "estimate_spectral_density",
+        "estimate_top_eigenvalues",
         "exact_fisher_trace",
         "exact_hessian_trace",
     ],
@@ -43,9 +50,16 @@ if TYPE_CHECKING:
     from .config import FlatBiasConfig
     from .enlarge import check_enlargeable, enlarge
     from .flatness import (
+        GroupTrace,
+        SharpnessEstimate,
+        SpectralDensity,
+        TopEigenvalues,
         TraceEstimate,
         build_masked_contexts,
         estimate_hessian_trace,
+        estimate_sam_sharpness,
+        estimate_spectral_density,
+        estimate_top_eigenvalues,
         exact_fisher_trace,
         exact_hessian_trace,
     )

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .constants import DEFAULT_BATCH_SIZE, RECOMMENDED_N_DRAWS, TRACE_METRIC, TRACE_STDERR_METRIC
+from .constants import (
+    DEFAULT_BATCH_SIZE,
+    MEASURES,
+    RECOMMENDED_N_DRAWS,
+    SAM_SHARPNESS_METRIC,
+    SAM_SHARPNESS_STDERR_METRIC,
+    SPECTRUM_MATRICES,
+    TOP_EIGENVALUE_METRIC,
+    TRACE_METRIC,
+    TRACE_STDERR_METRIC,
+)
 from .flatness.api import estimate_hessian_trace
 from .flatness.contexts import build_masked_contexts
 from .flatness.lm import check_tokenizer_fits_model, is_causal_lm, output_vocab_size
@@ -40,8 +50,8 @@ class HessianTraceCallback(TrainerCallback):
         eval_dataset: tokenized rows (``input_ids``, optionally ``attention_mask``); the trainer's ``eval_dataset``
             when ``None``. Existing labels are ignored: contexts are re-masked one position per row.
         n_contexts: contexts per measurement (rows are reused with other positions if there are fewer).
-        n_draws: draws of ``y`` per context. The default, 2, measured a better error per second than the paper's 50
-            (see `estimate_hessian_trace`).
+        n_draws: draws of ``y`` per context. The default, 2, measured a better error per second than 50 (the
+            paper's, unverified; see `estimate_hessian_trace`).
         every_n_steps: also measure every that many optimizer steps; ``None`` measures only on evaluation.
         on_evaluate: measure after each evaluation.
         measure_at_end: measure at the end of training (its last step, or where it stopped early) unless the latest
@@ -51,6 +61,16 @@ class HessianTraceCallback(TrainerCallback):
         seed: fixes both the contexts and the draws.
         batch_size: contexts per forward.
         mask_token_id: the mask id for masked LMs; from the trainer's ``processing_class`` when ``None``.
+        by_group: also split the trace by parameter group (embeddings, each block, final norm, head, the decoder's
+            own output-layer term; see `estimate_hessian_trace`), log each group's trace as
+            ``flatness/hessian_trace/<group>`` and record the split in the model card.
+        also_measure: measures taken with the trace on the same contexts, opt-in: ``"top_eigenvalue"`` (logged as
+            ``flatness/top_eigenvalue``, kept in `last_top_eigenvalues`) and ``"sam_sharpness"`` (logged as
+            ``flatness/sam_sharpness`` and ``..._stderr``, kept in `last_sam_sharpness`); the card records each with
+            its settings and step. Every process computes them whole (they are not split across processes).
+        eigenvalue_matrix: ``"fisher"`` (default) or ``"hessian"``, for ``"top_eigenvalue"``.
+        sam_rho: the radius of ``"sam_sharpness"``; its batches are the trainer's ``per_device_train_batch_size``
+            contexts, each taking its own ascent step as SAM does in training.
     """
 
     def __init__(
@@ -66,6 +86,10 @@ class HessianTraceCallback(TrainerCallback):
         seed: int = 0,
         batch_size: int = DEFAULT_BATCH_SIZE,
         mask_token_id: int | None = None,
+        by_group: bool = False,
+        also_measure: Sequence[str] = (),
+        eigenvalue_matrix: str = "fisher",
+        sam_rho: float = 0.05,
     ) -> None:
         if n_contexts < 1:
             raise ValueError(f"n_contexts must be >= 1 (got {n_contexts}).")
@@ -73,6 +97,13 @@ class HessianTraceCallback(TrainerCallback):
             raise ValueError(f"n_draws must be an integer >= 1 (got {n_draws!r}).")
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1 or None (got {every_n_steps}).")
+        self.also_measure = _check_extra_measures(also_measure, eigenvalue_matrix, sam_rho)
+        self.eigenvalue_matrix = eigenvalue_matrix
+        self.sam_rho = sam_rho
+        self.last_top_eigenvalues = None
+        self.last_top_eigenvalues_step: int | None = None
+        self.last_sam_sharpness = None
+        self.last_sam_sharpness_step: int | None = None
         self.eval_dataset = eval_dataset
         self.n_contexts = n_contexts
         self.n_draws = n_draws
@@ -83,6 +114,7 @@ class HessianTraceCallback(TrainerCallback):
         self.seed = seed
         self.batch_size = batch_size
         self.mask_token_id = mask_token_id
+        self.by_group = by_group
         self.last_estimate: TraceEstimate | None = None
         self.last_estimate_step: int | None = None
         self._trainer = None
@@ -110,10 +142,15 @@ class HessianTraceCallback(TrainerCallback):
         # Fail at the start of training, not at the first measurement hours later.
         plugin = getattr(self._trainer.accelerator.state, "deepspeed_plugin", None)
         stage = None if plugin is None else plugin.deepspeed_config.get("zero_optimization", {}).get("stage")
-        if stage == 3 and self.estimator != "naive":
+        if stage == 3 and self.also_measure:
             raise ValueError(
-                f"HessianTraceCallback(estimator={self.estimator!r}) does not support DeepSpeed ZeRO-3; pass "
-                "estimator='naive' (same values, one backward per draw) or train with ZeRO stage 0-2."
+                f"HessianTraceCallback(also_measure={list(self.also_measure)}) does not support DeepSpeed ZeRO-3 (each "
+                "process computes these measures on the whole model); leave also_measure empty under ZeRO-3."
+            )
+        if (stage == 3 or self._trainer.args.world_size > 1) and self.estimator not in ("per_sample", "naive"):
+            raise ValueError(
+                f"HessianTraceCallback(estimator={self.estimator!r}) on several processes needs a per-context "
+                "estimator: pass estimator='per_sample' (default) or 'naive'."
             )
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
@@ -160,6 +197,7 @@ class HessianTraceCallback(TrainerCallback):
             estimator=self.estimator,
             seed=self.seed,
             batch_size=self.batch_size,
+            by_group=self.by_group,
             # every rank runs the callbacks: each measures its share of the contexts, all get the whole estimate
             across_processes=self._trainer.args.world_size > 1,
             # a long measurement shows a bar as the trainer's evaluation does, and is silenced with it
@@ -168,8 +206,32 @@ class HessianTraceCallback(TrainerCallback):
         self.last_estimate = estimate
         self.last_estimate_step = int(self._trainer.state.global_step if step is None else step)
         self._measured_step = self.last_estimate_step
-        self._log({TRACE_METRIC: estimate.mean, TRACE_STDERR_METRIC: estimate.stderr})
+        logs = {TRACE_METRIC: estimate.mean, TRACE_STDERR_METRIC: estimate.stderr}
+        for group, part in (estimate.by_group or {}).items():
+            logs[f"{TRACE_METRIC}/{group}"] = part.mean
+        self._log(logs)
+        if self.also_measure:
+            self._measure_beyond_trace(self.last_estimate_step)
         return estimate
+
+    def _measure_beyond_trace(self, step: int) -> None:
+        from .flatness.spectrum import estimate_sam_sharpness, estimate_top_eigenvalues
+
+        model, logs = self._trainer.model, {}
+        if "top_eigenvalue" in self.also_measure:
+            eigenvalues = estimate_top_eigenvalues(
+                model, self._contexts, matrix=self.eigenvalue_matrix, seed=self.seed, batch_size=self.batch_size
+            )
+            self.last_top_eigenvalues, self.last_top_eigenvalues_step = eigenvalues, step
+            logs[TOP_EIGENVALUE_METRIC] = eigenvalues.top
+        if "sam_sharpness" in self.also_measure:
+            sharpness = estimate_sam_sharpness(
+                model, self._contexts, self.sam_rho, batch_size=self._trainer.args.per_device_train_batch_size
+            )
+            self.last_sam_sharpness, self.last_sam_sharpness_step = sharpness, step
+            logs[SAM_SHARPNESS_METRIC] = sharpness.mean
+            logs[SAM_SHARPNESS_STDERR_METRIC] = sharpness.stderr
+        self._log(logs)
 
     def _log(self, logs: dict[str, float]) -> None:
         # Trainer.log passes through CallbackHandler.on_log, which clears control.should_log: logging from
@@ -220,3 +282,16 @@ class HessianTraceCallback(TrainerCallback):
             seed=self.seed,
             special_token_ids=special,
         )
+
+
+def _check_extra_measures(also_measure: Sequence[str], eigenvalue_matrix: str, sam_rho: float) -> tuple[str, ...]:
+    extra = tuple(name for name in MEASURES if name != "trace")
+    also_measure = (also_measure,) if isinstance(also_measure, str) else tuple(also_measure)
+    unknown = [name for name in also_measure if name not in extra]
+    if unknown:
+        raise ValueError(f"also_measure={list(also_measure)}: {unknown} unknown; choose from {list(extra)}.")
+    if eigenvalue_matrix not in SPECTRUM_MATRICES:
+        raise ValueError(f"eigenvalue_matrix={eigenvalue_matrix!r}; choose one of {list(SPECTRUM_MATRICES)}.")
+    if not sam_rho > 0:
+        raise ValueError(f"sam_rho must be > 0 (got {sam_rho!r}).")
+    return also_measure

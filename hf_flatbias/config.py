@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .utils import quiet_deepspeed_without_accelerator
+
 SAM_METHODS = ("sam", "asam", "looksam")
 PENALTY_METHODS = ("fisher_penalty", "grad_norm_penalty")
 FLATNESS_METHODS = ("none", *SAM_METHODS, *PENALTY_METHODS)
@@ -111,8 +113,28 @@ class FlatBiasConfig(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        self._convert_numeric_strings()
         self._validate_flatness_arguments()
+        accelerator = quiet_deepspeed_without_accelerator()
+        if self.dataloader_pin_memory and (self.use_cpu or not accelerator):
+            # pinned memory only speeds copies to an accelerator; without one PyTorch warns on every epoch
+            self.dataloader_pin_memory = False
         super().__post_init__()
+
+    def _convert_numeric_strings(self) -> None:
+        # YAML 1.1 reads `sam_rho: 5e-2` (no dot) as the string "5e-2": accept a number written as text, refuse the
+        # rest here rather than as a type error deep inside the first step
+        for name, kind in _NUMERIC_FIELDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                continue
+            try:
+                setattr(self, name, kind(value.strip()))
+            except ValueError:
+                raise ValueError(
+                    f"{name} must be a number, got the string {value!r}; write it as a number, e.g. "
+                    f"{name}={_FIELD_DEFAULTS[name]!r}."
+                ) from None
 
     def _validate_flatness_arguments(self) -> None:
         if self.flatness_method not in FLATNESS_METHODS:
@@ -162,3 +184,14 @@ class FlatBiasConfig(TrainingArguments):
     @property
     def uses_penalty(self) -> bool:
         return self.flatness_method in PENALTY_METHODS
+
+
+_NUMERIC_FIELDS = {
+    "sam_rho": float,
+    "asam_eta": float,
+    "sam_every_k": int,
+    "looksam_alpha": float,
+    "penalty_lambda": float,
+    "penalty_fd_step": float,
+}
+_FIELD_DEFAULTS = {name: FlatBiasConfig.__dataclass_fields__[name].default for name in _NUMERIC_FIELDS}

@@ -7,12 +7,16 @@ IGNORE_INDEX = -100
 ESTIMATORS = ("per_sample", "summed", "hutchinson", "naive")
 """The Hessian-trace estimators of ``estimate_hessian_trace``; ``per_sample`` is the default."""
 
+HUTCHINSON_PROBES = ("rademacher", "gaussian")
+"""Probe distributions of the ``hutchinson`` estimator; Rademacher (the default) has the smaller variance."""
+
 DEFAULT_BATCH_SIZE = 32
 """Contexts per forward pass of a trace estimate."""
 
 # Measured in benchmarks/RESULTS.md: 1-2 draws per context gave the least error per second, both on a random
 # 4.5M BERT and on a small BERT trained on a synthetic Markov language (2 was best there, 8 cost 1.75x more); two
-# draws also measure the variance split behind `suggested_n_draws`. The paper used 50.
+# draws also measure the variance split behind `suggested_n_draws`. The paper used 50 as a secondary summary gives it
+# (unverified).
 RECOMMENDED_N_DRAWS = 2
 """Draws of the label per context recommended for a trace estimate."""
 
@@ -21,3 +25,20 @@ TRACE_METRIC = "flatness/hessian_trace"
 
 TRACE_STDERR_METRIC = "flatness/hessian_trace_stderr"
 """The logged name of the trace's standard error."""
+
+MEASURES = ("trace", "top_eigenvalue", "sam_sharpness")
+"""Flatness measures a checkpoint can be given: the Hessian (Fisher) trace, the largest eigenvalue of the Fisher or
+Hessian (`hf_flatbias.flatness.spectrum.estimate_top_eigenvalues`) and SAM's sharpness (``estimate_sam_sharpness``)."""
+
+SPECTRUM_MATRICES = ("fisher", "hessian")
+"""The matrices whose eigenvalues can be measured: the Fisher (Gauss-Newton) matrix, whose trace is the paper's
+measure, or the Hessian of the data-label loss."""
+
+TOP_EIGENVALUE_METRIC = "flatness/top_eigenvalue"
+"""The logged name of the largest eigenvalue."""
+
+SAM_SHARPNESS_METRIC = "flatness/sam_sharpness"
+"""The logged name of SAM's sharpness, ``L(w + rho g/||g||) - L(w)`` averaged over batches."""
+
+SAM_SHARPNESS_STDERR_METRIC = "flatness/sam_sharpness_stderr"
+"""The logged name of its standard error over batches."""

@@ -261,6 +261,7 @@ def load_classifier(
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
     from .flatness.lm import check_tokenizer_fits_model
+    from .utils import without_load_report
 
     spec = task if isinstance(task, GlueTask) else get_glue_task(task)
     tokenizer = load_tokenizer(model_name_or_path, tokenizer_name_or_path)
@@ -276,9 +277,10 @@ def load_classifier(
     config.num_labels = spec.num_labels
     config.problem_type = "regression" if spec.is_regression else "single_label_classification"
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            model_name_or_path, config=config, output_loading_info=True, ignore_mismatched_sizes=reinitialize_head
-        )
+        with without_load_report():  # the missing and unused weights are checked below, with a clearer message
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                model_name_or_path, config=config, output_loading_info=True, ignore_mismatched_sizes=reinitialize_head
+            )
     except ValueError as error:
         raise ValueError(
             f"{model_name_or_path!r} ({type(config).__name__}) has no sequence-classification architecture in "

@@ -8,7 +8,9 @@ blocks in the README's YAML front matter:
   metric's ``args``), next to the pre-training loss and any GLUE results;
 - ``flatness``: the same numbers flat and typed (``hessian_trace``, ``hessian_trace_stderr``, ``trace_step``,
   ``estimator``, ``n_contexts``, ``n_draws``, ``method`` and the hyperparameters that method reads,
-  ``pretraining_loss``...), which [`load_flatness_card`] reads. Keys without a value are left out.
+  ``pretraining_loss``...), which [`load_flatness_card`] reads. Keys without a value are left out. Measures beyond
+  the trace, when taken, are one mapping each (``top_eigenvalue``, ``sam_sharpness``) holding the ``value``, its
+  settings and the ``step`` it was measured at.
 
 The list of methods and the hyperparameters each one reads come from `hf_flatbias.config`
 (``FLATNESS_METHOD_HYPERPARAMETERS``), so a card exists for every method the trainer runs and records exactly what
@@ -36,7 +38,7 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .config import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS
-from .constants import TRACE_METRIC, TRACE_STDERR_METRIC
+from .constants import MEASURES, TRACE_METRIC, TRACE_STDERR_METRIC
 
 HESSIAN_TRACE_METRIC = "hessian_trace"
 PRETRAINING_LOSS_METRIC = "loss"
@@ -62,6 +64,14 @@ METHOD_HYPERPARAMETERS = tuple(
     dict.fromkeys(name for names in FLATNESS_METHOD_HYPERPARAMETERS.values() for name in names)
 )
 _INTEGER_HYPERPARAMETERS = ("sam_every_k",)
+# The measures besides the trace, each recorded as {"value": ..., settings..., "step": ...}; numbers in these keys
+# are read back as numbers, integers where named here.
+EXTRA_MEASURES = tuple(name for name in MEASURES if name != "trace")
+_MEASURE_NUMBERS = {
+    "top_eigenvalue": ("value", "residual", "k", "n_contexts", "n_matvecs", "seconds", "step"),
+    "sam_sharpness": ("value", "stderr", "rho", "eta", "batch_size", "n_contexts", "seconds", "step"),
+}
+_MEASURE_INTEGERS = ("k", "n_contexts", "n_matvecs", "batch_size", "step")
 _YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 PAPER_CITATION = """@inproceedings{liu2023same,
@@ -91,6 +101,8 @@ class FlatnessCard:
             ``"train"``.
         hessian_trace, hessian_trace_stderr: Tr(H) of the pre-training loss and its standard error.
         trace_step: the training step whose weights the trace was measured on.
+        hessian_trace_by_group: the trace split by parameter group, ``{group: {"mean": ..., "stderr": ...}}``
+            (`hf_flatbias.flatness.TraceEstimate.by_group`), when it was measured.
         estimator, n_contexts, n_draws, trace_seconds: how the trace was estimated and how long it took.
         glue: GLUE validation results, ``{task: {metric: value}}``.
         global_step, epoch: where in training the card was written.
@@ -101,6 +113,8 @@ class FlatnessCard:
         pretraining_corpus: the pre-training text and its held-out split, as the recipe that trained the model
             recorded them (e.g. ``{"dataset": "bbc_news", "text_column": "text", "validation_texts": 3000,
             "split_seed": 0}``), so that a later comparison measures the loss on text the model never saw.
+        measures: the measures beyond the trace that were taken, by name (``"top_eigenvalue"``,
+            ``"sam_sharpness"``): ``{"value": ..., "step": ..., settings...}`` (see `measure_record`).
     """
 
     model_name: str
@@ -120,6 +134,7 @@ class FlatnessCard:
     n_contexts: int | None = None
     n_draws: int | None = None
     trace_seconds: float | None = None
+    hessian_trace_by_group: dict[str, dict[str, float]] | None = None
     glue: dict[str, dict[str, float]] = field(default_factory=dict)
     global_step: int | None = None
     epoch: float | None = None
@@ -132,6 +147,7 @@ class FlatnessCard:
     tags: list[str] = field(default_factory=list)
     training_hyperparameters: dict[str, Any] = field(default_factory=dict)
     pretraining_corpus: dict[str, Any] | None = None
+    measures: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     # ---------------------------------------------------------------- checks
 
@@ -174,6 +190,15 @@ class FlatnessCard:
             for metric, value in metrics.items():
                 if not isinstance(value, (int, float)) or not math.isfinite(value):
                     raise ValueError(f"GLUE result {task}/{metric}={value!r} is not a finite number.")
+        for group, part in (self.hessian_trace_by_group or {}).items():
+            for key, value in part.items():
+                if not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise ValueError(
+                        f"hessian_trace_by_group[{group!r}][{key!r}]={value!r} is not a finite number; set "
+                        "hessian_trace_by_group=None to publish the card without the split."
+                    )
+        for name, record in self.measures.items():
+            _check_measure_record(name, record)
 
     # ---------------------------------------------------------------- metadata
 
@@ -196,6 +221,12 @@ class FlatnessCard:
             "pretraining_loss": self.pretraining_loss,
             "pretraining_loss_source": self.pretraining_loss_source,
             "trace_seconds": self.trace_seconds,
+            "hessian_trace_by_group": (
+                {group: dict(part) for group, part in self.hessian_trace_by_group.items()}
+                if self.hessian_trace_by_group
+                else None
+            ),
+            **{name: dict(self.measures[name]) for name in EXTRA_MEASURES if name in self.measures},
             "global_step": self.global_step,
             "epoch": self.epoch,
             "model_type": self.model_type,
@@ -292,6 +323,7 @@ class FlatnessCard:
             loss_text=_format_number(self.pretraining_loss),
             method_text=_format_method(self),
             glue_rows=_glue_rows(self.glue),
+            measure_rows=measure_summaries(self),
             hyperparameters=self.training_hyperparameters,
             citation=PAPER_CITATION,
         )
@@ -357,6 +389,21 @@ class FlatnessCard:
             for name in FLATNESS_METHOD_HYPERPARAMETERS[method]
         }
         hessian_trace = number("hessian_trace")
+        by_group = flatness.get("hessian_trace_by_group") or {}
+        if not isinstance(by_group, Mapping) or not all(isinstance(part, Mapping) for part in by_group.values()):
+            raise ValueError(f"{source}: flatness.hessian_trace_by_group is {by_group!r}, not a mapping of groups.")
+        groups = {
+            str(group): {
+                key: _read_number(value, f"flatness.hessian_trace_by_group.{group}.{key}", source)
+                for key, value in part.items()
+            }
+            for group, part in by_group.items()
+        }
+        measures = {}
+        for name in EXTRA_MEASURES:
+            record = _read_measure_record(flatness.get(name), name, source)
+            if record is not None:
+                measures[name] = record
         return cls(
             model_name=data.model_name or source,
             method=method,
@@ -371,12 +418,17 @@ class FlatnessCard:
             n_contexts=number("n_contexts", integer=True),
             n_draws=number("n_draws", integer=True),
             trace_seconds=number("trace_seconds"),
+            # a split whose numbers could not all be read is left out, like an unreadable trace
+            hessian_trace_by_group=(
+                groups if groups and all(v is not None for part in groups.values() for v in part.values()) else None
+            ),
             global_step=number("global_step", integer=True),
             epoch=number("epoch"),
             model_type=flatness.get("model_type"),
             num_parameters=number("num_parameters", integer=True),
             training_hyperparameters=dict(training),
             pretraining_corpus=dict(corpus) if corpus else None,
+            measures=measures,
             glue=glue,
             base_model=base_model,
             datasets=list(datasets),
@@ -478,7 +530,9 @@ def flatness_card_from_trainer(
     - trace step: the callback's ``last_estimate_step``, else the ``step`` of the log entry the trace came from;
     - method and its hyperparameters: the arguments' ``flatness_method`` (``"none"`` for a plain
       ``TrainingArguments``) and the arguments that method reads (``FLATNESS_METHOD_HYPERPARAMETERS``);
-    - GLUE: ``glue_results`` (``{"sst2": {"accuracy": 0.91}}``) merged over ``glue/<task>/<metric>`` log entries.
+    - GLUE: ``glue_results`` (``{"sst2": {"accuracy": 0.91}}``) merged over ``glue/<task>/<metric>`` log entries;
+    - other measures: the ``last_top_eigenvalues`` / ``last_sam_sharpness`` of any callback that has them, with
+      their steps (``last_top_eigenvalues_step`` / ``last_sam_sharpness_step``).
     """
     args = trainer.args
     state = trainer.state
@@ -528,6 +582,7 @@ def flatness_card_from_trainer(
         tags=_as_list(tags),
         training_hyperparameters=_training_hyperparameters(args),
         pretraining_corpus=dict(pretraining_corpus) if pretraining_corpus else None,
+        measures=_measures_from_callbacks(getattr(getattr(trainer, "callback_handler", None), "callbacks", [])),
         **(trace or {}),
     )
 
@@ -542,6 +597,7 @@ def _trace_from_callbacks(callbacks: Iterable[Any]) -> dict[str, Any] | None:
         n_contexts = getattr(estimate, "n_contexts", None)
         n_draws = getattr(estimate, "n_draws", None)
         step = getattr(callback, "last_estimate_step", None)
+        by_group = getattr(estimate, "by_group", None)
         return {
             "hessian_trace": float(estimate.mean),
             "hessian_trace_stderr": float(stderr) if stderr is not None else None,
@@ -550,8 +606,120 @@ def _trace_from_callbacks(callbacks: Iterable[Any]) -> dict[str, Any] | None:
             "n_contexts": int(n_contexts) if n_contexts is not None else None,
             "n_draws": int(n_draws) if n_draws is not None else None,
             "trace_seconds": float(seconds) if seconds is not None else None,
+            "hessian_trace_by_group": (
+                {group: {"mean": float(part.mean), "stderr": float(part.stderr)} for group, part in by_group.items()}
+                if by_group
+                else None
+            ),
         }
     return None
+
+
+def measure_record(result: Any, step: int | None = None) -> dict[str, Any]:
+    """A card's record of a measure beyond the trace, from its result (read duck-typed): a `TopEigenvalues`
+    (``eigenvalues``...) or a `SharpnessEstimate` (``rho``...), and the training step of the weights measured."""
+    if hasattr(result, "eigenvalues"):
+        record = {
+            "value": float(result.eigenvalues[0]),
+            "residual": float(result.residuals[0]),
+            "matrix": result.matrix,
+            "k": len(result.eigenvalues),
+            "eigenvalues": [float(v) for v in result.eigenvalues] if len(result.eigenvalues) > 1 else None,
+            "n_contexts": int(result.n_contexts),
+            "n_matvecs": int(result.n_matvecs),
+            "seconds": float(result.seconds),
+        }
+    elif hasattr(result, "rho"):
+        record = {
+            "value": float(result.mean),
+            "stderr": float(result.stderr) if math.isfinite(result.stderr) else None,
+            "rho": float(result.rho),
+            "adaptive": bool(result.adaptive),
+            "batch_size": int(result.batch_size),
+            "n_contexts": int(result.n_contexts),
+            "seconds": float(result.seconds),
+        }
+    else:
+        raise TypeError(f"measure_record takes a TopEigenvalues or a SharpnessEstimate, not {type(result).__name__}.")
+    record["step"] = int(step) if step is not None else None
+    return {key: value for key, value in record.items() if value is not None}
+
+
+def _measures_from_callbacks(callbacks: Iterable[Any]) -> dict[str, dict[str, Any]]:
+    measures: dict[str, dict[str, Any]] = {}
+    for callback in callbacks:
+        for name, attribute in (("top_eigenvalue", "last_top_eigenvalues"), ("sam_sharpness", "last_sam_sharpness")):
+            result = getattr(callback, attribute, None)
+            if result is not None and name not in measures:
+                measures[name] = measure_record(result, getattr(callback, f"{attribute}_step", None))
+    return measures
+
+
+def _check_measure_record(name: str, record: Mapping[str, Any]) -> None:
+    if name not in EXTRA_MEASURES:
+        raise ValueError(
+            f"FlatnessCard.measures has {name!r}; the measures beyond the trace are {list(EXTRA_MEASURES)}."
+        )
+    value = record.get("value")
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(
+            f"Refusing to write a flatness card with {name}={value!r}: the number is not finite. Measure it again, or "
+            f"leave {name} out of FlatnessCard.measures."
+        )
+    for key in _MEASURE_NUMBERS[name]:
+        number = record.get(key)
+        if number is not None and (not isinstance(number, (int, float)) or not math.isfinite(number)):
+            raise ValueError(f"FlatnessCard.measures[{name!r}][{key!r}] is {number!r}, not a finite number.")
+    step = record.get("step")
+    if step is not None and (not isinstance(step, int) or step < 0):
+        raise ValueError(f"FlatnessCard.measures[{name!r}]['step'] must be an integer >= 0 (got {step!r}).")
+    if record.get("stderr") is not None and record["stderr"] < 0:
+        raise ValueError(f"FlatnessCard.measures[{name!r}]['stderr'] must be >= 0 (got {record['stderr']}).")
+
+
+def _read_measure_record(value: Any, name: str, source: str) -> dict[str, Any] | None:
+    """A measure's record read from a card: ``None`` when absent or its value is not finite (with a warning)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{source}: flatness.{name} is {value!r}, not a mapping with a value and its settings.")
+    record = dict(value)
+    for key in _MEASURE_NUMBERS[name]:
+        if key in record:
+            record[key] = _read_number(record[key], f"flatness.{name}.{key}", source, integer=key in _MEASURE_INTEGERS)
+    if record.get("value") is None:
+        return None
+    if "eigenvalues" in record:
+        record["eigenvalues"] = [
+            _read_number(v, f"flatness.{name}.eigenvalues", source) for v in record["eigenvalues"] or []
+        ]
+    return {key: v for key, v in record.items() if v is not None}
+
+
+def measure_summaries(card: FlatnessCard) -> list[tuple[str, str]]:
+    """``(label, text)`` for each measure beyond the trace on the card, as the card, ``card`` and ``compare`` show
+    them."""
+    rows = []
+    eigenvalue = card.measures.get("top_eigenvalue")
+    if eigenvalue is not None:
+        matrix = eigenvalue.get("matrix", "?")
+        text = _format_number(eigenvalue["value"])
+        if "residual" in eigenvalue:
+            text += f" (residual {_format_number(eigenvalue['residual'], 2)})"
+        rows.append((f"Largest {matrix} eigenvalue", text + _step_text(eigenvalue)))
+    sharpness = card.measures.get("sam_sharpness")
+    if sharpness is not None:
+        text = _format_trace(sharpness["value"], sharpness.get("stderr"))
+        settings = [f"rho = {sharpness['rho']:g}" if "rho" in sharpness else None]
+        settings.append("adaptive" if sharpness.get("adaptive") else None)
+        settings.append(f"batches of {sharpness['batch_size']}" if "batch_size" in sharpness else None)
+        text += " (" + ", ".join(s for s in settings if s) + ")" if any(settings) else ""
+        rows.append(("SAM sharpness L(w+e) - L(w) ± standard error", text + _step_text(sharpness)))
+    return rows
+
+
+def _step_text(record: Mapping[str, Any]) -> str:
+    return f", step {record['step']}" if record.get("step") is not None else ""
 
 
 def _trace_from_history(history: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
@@ -660,7 +828,9 @@ def format_comparison_table(cards: Sequence[tuple[str, FlatnessCard]]) -> str:
         cards: ``(label, card)`` pairs in the order of the rows (the label is usually the repo id or path).
     """
     glue_columns = sorted({(task, metric) for _, card in cards for task in card.glue for metric in card.glue[task]})
+    measure_columns = [name for name in EXTRA_MEASURES if any(name in card.measures for _, card in cards)]
     header = ["model", "pre-training loss", "Hessian trace ± stderr", "method", "estimator"]
+    header += [_MEASURE_COLUMNS[name] for name in measure_columns]
     header += [f"{task}/{metric}" for task, metric in glue_columns]
     rows = [header, ["---"] * len(header)]
     for label, card in cards:
@@ -674,11 +844,24 @@ def format_comparison_table(cards: Sequence[tuple[str, FlatnessCard]]) -> str:
             _format_method(card, short=True),
             estimator,
         ]
+        for name in measure_columns:
+            row.append(_measure_cell(name, card.measures.get(name)))
         for task, metric in glue_columns:
             value = card.glue.get(task, {}).get(metric)
             row.append(f"{value:.4f}" if value is not None else "-")
         rows.append(row)
     return "\n".join("| " + " | ".join(cells) + " |" for cells in rows)
+
+
+_MEASURE_COLUMNS = {"top_eigenvalue": "top eigenvalue", "sam_sharpness": "SAM sharpness ± stderr"}
+
+
+def _measure_cell(name: str, record: Mapping[str, Any] | None) -> str:
+    if record is None:
+        return "-"
+    if name == "top_eigenvalue":
+        return f"{_format_number(record['value'])} ({record.get('matrix', '?')})"
+    return f"{_format_trace(record['value'], record.get('stderr'))} (ρ={record.get('rho', float('nan')):g})"
 
 
 # -------------------------------------------------------------------- small helpers
@@ -738,4 +921,6 @@ __all__ = [
     "flatness_card_from_trainer",
     "format_comparison_table",
     "load_flatness_card",
+    "measure_record",
+    "measure_summaries",
 ]

@@ -100,6 +100,25 @@ class FlatBiasTrainer(Trainer):
 
     # ------------------------------------------------------------------ setup
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
+        """`Trainer.train`, after checking that the checkpoint to resume from is intact and of this model's shape."""
+        if resume_from_checkpoint:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            from .checkpoints import check_resumable
+
+            if resume_from_checkpoint is True:
+                last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+                if last is None:
+                    raise ValueError(
+                        f"resume_from_checkpoint=True but {self.args.output_dir} holds no checkpoint-* folder; "
+                        "start without resuming or pass the checkpoint's path."
+                    )
+                resume_from_checkpoint = last
+            model_config = getattr(unwrap_peft_model(self.accelerator.unwrap_model(self.model)), "config", None)
+            check_resumable(resume_from_checkpoint, model_config)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
     def add_callback(self, callback) -> None:
         super().add_callback(callback)
         for registered in self.callback_handler.callbacks:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
+import os
+from collections.abc import Iterator
 
 import torch
 from transformers.trainer_utils import unwrap_peft_model
@@ -47,3 +51,32 @@ def token_weighted_loss(
         logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device), reduction="sum"
     )
     return total / num_items_in_batch
+
+
+@contextlib.contextmanager
+def without_load_report() -> Iterator[None]:
+    """Silence transformers' LOAD REPORT table (missing and unexpected weights) inside the block.
+
+    For loads whose missing and unexpected weights the caller checks itself (a masked-LM checkpoint loaded into a
+    classifier always lacks the new head and has an unused LM head): the table would only alarm the user.
+    """
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    level = report_logger.level
+    report_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        report_logger.setLevel(level)
+
+
+def quiet_deepspeed_without_accelerator() -> bool:
+    """Whether an accelerator is present; without one, tell DeepSpeed the CPU is meant (``DS_ACCELERATOR=cpu``).
+
+    accelerate and transformers import DeepSpeed whenever it is installed, even for runs that never use it, and
+    DeepSpeed then warns that it fell back to the CPU. Without an accelerator the CPU is what it would choose anyway;
+    naming it only removes the warning. A value the user set is kept.
+    """
+    available = torch.accelerator.is_available()
+    if not available:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return available

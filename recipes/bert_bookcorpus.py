@@ -332,6 +332,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError("--trace_every_n_steps needs --trace_contexts > 0.")
     if training_args.output_dir is None:
         raise ValueError("Pass --output_dir (where checkpoints, the model and its summary go).")
+    if training_args.process_index == 0:
+        print(f"bert_bookcorpus: checkpoints, model and pretraining_summary.json go to {training_args.output_dir}")
     if model_args.half_precision == "auto":
         import torch
 

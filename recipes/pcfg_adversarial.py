@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -29,6 +28,7 @@ from hf_flatbias.experiments import (
     add_common_arguments,
     add_target_loss_argument,
     at_common_loss,
+    default_output_dir,
     final_row,
     is_main_process,
     parse_recipe_arguments,
@@ -68,7 +68,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
         )
     if any(weight < 0 for weight in args.adversary_weights):
         raise ValueError(f"--adversary-weights must be >= 0 (got {args.adversary_weights}); 0 is plain MLM.")
-    output_dir = args.output_dir or Path("outputs") / f"{args.language}_adversarial"
+    output_dir = default_output_dir(args, f"{args.language}_adversarial")
     start = time.perf_counter()
     setup = setup_language_from_args(args, train_columns=[args.task])
     n_classes = int(np.max(setup.train[args.task])) + 1

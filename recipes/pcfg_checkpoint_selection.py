@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from hf_flatbias.experiments import (
     RunSpec,
     add_common_arguments,
+    default_output_dir,
     flatness_selection,
     hessian_trace,
     is_main_process,
@@ -48,7 +48,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
     args = parse_recipe_arguments(build_parser(), argv, default_language)
     if args.trace_contexts <= 0:
         raise ValueError("--trace-contexts must be positive: the selector chooses by the trace.")
-    output_dir = args.output_dir or Path("outputs") / f"{args.language}_checkpoint_selection"
+    output_dir = default_output_dir(args, f"{args.language}_checkpoint_selection")
     start = time.perf_counter()
     setup = setup_language_from_args(args)
 

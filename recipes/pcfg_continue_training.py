@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from hf_flatbias.experiments import (
     RunSpec,
     add_common_arguments,
     config_of,
     correlations,
+    default_output_dir,
     flatness_selection,
     is_main_process,
     matched_loss,
@@ -40,7 +40,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
         "--matched-tolerance", type=float, default=0.02, help="nats above the best loss that count as 'same loss'"
     )
     args = parse_recipe_arguments(parser, argv, default_language)
-    output_dir = args.output_dir or Path("outputs") / f"{args.language}_continue_training"
+    output_dir = default_output_dir(args, f"{args.language}_continue_training")
     start = time.perf_counter()
     setup = setup_language_from_args(args)
     spec = RunSpec(label="adamw_constant_lr", **run_spec_arguments(args))

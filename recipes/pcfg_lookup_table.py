@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -27,6 +26,7 @@ from hf_flatbias.experiments import (
     add_common_arguments,
     config_of,
     context_batch,
+    default_output_dir,
     features_probe_scores,
     is_main_process,
     one_mask_loss,
@@ -61,7 +61,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_arguments(parser, steps=1000, eval_every=1000)
     args = parse_recipe_arguments(parser, argv, default_language)
-    output_dir = args.output_dir or Path("outputs") / f"{args.language}_lookup_table"
+    output_dir = default_output_dir(args, f"{args.language}_lookup_table")
     start = time.perf_counter()
     setup = setup_language_from_args(args)
     batch = context_batch(setup.contexts)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from hf_flatbias.enlarge import enlarge
 from hf_flatbias.experiments import (
@@ -28,6 +27,7 @@ from hf_flatbias.experiments import (
     add_target_loss_argument,
     at_common_loss,
     bert_config,
+    default_output_dir,
     final_row,
     is_main_process,
     parse_recipe_arguments,
@@ -91,7 +91,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
         args.sizes = list(SMOKE_SIZES)
     sizes = [parse_size(text, args.head_dim) for text in args.sizes]
     largest = check_sizes(sizes)  # before any data is built or model trained
-    output_dir = args.output_dir or Path("outputs") / f"{args.language}_model_size"
+    output_dir = default_output_dir(args, f"{args.language}_model_size")
     start = time.perf_counter()
     setup = setup_language_from_args(args)
     target_config = bert_config(len(setup.tokenizer), hidden=largest.hidden, layers=largest.layers, heads=largest.heads)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from hf_flatbias.experiments import (
     RunSpec,
@@ -21,6 +20,7 @@ from hf_flatbias.experiments import (
     at_common_loss,
     config_of,
     correlations,
+    default_output_dir,
     is_main_process,
     matched_loss,
     parse_recipe_arguments,
@@ -40,7 +40,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
     parser.add_argument("--sam-rho", type=float, default=0.05)
     parser.add_argument("--matched-tolerance", type=float, default=0.02)
     args = parse_recipe_arguments(parser, argv, default_language)
-    output_dir = args.output_dir or Path("outputs") / f"{args.language}_optimizers"
+    output_dir = default_output_dir(args, f"{args.language}_optimizers")
     start = time.perf_counter()
     setup = setup_language_from_args(args)
     common = run_spec_arguments(args)

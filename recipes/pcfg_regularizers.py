@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from hf_flatbias.experiments import (
     RunSpec,
     add_common_arguments,
+    default_output_dir,
     final_row,
     is_main_process,
     parse_recipe_arguments,
@@ -80,7 +80,7 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
             f"--methods must be among {list(METHODS)} (got unknown {unknown}) and include 'adamw' unless --target "
             "gives the AdamW loss to match."
         )
-    output_dir = args.output_dir or Path("runs") / f"{args.language}_regularizers"
+    output_dir = default_output_dir(args, f"{args.language}_regularizers", root="runs")
     started = time.perf_counter()
     setup = setup_language_from_args(args)
     common = {**run_spec_arguments(args), "weight_decay": args.weight_decay, "trace_final_only": True}

@@ -132,3 +132,85 @@ def test_trace_command_rejects_bad_input(checkpoint, tmp_path, capsys):
 
     assert main(["trace", str(folder), "--data", str(tmp_path / "missing.jsonl")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def _one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    error = captured.err.strip().splitlines()[-1]  # after any progress bar of the data loading
+    assert error.startswith("hf-flatbias trace: error: ")
+    return error
+
+
+def test_english_text_on_a_model_of_another_vocabulary_says_the_tokenizer_does_not_fit(checkpoint, tmp_path, capsys):
+    folder, *_ = checkpoint
+    english = tmp_path / "english.txt"
+    english.write_text("The quick brown fox jumps over the lazy dog.\nIt rained all day in the city.\n")
+    error = _one_line_error(capsys, ["trace", str(folder), "--data", str(english), "--n-contexts", "4"])
+    assert "does not fit" in error and "100% of its tokens are unknown" in error
+
+
+@pytest.mark.parametrize(("name", "content"), [("empty.txt", ""), ("blank.jsonl", "\n\n"), ("broken.jsonl", '{"te')])
+def test_an_empty_or_unreadable_data_file_is_one_line_naming_it(checkpoint, tmp_path, capsys, name, content):
+    folder, *_ = checkpoint
+    data = tmp_path / name
+    data.write_text(content)
+    error = _one_line_error(capsys, ["trace", str(folder), "--data", str(data)])
+    assert str(data) in error and ("is empty" in error or "could not be read" in error)
+    assert data.read_text() == content
+
+
+def test_a_config_json_that_is_not_json_is_one_line_naming_it(checkpoint, tmp_path, capsys):
+    folder, data, *_ = checkpoint
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in folder.iterdir():
+        if path.is_file():
+            (broken / path.name).write_bytes(path.read_bytes())
+    (broken / "config.json").write_text("{not json")
+    error = _one_line_error(capsys, ["trace", str(broken), "--data", str(data)])
+    assert str(broken / "config.json") in error and "not a valid JSON" in error
+
+
+def test_trace_command_prints_the_split_by_group_and_plots_it(checkpoint, tmp_path, capsys):
+    folder, data, _, _ = checkpoint
+    output, plot = tmp_path / "trace.json", tmp_path / "plots" / "groups.png"
+    arguments = ["trace", str(folder), "--data", str(data), "--n-contexts", "6", "--seed", "4", "--no-progress"]
+    assert main([*arguments, "--batch-size", "auto", "--output", str(output), "--plot", str(plot)]) == 0
+    estimate = json.loads(output.read_text())["estimate"]
+    groups = ["embeddings", "block.0", "head", "output_layer"]
+    assert list(estimate["by_group"]) == groups
+    assert sum(part["mean"] for part in estimate["by_group"].values()) == pytest.approx(estimate["mean"], rel=1e-12)
+    printed = capsys.readouterr().out.splitlines()
+    table = printed[printed.index(next(line for line in printed if line.startswith("group"))) :][: len(groups) + 2]
+    assert [line.split()[0] for line in table] == ["group", *groups, "total"]
+    assert float(table[1].split()[1]) == pytest.approx(estimate["by_group"]["embeddings"]["mean"], rel=1e-5)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the split does not change the total: the same estimate without it
+    assert main([*arguments, "--no-by-group", "--output", str(tmp_path / "plain.json")]) == 0
+    plain = json.loads((tmp_path / "plain.json").read_text())["estimate"]
+    assert plain["by_group"] is None and plain["mean"] == pytest.approx(estimate["mean"], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--plot", "groups.txt"], "use a file ending in one of"),
+        (["--estimator", "summed", "--plot", "groups.png"], "need a per-context estimator"),
+        (["--no-by-group", "--plot", "groups.png"], "drop --no-by-group"),
+    ],
+)
+def test_trace_command_refuses_bad_group_options_before_loading(checkpoint, tmp_path, capsys, extra, message):
+    folder, data, _, _ = checkpoint
+    assert main(["trace", str(folder), "--data", str(data), "--output", str(tmp_path / "t.json"), *extra]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_trace_command_batch_size_is_a_positive_integer_or_auto(checkpoint, capsys):
+    folder, data, _, _ = checkpoint
+    with pytest.raises(SystemExit) as exited:
+        main(["trace", str(folder), "--data", str(data), "--batch-size", "0"])
+    assert exited.value.code == 2
+    assert "expected a positive integer or 'auto', got '0'" in capsys.readouterr().err

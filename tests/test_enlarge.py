@@ -40,6 +40,12 @@ def gpt2_config(**overrides):
     return GPT2Config(**{**sizes, **overrides})
 
 
+@pytest.fixture(autouse=True)
+def _seeded_initialisation():
+    """Models are built from the global RNG: seed it so each test's weights do not depend on the tests before it."""
+    torch.manual_seed(0)
+
+
 def randomized(model, seed=0):
     """Freshly initialised LayerNorms are (1, 0) and biases 0: perturb everything so no term hides behind a default."""
     generator = torch.Generator().manual_seed(seed)

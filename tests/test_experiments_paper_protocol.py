@@ -184,3 +184,14 @@ def test_grammar_gate_smoke_tables_candidates_and_keeps_the_rule(recipes, tmp_pa
         0.04,
     )
     assert passing["chosen"]["grammar_seed"] == 2  # the lowest baseline among those within the KL limit
+
+
+def test_committed_grammar_gate_verdict_follows_from_its_candidates(recipes):
+    """docs/reproduction/synthetic.md says no grammar passed: recompute that from the committed candidate JSON."""
+    folder = Path(__file__).resolve().parents[1] / "docs" / "reproduction" / "pcfg_grammar_gate"
+    candidates = [json.loads(path.read_text()) for path in sorted(folder.glob("candidate_*.json"))]
+    committed = json.loads((folder / "gate.json").read_text())
+    recomputed = recipes.load("pcfg_grammar_gate").gate(candidates, committed["max_kl"])
+    assert len(candidates) == 4
+    assert recomputed["chosen"] is None and committed["chosen"] is None
+    assert min(c["pilot_kl"] for c in candidates) > committed["max_kl"]

@@ -42,9 +42,9 @@ def _tiny_bert(seed=0, **overrides):
     return BertForMaskedLM(BertConfig(**config)).eval()
 
 
-def _tiny_gpt2(seed=0):
+def _tiny_gpt2(seed=0, **overrides):
     torch.manual_seed(seed)
-    config = GPT2Config(
+    config = dict(
         vocab_size=VOCAB,
         n_embd=8,
         n_layer=1,
@@ -55,7 +55,8 @@ def _tiny_gpt2(seed=0):
         initializer_range=0.4,
         attn_implementation="eager",
     )
-    return GPT2LMHeadModel(config).eval()
+    config.update(overrides)
+    return GPT2LMHeadModel(GPT2Config(**config)).eval()
 
 
 def _rows(n_rows, seed=0):
@@ -219,11 +220,29 @@ def _reference_fisher_subset(model, rows):
     return torch.tensor(traces, dtype=torch.float64)
 
 
-def test_hutchinson_is_within_four_standard_errors_of_the_exact_hessian():
+@pytest.mark.parametrize("probe", ["rademacher", "gaussian"])
+def test_hutchinson_is_within_four_standard_errors_of_the_exact_hessian(probe):
     model, rows = _tiny_bert(seed=7, hidden_size=4, intermediate_size=8, num_attention_heads=1), _contexts(12, seed=7)
-    estimate = estimate_hessian_trace(model, rows, n_draws=30, estimator="hutchinson", batch_size=2, seed=3)
+    estimate = estimate_hessian_trace(
+        model, rows, n_draws=30, estimator="hutchinson", batch_size=2, seed=3, probe=probe
+    )
     exact = exact_hessian_trace(model, rows)
     assert abs(estimate.mean - exact) < 4 * estimate.stderr
+
+
+def test_gaussian_probes_differ_from_rademacher_ones_and_only_hutchinson_takes_them():
+    model, rows = _tiny_bert(seed=7, hidden_size=4, intermediate_size=8, num_attention_heads=1), _contexts(4, seed=7)
+    draws = {
+        probe: compute_trace_samples(
+            model, TraceContexts.from_rows(rows, causal=False), estimator="hutchinson", probe=probe, batch_size=4
+        ).values
+        for probe in ("rademacher", "gaussian")
+    }
+    assert not torch.equal(draws["rademacher"], draws["gaussian"])
+    with pytest.raises(ValueError, match="applies to estimator='hutchinson' only"):
+        estimate_hessian_trace(model, rows, probe="gaussian")
+    with pytest.raises(ValueError, match="probe='normal' is not supported"):
+        estimate_hessian_trace(model, rows, estimator="hutchinson", probe="normal")
 
 
 def test_standard_error_covers_the_population_trace_about_95_percent_of_the_time():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import urllib.request
 
 import numpy as np
@@ -161,6 +162,20 @@ def test_special_tokens_only_tokenizer_is_detected(tmp_path):
     BertForMaskedLM(_tiny_config(50)).save_pretrained(tmp_path)  # no tokenizer files
     with pytest.raises(ValueError, match="only special tokens"):
         glue.load_classifier(str(tmp_path), "sst2")
+
+
+def test_loading_a_masked_lm_checkpoint_prints_no_load_report(tiny_checkpoint):
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    report_logger.addHandler(handler)
+    try:
+        _, _, new_names = glue.load_classifier(str(tiny_checkpoint), "sst2")
+    finally:
+        report_logger.removeHandler(handler)
+    assert any(name.startswith("classifier.") for name in new_names)  # the head is new: a report would list it
+    assert not [record for record in records if "LOAD REPORT" in record.getMessage()]
 
 
 def test_label_count_mismatch_of_an_existing_head(tmp_path, tiny_checkpoint):

@@ -403,6 +403,42 @@ def test_trainer_card_carries_the_hessian_trace_callback_estimate(tmp_path):
         assert flatness["trace_step"] == step
 
 
+def test_trace_split_by_group_is_logged_and_carried_by_the_card(tmp_path):
+    from hf_flatbias.callbacks import HessianTraceCallback
+
+    model, data = tiny_mlm_setup()
+    trace = HessianTraceCallback(
+        eval_dataset=[{"input_ids": row["input_ids"].tolist()} for row in data[:6]],
+        n_contexts=6,
+        every_n_steps=4,
+        on_evaluate=False,
+        mask_token_id=4,
+        by_group=True,
+    )
+    trainer = FlatBiasTrainer(model=model, args=tiny_args(tmp_path), train_dataset=data, callbacks=[trace])
+    trainer.train()
+    (logged,) = [e for e in trainer.state.log_history if "flatness/hessian_trace" in e]
+    groups = ["embeddings", "block.0", "head", "output_layer"]
+    parts = [logged[f"flatness/hessian_trace/{group}"] for group in groups]
+    assert sum(parts) == pytest.approx(logged["flatness/hessian_trace"], rel=1e-12)
+    card = load_flatness_card(tmp_path / "checkpoint-4")
+    assert list(card.hessian_trace_by_group) == groups
+    for group, value in zip(groups, parts, strict=True):
+        assert card.hessian_trace_by_group[group]["mean"] == value
+        assert card.hessian_trace_by_group[group]["stderr"] == trace.last_estimate.by_group[group].stderr > 0
+
+
+def test_the_split_by_group_round_trips_and_non_finite_parts_are_refused(tmp_path):
+    split = {"embeddings": {"mean": 3.5, "stderr": 0.25}, "output_layer": {"mean": 1.0, "stderr": 0.125}}
+    card = full_card(hessian_trace_by_group=split)
+    card.save(tmp_path)
+    assert front_matter(tmp_path / "README.md")["flatness"]["hessian_trace_by_group"] == split
+    assert load_flatness_card(tmp_path) == card
+    assert "hessian_trace_by_group" not in front_matter(full_card().save(tmp_path / "plain"))["flatness"]
+    with pytest.raises(ValueError, match=r"hessian_trace_by_group\['output_layer'\]\['mean'\]=nan"):
+        full_card(hessian_trace_by_group={"output_layer": {"mean": float("nan"), "stderr": 0.1}}).save(tmp_path / "x")
+
+
 def test_trainer_keeps_checkpoints_but_skips_a_non_finite_card(tmp_path, caplog):
     model, data = tiny_mlm_setup()
     trainer = FlatBiasTrainer(

@@ -102,6 +102,17 @@ def test_smoke_preset_sits_between_yaml_and_command_line(argument_types, bert_bo
     assert training.flatness_method == "sam"  # YAML kept where smoke is silent
 
 
+def test_smoke_run_gets_its_own_folder_beside_the_configs(argument_types, bert_bookcorpus, tmp_path):
+    config = tmp_path / "setting.yaml"
+    config.write_text((CONFIGS / "no_dropout_no_wd_sam.yaml").read_text().replace("runs/", f"{tmp_path}/runs/"))
+    *_, real = parse_dataclass_args(argument_types, ["--config", str(config)])
+    *_, smoke = parse_dataclass_args(
+        argument_types, ["--config", str(config), "--smoke"], smoke_settings=bert_bookcorpus.SMOKE_SETTINGS
+    )
+    assert smoke.output_dir == f"{real.output_dir}-smoke"
+    assert real.output_dir.startswith(str(tmp_path))
+
+
 def test_unknown_yaml_key_and_missing_file_are_errors(argument_types, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("learning_rat: 0.1\n")

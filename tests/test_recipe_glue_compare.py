@@ -238,7 +238,6 @@ def test_shipped_config_parses(glue_compare, recipes, tmp_path):
     assert training.learning_rate == 2e-5 and training.num_train_epochs == 3
 
 
-@pytest.mark.slow
 def test_gpu_script_smoke_runs_the_whole_pipeline_on_cpu(recipes, tmp_path):
     output = tmp_path / "glue_gpu"
     command = ["bash", str(recipes.directory / "glue_gpu.sh"), "--smoke", str(output)]

@@ -1,17 +1,21 @@
 """The synthetic-language recipes in --smoke mode: output schema and the entropy floor's place among the losses."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from hf_flatbias.constants import IGNORE_INDEX
 from hf_flatbias.experiments import (
+    add_common_arguments,
     at_common_loss,
     build_model,
     context_batch,
+    default_output_dir,
     flatness_selection,
     markdown_table,
+    parse_recipe_arguments,
     partial_spearman,
     summarize,
 )
@@ -142,3 +146,16 @@ def test_selection_is_skipped_without_traces_and_never_sees_the_probe():
     assert selection["flattest"]["step"] == 20 and selection["lowest_loss"]["step"] == 30
     assert selection["accuracy_gain"] == pytest.approx(0.1 - 0.8)
     assert flatness_selection([{**r, "hessian_trace": None} for r in records], tolerance=0.05) is None
+
+
+def test_smoke_runs_write_beside_the_real_results_not_over_them(tmp_path):
+    import argparse
+
+    def parsed(*argv):
+        parser = argparse.ArgumentParser()
+        add_common_arguments(parser, steps=100, eval_every=10)
+        return parse_recipe_arguments(parser, list(argv), "pcfg")
+
+    assert default_output_dir(parsed(), "pcfg_optimizers") == Path("outputs/pcfg_optimizers")
+    assert default_output_dir(parsed("--smoke"), "pcfg_optimizers") == Path("outputs/pcfg_optimizers-smoke")
+    assert default_output_dir(parsed("--smoke", "--output-dir", str(tmp_path)), "pcfg_optimizers") == tmp_path

@@ -244,6 +244,24 @@ def test_bad_config_is_rejected_early(tmp_path, overrides, match):
         config(tmp_path, **overrides)
 
 
+def test_numbers_written_as_text_in_yaml_are_read_as_numbers(tmp_path):
+    # YAML 1.1 reads `sam_rho: 5e-2` as the string "5e-2"
+    args = config(tmp_path, sam_rho="5e-2", sam_every_k="2", penalty_lambda=" 0.1 ")
+    assert (args.sam_rho, args.sam_every_k, args.penalty_lambda) == (0.05, 2, 0.1)
+    assert isinstance(args.sam_every_k, int)
+
+
+@pytest.mark.parametrize(("field", "text"), [("sam_rho", "large"), ("sam_every_k", "2.5"), ("asam_eta", "")])
+def test_text_that_is_not_a_number_is_refused_by_name(tmp_path, field, text):
+    with pytest.raises(ValueError, match=f"^{field} must be a number, got the string {text!r}"):
+        config(tmp_path, **{field: text})
+
+
+def test_pinned_memory_is_off_without_an_accelerator(tmp_path):
+    args = config(tmp_path, dataloader_pin_memory=True)
+    assert args.dataloader_pin_memory is (torch.accelerator.is_available() and not args.use_cpu)
+
+
 def test_model_without_trainable_parameters_is_rejected(tmp_path):
     model = tiny_classifier()
     model.requires_grad_(False)

@@ -49,6 +49,8 @@ def read_card_reporting_warnings(program: str, load, repo_or_path: str, revision
 
 def format_card_summary(label: str, card) -> str:
     """A two-column markdown table of what the card records (unknown fields left out)."""
+    from ..modelcard import measure_summaries
+
     trace = None
     if card.hessian_trace is not None:
         trace = f"{card.hessian_trace:.6g}"
@@ -70,6 +72,7 @@ def format_card_summary(label: str, card) -> str:
         ("Hessian trace ± stderr", trace),
         ("trace measured at step", card.trace_step),
         ("estimator", estimator),
+        *measure_summaries(card),
         ("step", card.global_step),
     ]
     rows += [

@@ -42,6 +42,9 @@ def run(args: argparse.Namespace) -> int:
     model = local_path_or_hub_id(args.model, "MODEL")
     data_dir = None if args.data_dir is None else existing_local_path(args.data_dir, "--data-dir")
     from ..glue import finetune_glue
+    from ..utils import quiet_deepspeed_without_accelerator
+
+    quiet_deepspeed_without_accelerator()
 
     result = finetune_glue(
         model,

@@ -7,10 +7,26 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, IGNORE_INDEX, RECOMMENDED_N_DRAWS
+from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, IGNORE_INDEX, MEASURES, RECOMMENDED_N_DRAWS, SPECTRUM_MATRICES
 from .paths import local_path_or_hub_id
 
 DATA_FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+GROUPED_ESTIMATORS = ("per_sample", "naive")
+"""The estimators that split the trace by parameter group (per-context ones)."""
+
+
+def batch_size_argument(value: str) -> int | str:
+    """``--batch-size``: a positive integer or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
+    return size
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,7 +58,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--estimator", default="per_sample", choices=list(ESTIMATORS), help="Estimator to use.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the masked positions and the draws.")
-    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="Contexts per forward.")
+    parser.add_argument(
+        "--batch-size",
+        type=batch_size_argument,
+        default=DEFAULT_BATCH_SIZE,
+        help="Contexts per forward, or 'auto': as many as keep the working memory under 80%% of the free GPU memory "
+        "(half the available RAM on CPU). Default: %(default)s.",
+    )
+    parser.add_argument(
+        "--by-group",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Split the trace by parameter group (embeddings, each block, final norm, head, the decoder's own "
+        "output-layer term) and print a table of it (default: on for the per_sample and naive estimators).",
+    )
+    parser.add_argument(
+        "--plot", default=None, help="Draw the per-group trace as a bar chart into this .png/.pdf/.svg file."
+    )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu).")
     parser.add_argument("--causal", action="store_true", help="Treat the model as a causal LM (default: detect).")
     parser.add_argument("--output", default="hessian_trace.json", help="JSON file to write (default: %(default)s).")
@@ -52,29 +84,115 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=True,
         help="Show a progress bar with the time left on stderr (default: shown).",
     )
+    parser.add_argument(
+        "--measures",
+        type=_measure_list,
+        default=("trace",),
+        help=f"Comma-separated measures to take, of {','.join(MEASURES)} (default: trace). top_eigenvalue: the largest "
+        "eigenvalue(s) of the Fisher or Hessian by Lanczos; sam_sharpness: L(w + rho g/||g||) - L(w) per batch.",
+    )
+    parser.add_argument(
+        "--eigenvalue-matrix",
+        default="fisher",
+        choices=list(SPECTRUM_MATRICES),
+        help="Matrix of top_eigenvalue (default: %(default)s, whose trace is the paper's measure).",
+    )
+    parser.add_argument("--top-k", type=int, default=1, help="How many of the largest eigenvalues (default: 1).")
+    parser.add_argument("--sam-rho", type=float, default=0.05, help="Radius of sam_sharpness (default: 0.05).")
+    parser.add_argument(
+        "--sam-batch-size",
+        type=int,
+        default=None,
+        help="Contexts per ascent step of sam_sharpness, as the training batch (default: --batch-size).",
+    )
     parser.set_defaults(func=run)
+
+
+def _measure_list(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in MEASURES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose a comma-separated list of {', '.join(MEASURES)}.")
+    return names
 
 
 def run(args: argparse.Namespace) -> int:
     args.model = local_path_or_hub_id(args.model, "MODEL")
     args.data = local_path_or_hub_id(args.data, "--data", file_suffixes=tuple(DATA_FILE_FORMATS))
     result = measure(args)
-    estimate = result["estimate"]
-    print(
-        f"Hessian trace of {args.model}: {estimate['mean']:.6g} +- {estimate['stderr']:.3g} (standard error; "
-        f"{estimate['estimator']}, {estimate['n_contexts']} contexts x {estimate['n_draws']} draws, "
-        f"{estimate['seconds']:.1f} s)"
-    )
-    if estimate.get("suggested_n_draws"):
-        print(f"Draws per context with the least error per second on this model: {estimate['suggested_n_draws']}")
+    estimate = result.get("estimate")
+    if estimate is not None:
+        if estimate.get("by_group"):
+            print(format_group_table(estimate))
+        print(
+            f"Hessian trace of {args.model}: {estimate['mean']:.6g} +- {estimate['stderr']:.3g} (standard error; "
+            f"{estimate['estimator']}, {estimate['n_contexts']} contexts x {estimate['n_draws']} draws, "
+            f"{estimate['seconds']:.1f} s)"
+        )
+        if estimate.get("suggested_n_draws"):
+            print(f"Draws per context with the least error per second on this model: {estimate['suggested_n_draws']}")
+    eigenvalues = result.get("top_eigenvalues")
+    if eigenvalues is not None:
+        values = ", ".join(f"{v:.6g}" for v in eigenvalues["eigenvalues"])
+        print(
+            f"Largest {eigenvalues['matrix']} eigenvalue(s): {values} (residuals "
+            f"{', '.join(f'{r:.2g}' for r in eigenvalues['residuals'])}; {eigenvalues['n_contexts']} contexts, "
+            f"{eigenvalues['n_matvecs']} products, {eigenvalues['seconds']:.1f} s)"
+        )
+    sharpness = result.get("sam_sharpness")
+    if sharpness is not None:
+        print(
+            f"SAM sharpness (rho={sharpness['rho']:g}): {sharpness['mean']:.6g} +- {sharpness['stderr']:.3g} "
+            f"(standard error over {len(sharpness['per_batch'])} batches of {sharpness['batch_size']} contexts, "
+            f"{sharpness['seconds']:.1f} s)"
+        )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     print(f"Wrote {args.output}")
+    if args.plot:
+        plot_groups(estimate, args.plot, title=f"Hessian trace by parameter group: {args.model}")
+        print(f"Wrote {args.plot}")
     return 0
+
+
+def format_group_table(estimate: dict[str, Any]) -> str:
+    """The per-group trace as a text table: mean, standard error and share of the total."""
+    total = estimate["mean"]
+    width = max(len("group"), *(len(group) for group in estimate["by_group"]))
+    lines = [f"{'group':<{width}}  {'trace':>12}  {'stderr':>10}  {'share':>6}"]
+    for group, part in estimate["by_group"].items():
+        share = f"{part['mean'] / total:6.1%}" if total else "     -"
+        lines.append(f"{group:<{width}}  {part['mean']:12.6g}  {part['stderr']:10.3g}  {share}")
+    lines.append(f"{'total':<{width}}  {total:12.6g}  {estimate['stderr']:10.3g}  {'100.0%' if total else '     -'}")
+    return "\n".join(lines)
+
+
+def plot_groups(estimate: dict[str, Any], path: str, *, title: str) -> None:
+    """A bar per parameter group with its standard error (matplotlib, imported only here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(estimate["by_group"])
+    means = [estimate["by_group"][g]["mean"] for g in groups]
+    errors = [estimate["by_group"][g]["stderr"] for g in groups]
+    figure, axis = plt.subplots(figsize=(max(4.0, 0.6 * len(groups) + 2), 3.5))
+    axis.bar(range(len(groups)), means, yerr=errors, capsize=3, color="tab:blue")
+    axis.set_xticks(range(len(groups)), groups, rotation=45, ha="right")
+    axis.set_ylabel("Tr(H) (Fisher), per group")
+    axis.set_title(title, fontsize=9)
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Load the checkpoint and the data, build the contexts and estimate; raises `ValueError` on bad input."""
+    from ..utils import quiet_deepspeed_without_accelerator
+
+    quiet_deepspeed_without_accelerator()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import (
@@ -90,6 +208,28 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--n-draws must be >= 1 (got {args.n_draws}).")
     if args.n_contexts < 1:
         raise ValueError(f"--n-contexts must be >= 1 (got {args.n_contexts}).")
+    if args.by_group is None:
+        args.by_group = args.estimator in GROUPED_ESTIMATORS
+    if (args.by_group or args.plot) and args.estimator not in GROUPED_ESTIMATORS:
+        raise ValueError(
+            f"--by-group and --plot need a per-context estimator ({', '.join(GROUPED_ESTIMATORS)}), got "
+            f"--estimator {args.estimator}."
+        )
+    if args.plot and not args.by_group:
+        raise ValueError("--plot draws the per-group trace: drop --no-by-group.")
+    if args.plot and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
+        raise ValueError(f"--plot {args.plot}: use a file ending in one of {list(PLOT_SUFFIXES)}.")
+    if args.top_k < 1:
+        raise ValueError(f"--top-k must be >= 1 (got {args.top_k}).")
+    if not args.sam_rho > 0:
+        raise ValueError(f"--sam-rho must be > 0 (got {args.sam_rho}).")
+    if args.sam_batch_size is not None and args.sam_batch_size < 1:
+        raise ValueError(f"--sam-batch-size must be >= 1 (got {args.sam_batch_size}).")
+    if args.plot and "trace" not in args.measures:
+        raise ValueError("--plot draws the per-group trace: add trace to --measures.")
+    rows = _load_rows(args)  # before the model: a bad data file is reported at once
+    if not rows:
+        raise ValueError(f"{args.data} holds no rows.")
     config = AutoConfig.from_pretrained(args.model)
     architectures = list(getattr(config, "architectures", None) or [])
     causal_names, masked_names = (
@@ -108,9 +248,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     model.to(device)
     vocab_size = output_vocab_size(model)
 
-    rows = _load_rows(args)
-    if not rows:
-        raise ValueError(f"{args.data} holds no rows.")
     tokenizer = None
     if "input_ids" not in rows[0]:
         if args.text_column not in rows[0]:
@@ -119,11 +256,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 f"{sorted(rows[0])}); name the text column with --text-column."
             )
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        check_tokenizer_fits_model(tokenizer, vocab_size, source=args.model)
         texts = [row[args.text_column] for row in rows if row[args.text_column] and row[args.text_column].strip()]
         if not texts:
             raise ValueError(f"The {args.text_column!r} column of {args.data} holds no text.")
         encoded = tokenizer(texts, truncation=True, max_length=args.max_length)
+        check_tokenizer_fits_model(
+            tokenizer, vocab_size, source=args.model, input_ids=encoded["input_ids"], text_source=args.data
+        )
         rows = [
             {"input_ids": ids, "attention_mask": mask}
             for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
@@ -147,25 +286,50 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             special_token_ids=list(getattr(tokenizer, "all_special_ids", []) or []),
         )
         n_contexts = None
-    estimate = estimate_hessian_trace(
-        model,
-        contexts,
-        n_contexts=n_contexts,
-        n_draws=args.n_draws,
-        estimator=args.estimator,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        causal=causal,
-        progress=args.progress,
-    )
-    return {
-        "model": args.model,
-        "data": args.data,
-        "split": args.split,
-        "seed": args.seed,
-        "device": device,
-        "estimate": estimate.to_dict(),
-    }
+    result = {"model": args.model, "data": args.data, "split": args.split, "seed": args.seed, "device": device}
+    if "trace" in args.measures:
+        estimate = estimate_hessian_trace(
+            model,
+            contexts,
+            n_contexts=n_contexts,
+            n_draws=args.n_draws,
+            estimator=args.estimator,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            causal=causal,
+            by_group=args.by_group,
+            progress=args.progress,
+        )
+        result["estimate"] = estimate.to_dict()
+    result.update(_measures_beyond_trace(args, model, contexts, n_contexts, causal))
+    return result
+
+
+def _measures_beyond_trace(args: argparse.Namespace, model, contexts, n_contexts, causal: bool) -> dict[str, Any]:
+    from ..flatness.spectrum import estimate_sam_sharpness, estimate_top_eigenvalues
+
+    results: dict[str, Any] = {}
+    if "top_eigenvalue" in args.measures:
+        results["top_eigenvalues"] = estimate_top_eigenvalues(
+            model,
+            contexts,
+            k=args.top_k,
+            matrix=args.eigenvalue_matrix,
+            n_contexts=n_contexts,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            causal=causal,
+        ).to_dict()
+    if "sam_sharpness" in args.measures:
+        results["sam_sharpness"] = estimate_sam_sharpness(
+            model,
+            contexts,
+            args.sam_rho,
+            batch_size=args.sam_batch_size or args.batch_size,
+            n_contexts=n_contexts,
+            causal=causal,
+        ).to_dict()
+    return results
 
 
 def _count_labelled(rows: list[dict[str, Any]]) -> int:
@@ -182,7 +346,16 @@ def _load_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         file_format = DATA_FILE_FORMATS.get(path.suffix.lower())
         if file_format is None:
             raise ValueError(f"--data {args.data}: unknown file type; use one of {sorted(DATA_FILE_FORMATS)}.")
-        loaded = datasets.load_dataset(file_format, data_files=str(path))
+        if not path.read_bytes().strip():
+            raise ValueError(f"--data {args.data} is empty; give a file with one text (or row) per line.")
+        try:
+            loaded = datasets.load_dataset(file_format, data_files=str(path))
+        except datasets.exceptions.DatasetGenerationError as error:
+            cause = error.__cause__ or error
+            raise ValueError(
+                f"--data {args.data} could not be read as {file_format} ({type(cause).__name__}: {cause}); check "
+                "the file's format against its extension."
+            ) from error
     else:
         loaded = datasets.load_dataset(args.data, args.config_name)
     if isinstance(loaded, datasets.DatasetDict):

@@ -85,6 +85,14 @@ def parse_recipe_arguments(
     return args
 
 
+def default_output_dir(args: argparse.Namespace, name: str, root: str = "outputs") -> Path:
+    """``--output-dir``, else ``<root>/<name>`` (an ignored folder); a ``--smoke`` run gets ``<name>-smoke``, so it
+    never overwrites the results of a real run."""
+    if args.output_dir is not None:
+        return Path(args.output_dir)
+    return Path(root) / (f"{name}-smoke" if args.smoke else name)
+
+
 def setup_language_from_args(args: argparse.Namespace, *, train_columns: Sequence[str] = ()) -> LanguageSetup:
     """``setup_language`` with the sizes, seed and probe pooling of ``add_common_arguments``."""
     return setup_language(

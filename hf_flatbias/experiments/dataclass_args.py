@@ -3,7 +3,9 @@
 
 Precedence, lowest first: the dataclass defaults, the YAML file, the recipe's smoke settings (with ``--smoke``),
 the command line. YAML values become command-line strings before parsing, so they are typed and validated exactly
-like flags and an unknown key is an error rather than silently ignored.
+like flags and an unknown key is an error rather than silently ignored. With ``--smoke`` the YAML's ``output_dir``
+becomes ``<output_dir>-smoke`` (unless the command line names one), so a smoke run never leaves checkpoints where
+the real run would resume from them.
 """
 
 from __future__ import annotations
@@ -61,13 +63,17 @@ def parse_dataclass_args(
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(argv)
     flags: list[str] = []
-    if known.config:
-        flags += _as_flags(load_yaml_config(known.config))
+    values = load_yaml_config(known.config) if known.config else {}
+    flags += _as_flags(values)
     smoke_requested = any(arg == "--smoke" or arg.startswith("--smoke=") for arg in rest) and not any(
         arg in ("--smoke=false", "--smoke=False") for arg in rest
     )
     if smoke_requested and smoke_settings:
         flags += _as_flags(smoke_settings)
+    output_dir_given = any(arg == "--output_dir" or arg.startswith("--output_dir=") for arg in rest)
+    if smoke_requested and values.get("output_dir") and not output_dir_given:
+        # a smoke model left in the real run's folder would be "resumed" by the real run and fail on its shapes
+        flags += ["--output_dir", f"{str(values['output_dir']).rstrip('/')}-smoke"]
     # No abbreviations: a misspelt YAML key such as learning_rat must fail, not quietly set learning_rate.
     parser = HfArgumentParser(tuple(dataclass_types), description=description, allow_abbrev=False)
     parser.add_argument("--config", default=None, help="YAML file of argument values (recipes/configs/*.yaml).")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -9,10 +10,11 @@ from typing import Any
 from torch import nn
 from transformers.utils.logging import is_progress_bar_enabled
 
-from ..constants import DEFAULT_BATCH_SIZE
+from ..constants import DEFAULT_BATCH_SIZE, RECOMMENDED_N_DRAWS
 from .contexts import TraceContexts
-from .distributed import gather_trace_samples, needs_lockstep, share_of_contexts, world
+from .distributed import gather_trace_samples, gathered_parameters, needs_lockstep, share_of_contexts, world
 from .estimators import check_estimator_arguments, compute_trace_samples
+from .groups import GroupOf
 from .lm import check_lm_model, evaluation_mode, is_causal_lm, measured_parameters, preserved_global_rng
 from .results import TraceEstimate, TraceSamples, summarize_trace_samples
 
@@ -25,12 +27,14 @@ def estimate_hessian_trace(
     dataset: Iterable[Mapping[str, Any]],
     *,
     n_contexts: int | None = None,
-    n_draws: int = 50,
+    n_draws: int = RECOMMENDED_N_DRAWS,
     estimator: str = "per_sample",
     seed: int = 0,
     batch_size: int | str = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,
     causal: bool | None = None,
+    probe: str = "rademacher",
+    by_group: bool | GroupOf = False,
     across_processes: bool = False,
     progress: bool | None = None,
 ) -> TraceEstimate:
@@ -44,9 +48,10 @@ def estimate_hessian_trace(
             each labelled position is one context), a list or a `datasets.Dataset`.
             `hf_flatbias.flatness.contexts.build_masked_contexts` makes such rows from tokenized text.
         n_contexts: use the first ``n_contexts`` contexts; all by default.
-        n_draws: draws of ``y`` per context (Rademacher probes for ``hutchinson``). The default is the paper's 50;
-            with ``per_sample`` about 2 gives the same error in several times less time (`TraceEstimate`'s
-            ``suggested_n_draws`` reports the best value measured on your model).
+        n_draws: draws of ``y`` per context (probes for ``hutchinson``). The default, 2
+            (`hf_flatbias.constants.RECOMMENDED_N_DRAWS`), measured a better error per second with ``per_sample``
+            than 50 (the paper's number as a secondary summary gives it, unverified); `TraceEstimate`'s
+            ``suggested_n_draws`` reports the best value on your model.
         estimator: ``"per_sample"`` (default, fastest), ``"summed"``, ``"hutchinson"`` or ``"naive"`` (see
             `hf_flatbias.flatness.estimators`).
         seed: the draws of context ``i`` depend only on ``(seed, i)``.
@@ -57,10 +62,16 @@ def estimate_hessian_trace(
             over ``y`` (unbiased, less noise). ``False`` gives the plain sampled norms, draw for draw equal to
             ``naive``.
         causal: whether the model is a causal LM; detected from the model class by default.
+        probe: the probe distribution of ``hutchinson``, ``"rademacher"`` (default) or ``"gaussian"``.
+        by_group: also split the trace by parameter group (`TraceEstimate.by_group`): ``True`` for embeddings,
+            each block, final norm, LM head and the decoder's own output-layer term
+            (`hf_flatbias.flatness.groups`), or a function from parameter name to group name. ``per_sample`` and
+            ``naive`` only; off by default, when it costs nothing.
         across_processes: with several processes (DDP, DeepSpeed), every process calls this with the same
             arguments, measures every world-size-th context and gets the whole estimate: the one-process estimate
-            on the same contexts and draws. Per-context estimators (``per_sample``, ``naive``) only; under
-            DeepSpeed ZeRO-3 (partitioned parameters, the ranks kept in step) ``naive`` only.
+            on the same contexts and draws. Per-context estimators (``per_sample``, ``naive``) only. Under DeepSpeed
+            ZeRO-3, ``per_sample`` holds the whole model on every rank while it measures
+            (`hf_flatbias.flatness.distributed.gathered_parameters`); ``naive`` lets ZeRO-3 gather per module.
         progress: a bar with the time left on stderr, on the main process only (rank 0, counting its own share of
             the contexts). ``None`` shows it for estimates of at least `PROGRESS_MIN_CONTEXT_DRAWS` contexts x draws
             unless transformers' progress bars are disabled; ``True``/``False`` force it on or off.
@@ -73,7 +84,7 @@ def estimate_hessian_trace(
             the model's vocabulary, or too few contexts.
     """
     start = time.perf_counter()
-    check_estimator_arguments(estimator, n_draws, batch_size)
+    check_estimator_arguments(estimator, n_draws, batch_size, probe)
     check_lm_model(model)
     measured_parameters(model)
     if causal is None:
@@ -87,13 +98,15 @@ def estimate_hessian_trace(
         indices = list(range(n_contexts))
     else:
         indices = list(range(len(contexts)))
-    _check_partitioned_model(model, estimator, across_processes)
+    _check_partitioned_model(model, across_processes)
     measure = dict(
         n_draws=n_draws,
         estimator=estimator,
         seed=seed,
         batch_size=batch_size,
         exact_output_expectation=exact_output_expectation,
+        probe=probe,
+        by_group=by_group,
         progress=_shows_progress(progress, len(indices) * n_draws),
     )
     with evaluation_mode(model), preserved_global_rng():
@@ -112,19 +125,13 @@ def _shows_progress(progress: bool | None, context_draws: int) -> bool:
     return progress
 
 
-def _check_partitioned_model(model: nn.Module, estimator: str, across_processes: bool) -> None:
+def _check_partitioned_model(model: nn.Module, across_processes: bool) -> None:
     if not needs_lockstep(model):
         return
     if not across_processes:
         raise ValueError(
             "The model's parameters are partitioned by DeepSpeed ZeRO-3: every forward is a collective over all "
             "processes. Call estimate_hessian_trace on every process with across_processes=True."
-        )
-    if estimator == "per_sample":
-        raise ValueError(
-            "estimator='per_sample' does not support DeepSpeed ZeRO-3 (its backward stops at layer outputs, where "
-            "ZeRO-3 has already released the parameters). Use estimator='naive' under ZeRO-3 (same values, one "
-            "backward per draw), or measure under ZeRO 0-2 / on the consolidated model in one process."
         )
 
 
@@ -139,6 +146,9 @@ def _samples_across_processes(
             f"across_processes=True needs a per-context estimator ('per_sample' or 'naive'), got "
             f"{measure['estimator']!r}: its units are batches of contexts, which would differ from one process."
         )
-    share = share_of_contexts(indices, rank, world_size, lockstep=needs_lockstep(model))
-    local = compute_trace_samples(model, contexts, indices=share.indices, **measure) if share.indices else None
+    lockstep = needs_lockstep(model)
+    share = share_of_contexts(indices, rank, world_size, lockstep=lockstep)
+    gather_whole = lockstep and measure["estimator"] == "per_sample"
+    with gathered_parameters(model) if gather_whole else contextlib.nullcontext():
+        local = compute_trace_samples(model, contexts, indices=share.indices, **measure) if share.indices else None
     return gather_trace_samples(local, share.n_measured, world_size)

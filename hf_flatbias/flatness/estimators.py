@@ -12,9 +12,11 @@ Estimators (``estimator=``):
   (``(1 - ||p||^2)(||h||^2 + 1)``), which removes most of the draw noise at no cost.
 - ``"summed"``: ``||sum of the sampled-label gradients||^2 / count`` over a batch; unbiased because the score has
   mean zero, but the cross terms add variance.
-- ``"hutchinson"``: ``v^T H v`` with Rademacher ``v`` on the loss of the *data* labels (what the paper's released code
-  does). It estimates the Hessian trace of the data loss, which equals the Fisher trace only when the model's
-  conditionals are the true ones.
+- ``"hutchinson"``: ``v^T H v`` with random probes ``v`` (Rademacher by default, ``probe="gaussian"`` for standard
+  normal entries) on the loss of the *data* labels of single-position contexts. It estimates the Hessian trace of the
+  data loss, which equals the Fisher trace only when the model's conditionals are the true ones. The paper's released
+  code measures a related quantity with one Gaussian probe per batch of multi-mask sequences, over every parameter but
+  the output layer's bias and the pooler: `hf_flatbias.flatness.released_code` implements exactly that one.
 - ``"naive"``: one forward and backward per draw; the reference loop, exact for any architecture.
 
 Every estimator first produces `TraceSamples`: values per sampling unit (a context, or a batch of contexts for
@@ -34,10 +36,11 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
-from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, RECOMMENDED_N_DRAWS
+from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, HUTCHINSON_PROBES, RECOMMENDED_N_DRAWS
 from ..sharpness.sam import squared_norm
 from .contexts import TraceContexts, context_generator
 from .ghost import GhostNormRecorder
+from .groups import GroupOf, ParameterGroups, parameter_groups
 from .lm import check_lm_model, logits_at_positions, measured_parameters, output_vocab_size
 from .memory import auto_batch_size
 from .results import TraceSamples
@@ -76,7 +79,8 @@ def _per_sample_batch(
     seed: int,
     exact_output_expectation: bool,
     validate: bool,
-) -> tuple[torch.Tensor, float, float]:
+    groups: ParameterGroups | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, float, float]:
     start = time.perf_counter()
     batch = contexts.model_inputs(indices, model)
     positions = torch.tensor([contexts.positions[i] for i in indices], device=batch["input_ids"].device)
@@ -88,7 +92,7 @@ def _per_sample_batch(
     labels = sample_labels(probs, indices, n_draws, seed)
     outputs = recorder.outputs()
     decoder = check_lm_model(model)
-    decoder_call = next((c for c in recorder.calls if c.module is decoder and c.output is logits), None)
+    decoder_call = next((c for c in recorder.calls if c.module is decoder and _are_the_logits(c.output, logits)), None)
     use_expectation = exact_output_expectation and decoder_call is not None
     trainable = {id(p) for p in params}
     if use_expectation:
@@ -103,6 +107,7 @@ def _per_sample_batch(
 
     start = time.perf_counter()
     values = torch.empty(len(indices), n_draws, dtype=torch.float64)
+    group_values = None if groups is None else torch.empty(len(indices), n_draws, len(groups), dtype=torch.float64)
     for k in range(n_draws):
         cotangent = -probs.clone()
         cotangent[torch.arange(len(indices)), labels[:, k]] += 1.0
@@ -118,7 +123,13 @@ def _per_sample_batch(
             else []
         )
         recorder.set_grad_outputs(grads)
-        if use_expectation:
+        if groups is not None:
+            by_parameter, own = recorder.squared_norm_terms(decoder_call, own_terms=not use_expectation)
+            split = _sum_by_group(by_parameter, groups, len(indices), own.device)
+            split[:, groups.output_layer] += expected_output_term if use_expectation else own
+            group_values[:, k] = split.cpu()
+            values[:, k] = group_values[:, k].sum(dim=1)
+        elif use_expectation:
             values[:, k] = (recorder.squared_norms(exclude_self_terms_of=decoder_call) + expected_output_term).cpu()
         else:
             values[:, k] = recorder.squared_norms().cpu()
@@ -127,7 +138,25 @@ def _per_sample_batch(
             validate = False
     for call in recorder.calls:  # drop references to the graph
         call.grad_output = None
-    return values, forward_seconds, time.perf_counter() - start
+    return values, group_values, forward_seconds, time.perf_counter() - start
+
+
+def _are_the_logits(output: torch.Tensor, logits: torch.Tensor) -> bool:
+    """Whether the decoder's output is the model's logits, or an identity of them (ZeRO-3 wraps module outputs in
+    autograd functions that pass values through): the output expectation holds only then, not after a softcap or a
+    scale."""
+    if output is logits:
+        return True
+    return output.shape == logits.shape and torch.equal(output.detach(), logits.detach())
+
+
+def _sum_by_group(
+    by_parameter: dict[int, torch.Tensor], groups: ParameterGroups, batch_size: int, device: torch.device
+) -> torch.Tensor:
+    split = torch.zeros(batch_size, len(groups), dtype=torch.float64, device=device)
+    for key, value in by_parameter.items():
+        split[:, groups.index_of[key]] += value
+    return split
 
 
 def _validate_against_autograd(
@@ -154,26 +183,81 @@ def _validate_against_autograd(
 
 
 def _naive_squared_norms(
-    model: nn.Module, contexts: TraceContexts, index: int, params: Sequence[nn.Parameter], labels: torch.Tensor
+    model: nn.Module,
+    contexts: TraceContexts,
+    index: int,
+    params: Sequence[nn.Parameter],
+    labels: torch.Tensor,
+    groups: ParameterGroups | None = None,
 ) -> torch.Tensor:
-    """One stock forward (logits everywhere) and one backward per label."""
+    """One stock forward (logits everywhere) and one backward per label: squared norms (K,), or with ``groups``
+    their split (K, G), the decoder's own term formed from its input and the gradient at its output."""
     batch = contexts.model_inputs([index], model)
-    values = torch.empty(len(labels), dtype=torch.float64)
+    values = torch.empty(len(labels), *([len(groups)] if groups is not None else []), dtype=torch.float64)
+    decoder = check_lm_model(model)
+    seen: dict[str, torch.Tensor] = {}
+
+    def record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        seen["input"], seen["output"] = args[0].detach(), output
+
     for k, label in enumerate(labels.tolist()):
-        logits = model(**batch).logits[0, contexts.positions[index]]
+        handle = decoder.register_forward_hook(record) if groups is not None else None
+        try:
+            logits = model(**batch).logits[0, contexts.positions[index]]
+        finally:
+            if handle is not None:
+                handle.remove()
         log_prob = torch.log_softmax(logits.float(), dim=-1)[label]
-        values[k] = squared_norm(torch.autograd.grad(log_prob, params, allow_unused=True), dtype=torch.float64).cpu()
+        if groups is None:
+            grads = torch.autograd.grad(log_prob, params, allow_unused=True)
+            values[k] = squared_norm(grads, dtype=torch.float64).cpu()
+            continue
+        *grads, grad_output = torch.autograd.grad(log_prob, [*params, seen["output"]], allow_unused=True)
+        values[k] = _naive_group_split(decoder, params, grads, seen["input"], grad_output, groups)
     return values
 
 
+def _naive_group_split(
+    decoder: nn.Module,
+    params: Sequence[nn.Parameter],
+    grads: Sequence[torch.Tensor | None],
+    decoder_input: torch.Tensor,
+    decoder_grad_output: torch.Tensor,
+    groups: ParameterGroups,
+) -> torch.Tensor:
+    g = decoder_grad_output.double().reshape(-1, decoder_grad_output.shape[-1])
+    h = decoder_input.double().reshape(-1, decoder_input.shape[-1])
+    own_gradients = {id(decoder.weight): g.T @ h}
+    if getattr(decoder, "bias", None) is not None:
+        own_gradients[id(decoder.bias)] = g.sum(dim=0)
+    split = torch.zeros(len(groups), dtype=torch.float64)
+    for param, grad in zip(params, grads, strict=True):
+        if grad is None:
+            continue
+        total = float(grad.double().square().sum())
+        own = own_gradients.get(id(param))
+        if own is not None:
+            own_term = float(own.square().sum())
+            split[groups.output_layer] += own_term
+            total -= own_term
+        split[groups.index_of[id(param)]] += total
+    return split
+
+
 def _naive_context(
-    model: nn.Module, contexts: TraceContexts, index: int, params: Sequence[nn.Parameter], n_draws: int, seed: int
+    model: nn.Module,
+    contexts: TraceContexts,
+    index: int,
+    params: Sequence[nn.Parameter],
+    n_draws: int,
+    seed: int,
+    groups: ParameterGroups | None = None,
 ) -> torch.Tensor:
     with torch.no_grad():
         logits = model(**contexts.model_inputs([index], model)).logits[0, contexts.positions[index]]
     probs = torch.softmax(logits.double(), dim=-1).unsqueeze(0)
     labels = sample_labels(probs, [index], n_draws, seed)[0]
-    return _naive_squared_norms(model, contexts, index, params, labels)
+    return _naive_squared_norms(model, contexts, index, params, labels, groups)
 
 
 def _summed_batch(
@@ -203,6 +287,7 @@ def _hutchinson_batch(
     params: Sequence[nn.Parameter],
     n_draws: int,
     seed: int,
+    probe: str,
 ) -> torch.Tensor:
     batch = contexts.model_inputs(indices, model)
     positions = torch.tensor([contexts.positions[i] for i in indices], device=batch["input_ids"].device)
@@ -215,10 +300,7 @@ def _hutchinson_batch(
     generator = context_generator(seed, indices[0])
     values = torch.empty(1, n_draws, dtype=torch.float64)
     for k in range(n_draws):
-        probes = [
-            (torch.randint(0, 2, p.shape, generator=generator) * 2 - 1).to(device=p.device, dtype=p.dtype)
-            for p in params
-        ]
+        probes = [_probe(p, probe, generator) for p in params]
         hvp = torch.autograd.grad(grads, params, grad_outputs=probes, retain_graph=k < n_draws - 1, allow_unused=True)
         quadratic = sum(
             float((v.double() * h.double()).sum()) for v, h in zip(probes, hvp, strict=True) if h is not None
@@ -227,14 +309,27 @@ def _hutchinson_batch(
     return values
 
 
+def _probe(param: nn.Parameter, kind: str, generator: torch.Generator) -> torch.Tensor:
+    """Entries of mean 0 and variance 1, so that ``E[v^T H v] = Tr H``; Rademacher ones add the least variance."""
+    if kind == "gaussian":
+        values = torch.randn(param.shape, generator=generator)
+    else:
+        values = torch.randint(0, 2, param.shape, generator=generator) * 2 - 1
+    return values.to(device=param.device, dtype=param.dtype)
+
+
 def _length_sorted_batches(contexts: TraceContexts, indices: Sequence[int], batch_size: int) -> list[list[int]]:
     ordered = sorted(indices, key=lambda i: len(contexts.input_ids[i]))
     return [ordered[start : start + batch_size] for start in range(0, len(ordered), batch_size)]
 
 
-def check_estimator_arguments(estimator: str, n_draws: int, batch_size: int | str) -> None:
+def check_estimator_arguments(estimator: str, n_draws: int, batch_size: int | str, probe: str = "rademacher") -> None:
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator={estimator!r} is not supported; choose one of {list(ESTIMATORS)}.")
+    if probe not in HUTCHINSON_PROBES:
+        raise ValueError(f"probe={probe!r} is not supported; choose one of {list(HUTCHINSON_PROBES)}.")
+    if probe != "rademacher" and estimator != "hutchinson":
+        raise ValueError(f"probe={probe!r} applies to estimator='hutchinson' only (got estimator={estimator!r}).")
     if not isinstance(n_draws, int) or n_draws < 1:
         raise ValueError(f"n_draws must be an integer >= 1 (got {n_draws!r}); {RECOMMENDED_N_DRAWS} is usually best.")
     if batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
@@ -246,11 +341,13 @@ def compute_trace_samples(
     contexts: TraceContexts,
     *,
     indices: Sequence[int] | None = None,
-    n_draws: int = 50,
+    n_draws: int = RECOMMENDED_N_DRAWS,
     estimator: str = "per_sample",
     seed: int = 0,
     batch_size: int | str = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,
+    probe: str = "rademacher",
+    by_group: bool | GroupOf = False,
     progress: bool = False,
 ) -> TraceSamples:
     """Estimator values for the contexts ``indices`` (all by default), to be concatenated and summarized.
@@ -259,20 +356,23 @@ def compute_trace_samples(
     share of the contexts passes its own ``indices``; draws depend only on ``(seed, index)``. ``progress`` shows a
     bar over these contexts, with its time left, on stderr.
     """
-    check_estimator_arguments(estimator, n_draws, batch_size)
+    check_estimator_arguments(estimator, n_draws, batch_size, probe)
     indices = list(range(len(contexts))) if indices is None else list(indices)
     if not indices:
         raise ValueError("compute_trace_samples got no context indices.")
     check_lm_model(model)
     _check_vocabulary(model, contexts, indices)
     params = measured_parameters(model)
+    groups = _groups(model, params, estimator, by_group)
     forward_seconds = draw_seconds = 0.0
-    parts = []
+    parts, group_parts = [], []
     bar = tqdm(total=len(indices), desc=f"Hessian trace ({estimator})", unit="context", disable=not progress)
     with torch.enable_grad(), bar:
         if estimator == "naive":
             for i in indices:
-                parts.append(_naive_context(model, contexts, i, params, n_draws, seed).unsqueeze(0))
+                drawn = _naive_context(model, contexts, i, params, n_draws, seed, groups).unsqueeze(0)
+                parts.append(drawn if groups is None else drawn.sum(dim=2))
+                group_parts.append(drawn)
                 bar.update(1)
             weights = torch.ones(len(indices))
         else:
@@ -282,21 +382,33 @@ def compute_trace_samples(
             weights = torch.ones(len(indices))
             for number, group in enumerate(batches):
                 if estimator == "per_sample":
-                    values, forward_s, draw_s = _per_sample_batch(
-                        model, contexts, group, params, n_draws, seed, exact_output_expectation, validate=number == 0
+                    values, group_values, forward_s, draw_s = _per_sample_batch(
+                        model,
+                        contexts,
+                        group,
+                        params,
+                        n_draws,
+                        seed,
+                        exact_output_expectation,
+                        validate=number == 0,
+                        groups=groups,
                     )
                     parts.append(values)
+                    group_parts.append(group_values)
                     forward_seconds += forward_s
                     draw_seconds += draw_s
                 elif estimator == "summed":
                     parts.append(_summed_batch(model, contexts, group, params, n_draws, seed))
                 else:
-                    parts.append(_hutchinson_batch(model, contexts, group, params, n_draws, seed))
+                    parts.append(_hutchinson_batch(model, contexts, group, params, n_draws, seed, probe))
                 bar.update(len(group))
             if estimator == "per_sample":
                 # back from length order to the callers' order
                 position_of = {index: n for n, index in enumerate(i for group in batches for i in group)}
-                parts = [torch.cat(parts)[[position_of[i] for i in indices]]]
+                order = [position_of[i] for i in indices]
+                parts = [torch.cat(parts)[order]]
+                if groups is not None:
+                    group_parts = [torch.cat(group_parts)[order]]
             else:
                 weights = torch.tensor([float(len(group)) for group in batches])
     return TraceSamples(
@@ -306,4 +418,18 @@ def compute_trace_samples(
         estimator=estimator,
         forward_seconds=forward_seconds,
         draw_seconds=draw_seconds,
+        group_values=torch.cat(group_parts) if groups is not None else None,
+        group_names=groups.names if groups is not None else (),
     )
+
+
+def _groups(
+    model: nn.Module, params: Sequence[nn.Parameter], estimator: str, by_group: bool | GroupOf
+) -> ParameterGroups | None:
+    if by_group is False:
+        return None
+    if estimator not in ("per_sample", "naive"):
+        raise ValueError(
+            f"by_group needs a per-context estimator ('per_sample' or 'naive'), got estimator={estimator!r}."
+        )
+    return parameter_groups(model, params, None if by_group is True else by_group)

@@ -421,19 +421,43 @@ class GhostNormRecorder:
         With `exclude_self_terms_of`, the squared norms of that call's own weight and bias contributions are left
         out (its cross terms with other uses of the same parameters stay): the caller adds their expectation.
         """
-        device = self.calls[0].output.device if self.calls else self.params[0].device
-        total = torch.zeros(self.batch_size, dtype=torch.float64, device=device)
-        for use in self._uses().values():
+        by_parameter, _ = self.squared_norm_terms(exclude_self_terms_of, own_terms=False)
+        total = torch.zeros(self.batch_size, dtype=torch.float64, device=self._device())
+        for value in by_parameter.values():
+            total += value
+        return total
+
+    def _device(self) -> torch.device:
+        return self.calls[0].output.device if self.calls else self.params[0].device
+
+    def squared_norm_terms(
+        self, split_self_terms_of: _LayerCall | None = None, *, own_terms: bool = True
+    ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """The per-sample squared norm split into parts that add up to it: ``(by_parameter, own)``.
+
+        ``by_parameter[id(p)]`` (B,) is parameter ``p``'s squared gradient norm (tied uses and their cross terms
+        included), less the own terms of the call `split_self_terms_of`, summed apart in ``own`` (left at zero,
+        and not computed, with ``own_terms=False``).
+        """
+        by_parameter: dict[int, torch.Tensor] = {}
+        own = torch.zeros(self.batch_size, dtype=torch.float64, device=self._device())
+        for key, use in self._uses().items():
             if use.outer and use.vectors:
                 raise ValueError("a parameter used both as a matrix and as a vector is not supported")
+            total = torch.zeros_like(own)
             for i, (call_i, factors_i) in enumerate(use.outer):
-                if call_i is not exclude_self_terms_of:
+                if call_i is not split_self_terms_of:
                     total += _outer_squared_norm(factors_i, self._cache).double()
+                elif own_terms:
+                    own += _outer_squared_norm(factors_i, self._cache).double()
                 for _, factors_j in use.outer[i + 1 :]:
                     total += 2 * _outer_inner_product(factors_i, factors_j, self._cache).double()
             for i, (call_i, vector_i) in enumerate(use.vectors):
-                if call_i is not exclude_self_terms_of:
+                if call_i is not split_self_terms_of:
                     total += vector_i.square().sum(dim=1).double()
+                elif own_terms:
+                    own += vector_i.square().sum(dim=1).double()
                 for _, vector_j in use.vectors[i + 1 :]:
                     total += 2 * (vector_i * vector_j).sum(dim=1).double()
-        return total
+            by_parameter[key] = total
+        return by_parameter, own

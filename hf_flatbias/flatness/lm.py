@@ -4,7 +4,7 @@ positions, its trainable parameters, a tokenizer that fits it, and a measurement
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,22 +49,35 @@ def output_vocab_size(model: nn.Module) -> int:
     return getattr(weight, "ds_shape", weight.shape)[0]  # a ZeRO-3 parameter is empty between forwards
 
 
-def check_tokenizer_fits_model(tokenizer: Any, vocab_size: int | None, *, source: str | None = None) -> None:
+def check_tokenizer_fits_model(
+    tokenizer: Any,
+    vocab_size: int | None,
+    *,
+    source: str | None = None,
+    input_ids: Sequence[Sequence[int]] | None = None,
+    text_source: str | None = None,
+) -> None:
     """Raise a `ValueError` naming the fix when ``tokenizer`` cannot be the one the model was trained with.
 
     Refused: a tokenizer of special tokens only (transformers loads a 5-token BERT tokenizer, without a warning,
     from a folder without tokenizer files; every word would become ``[UNK]``), one with more tokens than the model's
-    vocabulary (their ids have no embedding), or one with fewer than half as many (another checkpoint's).
+    vocabulary (their ids have no embedding), or one with fewer than half as many (another checkpoint's). With
+    ``input_ids`` (text this tokenizer encoded), also text that is mostly unknown tokens: English on a model of
+    another vocabulary, say, where the trace would be measured on nothing but ``[UNK]``.
 
     Args:
         tokenizer: a transformers tokenizer.
         vocab_size: the model's vocabulary (`output_vocab_size`, or ``config.vocab_size`` before the model is
             loaded); ``None`` checks the special tokens only.
         source: where the tokenizer was loaded from, for the message.
+        input_ids: token ids of the text to be measured; more than half unknown (structure tokens such as
+            ``[CLS]`` and padding not counted) is refused.
+        text_source: where that text came from, for the message.
     """
     size = len(tokenizer)
     special = set(getattr(tokenizer, "all_special_tokens", []) or [])
     get_vocab = getattr(tokenizer, "get_vocab", None)
+    origin = f" loaded from {source!r}" if source else ""
     if callable(get_vocab) and all(token in special for token in get_vocab()):
         problem = f"has only special tokens ({size} entries): the checkpoint has no tokenizer files"
     elif vocab_size is not None and size > vocab_size:
@@ -72,13 +85,29 @@ def check_tokenizer_fits_model(tokenizer: Any, vocab_size: int | None, *, source
     elif vocab_size is not None and size < vocab_size // 2:
         problem = f"has {size} tokens, under half the model's vocabulary of {vocab_size}"
     else:
-        return
-    origin = f" loaded from {source!r}" if source else ""
+        unknown = _unknown_token_share(tokenizer, input_ids) if input_ids is not None else 0.0
+        if unknown <= 0.5:
+            return
+        text = f"the text of {text_source}" if text_source else "this text"
+        raise ValueError(
+            f"The tokenizer{origin} does not fit {text}: {unknown:.0%} of its tokens are unknown "
+            f"({tokenizer.unk_token}); the model was trained on another vocabulary. Use text in the model's own "
+            "language or vocabulary, or a model whose tokenizer covers this text."
+        )
     raise ValueError(
         f"The tokenizer{origin} {problem}: tokenizer and model do not belong together. Use the tokenizer the model "
         "was trained with: save it next to the checkpoint (tokenizer.save_pretrained(folder)) or pass its path, or "
         "give data tokenized by it."
     )
+
+
+def _unknown_token_share(tokenizer: Any, input_ids: Sequence[Sequence[int]]) -> float:
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    if unknown is None:
+        return 0.0  # byte-level tokenizers (GPT-2) represent every text
+    structure = set(getattr(tokenizer, "all_special_ids", []) or []) - {unknown}
+    counted = [token for row in input_ids for token in row if token not in structure]
+    return sum(token == unknown for token in counted) / len(counted) if counted else 0.0
 
 
 def _lm_head(model: nn.Module, decoder: nn.Module) -> nn.Module:

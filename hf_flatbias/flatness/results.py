@@ -31,6 +31,9 @@ class TraceEstimate:
         context_variance: variance of the per-context traces between contexts, draw noise removed, else ``None``.
         suggested_n_draws: the draws per context that minimise the error per second,
             ``sqrt(draw_variance / context_variance * forward_cost / draw_cost)``, when it could be measured.
+        by_group: with ``by_group`` asked of the estimator, the trace of each parameter group (see
+            `hf_flatbias.flatness.groups`) with its standard error, in the forward's order; the means add up to
+            ``mean``. ``None`` otherwise.
     """
 
     mean: float
@@ -42,9 +45,18 @@ class TraceEstimate:
     draw_variance: float | None = None
     context_variance: float | None = None
     suggested_n_draws: int | None = None
+    by_group: dict[str, GroupTrace] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class GroupTrace:
+    """One parameter group's share of a trace estimate."""
+
+    mean: float
+    stderr: float
 
 
 @dataclass
@@ -52,7 +64,8 @@ class TraceSamples:
     """Raw estimator output over a subset of contexts, before aggregation.
 
     ``values[u, k]`` is draw ``k`` of sampling unit ``u``, an unbiased estimate of the mean trace over the unit's
-    ``weights[u]`` contexts. Samples of disjoint index subsets concatenate (`TraceSamples.cat`).
+    ``weights[u]`` contexts. Samples of disjoint index subsets concatenate (`TraceSamples.cat`). With groups,
+    ``group_values[u, k, g]`` is group ``group_names[g]``'s part of ``values[u, k]``.
     """
 
     values: torch.Tensor
@@ -61,9 +74,12 @@ class TraceSamples:
     estimator: str
     forward_seconds: float = 0.0
     draw_seconds: float = 0.0
+    group_values: torch.Tensor | None = None
+    group_names: tuple[str, ...] = ()
 
     @staticmethod
     def cat(parts: Sequence[TraceSamples]) -> TraceSamples:
+        grouped = parts[0].group_values is not None
         return TraceSamples(
             values=torch.cat([p.values for p in parts]),
             weights=torch.cat([p.weights for p in parts]),
@@ -71,7 +87,20 @@ class TraceSamples:
             estimator=parts[0].estimator,
             forward_seconds=sum(p.forward_seconds for p in parts),
             draw_seconds=sum(p.draw_seconds for p in parts),
+            group_values=torch.cat([p.group_values for p in parts]) if grouped else None,
+            group_names=parts[0].group_names,
         )
+
+
+def _weighted_mean_and_stderr(unit_means: torch.Tensor, weights: torch.Tensor) -> tuple[float, float]:
+    """The ratio-estimator form: ``std / sqrt(n)`` for equal weights, ``nan`` error with a single unit."""
+    n_units = unit_means.numel()
+    total_weight = weights.sum()
+    mean = float((weights * unit_means).sum() / total_weight)
+    if n_units < 2:
+        return mean, float("nan")
+    spread = (weights.square() * (unit_means - mean).square()).sum() * n_units / (n_units - 1)
+    return mean, float(spread.sqrt() / total_weight)
 
 
 def summarize_trace_samples(samples: TraceSamples, *, seconds: float = float("nan")) -> TraceEstimate:
@@ -80,13 +109,14 @@ def summarize_trace_samples(samples: TraceSamples, *, seconds: float = float("na
     unit_means = samples.values.double().mean(dim=1)
     weights = samples.weights.double()
     n_units = unit_means.numel()
-    total_weight = weights.sum()
-    mean = float((weights * unit_means).sum() / total_weight)
-    if n_units >= 2:
-        spread = (weights.square() * (unit_means - mean).square()).sum() * n_units / (n_units - 1)
-        stderr = float(spread.sqrt() / total_weight)
-    else:
-        stderr = float("nan")
+    mean, stderr = _weighted_mean_and_stderr(unit_means, weights)
+    by_group = None
+    if samples.group_values is not None:
+        group_means = samples.group_values.double().mean(dim=1)
+        by_group = {
+            name: GroupTrace(*_weighted_mean_and_stderr(group_means[:, g], weights))
+            for g, name in enumerate(samples.group_names)
+        }
     draw_variance = context_variance = suggested = None
     per_context_units = bool((samples.weights == 1).all())
     if per_context_units and samples.values.shape[1] >= 2 and n_units >= 2:
@@ -107,4 +137,5 @@ def summarize_trace_samples(samples: TraceSamples, *, seconds: float = float("na
         draw_variance=draw_variance,
         context_variance=context_variance,
         suggested_n_draws=suggested,
+        by_group=by_group,
     )

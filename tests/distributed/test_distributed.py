@@ -98,14 +98,15 @@ if HAS_DEEPSPEED:
          "trace": {"n_draws": 2, "batch_size": 2}},
         {"name": "trace-zero3-naive", "engine": "zero3", "kind": "trace",
          "trace": {"n_draws": 2, "estimator": "naive"}},
-        {"name": "trace-zero3-per_sample-rejected", "engine": "zero3", "kind": "trace", "trace": {"n_draws": 2}},
+        {"name": "trace-zero3-per_sample", "engine": "zero3", "kind": "trace",
+         "trace": {"n_draws": 2, "batch_size": 2, "by_group": True}},
     ]
 TRACE_CALLBACK_CASE = {"name": "tracecb-ddp", "engine": "ddp", "kind": "trace_callback",
                        "trace": {"n_contexts": 7, "n_draws": 2, "batch_size": 2}}
 TWO_PROCESS_CASES += [*TRACE_CASES, TRACE_CALLBACK_CASE]
 if HAS_DEEPSPEED:
-    TWO_PROCESS_CASES.append({"name": "tracecb-zero3-per_sample-rejected", "engine": "zero3", "kind": "trace_callback",
-                              "trace": {"n_contexts": 7, "n_draws": 2}})
+    TWO_PROCESS_CASES.append({"name": "tracecb-zero3-summed-rejected", "engine": "zero3", "kind": "trace_callback",
+                              "trace": {"n_contexts": 7, "n_draws": 2, "estimator": "summed"}})
 # BERT's masked LM ignores num_items_in_batch: its loss is weighted by the update's tokens over both ranks, which hold
 # unequal label counts. Each is compared with the one-process step on the same 8 rows (reference_token_weighted_sgd).
 TOKEN_WEIGHTED_VARIANTS = {
@@ -415,10 +416,9 @@ def test_checkpoint_resume_continues_exactly(two_process_runs, name):
     [
         ("zero3-per_rank-rejected", "per_rank"),
         ("zero2-bf16-rejected", "fp32 weights only"),
-        ("trace-zero3-per_sample-rejected", "estimator='naive'"),
         ("zero3-grad_norm_penalty-rejected", "ZeRO-3"),
         ("zero2-looksam-rejected", "looksam"),
-        ("tracecb-zero3-per_sample-rejected", "estimator='naive'"),
+        ("tracecb-zero3-summed-rejected", "per-context estimator"),
     ],
 )
 def test_unsupported_deepspeed_setups_fail_at_start(two_process_runs, name, match):
@@ -469,6 +469,10 @@ def test_trace_across_processes_equals_one_process(two_process_runs, case):
     assert shared["n_contexts"] == one_process.n_contexts == len(masked_rows())
     assert shared["mean"] == pytest.approx(one_process.mean, rel=1e-6)
     assert shared["stderr"] == pytest.approx(one_process.stderr, rel=1e-5)
+    if case["trace"].get("by_group"):
+        assert list(shared["by_group"]) == list(one_process.by_group)
+        for group, part in one_process.by_group.items():
+            assert shared["by_group"][group]["mean"] == pytest.approx(part.mean, rel=1e-6, abs=1e-9), group
     # context by context, in the original order (fp32 batches of different composition: 1e-6 relative)
     gathered = load(two_process_runs, case["name"])["per_context_values"]
     model = tiny_masked_lm().eval()

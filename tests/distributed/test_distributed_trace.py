@@ -44,9 +44,3 @@ def pretend_zero3_partitioned(model: torch.nn.Module) -> torch.nn.Module:
 def test_partitioned_model_needs_every_process():
     with pytest.raises(ValueError, match="across_processes=True"):
         estimate_hessian_trace(pretend_zero3_partitioned(tiny_masked_lm()), masked_rows(), n_draws=1)
-
-
-def test_per_sample_is_refused_under_zero3():
-    with pytest.raises(ValueError, match="estimator='naive'"):
-        estimate_hessian_trace(pretend_zero3_partitioned(tiny_masked_lm()), masked_rows(), n_draws=1,
-                               across_processes=True)

@@ -1,0 +1,141 @@
+"""Checks a checkpoint before training resumes from it: intact files, and a model of the same shape.
+
+Without them a truncated ``model.safetensors`` or a half-written ``trainer_state.json`` surfaces as a raw
+deserialisation traceback, and a checkpoint of another model size (a ``--smoke`` run left in the same folder, say)
+as a wall of size-mismatch errors, both after the model and the data were built.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+TRAINER_STATE = "trainer_state.json"
+MODEL_CONFIG = "config.json"
+
+# config keys that decide the shapes of the weights: a checkpoint that differs in any cannot be loaded
+SHAPE_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "type_vocab_size",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_positions",
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that training cannot resume from; the message names the file and what to do."""
+
+
+def checkpoint_problem(checkpoint: str | Path, model_config: Any | None = None) -> str | None:
+    """What makes ``checkpoint`` unusable for resuming (one sentence), or ``None`` if it looks intact.
+
+    Reads every JSON file the resume reads, the header of every safetensors file (which records how long the file
+    must be: a truncated file is caught without loading a tensor), and with ``model_config`` compares the weight
+    shapes it implies (`SHAPE_KEYS`) with the checkpoint's ``config.json``.
+    """
+    folder = Path(checkpoint)
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    for path in sorted(folder.glob("*.json")):
+        try:
+            saved = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            return f"{path} is not valid JSON ({error.__class__.__name__}: {error}); the file is damaged"
+        if path.name == MODEL_CONFIG and model_config is not None:
+            mismatch = _shape_mismatch(saved, _as_dict(model_config))
+            if mismatch:
+                return f"{path} describes another model ({mismatch})"
+    if not (folder / TRAINER_STATE).is_file():
+        return f"{folder / TRAINER_STATE} is missing"
+    for path in sorted(folder.glob("*.safetensors")):
+        problem = _safetensors_problem(path)
+        if problem:
+            return f"{path} is damaged ({problem})"
+    return None
+
+
+def check_resumable(checkpoint: str | Path, model_config: Any | None = None) -> None:
+    """Raise `CheckpointError` naming the damaged or mismatched file and the newest intact earlier checkpoint."""
+    problem = checkpoint_problem(checkpoint, model_config)
+    if problem is None:
+        return
+    folder = Path(checkpoint)
+    if "another model" in problem:
+        fix = (
+            "train into a new --output_dir, or delete the old checkpoints if they are no longer needed "
+            "(a --smoke run writes to its own <output_dir>-smoke folder)"
+        )
+    else:
+        earlier = newest_intact_checkpoint(folder.parent, before=folder, model_config=model_config)
+        fix = (
+            f"resume from the previous intact checkpoint with resume_from_checkpoint={str(earlier)!r}"
+            if earlier is not None
+            else "no earlier intact checkpoint exists; start without resume_from_checkpoint in a new output_dir"
+        )
+    raise CheckpointError(f"Cannot resume from {folder}: {problem}. Nothing was changed; {fix}.")
+
+
+def newest_intact_checkpoint(
+    output_dir: str | Path, *, before: str | Path | None = None, model_config: Any | None = None
+) -> Path | None:
+    """The ``checkpoint-N`` folder of ``output_dir`` with the largest N (below ``before``'s) that is intact."""
+    limit = _step_of(Path(before)) if before is not None else None
+    candidates = [
+        path
+        for path in Path(output_dir).glob("checkpoint-*")
+        if _step_of(path) is not None and (limit is None or _step_of(path) < limit)
+    ]
+    for path in sorted(candidates, key=_step_of, reverse=True):
+        if checkpoint_problem(path, model_config) is None:
+            return path
+    return None
+
+
+def _step_of(path: Path) -> int | None:
+    match = re.fullmatch(r"checkpoint-(\d+)", path.name)
+    return int(match.group(1)) if match else None
+
+
+def _as_dict(config: Any) -> dict[str, Any]:
+    return config.to_dict() if hasattr(config, "to_dict") else dict(config)
+
+
+def _shape_mismatch(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
+    differences = [
+        f"{key} {saved[key]} there, {current[key]} here"
+        for key in SHAPE_KEYS
+        if key in saved and key in current and saved[key] != current[key]
+    ]
+    return ", ".join(differences) or None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    # layout: 8-byte little-endian header length, the JSON header, then the data the header's offsets cover
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            return f"{size} bytes, shorter than a safetensors header"
+        header_length = int.from_bytes(prefix, "little")
+        if header_length > size - 8:
+            return "the header runs past the end of the file: truncated"
+        try:
+            header = json.loads(handle.read(header_length))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return "its header is not valid JSON"
+    ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+    expected = 8 + header_length + max(ends, default=0)
+    if size < expected:
+        return f"{size} bytes where its header needs {expected}: truncated"
+    return None

@@ -45,7 +45,12 @@ MERGE_RESERVE_SECONDS = 60
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--candidates", nargs="+", default=["0:1", "1:1"], help="gate grammars GRAMMAR_SEED:CONC")
+    parser.add_argument(
+        "--candidates",
+        nargs="+",
+        default=["1:1", "2:1"],
+        help="gate grammars GRAMMAR_SEED:CONC (default: the CPU gate's lowest lexical baseline and lowest pilot KL)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="C1 model seeds (concurrent)")
     parser.add_argument("--budget-minutes", type=float, default=9.0, help="no new work starts after this; all stops")
     parser.add_argument("--gate-share", type=float, default=0.3, help="largest fraction of the budget for the gate")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from hf_flatbias.experiments import (
     reference_rows,
     setup_paper_language,
     train_with_branches,
+    trains_on_cpu,
     without_predictions,
     write_json,
 )
@@ -63,9 +65,11 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke:
         apply_paper_smoke(args)
-        args.seeds = args.seeds if argv and "--seeds" in argv else [0, 1]
+        given = sys.argv[1:] if argv is None else argv  # run as a script, argv is None
+        args.seeds = args.seeds if "--seeds" in given else [0, 1]
         args.steps, args.branch_every, args.anneal_steps = 40, 20, 10
         args.n_trace, args.trace_draws, args.hutchinson_draws = 16, 1, 1
+    trains_on_cpu(args.device)  # --device cuda without one fails here, before any compute
     if args.output_dir is None:
         args.output_dir = Path("outputs") / "pcfg_c1" / f"grammar{args.grammar_seed}_c{args.concentration:g}"
     return args
@@ -86,6 +90,7 @@ def run_spec(args: argparse.Namespace, seed: int) -> RunSpec:
         layers=args.layers,
         heads=args.heads,
         seed=seed,
+        use_cpu=trains_on_cpu(args.device),
     )
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from hf_flatbias.experiments import (
     probe_all_tasks,
     setup_paper_language,
     train_annealed,
+    trains_on_cpu,
     without_predictions,
     write_json,
 )
@@ -58,12 +60,13 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     if args.smoke:
         apply_paper_smoke(args)
         args.steps = 20
-        if not (argv and "--candidates" in argv):
+        if "--candidates" not in (sys.argv[1:] if argv is None else argv):  # run as a script, argv is None
             args.candidates = ["0:1", "1:1"]
     try:
         args.grammars = [(int(s), float(c)) for s, c in (c.split(":") for c in args.candidates)]
     except ValueError:
         parser.error(f"--candidates must look like 0:1 1:0.5 (GRAMMAR_SEED:CONCENTRATION), got {args.candidates}.")
+    trains_on_cpu(args.device)  # --device cuda without one fails here, before any compute
     if args.output_dir is None:
         args.output_dir = Path("outputs") / "pcfg_grammar_gate"
     return args
@@ -103,6 +106,7 @@ def run_candidate(args: argparse.Namespace, grammar_seed: int, concentration: fl
         layers=args.layers,
         heads=args.heads,
         seed=args.model_seed,
+        use_cpu=trains_on_cpu(args.device),
     )
     model = train_annealed(language, spec, args.output_dir / spec.label)
     kl = measure_saturation(

@@ -24,6 +24,7 @@ from .arguments import (
     parse_recipe_arguments,
     run_spec_arguments,
     setup_language_from_args,
+    trains_on_cpu,
 )
 from .branches import BranchEvaluator, anneal_branch, branch_batches, linear_anneal_rates
 from .dataclass_args import load_yaml_config, parse_dataclass_args
@@ -118,6 +119,7 @@ __all__ = [
     "selected_probe",
     "setup_language",
     "setup_language_from_args",
+    "trains_on_cpu",
     "setup_paper_language",
     "spearman",
     "summarize",

@@ -135,6 +135,12 @@ def add_paper_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-train", type=int, default=400_000, help="training sentences")
     parser.add_argument("--n-kl", type=int, default=1000, help="held-out sentences of the KL (every position)")
     parser.add_argument("--n-probe", type=int, default=2000, help="probe fit and test sentences each (>= 5 words)")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda", "auto"],
+        default="cpu",
+        help="where the models train and are measured (auto: cuda when present); probes fit on the CPU",
+    )
     parser.add_argument("--output-dir", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (tests)")
 
@@ -143,3 +149,10 @@ def apply_paper_smoke(args: argparse.Namespace) -> None:
     """`add_paper_protocol_arguments`'s sizes for a test that runs in seconds."""
     args.warmup_steps, args.batch_size, args.hidden, args.layers = 5, 16, 32, 1
     args.n_train, args.n_kl, args.n_probe = 400, 16, 60
+
+
+def trains_on_cpu(device: str) -> bool:
+    """Whether ``--device`` (cpu / cuda / auto) means the CPU; asking for cuda without one is an error, raised now."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible here; pass --device auto or cpu.")
+    return device == "cpu" or not torch.cuda.is_available()

@@ -54,6 +54,8 @@ class RunSpec:
     extra_metrics: Callable[[Any], dict[str, Any]] | None = None  # see evaluate_checkpoint
     # measure the trace only at the last checkpoint (the trained or loss-matched model), not at every one
     trace_final_only: bool = False
+    # train on the CPU (the recipes' default); False lets the Trainer pick the accelerator (a GPU run)
+    use_cpu: bool = True
 
 
 def train_and_evaluate(
@@ -122,7 +124,8 @@ def train_and_evaluate(
 
 
 def trainer_settings(spec: RunSpec, output_dir: Path) -> dict[str, Any]:
-    """`FlatBiasConfig` fields of ``spec``: one CPU process, no checkpoints, no reports (a recipe adds its own)."""
+    """`FlatBiasConfig` fields of ``spec``: one process (the CPU unless ``spec.use_cpu`` is False), no checkpoints,
+    no reports (a recipe adds its own)."""
     return dict(
         output_dir=str(output_dir),
         max_steps=spec.steps,
@@ -139,6 +142,6 @@ def trainer_settings(spec: RunSpec, output_dir: Path) -> dict[str, Any]:
         logging_steps=max(1, spec.eval_every),
         disable_tqdm=True,
         seed=spec.seed,
-        use_cpu=True,
+        use_cpu=spec.use_cpu,
         dataloader_num_workers=0,
     )

@@ -7,6 +7,7 @@ its entropy floor, and of the Hessian-trace estimators.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -172,22 +173,22 @@ class MaskedWordCollator:
         self.task_column = task_column
 
     def __call__(self, rows: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        width = max(len(row["input_ids"]) for row in rows)
-        input_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
+        input_ids = _padded([row["input_ids"] for row in rows], PAD_ID)
+        lengths = torch.as_tensor([len(row["input_ids"]) for row in rows])
+        attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
         labels = torch.full_like(input_ids, IGNORE_INDEX)
-        for i, row in enumerate(rows):
-            ids = torch.as_tensor(row["input_ids"], dtype=torch.long)
-            input_ids[i, : len(ids)] = ids
-            attention_mask[i, : len(ids)] = 1
-            if "labels" in row:
-                labels[i, : len(ids)] = torch.as_tensor(row["labels"], dtype=torch.long)
+        labelled = [i for i, row in enumerate(rows) if "labels" in row]
+        if labelled:
+            own = _padded([rows[i]["labels"] for i in labelled], IGNORE_INDEX)
+            labels[labelled, : own.shape[1]] = own
         if not any("labels" in row for row in rows):
             is_word = (input_ids != PAD_ID) & (input_ids != CLS_ID) & (input_ids != SEP_ID)
             chosen = (torch.rand(input_ids.shape, generator=self.generator) < self.mask_probability) & is_word
             # rows where no word was drawn get one uniformly chosen word (all rows when the probability is 0)
             scores = torch.rand(input_ids.shape, generator=self.generator).masked_fill(~is_word, -1.0)
-            fallback = torch.nn.functional.one_hot(scores.argmax(1), width).bool() & ~chosen.any(1, keepdim=True)
+            fallback = torch.nn.functional.one_hot(scores.argmax(1), input_ids.shape[1]).bool() & ~chosen.any(
+                1, keepdim=True
+            )
             chosen |= fallback
             labels = torch.where(chosen, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
             input_ids = torch.where(chosen, torch.full_like(input_ids, MASK_ID), input_ids)
@@ -195,6 +196,14 @@ class MaskedWordCollator:
         if self.task_column is not None:
             batch["task_labels"] = torch.as_tensor([row[self.task_column] for row in rows], dtype=torch.long)
         return batch
+
+
+def _padded(sequences: Sequence[Sequence[int]], fill: int) -> torch.Tensor:
+    """``(len(sequences), longest)`` long tensor of the sequences, right-padded with ``fill``.
+
+    One C-level transpose instead of a tensor per row: at batch 1024 a per-row loop took 30 ms, longer than a GPU step.
+    """
+    return torch.as_tensor(np.array(list(itertools.zip_longest(*sequences, fillvalue=fill)), dtype=np.int64).T)
 
 
 class OracleMLM(torch.nn.Module):

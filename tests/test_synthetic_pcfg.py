@@ -223,3 +223,13 @@ def test_masked_word_collator_masks_exactly_one_word_by_default():
     assert everything["input_ids"][0].tolist() == [CLS_ID, MASK_ID, MASK_ID, MASK_ID, SEP_ID]
     with pytest.raises(ValueError, match="mask_probability"):
         MaskedWordCollator(1.5)
+
+
+def test_masked_word_collator_returns_contiguous_tensors():
+    """Models call labels.view(-1): a padded batch built by a transpose must not hand them a transposed tensor."""
+    from hf_flatbias.synthetic import MaskedWordCollator
+
+    rows = [{"input_ids": [2, 10, 11, 3]}, {"input_ids": [2, 12, 3]}, {"input_ids": [2, 13, 14, 15, 3]}]
+    batch = MaskedWordCollator()(rows)
+    assert all(tensor.is_contiguous() for tensor in batch.values())
+    batch["labels"].view(-1)

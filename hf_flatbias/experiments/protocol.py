@@ -120,14 +120,7 @@ def train_with_branches(
         print(f"resuming from {last} with {len(records)} measured branches", flush=True)
     elif last is not None:
         last = None  # a checkpoint without its records: start again rather than lose branches silently
-    model = build_model(
-        len(language.tokenizer),
-        hidden=spec.hidden,
-        layers=spec.layers,
-        dropout=spec.dropout,
-        seed=spec.seed,
-        heads=spec.heads,
-    )
+    model = _model_for(spec, language)
 
     def measure(branch, step):
         record = measure_branch(branch, language, seed=step, **measure_kwargs)
@@ -165,14 +158,7 @@ def train_with_branches(
 
 def train_annealed(language: PaperLanguage, spec: RunSpec, output_dir: Path) -> torch.nn.Module:
     """One run of ``spec`` (normally warm-up then linear decay to 0, the paper's shape) on the language; the model."""
-    model = build_model(
-        len(language.tokenizer),
-        hidden=spec.hidden,
-        layers=spec.layers,
-        dropout=spec.dropout,
-        seed=spec.seed,
-        heads=spec.heads,
-    )
+    model = _model_for(spec, language)
     settings = trainer_settings(spec, output_dir)
     settings.update(logging_steps=max(1, spec.steps // 10))
     FlatBiasTrainer(
@@ -182,3 +168,15 @@ def train_annealed(language: PaperLanguage, spec: RunSpec, output_dir: Path) -> 
         data_collator=MaskedWordCollator(0.0, seed=spec.seed),
     ).train()
     return model.eval()
+
+
+def _model_for(spec: RunSpec, language: PaperLanguage) -> torch.nn.Module:
+    """The freshly initialised BERT that ``spec`` describes, sized to the language's vocabulary."""
+    return build_model(
+        len(language.tokenizer),
+        hidden=spec.hidden,
+        layers=spec.layers,
+        dropout=spec.dropout,
+        seed=spec.seed,
+        heads=spec.heads,
+    )

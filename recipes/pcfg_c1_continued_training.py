@@ -41,6 +41,7 @@ from hf_flatbias.experiments import (
     apply_paper_smoke,
     c1_verdict,
     mcnemar,
+    paper_run_spec,
     reference_rows,
     setup_paper_language,
     train_with_branches,
@@ -76,21 +77,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
 
 
 def run_spec(args: argparse.Namespace, seed: int) -> RunSpec:
-    return RunSpec(
-        label=f"seed{seed}",
-        steps=args.steps,
-        eval_every=args.branch_every,
-        batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        warmup_steps=args.warmup_steps,
-        lr_scheduler_type="constant_with_warmup",
-        adam_beta2=0.98,
-        weight_decay=args.weight_decay,
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
-        seed=seed,
-        use_cpu=trains_on_cpu(args.device),
+    return paper_run_spec(
+        args, label=f"seed{seed}", seed=seed, eval_every=args.branch_every, lr_scheduler_type="constant_with_warmup"
     )
 
 

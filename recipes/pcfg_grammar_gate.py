@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 
 from hf_flatbias.experiments import (
-    RunSpec,
     add_paper_protocol_arguments,
     apply_paper_smoke,
     lexical_features,
     measure_saturation,
+    paper_run_spec,
     probe_all_tasks,
     setup_paper_language,
     train_annealed,
@@ -92,21 +92,12 @@ def run_candidate(args: argparse.Namespace, grammar_seed: int, concentration: fl
     )
     lexical = without_predictions(probe_all_tasks(lexical_features(language), language))
     print(f"grammar {grammar_seed}:{concentration:g}: lexical baseline {lexical['probe_accuracy']:.3f}", flush=True)
-    spec = RunSpec(
+    spec = paper_run_spec(
+        args,
         label=f"gate_{grammar_seed}_c{concentration:g}",
-        steps=args.steps,
-        eval_every=args.steps,
-        batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        warmup_steps=args.warmup_steps,
-        lr_scheduler_type="linear",
-        adam_beta2=0.98,
-        weight_decay=args.weight_decay,
-        hidden=args.hidden,
-        layers=args.layers,
-        heads=args.heads,
         seed=args.model_seed,
-        use_cpu=trains_on_cpu(args.device),
+        eval_every=args.steps,
+        lr_scheduler_type="linear",
     )
     model = train_annealed(language, spec, args.output_dir / spec.label)
     kl = measure_saturation(

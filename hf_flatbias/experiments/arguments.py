@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .language import LanguageSetup, setup_language
+from .runs import RunSpec
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, *, steps: int, eval_every: int) -> None:
@@ -143,6 +144,28 @@ def add_paper_protocol_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--output-dir", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (tests)")
+
+
+def paper_run_spec(
+    args: argparse.Namespace, *, label: str, seed: int, eval_every: int, lr_scheduler_type: str
+) -> RunSpec:
+    """The run `add_paper_protocol_arguments` describes: the released code's AdamW (beta2 0.98) and our sizes."""
+    return RunSpec(
+        label=label,
+        steps=args.steps,
+        eval_every=eval_every,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps,
+        lr_scheduler_type=lr_scheduler_type,
+        adam_beta2=0.98,
+        weight_decay=args.weight_decay,
+        hidden=args.hidden,
+        layers=args.layers,
+        heads=args.heads,
+        seed=seed,
+        use_cpu=trains_on_cpu(args.device),
+    )
 
 
 def apply_paper_smoke(args: argparse.Namespace) -> None:

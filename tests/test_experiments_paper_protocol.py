@@ -159,6 +159,11 @@ def test_c1_recipe_smoke_resumes_and_merges(recipes, tmp_path, capsys):
     }
     record = payload["seeds"]["0"][-1]
     assert {"kl", "saturation", "fisher_trace", "hutchinson_trace_data_loss", "probe_accuracy"} <= set(record)
+    # the Fisher trace split: the output layer's own term and the rest add up to the total, as do all the groups
+    assert record["fisher_trace_output_layer"] + record["fisher_trace_rest"] == pytest.approx(record["fisher_trace"])
+    groups = record["fisher_trace_by_group"]
+    assert sum(part["mean"] for part in groups.values()) == pytest.approx(record["fisher_trace"], rel=1e-9)
+    assert record["fisher_trace_output_layer"] == groups["output_layer"]["mean"] > 0
     assert "correct" not in record["probe"]["A"]
     saved = json.loads((tmp_path / "c1_results.json").read_text())
     assert c1_verdict(saved["seeds"]) == saved["verdict"]

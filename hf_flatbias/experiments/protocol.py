@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,6 @@ from .runs import RunSpec, trainer_settings
 from .saturation import measure_saturation
 
 #: the Fisher trace is reported whole: hf_flatbias.flatness offers no split into output-layer and other terms yet
-FISHER_TRACE_SPLIT = "not available: hf_flatbias.flatness reports the total trace only"
 
 
 def measure_branch(
@@ -55,8 +55,9 @@ def measure_branch(
     record: dict[str, Any] = {"kl": kl.kl, "saturated": kl.saturated, "saturation": kl.to_dict()}
     if trace_contexts > 0:
         n = min(trace_contexts, len(language.trace_contexts))
+        # by_group separates the output layer's own term (how confident the model is) from the encoder's share
         fisher = estimate_hessian_trace(
-            model, language.trace_contexts, n_contexts=n, n_draws=trace_draws, seed=seed, progress=False
+            model, language.trace_contexts, n_contexts=n, n_draws=trace_draws, seed=seed, progress=False, by_group=True
         )
         # the released calculate_hessian.py: v^T H v of the loss of the data labels (not the model's own samples)
         data_loss = estimate_hessian_trace(
@@ -71,7 +72,10 @@ def measure_branch(
         record.update(
             fisher_trace=fisher.mean,
             fisher_trace_stderr=fisher.stderr,
-            fisher_trace_split=FISHER_TRACE_SPLIT,
+            fisher_trace_output_layer=fisher.by_group["output_layer"].mean,
+            fisher_trace_output_layer_stderr=fisher.by_group["output_layer"].stderr,
+            fisher_trace_rest=fisher.mean - fisher.by_group["output_layer"].mean,
+            fisher_trace_by_group={name: asdict(part) for name, part in fisher.by_group.items()},
             hutchinson_trace_data_loss=data_loss.mean,
             hutchinson_trace_data_loss_stderr=data_loss.stderr,
             trace_contexts=n,

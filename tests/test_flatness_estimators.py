@@ -20,26 +20,13 @@ from hf_flatbias.flatness import (
 )
 from hf_flatbias.flatness.exact import exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
 from hf_flatbias.flatness.lm import is_causal_lm, trainable_parameters
+from tests.helpers.tiny_models import wide_masked_lm
 
 VOCAB, MASK = 14, 1
 
 
 def _tiny_bert(seed=0, **overrides):
-    torch.manual_seed(seed)
-    # a wide initialisation makes the predictions far from uniform, as in a trained model
-    config = dict(
-        vocab_size=VOCAB,
-        hidden_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=16,
-        max_position_embeddings=16,
-        pad_token_id=0,
-        initializer_range=0.4,
-        attn_implementation="eager",
-    )
-    config.update(overrides)
-    return BertForMaskedLM(BertConfig(**config)).eval()
+    return wide_masked_lm(seed, **{"vocab_size": VOCAB, **overrides})
 
 
 def _tiny_gpt2(seed=0, **overrides):

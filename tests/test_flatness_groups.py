@@ -4,53 +4,24 @@
 import pytest
 import torch
 from torch.func import functional_call
-from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_flatbias.flatness import TraceContexts, compute_trace_samples, estimate_hessian_trace
 from hf_flatbias.flatness.contexts import build_masked_contexts
 from hf_flatbias.flatness.lm import is_causal_lm
+from tests.helpers.tiny_models import TINY_DECODER, randomize_norms, wide_masked_lm
 
 VOCAB, MASK = 16, 1
 
 
 def _llama(seed, tied=False):
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=8,
-        intermediate_size=12,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-        initializer_range=0.25,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=2,
-        tie_word_embeddings=tied,
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # norm weights start at 1: random ones make a wrong coefficient visible
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    return model
+    config = LlamaConfig(**{**TINY_DECODER, "vocab_size": VOCAB}, tie_word_embeddings=tied)
+    return randomize_norms(LlamaForCausalLM(config)).eval()
 
 
 def _bert(seed):
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=8,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=16,
-        max_position_embeddings=16,
-        pad_token_id=0,
-        initializer_range=0.4,
-        attn_implementation="eager",
-    )
-    return BertForMaskedLM(config).eval()
+    return wide_masked_lm(seed, vocab_size=VOCAB, num_hidden_layers=2)
 
 
 def _llama_group(name):

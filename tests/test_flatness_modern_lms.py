@@ -20,33 +20,10 @@ from transformers import (
 from hf_flatbias.flatness import TraceContexts, compute_trace_samples, estimate_hessian_trace
 from hf_flatbias.flatness.contexts import build_masked_contexts
 from hf_flatbias.flatness.exact import exact_fisher_trace
+from tests.helpers.tiny_models import TINY_DECODER, randomize_norms
 
 VOCAB = 16
-# 4 query heads sharing 2 key/value heads: grouped-query attention; a wide initialisation makes the predictions far
-# from uniform (wider ones give per-context traces too heavy-tailed for a useful standard error on 24 contexts).
-DECODER = dict(
-    vocab_size=VOCAB,
-    hidden_size=8,
-    intermediate_size=12,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-    initializer_range=0.25,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=1,
-)
-
-
-def _randomize_norms(model):
-    """Norm weights start at 1 (0 for Gemma): random values make a wrong coefficient visible."""
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1 and "norm" in name:
-                p.copy_(0.5 + torch.rand(p.shape, generator=generator))
-    return model
+DECODER = TINY_DECODER  # vocabulary of VOCAB words
 
 
 BUILDERS = {
@@ -64,7 +41,7 @@ BUILDERS = {
 
 def _model(name, seed=0):
     torch.manual_seed(seed)
-    return _randomize_norms(BUILDERS[name]()).eval()
+    return randomize_norms(BUILDERS[name]()).eval()
 
 
 def _rows(n, seed=0):

@@ -98,3 +98,50 @@ def flatbias_config(tmp_path, **overrides):
     )
     values.update(overrides)
     return FlatBiasConfig(**values)
+
+
+def wide_masked_lm(seed: int = 0, *, vocab_size: int, **overrides) -> BertForMaskedLM:
+    """A one-layer eager BERT masked LM whose wide initialisation makes predictions far from uniform, as a trained
+    model's are: the trace tests' model (``overrides`` change any config field)."""
+    torch.manual_seed(seed)
+    config = dict(
+        vocab_size=vocab_size,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=16,
+        pad_token_id=0,
+        initializer_range=0.4,
+        attn_implementation="eager",
+    )
+    config.update(overrides)
+    return BertForMaskedLM(BertConfig(**config)).eval()
+
+
+# 4 query heads sharing 2 key/value heads: grouped-query attention; a wide initialisation makes the predictions far
+# from uniform (wider ones give per-context traces too heavy-tailed for a useful standard error on 24 contexts).
+TINY_DECODER = dict(
+    vocab_size=16,
+    hidden_size=8,
+    intermediate_size=12,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    initializer_range=0.25,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=1,
+)
+"""Config fields of the tiny Llama-family decoders (Llama, Mistral, Qwen2, Gemma, GPT-NeoX) of the trace tests."""
+
+
+def randomize_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """Norm weights start at 1 (0 for Gemma): random values make a wrong coefficient visible."""
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in name:
+                p.copy_(0.5 + torch.rand(p.shape, generator=generator))
+    return model

@@ -46,7 +46,7 @@ from hf_flatbias.flatness import (  # noqa: E402
 )
 
 VOCAB, SEQ_LEN, MASK_ID, FIRST_WORD = 5000, 64, 4, 5
-PAPER_LOOP = "reference loop, 50 draws (paper)"
+PAPER_LOOP = "reference loop, 50 draws (paper, unverified)"
 LOOP_1 = "reference loop, 1 draw"
 STOCK_NAIVE_1 = "estimator='naive', 1 draw"
 PER_SAMPLE_2 = "per_sample, 2 draws"

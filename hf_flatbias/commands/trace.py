@@ -54,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=RECOMMENDED_N_DRAWS,
         help="Draws of y per context (default: %(default)s, which reached the same error several times faster than "
-        "the paper's 50 with the per_sample estimator).",
+        "the 50 draws a secondary summary gives for the paper (unverified), with the per_sample estimator).",
     )
     parser.add_argument("--estimator", default="per_sample", choices=list(ESTIMATORS), help="Estimator to use.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the masked positions and the draws.")

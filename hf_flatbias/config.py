@@ -7,20 +7,9 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS, PENALTY_METHODS, SAM_METHODS
 from .utils import quiet_deepspeed_without_accelerator
 
-SAM_METHODS = ("sam", "asam", "looksam")
-PENALTY_METHODS = ("fisher_penalty", "grad_norm_penalty")
-FLATNESS_METHODS = ("none", *SAM_METHODS, *PENALTY_METHODS)
-# The fields below that each method reads: a model card records these and no others (no sam_rho on a penalty run).
-FLATNESS_METHOD_HYPERPARAMETERS: dict[str, tuple[str, ...]] = {
-    "none": (),
-    "sam": ("sam_rho", "sam_every_k"),
-    "asam": ("sam_rho", "asam_eta", "sam_every_k"),
-    "looksam": ("sam_rho", "sam_every_k", "looksam_alpha"),
-    "fisher_penalty": ("penalty_lambda", "penalty_fd_step"),
-    "grad_norm_penalty": ("penalty_lambda", "penalty_fd_step"),
-}
 SAM_SCOPES = ("micro_batch", "batch")
 SAM_PERTURBATIONS = ("global", "per_rank")
 

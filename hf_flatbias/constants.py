@@ -1,5 +1,19 @@
 """Names every part of hf_flatbias shares: one definition each."""
 
+# Here, not in config.py, so that reading a model card needs neither torch nor transformers.
+SAM_METHODS = ("sam", "asam", "looksam")
+PENALTY_METHODS = ("fisher_penalty", "grad_norm_penalty")
+FLATNESS_METHODS = ("none", *SAM_METHODS, *PENALTY_METHODS)
+# The fields below that each method reads: a model card records these and no others (no sam_rho on a penalty run).
+FLATNESS_METHOD_HYPERPARAMETERS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "sam": ("sam_rho", "sam_every_k"),
+    "asam": ("sam_rho", "asam_eta", "sam_every_k"),
+    "looksam": ("sam_rho", "sam_every_k", "looksam_alpha"),
+    "fisher_penalty": ("penalty_lambda", "penalty_fd_step"),
+    "grad_norm_penalty": ("penalty_lambda", "penalty_fd_step"),
+}
+
 IGNORE_INDEX = -100
 """The label of positions that are not predicted (the default ``ignore_index`` of PyTorch's cross-entropy)."""
 

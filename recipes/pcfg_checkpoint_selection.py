@@ -31,7 +31,7 @@ from hf_flatbias.experiments import (
     train_and_evaluate,
     write_results,
 )
-from hf_flatbias.selection import FlatnessCheckpointSelector
+from hf_flatbias.callbacks import FlatnessCheckpointSelector
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import sys
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +16,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from .constants import (
     DEFAULT_BATCH_SIZE,
+    ESTIMATORS,
     MEASURES,
     RECOMMENDED_N_DRAWS,
     SAM_SHARPNESS_METRIC,
@@ -104,6 +108,8 @@ class HessianTraceCallback(TrainerCallback):
             raise ValueError(f"n_draws must be an integer >= 1 (got {n_draws!r}).")
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1 or None (got {every_n_steps}).")
+        if estimator not in ESTIMATORS:  # here, not at the first measurement some steps into training
+            raise ValueError(f"estimator={estimator!r} is not one of {list(ESTIMATORS)}.")
         self.also_measure = _check_extra_measures(also_measure, eigenvalue_matrix, sam_rho)
         self.eigenvalue_matrix = eigenvalue_matrix
         self.sam_rho = sam_rho
@@ -431,3 +437,72 @@ def _mean_and_stderr(estimate: Any) -> tuple[float, float | None]:
     if isinstance(estimate, tuple | list) and len(estimate) == 2:
         return float(estimate[0]), None if estimate[1] is None else float(estimate[1])
     return float(estimate), None
+
+
+class SaveOnInterruptCallback(TrainerCallback):
+    """On Ctrl-C during training: finish the optimizer step in progress, save a checkpoint, stop.
+
+    The Trainer saves only on its schedule, so an interrupt loses every step since the last save. With this callback
+    the first signal asks the Trainer to save (``control.should_save``) and stop (``control.should_training_stop``)
+    at the end of the current step: ``checkpoint-N`` then holds the model, optimizer, scheduler and random states,
+    and ``trainer.train(resume_from_checkpoint=True)`` continues from it. A second signal interrupts at once
+    (``KeyboardInterrupt``). `interrupted` tells the caller that training stopped for this reason.
+
+    The handler is installed from ``on_train_begin`` to ``on_train_end``, in the main thread only. With several
+    processes the ranks agree on the step to stop at (one all-reduce of a flag per step), so they save together.
+
+    Args:
+        signals: the signals handled this way (default: ``SIGINT``, Ctrl-C).
+    """
+
+    def __init__(self, signals: Sequence[int] = (signal.SIGINT,)) -> None:
+        self.signals = tuple(signals)
+        self.interrupted = False
+        self._requested = False
+        self._previous: dict[int, Any] = {}
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        self.interrupted = self._requested = False
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {number: signal.signal(number, self._request) for number in self.signals}
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if _any_rank(self._requested, args.device):
+            self.interrupted = True
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
+        if self.interrupted and state.is_world_process_zero:
+            logger.warning(
+                "Interrupted: saved %s/checkpoint-%d; train(resume_from_checkpoint=True) continues from it.",
+                args.output_dir,
+                state.global_step,
+            )
+
+    def _request(self, number: int, frame: Any) -> None:
+        if self._requested:  # the second signal: stop now, as without this callback
+            signal.signal(number, self._previous.get(number, signal.default_int_handler))
+            raise KeyboardInterrupt
+        self._requested = True
+        print(
+            "Interrupt: saving a checkpoint after the current step (interrupt again to stop at once).",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _any_rank(flag: bool, device: Any) -> bool:
+    """``flag`` or-ed over the processes of a distributed run; ``flag`` itself in one process."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())

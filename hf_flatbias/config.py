@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -141,6 +142,7 @@ class FlatBiasConfig(TrainingArguments):
                 f"sam_perturbation={self.sam_perturbation!r} is not supported; choose one of {list(SAM_PERTURBATIONS)}."
             )
         self._validate_regularizer_arguments()
+        self._warn_about_unread_hyperparameters()
 
     def _validate_regularizer_arguments(self) -> None:
         if isinstance(self.sam_every_k, bool) or not isinstance(self.sam_every_k, int) or self.sam_every_k < 1:
@@ -164,6 +166,29 @@ class FlatBiasConfig(TrainingArguments):
             raise ValueError(
                 f"flatness_method={self.flatness_method!r} works per micro-batch; set sam_scope='micro_batch' "
                 "(sam_scope='batch' is implemented for 'sam' and 'asam' only)."
+            )
+
+    def _warn_about_unread_hyperparameters(self) -> None:
+        # penalty_lambda=0.1 with flatness_method="sam" is almost always a forgotten method, not a wish
+        read = FLATNESS_METHOD_HYPERPARAMETERS[self.flatness_method]
+        unread = sorted(
+            {
+                name
+                for names in FLATNESS_METHOD_HYPERPARAMETERS.values()
+                for name in names
+                if name not in read and getattr(self, name) != self.__dataclass_fields__[name].default
+            }
+        )
+        if unread:
+            readers = {
+                name: [m for m, names in FLATNESS_METHOD_HYPERPARAMETERS.items() if name in names] for name in unread
+            }
+            given = ", ".join(f"{name}={getattr(self, name)!r} (read by {', '.join(readers[name])})" for name in unread)
+            warnings.warn(
+                f"flatness_method={self.flatness_method!r} ignores {given}: set the method that reads them, or leave "
+                "them at their defaults.",
+                UserWarning,
+                stacklevel=5,  # the line that built the config, past __post_init__ and the dataclass __init__
             )
 
     @property

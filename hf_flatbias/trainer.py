@@ -27,6 +27,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
+from .checkpoints import output_dir_lock
 from .config import FlatBiasConfig
 from .flatness.lm import is_causal_lm
 from .modelcard import FlatnessCard, flatness_card_from_trainer
@@ -84,6 +85,14 @@ class FlatBiasTrainer(Trainer):
                 "The model has no trainable parameter (every requires_grad is False): unfreeze some parameters or "
                 "attach adapters (e.g. peft.get_peft_model) before building the trainer."
             )
+        # On the arguments, before Trainer.__init__ builds the Accelerator: refused after it, accelerate's DeepSpeed
+        # state (ACCELERATE_USE_DEEPSPEED=true in os.environ) would make every later trainer of the process DeepSpeed.
+        deepspeed_config = None if args.deepspeed_plugin is None else args.deepspeed_plugin.deepspeed_config
+        if deepspeed_config is not None:
+            if args.uses_sam:
+                check_deepspeed_supports_sam(deepspeed_config, args.sam_perturbation)
+            if args.uses_penalty or args.flatness_method == "looksam":
+                _check_deepspeed_supports_regularizer(deepspeed_config, args.flatness_method)
         super().__init__(model=model, args=args, **kwargs)
         self._fix_loss_scaling_for_models_ignoring_num_items()
         self._flatness_log = _FlatnessLog()
@@ -91,10 +100,6 @@ class FlatBiasTrainer(Trainer):
         self._looksam = _LookSamState()
         # Seeded per process: ranks draw different labels for their different rows, reproducibly.
         self._sampled_labels = _SampledLabelSource(seed=self.args.seed + 7919 * self.args.process_index)
-        if self.args.uses_sam:
-            self._check_sam_is_supported()
-        if self.args.uses_penalty or self.args.flatness_method == "looksam":
-            self._check_regularizer_is_supported()
         for callback in self.callback_handler.callbacks:
             self._bind_callback(callback)
 
@@ -117,7 +122,10 @@ class FlatBiasTrainer(Trainer):
                 resume_from_checkpoint = last
             model_config = getattr(unwrap_peft_model(self.accelerator.unwrap_model(self.model)), "config", None)
             check_resumable(resume_from_checkpoint, model_config)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        if not self.is_world_process_zero():
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        with output_dir_lock(self.args.output_dir):  # a second training into the same folder is refused
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def add_callback(self, callback) -> None:
         super().add_callback(callback)
@@ -183,29 +191,6 @@ class FlatBiasTrainer(Trainer):
             # as Trainer.compute_loss does.
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         return (loss, outputs) if return_outputs else loss
-
-    def _check_sam_is_supported(self) -> None:
-        from accelerate.utils import DistributedType
-
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            check_deepspeed_supports_sam(
-                self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args.sam_perturbation
-            )
-
-    def _check_regularizer_is_supported(self) -> None:
-        from accelerate.utils import DistributedType
-
-        if self.accelerator.distributed_type != DistributedType.DEEPSPEED:
-            return
-        if self.args.flatness_method == "looksam":
-            raise ValueError(
-                "flatness_method='looksam' is not supported with DeepSpeed (it reads and edits param.grad, which "
-                "ZeRO keeps in its own buffers); use 'sam' with sam_every_k=1, or run LookSAM with DDP "
-                "(accelerate launch --multi_gpu) or a single process."
-            )
-        check_deepspeed_supports_penalty(
-            self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args.flatness_method
-        )
 
     def _deepspeed_engine(self):
         """The DeepSpeed engine once accelerate has prepared the model, else ``None``."""
@@ -834,6 +819,16 @@ def _grads_materialized(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
     return [param.grad for param in params]
+
+
+def _check_deepspeed_supports_regularizer(deepspeed_config: dict, flatness_method: str) -> None:
+    if flatness_method == "looksam":
+        raise ValueError(
+            "flatness_method='looksam' is not supported with DeepSpeed (it reads and edits param.grad, which "
+            "ZeRO keeps in its own buffers); use 'sam' with sam_every_k=1, or run LookSAM with DDP "
+            "(accelerate launch --multi_gpu) or a single process."
+        )
+    check_deepspeed_supports_penalty(deepspeed_config, flatness_method)
 
 
 def _as_flatbias_config(args: TrainingArguments | None) -> FlatBiasConfig:

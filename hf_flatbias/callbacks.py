@@ -440,15 +440,16 @@ def _mean_and_stderr(estimate: Any) -> tuple[float, float | None]:
 
 
 class SaveOnInterruptCallback(TrainerCallback):
-    """On Ctrl-C during training: finish the optimizer step in progress, save a checkpoint, stop.
+    """On Ctrl-C during training: finish the optimizer step in progress, save a checkpoint, then interrupt.
 
     The Trainer saves only on its schedule, so an interrupt loses every step since the last save. With this callback
-    the first signal asks the Trainer to save (``control.should_save``) and stop (``control.should_training_stop``)
-    at the end of the current step: ``checkpoint-N`` then holds the model, optimizer, scheduler and random states,
-    and ``trainer.train(resume_from_checkpoint=True)`` continues from it. A second signal interrupts at once
-    (``KeyboardInterrupt``). `interrupted` tells the caller that training stopped for this reason.
+    the first signal asks the Trainer to save (``control.should_save``) at the end of the current step; once
+    ``checkpoint-N`` is written (model, optimizer, scheduler and random states) ``trainer.train()`` raises
+    ``KeyboardInterrupt``, as Ctrl-C does without the callback, and nothing else runs (no end-of-training
+    measurement, no final save). ``trainer.train(resume_from_checkpoint=True)`` continues from the checkpoint. A
+    second signal interrupts at once. `interrupted` says whether training stopped this way.
 
-    The handler is installed from ``on_train_begin`` to ``on_train_end``, in the main thread only. With several
+    The handler is installed from ``on_train_begin`` until training ends, in the main thread only. With several
     processes the ranks agree on the step to stop at (one all-reduce of a flag per step), so they save together.
 
     Args:
@@ -473,20 +474,28 @@ class SaveOnInterruptCallback(TrainerCallback):
             control.should_training_stop = True
         return control
 
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if not self.interrupted:
+            return
+        self._restore_handlers()
+        if state.is_world_process_zero:
+            logger.warning(
+                "Interrupted: saved %s; train(resume_from_checkpoint=True) continues from it.",
+                os.path.join(args.output_dir, f"checkpoint-{state.global_step}"),
+            )
+        raise KeyboardInterrupt
+
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        self._restore_handlers()
+
+    def _restore_handlers(self) -> None:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous = {}
-        if self.interrupted and state.is_world_process_zero:
-            logger.warning(
-                "Interrupted: saved %s/checkpoint-%d; train(resume_from_checkpoint=True) continues from it.",
-                args.output_dir,
-                state.global_step,
-            )
 
     def _request(self, number: int, frame: Any) -> None:
         if self._requested:  # the second signal: stop now, as without this callback
-            signal.signal(number, self._previous.get(number, signal.default_int_handler))
+            self._restore_handlers()
             raise KeyboardInterrupt
         self._requested = True
         print(

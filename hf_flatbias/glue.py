@@ -249,7 +249,7 @@ def check_task_text_fits_tokenizer(tokenizer: Any, task: GlueTask, rows, *, sour
     from .flatness.lm import check_tokenizer_fits_model
 
     sample = rows.select(range(min(len(rows), max_rows)))
-    encoded = tokenizer(*(sample[column] for column in task.text_columns), truncation=True, max_length=128)
+    encoded = tokenizer(*(list(sample[column]) for column in task.text_columns), truncation=True, max_length=128)
     check_tokenizer_fits_model(
         tokenizer, None, source=source, input_ids=encoded["input_ids"], text_source=f"the {task.name} data"
     )

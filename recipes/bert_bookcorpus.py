@@ -387,8 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
         len(blocks["train"]),
         model_args.max_seq_length,
     )
-    interrupt = SaveOnInterruptCallback()  # Ctrl-C saves a checkpoint that the next run resumes from
-    callbacks = [interrupt]
+    callbacks = [SaveOnInterruptCallback()]  # Ctrl-C saves a checkpoint that the next run resumes from
     trace_callback = None
     if flatness.trace_contexts:
         from hf_flatbias.callbacks import HessianTraceCallback
@@ -421,8 +420,6 @@ def main(argv: list[str] | None = None) -> dict:
         if resume:
             logger.info("Resuming from %s", resume)
     trainer.train(resume_from_checkpoint=resume)
-    if interrupt.interrupted:
-        raise KeyboardInterrupt  # no final measurement or save: the checkpoint is written, rerun to resume
 
     summary = {
         "model_size": model_args.model_size,

@@ -24,8 +24,8 @@ WORDS = [f"w{i}" for i in range(20)]  # a generated language: token ids 5..24
 ENGLISH = ["the film was wonderful and moving", "a dull and tired story", "great acting but a weak script"] * 4
 
 
-def _masked_lm_folder(folder: Path, seed: int = 0) -> Path:
-    tokenizer = make_tokenizer(WORDS)
+def _masked_lm_folder(folder: Path, words: list[str] = WORDS, seed: int = 0) -> Path:
+    tokenizer = make_tokenizer(words)
     torch.manual_seed(seed)
     config = BertConfig(
         vocab_size=len(tokenizer),
@@ -228,19 +228,7 @@ for name, kind, argv in json.loads(sys.argv[1]):
 
 def test_every_bad_input_is_one_line_without_a_traceback(language_model, token_rows, tmp_path):
     """Each bad input of issue 27, in the CLI and in the recipes, in one process: exit 2 and one error line."""
-    other_vocabulary = tmp_path / "other"
-    tokenizer = make_tokenizer([f"v{i}" for i in range(30)])
-    BertForMaskedLM(
-        BertConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=8,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=16,
-            max_position_embeddings=32,
-        )
-    ).save_pretrained(other_vocabulary)
-    tokenizer.save_pretrained(other_vocabulary)
+    other_vocabulary = _masked_lm_folder(tmp_path / "other", words=[f"v{i}" for i in range(30)])
     negative = _write_rows(tmp_path / "negative.jsonl", [{"input_ids": [2, 7, -1, 3]}])
     too_large = _write_rows(tmp_path / "large.jsonl", [{"input_ids": [2, 7, 99, 3]}])
     sst2 = tmp_path / "sst2"

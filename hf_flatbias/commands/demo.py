@@ -1,4 +1,4 @@
-"""``hf-flatbias demo``: the paper's comparison in about two minutes on a CPU.
+"""``hf-flatbias demo``: the paper's comparison in about a minute on an idle 2-core CPU (several on a busy one).
 
 Two tiny BERTs learn the same generated language (a random PCFG in the shape of the paper's) from the same
 initialisation and the same batches: one with AdamW, one with SAM (AdamW at a perturbed point, the flatness

@@ -87,13 +87,11 @@ class FlatBiasTrainer(Trainer):
             )
         # On the arguments, before Trainer.__init__ builds the Accelerator: refused after it, accelerate's DeepSpeed
         # state (ACCELERATE_USE_DEEPSPEED=true in os.environ) would make every later trainer of the process DeepSpeed.
-        deepspeed_config = None if args.deepspeed_plugin is None else args.deepspeed_plugin.deepspeed_config
-        if deepspeed_config is not None:
-            if args.uses_sam:
-                check_deepspeed_supports_sam(deepspeed_config, args.sam_perturbation)
-            if args.uses_penalty or args.flatness_method == "looksam":
-                _check_deepspeed_supports_regularizer(deepspeed_config, args.flatness_method)
+        if args.deepspeed_plugin is not None:
+            _check_deepspeed_supports_method(args.deepspeed_plugin.deepspeed_config, args)
         super().__init__(model=model, args=args, **kwargs)
+        if self.accelerator.state.deepspeed_plugin is not None:  # again, with what accelerate filled in
+            _check_deepspeed_supports_method(self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args)
         self._fix_loss_scaling_for_models_ignoring_num_items()
         self._flatness_log = _FlatnessLog()
         self._batch_sam = _BatchScopeSam()
@@ -821,14 +819,17 @@ def _grads_materialized(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return [param.grad for param in params]
 
 
-def _check_deepspeed_supports_regularizer(deepspeed_config: dict, flatness_method: str) -> None:
-    if flatness_method == "looksam":
+def _check_deepspeed_supports_method(deepspeed_config: dict, args: FlatBiasConfig) -> None:
+    if args.uses_sam:
+        check_deepspeed_supports_sam(deepspeed_config, args.sam_perturbation)
+    if args.flatness_method == "looksam":
         raise ValueError(
             "flatness_method='looksam' is not supported with DeepSpeed (it reads and edits param.grad, which "
             "ZeRO keeps in its own buffers); use 'sam' with sam_every_k=1, or run LookSAM with DDP "
             "(accelerate launch --multi_gpu) or a single process."
         )
-    check_deepspeed_supports_penalty(deepspeed_config, flatness_method)
+    if args.uses_penalty:
+        check_deepspeed_supports_penalty(deepspeed_config, args.flatness_method)
 
 
 def _as_flatbias_config(args: TrainingArguments | None) -> FlatBiasConfig:

@@ -291,7 +291,6 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     model.to(device)
     vocab_size = output_vocab_size(model)
     tokenizer_source = args.model if base_model is None or _has_tokenizer_files(args.model) else base_model
-    notices = []
     tokenizer = None
     if "input_ids" not in rows[0]:
         if args.text_column not in rows[0]:
@@ -316,7 +315,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         contexts = rows
         n_contexts = min(args.n_contexts, _count_labelled(rows))
         if n_contexts < args.n_contexts:
-            notices.append(f"--n-contexts {args.n_contexts}: {args.data} labels {n_contexts} positions; using those.")
+            _notice(f"--n-contexts {args.n_contexts}: {args.data} labels {n_contexts} positions; using those.")
     else:
         if tokenizer is None and not causal:
             tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
@@ -330,7 +329,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         if len(rows) < args.n_contexts:
             # As HessianTraceCallback and build_masked_contexts do (and the paper, with many masked positions per
             # held-out text): rows are reused with other positions; said here because it is not free.
-            notices.append(
+            _notice(
                 f"--n-contexts {args.n_contexts} from {len(rows)} rows: each row is reused with other masked positions "
                 f"(about {args.n_contexts / len(rows):.0f} contexts per row). Contexts of one row are correlated, so "
                 "the standard error comes out somewhat too small; more rows give independent contexts."
@@ -346,8 +345,6 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             special_token_ids=list(getattr(tokenizer, "all_special_ids", []) or []),
         )
         n_contexts = None
-    for notice in notices:
-        print(f"hf-flatbias trace: {notice}", file=sys.stderr, flush=True)
     result = {"model": args.model, "data": args.data, "split": args.split, "seed": args.seed, "device": device}
     if base_model is not None:
         result["base_model"] = base_model  # the trace is over the adapter's parameters, the trainable ones
@@ -394,6 +391,10 @@ def _measures_beyond_trace(args: argparse.Namespace, model, contexts, n_contexts
             causal=causal,
         ).to_dict()
     return results
+
+
+def _notice(text: str) -> None:
+    print(f"hf-flatbias trace: {text}", file=sys.stderr, flush=True)
 
 
 def _checked_device(name: str | None, torch) -> str:

@@ -15,6 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = REPO_ROOT / "recipes" / "configs"
 
 ACCELERATE_CONFIGS = {
+    "accelerate_1proc.yaml": (DistributedType.NO, 1),
     "accelerate_cpu_1proc.yaml": (DistributedType.NO, 1),
     "accelerate_cpu_2proc.yaml": (DistributedType.MULTI_GPU, 2),
     "accelerate_multi_gpu.yaml": (DistributedType.MULTI_GPU, 2),

@@ -254,6 +254,7 @@ def test_every_bad_input_is_one_line_without_a_traceback(language_model, token_r
             ["glue", str(language_model), "--task", "sst2", "--data-dir", str(sst2), "--seeds", "0"],
         ),
         ("GLUE task without data offline", "cli", ["glue", str(language_model), "--task", "rte"]),
+        ("unknown GLUE task", "cli", ["glue", str(language_model), "--task", "sts"]),
         ("demo without steps", "cli", ["demo", "--steps", "0"]),
         (
             "bookcorpus negative rho",
@@ -303,6 +304,7 @@ def test_every_bad_input_is_one_line_without_a_traceback(language_model, token_r
         "causal on a masked LM": "Drop --causal",
         "English on a generated vocabulary": "100% of its tokens are unknown",
         "GLUE task without data offline": "--data-dir on the command line",
+        "unknown GLUE task": "Unknown GLUE task 'sts'",
         "demo without steps": "--steps must be >= 1",
         "bookcorpus negative rho": "sam_rho must be a finite number > 0",
         "glue_compare without a recorded corpus": "does not record its pre-training corpus",

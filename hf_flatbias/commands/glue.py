@@ -42,7 +42,9 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)  # before torch and transformers load
     model = local_path_or_hub_id(args.model, "MODEL")
     data_dir = None if args.data_dir is None else existing_local_path(args.data_dir, "--data-dir")
-    from ..glue import finetune_glue
+    from ..glue import finetune_glue, get_glue_task
+
+    get_glue_task(args.task)  # before transformers loads
     from ..utils import quiet_deepspeed_without_accelerator
 
     quiet_deepspeed_without_accelerator()

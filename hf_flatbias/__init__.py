@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 # torch and transformers (seconds), which only the command that runs needs.
 _import_structure = {
     "callbacks": ["HessianTraceCallback"],
-    "config": ["FlatBiasConfig"],
+    "config": ["FlatBiasConfig", "FlatnessArguments"],
     "enlarge": ["check_enlargeable", "enlarge"],
     "flatness": [
         "GroupTrace",
@@ -39,7 +39,7 @@ _import_structure = {
         "FlatnessCheckpointSelector",
         "select_flattest_checkpoint",
     ],
-    "trainer": ["FlatBiasTrainer"],
+    "trainer": ["FlatBiasTrainer", "FlatnessTrainerMixin"],
 }
 _module_of_name = {name: module for module, names in _import_structure.items() for name in names}
 
@@ -47,7 +47,7 @@ __all__ = sorted(_module_of_name, key=str.lower) + ["__version__"]
 
 if TYPE_CHECKING:
     from .callbacks import HessianTraceCallback
-    from .config import FlatBiasConfig
+    from .config import FlatBiasConfig, FlatnessArguments
     from .enlarge import check_enlargeable, enlarge
     from .flatness import (
         GroupTrace,
@@ -71,7 +71,7 @@ if TYPE_CHECKING:
         FlatnessCheckpointSelector,
         select_flattest_checkpoint,
     )
-    from .trainer import FlatBiasTrainer
+    from .trainer import FlatBiasTrainer, FlatnessTrainerMixin
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,5 @@
-"""`FlatBiasTrainer`: the transformers `Trainer` with flatness-seeking steps.
+"""`FlatnessTrainerMixin`, the flatness-seeking steps for any `Trainer` subclass, and `FlatBiasTrainer` = the mixin on
+the transformers `Trainer`.
 
 This module orchestrates; the numbers come from `hf_flatbias.sharpness`. A SAM step inside the Trainer loop:
 
@@ -27,7 +28,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_N
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
-from .config import FlatBiasConfig
+from .config import FlatBiasConfig, FlatnessArguments
 from .flatness.lm import is_causal_lm
 from .modelcard import FlatnessCard, flatness_card_from_trainer
 from .sharpness.engines import (
@@ -60,25 +61,22 @@ logger = logging.get_logger(__name__)
 PERTURBED_LOSS = "sam/perturbed_loss"
 
 
-class FlatBiasTrainer(Trainer):
-    """A drop-in replacement for [`~transformers.Trainer`] whose steps seek flat minima.
+class FlatnessTrainerMixin:
+    """Every flatness method of this package for any [`~transformers.Trainer`] subclass.
 
-    Use it with a [`FlatBiasConfig`] exactly as you would use `Trainer` with `TrainingArguments`:
+    Put it first among the bases, before the host trainer, so that it owns ``training_step`` and the saves:
+    ``class MyTrainer(FlatnessTrainerMixin, Trainer)``. The host's config must carry the `FlatnessArguments`
+    fields (`FlatBiasConfig` for `Trainer`); a config without them is converted to ``flatness_config_class``
+    with every value kept, which means "no flatness method".
 
-    ```python
-    args = FlatBiasConfig("out", flatness_method="sam", sam_rho=0.05)
-    trainer = FlatBiasTrainer(model=model, args=args, train_dataset=train, data_collator=collator)
-    trainer.train()
-    ```
-
-    Callbacks that define ``bind_trainer(trainer)`` (such as `HessianTraceCallback`) are bound to this trainer so
+    Callbacks that define ``bind_trainer(trainer)`` (such as `HessianTraceCallback`) are bound to the trainer so
     they can log through it.
     """
 
-    _tag_names = ["hf_flatbias"]
-
+    #: The config a plain host config (or ``None``) is converted to: the host's config plus `FlatnessArguments`.
+    flatness_config_class: type[FlatnessArguments] = FlatBiasConfig
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None, **kwargs: Any):
-        args = _as_flatbias_config(args)
+        args = _as_flatness_config(args, self.flatness_config_class)
         if model is not None and not any(p.requires_grad for p in model.parameters()):
             raise ValueError(
                 "The model has no trainable parameter (every requires_grad is False): unfreeze some parameters or "
@@ -145,7 +143,7 @@ class FlatBiasTrainer(Trainer):
         loss_is_ours = (
             self.compute_loss_func is None
             and self.label_smoother is None
-            and type(self).compute_loss is FlatBiasTrainer.compute_loss
+            and _compute_loss_owner(type(self)) is Trainer
         )
         if is_language_model and split_update and loss_is_ours:
             self._token_weighted_loss = True
@@ -836,17 +834,45 @@ def _grads_materialized(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return [param.grad for param in params]
 
 
-def _as_flatbias_config(args: TrainingArguments | None) -> FlatBiasConfig:
+def _compute_loss_owner(trainer_class: type) -> type:
+    """The class whose ``compute_loss`` the mixin's own falls back to: `Trainer` unless the host trainer (trl's
+    `SFTTrainer`, a user's subclass) computes the loss its own way."""
+    return next(
+        owner
+        for owner in trainer_class.__mro__
+        if owner is not FlatnessTrainerMixin and "compute_loss" in vars(owner)
+    )
+
+
+def _as_flatness_config(args: TrainingArguments | None, config_class: type[FlatnessArguments]) -> FlatnessArguments:
     if args is None:
-        return FlatBiasConfig(output_dir="trainer_output")
-    if isinstance(args, FlatBiasConfig):
+        return config_class(output_dir="trainer_output")
+    if isinstance(args, FlatnessArguments):
         return args
     if isinstance(args, TrainingArguments):
-        # A plain TrainingArguments means "no flatness method"; keep every value the user set.
+        # A config without the flatness fields means "no flatness method"; keep every value the user set.
         init_fields = {f.name for f in dataclasses.fields(args) if f.init}
-        values = {name: getattr(args, name) for name in init_fields}
-        return FlatBiasConfig(**values)
-    raise TypeError(f"args must be a FlatBiasConfig or TrainingArguments, got {type(args).__name__}.")
+        accepted = {f.name for f in dataclasses.fields(config_class) if f.init}
+        values = {name: getattr(args, name) for name in init_fields & accepted}
+        return config_class(**values)
+    raise TypeError(
+        f"args must be a {config_class.__name__} or TrainingArguments, got {type(args).__name__}."
+    )
 
 
-__all__ = ["FlatBiasTrainer"]
+class FlatBiasTrainer(FlatnessTrainerMixin, Trainer):
+    """A drop-in replacement for [`~transformers.Trainer`] whose steps seek flat minima.
+
+    Use it with a [`FlatBiasConfig`] exactly as you would use `Trainer` with `TrainingArguments`:
+
+    ```python
+    args = FlatBiasConfig("out", flatness_method="sam", sam_rho=0.05)
+    trainer = FlatBiasTrainer(model=model, args=args, train_dataset=train, data_collator=collator)
+    trainer.train()
+    ```
+    """
+
+    _tag_names = ["hf_flatbias"]
+
+
+__all__ = ["FlatBiasTrainer", "FlatnessTrainerMixin"]

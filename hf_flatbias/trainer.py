@@ -36,9 +36,11 @@ from .sharpness.engines import (
     average_across_processes,
     check_deepspeed_supports_penalty,
     check_deepspeed_supports_sam,
+    check_fsdp_supports,
     deepspeed_backward,
-    first_gradient,
+    is_fully_sharded,
     perturbable_parameters,
+    sync_gradients_every_backward,
     trainable_parameters,
 )
 from .sharpness.penalties import (
@@ -93,6 +95,7 @@ class FlatnessTrainerMixin:
             self._check_sam_is_supported()
         if self.args.uses_penalty or self.args.flatness_method == "looksam":
             self._check_regularizer_is_supported()
+        self._check_fsdp_supports_flatness()
         for callback in self.callback_handler.callbacks:
             self._bind_callback(callback)
 
@@ -205,6 +208,16 @@ class FlatnessTrainerMixin:
             self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args.flatness_method
         )
 
+    def _check_fsdp_supports_flatness(self) -> None:
+        from accelerate.utils import DistributedType
+
+        if self.accelerator.distributed_type == DistributedType.FSDP:
+            check_fsdp_supports(
+                self.args.flatness_method,
+                self.args.sam_perturbation,
+                fsdp_version=self.accelerator.state.fsdp_plugin.fsdp_version,
+            )
+
     def _deepspeed_engine(self):
         """The DeepSpeed engine once accelerate has prepared the model, else ``None``."""
         wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
@@ -247,6 +260,8 @@ class FlatnessTrainerMixin:
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
+        if is_fully_sharded(model):
+            sync_gradients_every_backward(model)
         return self._prepare_inputs(inputs)
 
     def _sam_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
@@ -318,11 +333,10 @@ class FlatnessTrainerMixin:
             self.accelerator.backward(loss)
 
     def _first_gradient(
-        self, losses: torch.Tensor | Iterable[torch.Tensor], params: list[torch.nn.Parameter]
+        self, losses: torch.Tensor | Iterable[torch.Tensor], perturbable: PerturbableParameters
     ) -> list[torch.Tensor]:
-        return first_gradient(
+        return perturbable.first_gradient(
             losses,
-            params,
             scaler=self.accelerator.scaler,
             average_over_processes=self.args.sam_perturbation == "global",
         )
@@ -345,7 +359,7 @@ class FlatnessTrainerMixin:
                 clean_losses.append(loss.detach())
                 yield loss
 
-        grads = self._first_gradient(losses(), perturbable.params)
+        grads = self._first_gradient(losses(), perturbable)
         perturbation = perturbable.perturb(
             grads, self.args.sam_rho, adaptive=self.args.flatness_method == "asam", eta=self.args.asam_eta
         )
@@ -417,7 +431,7 @@ class FlatnessTrainerMixin:
             n_labels = int(self.accelerator.reduce(torch.tensor(n_labels, device=logits.device), "sum"))
         direction_loss = sampled_label_loss(logits, sampled)
         del outputs, logits, data_loss
-        grads = self._first_gradient(direction_loss, perturbable.params)
+        grads = self._first_gradient(direction_loss, perturbable)
         del direction_loss
 
         def loss_at_shifted_weights(first_gradient: list[torch.Tensor], grad_norm: float) -> torch.Tensor:
@@ -428,7 +442,9 @@ class FlatnessTrainerMixin:
                     model, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch
                 )
                 shifted_direction_loss = sampled_label_loss(self._labelled_logits(module, outputs, labels), sampled)
-            penalty_part = coefficient * (shifted_direction_loss - linear_term(perturbable.params, first_gradient))
+            penalty_part = coefficient * (
+                shifted_direction_loss - linear_term(perturbable.differentiable_tensors, first_gradient)
+            )
             self._flatness_log.record("fisher_penalty/trace", fisher_trace_from_mean_gradient(grad_norm**2, n_labels))
             accumulation = self.current_gradient_accumulation_steps
             return self._scale_for_accumulation(shifted_loss, num_items_in_batch) + penalty_part / accumulation
@@ -446,14 +462,15 @@ class FlatnessTrainerMixin:
         with self.compute_loss_context_manager():
             data_loss = self.compute_loss(module, dict(inputs), num_items_in_batch=num_items_in_batch)
         clean_loss = self._scale_for_accumulation(data_loss.detach(), num_items_in_batch)
-        grads = self._first_gradient(data_loss, perturbable.params)
+        grads = self._first_gradient(data_loss, perturbable)
         del data_loss
 
         def loss_at_shifted_weights(first_gradient: list[torch.Tensor], grad_norm: float) -> torch.Tensor:
             at_w, at_shifted = grad_norm_penalty_weights(self.args.penalty_lambda, self.args.penalty_fd_step)
             with self.compute_loss_context_manager():
                 shifted_loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
-            combined = at_shifted * shifted_loss + at_w * linear_term(perturbable.params, first_gradient)
+            linear = linear_term(perturbable.differentiable_tensors, first_gradient)
+            combined = at_shifted * shifted_loss + at_w * linear
             self._flatness_log.record("grad_norm_penalty/grad_norm", grad_norm)
             return self._scale_for_accumulation(combined, num_items_in_batch)
 
@@ -475,7 +492,6 @@ class FlatnessTrainerMixin:
 
         A zero or non-finite ``g`` gives no direction: the micro-batch then takes a plain step.
         """
-        grad_norm = float(squared_norm(grads).sqrt())
         first_gradient = [g.clone() for g in grads]  # perturb() consumes grads
         perturbation = perturbable.perturb(grads, self.args.penalty_fd_step)
         if perturbation is None:
@@ -486,7 +502,8 @@ class FlatnessTrainerMixin:
             self._count_flos_of_extra_pass(inputs)
             return loss.detach()
         try:
-            self._backward(loss_at_shifted_weights(first_gradient, grad_norm))
+            # the norm over every rank's shards when the parameters are sharded
+            self._backward(loss_at_shifted_weights(first_gradient, perturbation.grad_norm))
         finally:
             perturbation.restore()
         self._step_deepspeed_after_restore()
@@ -507,7 +524,7 @@ class FlatnessTrainerMixin:
         module = self.accelerator.unwrap_model(model)
         params = trainable_parameters(module)
         clean_loss = self._scaled_loss(module, inputs, num_items_in_batch)
-        grads = self._first_gradient(clean_loss, params)
+        grads = self._first_gradient(clean_loss, PerturbableParameters(params))
         clean_loss = clean_loss.detach()
         if looksam.plain_gradient is None:
             looksam.plain_gradient = [g.clone() for g in grads]

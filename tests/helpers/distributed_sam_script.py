@@ -43,7 +43,8 @@ class Case:
     """One training run; ``args`` override the FlatBiasConfig defaults.
 
     ``engine``: "ddp", "zero0".."zero3" (the DeepSpeed JSON in recipes/configs passed as ``deepspeed=``), or
-    "launcher" (whatever the ``accelerate launch`` config set up).
+    "launcher" (whatever the ``accelerate launch`` config set up, e.g. FSDP2). A "ddp" case inside an FSDP launch
+    drops the launcher's FSDP settings.
     """
 
     name: str
@@ -60,6 +61,8 @@ class Case:
     #: What a "sam" case trains: "classification" (`tiny_classifier` on `classification_rows`) or "masked_lm"
     #: (`tiny_mlm` on `token_weighted_rows`, whose micro-batches and ranks hold unequal label counts).
     task: str = "classification"
+    #: LoRA adapters (``peft.LoraConfig`` keyword arguments) on the model before training, or ``None``.
+    lora: dict | None = None
 
 
 def classification_rows(n: int = N_ROWS, seed: int = 1) -> list[dict[str, torch.Tensor]]:
@@ -151,14 +154,46 @@ def work_around_accelerate_cpu_world_size() -> None:
     PartialState._prepare_backend = prepare_backend
 
 
-def reset_accelerate(launch_environment: dict[str, str]) -> None:
-    """Forget the previous case: accelerate keeps its state in class attributes and flags in the environment."""
+def work_around_accelerate_cpu_fsdp() -> None:
+    """Test harness only: accelerate 1.15 cannot start FSDP on a machine without a GPU.
+
+    Launched with an FSDP config, each process finds no GPU backend and runs alone (world size 1, no sharding);
+    with ``use_cpu=True`` it runs DDP over gloo and drops the FSDP settings (accelerate turns FSDP on only for its
+    GPU-like distributed types). When an FSDP launch sees several processes and accelerate found no backend, answer
+    gloo as for GPUs with the device pinned to the CPU: accelerate then shards with FSDP over gloo.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    original = PartialState._prepare_backend
+    if getattr(original, "_hf_flatbias_fsdp_patched", False):
+        return
+
+    def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+        chosen, distributed_type = original(self, cpu, sagemaker_dp, backend)
+        fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+        if chosen is None and fsdp and not cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            self.device = torch.device("cpu")  # set_device keeps a device already set
+            return "gloo", DistributedType.MULTI_GPU
+        return chosen, distributed_type
+
+    prepare_backend._hf_flatbias_fsdp_patched = True
+    PartialState._prepare_backend = prepare_backend
+
+
+def reset_accelerate(launch_environment: dict[str, str], *, keep_fsdp: bool = True) -> None:
+    """Forget the previous case: accelerate keeps its state in class attributes and flags in the environment.
+
+    ``keep_fsdp=False`` drops an FSDP launcher's settings, so that a DDP case runs inside an FSDP launch."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     for key in [k for k in os.environ if k.startswith("ACCELERATE_")]:
         del os.environ[key]
-    os.environ.update({k: v for k, v in launch_environment.items() if k.startswith("ACCELERATE_")})
+    os.environ.update(
+        {k: v for k, v in launch_environment.items()
+         if k.startswith("ACCELERATE_") and (keep_fsdp or k != "ACCELERATE_USE_FSDP")}
+    )
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     PartialState._reset_state()
@@ -166,7 +201,11 @@ def reset_accelerate(launch_environment: dict[str, str]) -> None:
 
 
 def trained_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
     params = dict(model.named_parameters())
+    if any(isinstance(p, DTensor) for p in params.values()):  # FSDP2: gather each parameter from its shards
+        return {name: p.full_tensor().detach().clone() for name, p in params.items()}
     if any(hasattr(p, "ds_tensor") for p in params.values()):
         import deepspeed
 
@@ -218,6 +257,32 @@ def run_trace_callback_case(case: Case, values: dict) -> dict:
             "estimate": callback.last_estimate.to_dict()}
 
 
+def with_lora(model: torch.nn.Module, lora: dict | None) -> torch.nn.Module:
+    if lora is None:
+        return model
+    import peft
+
+    return peft.get_peft_model(model, peft.LoraConfig(**lora))
+
+
+def record_perturbation_bytes() -> list[int]:
+    """The bytes each perturbation of this process holds (the saved ``w``: the step's extra parameter copy)."""
+    from hf_flatbias.sharpness.engines import PerturbableParameters
+
+    held: list[int] = []
+    original = getattr(PerturbableParameters.perturb, "_hf_flatbias_original", PerturbableParameters.perturb)
+
+    def perturb(self, *args, **kwargs):
+        perturbation = original(self, *args, **kwargs)
+        if perturbation is not None:
+            held.append(sum(t.numel() * t.element_size() for t in perturbation.saved_weights))
+        return perturbation
+
+    perturb._hf_flatbias_original = original
+    PerturbableParameters.perturb = perturb
+    return held
+
+
 def run_case(case: Case, out_dir: Path, rank: int) -> dict:
     from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
     from hf_flatbias.sharpness.engines import deepspeed_zero_stage
@@ -245,12 +310,16 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
 
     def train(resume_from_checkpoint: str | None = None) -> FlatBiasTrainer:
         args = FlatBiasConfig(**values)
-        trainer = FlatBiasTrainer(model=model(), args=args, train_dataset=rows())
+        trainer = FlatBiasTrainer(model=with_lora(model(), case.lora), args=args, train_dataset=rows())
         trainer.train(resume_from_checkpoint=resume_from_checkpoint)
         return trainer
 
+    held_bytes = record_perturbation_bytes()
     trainer = train()
     result = {"params": trained_parameters(trainer.model)}
+    result["perturbation_bytes"] = max(held_bytes, default=0)
+    result["trainable_bytes"] = sum(p.numel() * p.element_size() for n, p in result["params"].items()
+                                    if dict(trainer.model.named_parameters())[n].requires_grad)
     if case.resume_from_step is not None:
         checkpoint = work / f"checkpoint-{case.resume_from_step}"
         trainer.accelerator.wait_for_everyone()
@@ -270,9 +339,10 @@ def main(cases_file: str, out: str) -> None:
     cases = [Case(**c) for c in json.loads(Path(cases_file).read_text())]
     launch_environment = dict(os.environ)
     work_around_accelerate_cpu_world_size()
+    work_around_accelerate_cpu_fsdp()
     rank = int(os.environ.get("RANK", "0"))
     for case in cases:
-        reset_accelerate(launch_environment)
+        reset_accelerate(launch_environment, keep_fsdp=case.engine != "ddp")
         start = time.perf_counter()
         stem = f"{case.name}.rank{rank}"
         try:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..flatness.distributed import is_fully_sharded
 from ..flatness.lm import trainable_parameters
 from .sam import Perturbation, SquaredNormReducer, perturb_weights
 
@@ -294,13 +295,6 @@ class FullyShardedParameters(PerturbableParameters):
         if scaler is not None:
             torch._foreach_div_(grads, scaler.get_scale())
         return grads
-
-
-def is_fully_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is sharded by FSDP2 (``fully_shard`` applied to it or to a submodule)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def sync_gradients_every_backward(model: torch.nn.Module) -> None:

@@ -59,7 +59,9 @@ class Case:
     kind: str = "sam"
     trace: dict = field(default_factory=dict)
     #: What a "sam" case trains: "classification" (`tiny_classifier` on `classification_rows`) or "masked_lm"
-    #: (`tiny_mlm` on `token_weighted_rows`, whose micro-batches and ranks hold unequal label counts).
+    #: (`tiny_mlm` on `token_weighted_rows`, whose micro-batches and ranks hold unequal label counts). What a trace
+    #: case measures: "masked_lm" (`tiny_masked_lm` on `masked_rows`) or "causal_lm" (`tiny_causal_lm` on
+    #: `causal_rows`; FSDP2 through accelerate 1.15 cannot shard BERT's masked-LM head, whose bias is tied).
     task: str = "classification"
     #: LoRA adapters (``peft.LoraConfig`` keyword arguments) on the model before training, or ``None``.
     lora: dict | None = None
@@ -79,6 +81,35 @@ def tiny_masked_lm(seed: int = 0) -> BertForMaskedLM:
     config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=16)
     return BertForMaskedLM(config)
+
+
+def tiny_causal_lm(seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return tiny_models.randomize_norms(LlamaForCausalLM(LlamaConfig(**tiny_models.TINY_DECODER)))
+
+
+def causal_rows(n: int = 7, seed: int = 2) -> list[dict[str, torch.Tensor]]:
+    """One labelled position per row (never the first, which a causal LM cannot predict): one context each."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, tiny_models.TINY_DECODER["vocab_size"], (n, SEQ_LEN), generator=g)
+    rows = []
+    for i in range(n):
+        labels = torch.full((SEQ_LEN,), -100)
+        position = 1 + i % (SEQ_LEN - 1)
+        labels[position] = ids[i, position]
+        rows.append({"input_ids": ids[i], "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long), "labels": labels})
+    return rows
+
+
+#: What a trace case measures, by its ``task``: the model builder and its rows.
+TRACE_TASKS = {"masked_lm": ("tiny_masked_lm", "masked_rows"), "causal_lm": ("tiny_causal_lm", "causal_rows")}
+
+
+def trace_task(task: str):
+    model_name, rows_name = TRACE_TASKS.get(task, TRACE_TASKS["masked_lm"])
+    return globals()[model_name], globals()[rows_name]
 
 
 def masked_rows(n: int = 7, seed: int = 2) -> list[dict[str, torch.Tensor]]:
@@ -221,7 +252,8 @@ def run_trace_case(case: Case, values: dict) -> dict:
     from hf_flatbias.sharpness.engines import deepspeed_zero_stage
 
     values.update(flatness_method="none", learning_rate=0.0, max_steps=1)
-    trainer = FlatBiasTrainer(model=tiny_masked_lm(), args=FlatBiasConfig(**values), train_dataset=masked_rows())
+    model, rows = trace_task(case.task)
+    trainer = FlatBiasTrainer(model=model(), args=FlatBiasConfig(**values), train_dataset=rows())
     trainer.train()
     summarized = []
     real_summary = api.summarize_trace_samples
@@ -232,7 +264,7 @@ def run_trace_case(case: Case, values: dict) -> dict:
 
     api.summarize_trace_samples = keep_samples
     try:
-        estimate = api.estimate_hessian_trace(trainer.model, masked_rows(), across_processes=True, **case.trace)
+        estimate = api.estimate_hessian_trace(trainer.model, rows(), across_processes=True, **case.trace)
     finally:
         api.summarize_trace_samples = real_summary
     return {
@@ -248,8 +280,9 @@ def run_trace_callback_case(case: Case, values: dict) -> dict:
     from hf_flatbias.callbacks import TRACE_METRIC, HessianTraceCallback
 
     values.update(flatness_method="none", learning_rate=0.0, max_steps=1)
-    callback = HessianTraceCallback(masked_rows(), every_n_steps=1, on_evaluate=False, mask_token_id=4, **case.trace)
-    trainer = FlatBiasTrainer(model=tiny_masked_lm(), args=FlatBiasConfig(**values), train_dataset=masked_rows(),
+    model, rows = trace_task(case.task)
+    callback = HessianTraceCallback(rows(), every_n_steps=1, on_evaluate=False, mask_token_id=4, **case.trace)
+    trainer = FlatBiasTrainer(model=model(), args=FlatBiasConfig(**values), train_dataset=rows(),
                               callbacks=[callback])
     trainer.train()
     logged = [entry[TRACE_METRIC] for entry in trainer.state.log_history if TRACE_METRIC in entry]
@@ -298,6 +331,12 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
         values["deepspeed"] = deepspeed_config(int(case.engine.removeprefix("zero")), case.deepspeed_overrides)
     if case.resume_from_step is not None:
         values.update(save_strategy="steps", save_steps=case.resume_from_step)
+    # accelerate 1.15 cannot shard a BERT by its own _no_split_modules (BertEmbeddings holds the word embedding it
+    # carves out again): its layers are named, as a user sets fsdp_transformer_layer_cls_to_wrap
+    if case.kind == "sam":
+        os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = "BertLayer"
+    else:
+        os.environ.pop("FSDP_TRANSFORMER_CLS_TO_WRAP", None)
     if case.kind == "trace":
         return run_trace_case(case, values)
     if case.kind == "trace_callback":

@@ -61,7 +61,8 @@ class Case:
     #: What a "sam" case trains: "classification" (`tiny_classifier` on `classification_rows`) or "masked_lm"
     #: (`tiny_mlm` on `token_weighted_rows`, whose micro-batches and ranks hold unequal label counts). What a trace
     #: case measures: "masked_lm" (`tiny_masked_lm` on `masked_rows`) or "causal_lm" (`tiny_causal_lm` on
-    #: `causal_rows`; FSDP2 through accelerate 1.15 cannot shard BERT's masked-LM head, whose bias is tied).
+    #: `causal_rows`; FSDP2 through accelerate 1.15 cannot shard BERT's masked-LM head, whose bias is tied). A "sam"
+    #: case on "causal_lm" trains `tiny_causal_lm` on `causal_training_rows`.
     task: str = "classification"
     #: LoRA adapters (``peft.LoraConfig`` keyword arguments) on the model before training, or ``None``.
     lora: dict | None = None
@@ -316,6 +317,19 @@ def record_perturbation_bytes() -> list[int]:
     return held
 
 
+def causal_training_rows(n: int = N_ROWS) -> list[dict[str, torch.Tensor]]:
+    """`causal_rows` enough for training: one label per row, so ranks and micro-batches hold equal counts."""
+    return causal_rows(n)
+
+
+#: What a "sam" case trains, by its ``task``: the model builder and its rows.
+TRAINING_TASKS = {
+    "classification": (tiny_classifier, classification_rows),
+    "masked_lm": (tiny_models.tiny_mlm, token_weighted_rows),
+    "causal_lm": (tiny_causal_lm, causal_training_rows),
+}
+
+
 def run_case(case: Case, out_dir: Path, rank: int) -> dict:
     from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
     from hf_flatbias.sharpness.engines import deepspeed_zero_stage
@@ -333,7 +347,7 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
         values.update(save_strategy="steps", save_steps=case.resume_from_step)
     # accelerate 1.15 cannot shard a BERT by its own _no_split_modules (BertEmbeddings holds the word embedding it
     # carves out again): its layers are named, as a user sets fsdp_transformer_layer_cls_to_wrap
-    if case.kind == "sam":
+    if case.kind == "sam" and case.task != "causal_lm":
         os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = "BertLayer"
     else:
         os.environ.pop("FSDP_TRANSFORMER_CLS_TO_WRAP", None)
@@ -342,10 +356,7 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
     if case.kind == "trace_callback":
         return run_trace_callback_case(case, values)
 
-    model, rows = {
-        "classification": (tiny_classifier, classification_rows),
-        "masked_lm": (tiny_models.tiny_mlm, token_weighted_rows),
-    }[case.task]
+    model, rows = TRAINING_TASKS[case.task]
 
     def train(resume_from_checkpoint: str | None = None) -> FlatBiasTrainer:
         args = FlatBiasConfig(**values)

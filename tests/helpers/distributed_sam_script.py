@@ -162,11 +162,13 @@ def deepspeed_config(stage: int, overrides: dict) -> dict:
 
 
 def work_around_accelerate_cpu_world_size() -> None:
-    """Test harness only: accelerate 1.15 reports world size 1 to DeepSpeed on CPU.
+    """Test harness only: accelerate 1.15 miscounts the processes of DeepSpeed and FSDP launches on CPU.
 
-    Without a GPU, accelerate picks no backend for a DeepSpeed launch and then counts one process although
-    DeepSpeed set up all of them, so DeepSpeed rejects ``train_batch_size`` (``8 != 8 * 1 * 2``). When a
-    DeepSpeed run sees several processes and accelerate found no backend, answer gloo as a multi-CPU run does.
+    Without a GPU, accelerate picks no backend for either. DeepSpeed then sets up all processes while accelerate
+    counts one, so DeepSpeed rejects ``train_batch_size`` (``8 != 8 * 1 * 2``): answer gloo as a multi-CPU run does.
+    With FSDP each process silently trains alone (world size 1, no sharding), and ``use_cpu=True`` runs DDP over
+    gloo, dropping the FSDP settings (accelerate turns FSDP on only for its GPU-like distributed types): answer gloo
+    as for GPUs with the device pinned to the CPU, and accelerate shards with FSDP over gloo.
     """
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
@@ -177,39 +179,16 @@ def work_around_accelerate_cpu_world_size() -> None:
 
     def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
         chosen, distributed_type = original(self, cpu, sagemaker_dp, backend)
-        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-        if chosen is None and deepspeed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if chosen is not None or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            return chosen, distributed_type
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
             return "gloo", DistributedType.MULTI_CPU
-        return chosen, distributed_type
-
-    prepare_backend._hf_flatbias_patched = True
-    PartialState._prepare_backend = prepare_backend
-
-
-def work_around_accelerate_cpu_fsdp() -> None:
-    """Test harness only: accelerate 1.15 cannot start FSDP on a machine without a GPU.
-
-    Launched with an FSDP config, each process finds no GPU backend and runs alone (world size 1, no sharding);
-    with ``use_cpu=True`` it runs DDP over gloo and drops the FSDP settings (accelerate turns FSDP on only for its
-    GPU-like distributed types). When an FSDP launch sees several processes and accelerate found no backend, answer
-    gloo as for GPUs with the device pinned to the CPU: accelerate then shards with FSDP over gloo.
-    """
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
-
-    original = PartialState._prepare_backend
-    if getattr(original, "_hf_flatbias_fsdp_patched", False):
-        return
-
-    def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
-        chosen, distributed_type = original(self, cpu, sagemaker_dp, backend)
-        fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-        if chosen is None and fsdp and not cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not cpu:
             self.device = torch.device("cpu")  # set_device keeps a device already set
             return "gloo", DistributedType.MULTI_GPU
         return chosen, distributed_type
 
-    prepare_backend._hf_flatbias_fsdp_patched = True
+    prepare_backend._hf_flatbias_patched = True
     PartialState._prepare_backend = prepare_backend
 
 
@@ -389,7 +368,6 @@ def main(cases_file: str, out: str) -> None:
     cases = [Case(**c) for c in json.loads(Path(cases_file).read_text())]
     launch_environment = dict(os.environ)
     work_around_accelerate_cpu_world_size()
-    work_around_accelerate_cpu_fsdp()
     rank = int(os.environ.get("RANK", "0"))
     for case in cases:
         reset_accelerate(launch_environment, keep_fsdp=case.engine != "ddp")

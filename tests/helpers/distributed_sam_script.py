@@ -347,8 +347,8 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
     trainer = train()
     result = {"params": trained_parameters(trainer.model)}
     result["perturbation_bytes"] = max(held_bytes, default=0)
-    result["trainable_bytes"] = sum(p.numel() * p.element_size() for n, p in result["params"].items()
-                                    if dict(trainer.model.named_parameters())[n].requires_grad)
+    trainable = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
+    result["trainable_bytes"] = sum(p.numel() * p.element_size() for n, p in result["params"].items() if n in trainable)
     if case.resume_from_step is not None:
         checkpoint = work / f"checkpoint-{case.resume_from_step}"
         trainer.accelerator.wait_for_everyone()

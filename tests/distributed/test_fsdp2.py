@@ -63,9 +63,14 @@ REJECTED_CASES = {
     "fsdp2-per_rank-rejected": ({"sam_perturbation": "per_rank"}, "per_rank"),
     "fsdp2-looksam-rejected": ({"flatness_method": "looksam", "sam_every_k": 2}, "looksam"),
 }
+# The trace is over the trainable parameters: with LoRA, the adapters'.
+LLAMA_LORA = {"r": 2, "lora_alpha": 4, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"],
+              "init_lora_weights": False}
 TRACE_CASES = [
     {"name": "trace-fsdp2-per_sample", "kind": "trace", "trace": {"n_draws": 2, "batch_size": 2}},
     {"name": "trace-fsdp2-naive", "kind": "trace", "trace": {"n_draws": 2, "estimator": "naive"}},
+    {"name": "trace-fsdp2-lora-per_sample", "kind": "trace", "trace": {"n_draws": 2, "batch_size": 2},
+     "lora": LLAMA_LORA},
 ]
 TRACE_CALLBACK_CASE = {"name": "tracecb-fsdp2", "kind": "trace_callback",
                        "trace": {"n_contexts": 7, "n_draws": 2, "batch_size": 2}}
@@ -188,14 +193,22 @@ def test_trace_across_fsdp2_processes_equals_one_process(fsdp2_runs, case):
     for estimate in estimates:
         estimate.pop("seconds")
     assert estimates[0] == estimates[1] and info(fsdp2_runs, case["name"])["world_size"] == 2
-    one_process = estimate_hessian_trace(tiny_causal_lm(), causal_rows(), **case["trace"])
+    model = with_lora(tiny_causal_lm(), case.get("lora"))
+    one_process = estimate_hessian_trace(model, causal_rows(), **case["trace"])
     assert estimates[0]["n_contexts"] == one_process.n_contexts == len(causal_rows())
     assert estimates[0]["mean"] == pytest.approx(one_process.mean, rel=1e-6)
     assert estimates[0]["stderr"] == pytest.approx(one_process.stderr, rel=1e-5)
     gathered = load(fsdp2_runs, case["name"])["per_context_values"]
-    reference = compute_trace_samples(tiny_causal_lm().eval(), TraceContexts.from_rows(causal_rows(), causal=True),
+    reference = compute_trace_samples(model.eval(), TraceContexts.from_rows(causal_rows(), causal=True),
                                       **case["trace"])
     torch.testing.assert_close(gathered, reference.values, rtol=1e-6, atol=0)
+
+
+def test_the_lora_trace_is_the_adapters_trace(fsdp2_runs):
+    """The tolerance of the trace tests tells the adapters' trace from the whole model's."""
+    whole = info(fsdp2_runs, "trace-fsdp2-per_sample")["estimate"]["mean"]
+    adapters = info(fsdp2_runs, "trace-fsdp2-lora-per_sample")["estimate"]["mean"]
+    assert abs(adapters - whole) > 1e-3 * whole
 
 
 def test_trace_callback_under_fsdp2_logs_the_one_process_estimate(fsdp2_runs):

@@ -233,7 +233,7 @@ def run_trace_case(case: Case, values: dict) -> dict:
 
     values.update(flatness_method="none", learning_rate=0.0, max_steps=1)
     model, rows = trace_task(case.task)
-    trainer = FlatBiasTrainer(model=model(), args=FlatBiasConfig(**values), train_dataset=rows())
+    trainer = FlatBiasTrainer(model=with_lora(model(), case.lora), args=FlatBiasConfig(**values), train_dataset=rows())
     trainer.train()
     summarized = []
     real_summary = api.summarize_trace_samples
@@ -262,7 +262,7 @@ def run_trace_callback_case(case: Case, values: dict) -> dict:
     values.update(flatness_method="none", learning_rate=0.0, max_steps=1)
     model, rows = trace_task(case.task)
     callback = HessianTraceCallback(rows(), every_n_steps=1, on_evaluate=False, mask_token_id=4, **case.trace)
-    trainer = FlatBiasTrainer(model=model(), args=FlatBiasConfig(**values), train_dataset=rows(),
+    trainer = FlatBiasTrainer(model=with_lora(model(), case.lora), args=FlatBiasConfig(**values), train_dataset=rows(),
                               callbacks=[callback])
     trainer.train()
     logged = [entry[TRACE_METRIC] for entry in trainer.state.log_history if TRACE_METRIC in entry]

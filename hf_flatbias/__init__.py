@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 # torch and transformers (seconds), which only the command that runs needs.
 _import_structure = {
     "callbacks": ["FlatnessCheckpointSelector", "HessianTraceCallback", "SaveOnInterruptCallback"],
-    "config": ["FlatBiasConfig"],
+    "config": ["FlatBiasConfig", "FlatnessArguments"],
     "enlarge": ["check_enlargeable", "enlarge"],
     "flatness": [
         "GroupTrace",
@@ -38,7 +38,7 @@ _import_structure = {
         "CheckpointSelection",
         "select_flattest_checkpoint",
     ],
-    "trainer": ["FlatBiasTrainer"],
+    "trainer": ["FlatBiasTrainer", "FlatnessTrainerMixin"],
 }
 _module_of_name = {name: module for module, names in _import_structure.items() for name in names}
 
@@ -46,7 +46,7 @@ __all__ = sorted(_module_of_name, key=str.lower) + ["__version__"]
 
 if TYPE_CHECKING:
     from .callbacks import FlatnessCheckpointSelector, HessianTraceCallback, SaveOnInterruptCallback
-    from .config import FlatBiasConfig
+    from .config import FlatBiasConfig, FlatnessArguments
     from .enlarge import check_enlargeable, enlarge
     from .flatness import (
         GroupTrace,
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
         CheckpointSelection,
         select_flattest_checkpoint,
     )
-    from .trainer import FlatBiasTrainer
+    from .trainer import FlatBiasTrainer, FlatnessTrainerMixin
 
 
 def __getattr__(name: str) -> Any:

@@ -16,11 +16,13 @@ SAM_PERTURBATIONS = ("global", "per_rank")
 
 
 @dataclass
-class FlatBiasConfig(TrainingArguments):
-    """[`~transformers.TrainingArguments`] with the options of [`FlatBiasTrainer`]'s flatness-seeking steps.
+class FlatnessArguments:
+    """The flatness-seeking options shared by every trainer config of this package, defined once.
 
-    Every field below can be given on the command line through [`~transformers.HfArgumentParser`] or in a YAML
-    config, like any other training argument.
+    Not a config by itself: it is mixed in *before* a `TrainingArguments` subclass (``FlatnessArguments, SFTConfig``),
+    so its fields come after the host's (``output_dir`` stays the first positional argument), the host keeps its own
+    defaults (trl's `SFTConfig` sets other learning-rate and logging defaults than `TrainingArguments`), and these
+    fields are checked before the host's ``__post_init__`` runs.
     """
 
     flatness_method: str = field(
@@ -109,7 +111,7 @@ class FlatBiasConfig(TrainingArguments):
         if self.dataloader_pin_memory and (self.use_cpu or not accelerator):
             # pinned memory only speeds copies to an accelerator; without one PyTorch warns on every epoch
             self.dataloader_pin_memory = False
-        super().__post_init__()
+        super().__post_init__()  # the host TrainingArguments (or trl config) next in the MRO
 
     def _convert_numeric_strings(self) -> None:
         # YAML 1.1 reads `sam_rho: 5e-2` (no dot) as the string "5e-2": accept a number written as text, refuse the
@@ -208,4 +210,13 @@ _NUMERIC_FIELDS = {
     "penalty_lambda": float,
     "penalty_fd_step": float,
 }
-_FIELD_DEFAULTS = {name: FlatBiasConfig.__dataclass_fields__[name].default for name in _NUMERIC_FIELDS}
+_FIELD_DEFAULTS = {name: FlatnessArguments.__dataclass_fields__[name].default for name in _NUMERIC_FIELDS}
+
+
+@dataclass
+class FlatBiasConfig(FlatnessArguments, TrainingArguments):
+    """[`~transformers.TrainingArguments`] with the options of [`FlatBiasTrainer`]'s flatness-seeking steps.
+
+    Every field can be given on the command line through [`~transformers.HfArgumentParser`] or in a YAML config,
+    like any other training argument.
+    """

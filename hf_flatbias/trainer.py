@@ -1,4 +1,5 @@
-"""`FlatBiasTrainer`: the transformers `Trainer` with flatness-seeking steps.
+"""`FlatnessTrainerMixin`, the flatness-seeking steps for any `Trainer` subclass, and `FlatBiasTrainer` = the mixin on
+the transformers `Trainer`.
 
 This module orchestrates; the numbers come from `hf_flatbias.sharpness`. A SAM step inside the Trainer loop:
 
@@ -28,7 +29,7 @@ from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
 from .checkpoints import output_dir_lock
-from .config import FlatBiasConfig
+from .config import FlatBiasConfig, FlatnessArguments
 from .flatness.lm import is_causal_lm
 from .modelcard import FlatnessCard, flatness_card_from_trainer
 from .sharpness.engines import (
@@ -36,9 +37,11 @@ from .sharpness.engines import (
     average_across_processes,
     check_deepspeed_supports_penalty,
     check_deepspeed_supports_sam,
+    check_fsdp_supports,
     deepspeed_backward,
-    first_gradient,
+    is_fully_sharded,
     perturbable_parameters,
+    sync_gradients_every_backward,
     trainable_parameters,
 )
 from .sharpness.penalties import (
@@ -61,25 +64,22 @@ logger = logging.get_logger(__name__)
 PERTURBED_LOSS = "sam/perturbed_loss"
 
 
-class FlatBiasTrainer(Trainer):
-    """A drop-in replacement for [`~transformers.Trainer`] whose steps seek flat minima.
+class FlatnessTrainerMixin:
+    """Every flatness method of this package for any [`~transformers.Trainer`] subclass.
 
-    Use it with a [`FlatBiasConfig`] exactly as you would use `Trainer` with `TrainingArguments`:
+    Put it first among the bases, before the host trainer, so that it owns ``training_step`` and the saves:
+    ``class MyTrainer(FlatnessTrainerMixin, Trainer)``. The host's config must carry the `FlatnessArguments`
+    fields (`FlatBiasConfig` for `Trainer`); a config without them is converted to ``flatness_config_class``
+    with every value kept, which means "no flatness method".
 
-    ```python
-    args = FlatBiasConfig("out", flatness_method="sam", sam_rho=0.05)
-    trainer = FlatBiasTrainer(model=model, args=args, train_dataset=train, data_collator=collator)
-    trainer.train()
-    ```
-
-    Callbacks that define ``bind_trainer(trainer)`` (such as `HessianTraceCallback`) are bound to this trainer so
+    Callbacks that define ``bind_trainer(trainer)`` (such as `HessianTraceCallback`) are bound to the trainer so
     they can log through it.
     """
 
-    _tag_names = ["hf_flatbias"]
-
+    #: The config a plain host config (or ``None``) is converted to: the host's config plus `FlatnessArguments`.
+    flatness_config_class: type[FlatnessArguments] = FlatBiasConfig
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None, **kwargs: Any):
-        args = _as_flatbias_config(args)
+        args = _as_flatness_config(args, self.flatness_config_class)
         if model is not None and not any(p.requires_grad for p in model.parameters()):
             raise ValueError(
                 "The model has no trainable parameter (every requires_grad is False): unfreeze some parameters or "
@@ -98,6 +98,7 @@ class FlatBiasTrainer(Trainer):
         self._looksam = _LookSamState()
         # Seeded per process: ranks draw different labels for their different rows, reproducibly.
         self._sampled_labels = _SampledLabelSource(seed=self.args.seed + 7919 * self.args.process_index)
+        self._check_fsdp_supports_flatness()
         for callback in self.callback_handler.callbacks:
             self._bind_callback(callback)
 
@@ -151,7 +152,7 @@ class FlatBiasTrainer(Trainer):
         loss_is_ours = (
             self.compute_loss_func is None
             and self.label_smoother is None
-            and type(self).compute_loss is FlatBiasTrainer.compute_loss
+            and _compute_loss_owner(type(self)) is Trainer
         )
         if is_language_model and split_update and loss_is_ours:
             self._token_weighted_loss = True
@@ -189,6 +190,16 @@ class FlatBiasTrainer(Trainer):
             # as Trainer.compute_loss does.
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         return (loss, outputs) if return_outputs else loss
+
+    def _check_fsdp_supports_flatness(self) -> None:
+        from accelerate.utils import DistributedType
+
+        if self.accelerator.distributed_type == DistributedType.FSDP:
+            check_fsdp_supports(
+                self.args.flatness_method,
+                self.args.sam_perturbation,
+                fsdp_version=self.accelerator.state.fsdp_plugin.fsdp_version,
+            )
 
     def _deepspeed_engine(self):
         """The DeepSpeed engine once accelerate has prepared the model, else ``None``."""
@@ -232,6 +243,8 @@ class FlatBiasTrainer(Trainer):
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
+        if is_fully_sharded(model):
+            sync_gradients_every_backward(model)
         return self._prepare_inputs(inputs)
 
     def _sam_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
@@ -303,11 +316,10 @@ class FlatBiasTrainer(Trainer):
             self.accelerator.backward(loss)
 
     def _first_gradient(
-        self, losses: torch.Tensor | Iterable[torch.Tensor], params: list[torch.nn.Parameter]
+        self, losses: torch.Tensor | Iterable[torch.Tensor], perturbable: PerturbableParameters
     ) -> list[torch.Tensor]:
-        return first_gradient(
+        return perturbable.first_gradient(
             losses,
-            params,
             scaler=self.accelerator.scaler,
             average_over_processes=self.args.sam_perturbation == "global",
         )
@@ -330,7 +342,7 @@ class FlatBiasTrainer(Trainer):
                 clean_losses.append(loss.detach())
                 yield loss
 
-        grads = self._first_gradient(losses(), perturbable.params)
+        grads = self._first_gradient(losses(), perturbable)
         perturbation = perturbable.perturb(
             grads, self.args.sam_rho, adaptive=self.args.flatness_method == "asam", eta=self.args.asam_eta
         )
@@ -402,7 +414,7 @@ class FlatBiasTrainer(Trainer):
             n_labels = int(self.accelerator.reduce(torch.tensor(n_labels, device=logits.device), "sum"))
         direction_loss = sampled_label_loss(logits, sampled)
         del outputs, logits, data_loss
-        grads = self._first_gradient(direction_loss, perturbable.params)
+        grads = self._first_gradient(direction_loss, perturbable)
         del direction_loss
 
         def loss_at_shifted_weights(first_gradient: list[torch.Tensor], grad_norm: float) -> torch.Tensor:
@@ -413,7 +425,9 @@ class FlatBiasTrainer(Trainer):
                     model, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch
                 )
                 shifted_direction_loss = sampled_label_loss(self._labelled_logits(module, outputs, labels), sampled)
-            penalty_part = coefficient * (shifted_direction_loss - linear_term(perturbable.params, first_gradient))
+            penalty_part = coefficient * (
+                shifted_direction_loss - linear_term(perturbable.differentiable_tensors, first_gradient)
+            )
             self._flatness_log.record("fisher_penalty/trace", fisher_trace_from_mean_gradient(grad_norm**2, n_labels))
             accumulation = self.current_gradient_accumulation_steps
             return self._scale_for_accumulation(shifted_loss, num_items_in_batch) + penalty_part / accumulation
@@ -431,14 +445,15 @@ class FlatBiasTrainer(Trainer):
         with self.compute_loss_context_manager():
             data_loss = self.compute_loss(module, dict(inputs), num_items_in_batch=num_items_in_batch)
         clean_loss = self._scale_for_accumulation(data_loss.detach(), num_items_in_batch)
-        grads = self._first_gradient(data_loss, perturbable.params)
+        grads = self._first_gradient(data_loss, perturbable)
         del data_loss
 
         def loss_at_shifted_weights(first_gradient: list[torch.Tensor], grad_norm: float) -> torch.Tensor:
             at_w, at_shifted = grad_norm_penalty_weights(self.args.penalty_lambda, self.args.penalty_fd_step)
             with self.compute_loss_context_manager():
                 shifted_loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
-            combined = at_shifted * shifted_loss + at_w * linear_term(perturbable.params, first_gradient)
+            linear = linear_term(perturbable.differentiable_tensors, first_gradient)
+            combined = at_shifted * shifted_loss + at_w * linear
             self._flatness_log.record("grad_norm_penalty/grad_norm", grad_norm)
             return self._scale_for_accumulation(combined, num_items_in_batch)
 
@@ -460,7 +475,6 @@ class FlatBiasTrainer(Trainer):
 
         A zero or non-finite ``g`` gives no direction: the micro-batch then takes a plain step.
         """
-        grad_norm = float(squared_norm(grads).sqrt())
         first_gradient = [g.clone() for g in grads]  # perturb() consumes grads
         perturbation = perturbable.perturb(grads, self.args.penalty_fd_step)
         if perturbation is None:
@@ -471,7 +485,8 @@ class FlatBiasTrainer(Trainer):
             self._count_flos_of_extra_pass(inputs)
             return loss.detach()
         try:
-            self._backward(loss_at_shifted_weights(first_gradient, grad_norm))
+            # the norm over every rank's shards when the parameters are sharded
+            self._backward(loss_at_shifted_weights(first_gradient, perturbation.grad_norm))
         finally:
             perturbation.restore()
         self._step_deepspeed_after_restore()
@@ -492,7 +507,7 @@ class FlatBiasTrainer(Trainer):
         module = self.accelerator.unwrap_model(model)
         params = trainable_parameters(module)
         clean_loss = self._scaled_loss(module, inputs, num_items_in_batch)
-        grads = self._first_gradient(clean_loss, params)
+        grads = self._first_gradient(clean_loss, PerturbableParameters(params))
         clean_loss = clean_loss.detach()
         if looksam.plain_gradient is None:
             looksam.plain_gradient = [g.clone() for g in grads]
@@ -819,7 +834,7 @@ def _grads_materialized(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return [param.grad for param in params]
 
 
-def _check_deepspeed_supports_method(deepspeed_config: dict, args: FlatBiasConfig) -> None:
+def _check_deepspeed_supports_method(deepspeed_config: dict, args: FlatnessArguments) -> None:
     if args.uses_sam:
         check_deepspeed_supports_sam(deepspeed_config, args.sam_perturbation)
     if args.flatness_method == "looksam":
@@ -832,17 +847,45 @@ def _check_deepspeed_supports_method(deepspeed_config: dict, args: FlatBiasConfi
         check_deepspeed_supports_penalty(deepspeed_config, args.flatness_method)
 
 
-def _as_flatbias_config(args: TrainingArguments | None) -> FlatBiasConfig:
+def _compute_loss_owner(trainer_class: type) -> type:
+    """The class whose ``compute_loss`` the mixin's own falls back to: `Trainer` unless the host trainer (trl's
+    `SFTTrainer`, a user's subclass) computes the loss its own way."""
+    return next(
+        owner
+        for owner in trainer_class.__mro__
+        if owner is not FlatnessTrainerMixin and "compute_loss" in vars(owner)
+    )
+
+
+def _as_flatness_config(args: TrainingArguments | None, config_class: type[FlatnessArguments]) -> FlatnessArguments:
     if args is None:
-        return FlatBiasConfig(output_dir="trainer_output")
-    if isinstance(args, FlatBiasConfig):
+        return config_class(output_dir="trainer_output")
+    if isinstance(args, FlatnessArguments):
         return args
     if isinstance(args, TrainingArguments):
-        # A plain TrainingArguments means "no flatness method"; keep every value the user set.
+        # A config without the flatness fields means "no flatness method"; keep every value the user set.
         init_fields = {f.name for f in dataclasses.fields(args) if f.init}
-        values = {name: getattr(args, name) for name in init_fields}
-        return FlatBiasConfig(**values)
-    raise TypeError(f"args must be a FlatBiasConfig or TrainingArguments, got {type(args).__name__}.")
+        accepted = {f.name for f in dataclasses.fields(config_class) if f.init}
+        values = {name: getattr(args, name) for name in init_fields & accepted}
+        return config_class(**values)
+    raise TypeError(
+        f"args must be a {config_class.__name__} or TrainingArguments, got {type(args).__name__}."
+    )
 
 
-__all__ = ["FlatBiasTrainer"]
+class FlatBiasTrainer(FlatnessTrainerMixin, Trainer):
+    """A drop-in replacement for [`~transformers.Trainer`] whose steps seek flat minima.
+
+    Use it with a [`FlatBiasConfig`] exactly as you would use `Trainer` with `TrainingArguments`:
+
+    ```python
+    args = FlatBiasConfig("out", flatness_method="sam", sam_rho=0.05)
+    trainer = FlatBiasTrainer(model=model, args=args, train_dataset=train, data_collator=collator)
+    trainer.train()
+    ```
+    """
+
+    _tag_names = ["hf_flatbias"]
+
+
+__all__ = ["FlatBiasTrainer", "FlatnessTrainerMixin"]

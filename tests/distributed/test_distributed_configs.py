@@ -22,6 +22,7 @@ ACCELERATE_CONFIGS = {
     "accelerate_deepspeed_zero1.yaml": (DistributedType.DEEPSPEED, 2),
     "accelerate_deepspeed_zero2.yaml": (DistributedType.DEEPSPEED, 2),
     "accelerate_deepspeed_zero3.yaml": (DistributedType.DEEPSPEED, 2),
+    "accelerate_fsdp2_cpu_2proc.yaml": (DistributedType.FSDP, 2),
 }
 
 
@@ -44,6 +45,9 @@ def test_accelerate_config_loads(name):
         # accelerate refuses a deepspeed_config_file next to settings it would ignore
         assert config.mixed_precision in (None, "no") and "zero_stage" not in config.deepspeed_config
         assert config.deepspeed_config["zero3_init_flag"] == (stage == 3)
+    if distributed_type == DistributedType.FSDP:
+        # FSDP2 is what the flatness steps support; FSDP1 is refused at trainer start
+        assert config.fsdp_config["fsdp_version"] == 2 and config.mixed_precision == "no" and not config.use_cpu
 
 
 @pytest.mark.parametrize("stage", range(4))

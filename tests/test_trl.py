@@ -384,3 +384,81 @@ def test_dpo_second_pass_logs_nothing_twice(tmp_path, tokenizer):
 def test_dpo_refuses_the_fisher_penalty(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="grad_norm_penalty"):
         dpo_trainer(tmp_path, tokenizer, live_reference=True, flatness_method="fisher_penalty")
+
+
+# ---------------------------------------------------------------- the trace callback
+
+
+def exact_next_token_fisher_trace(model, contexts) -> float:
+    """Mean over contexts of sum_y p(y) ||grad log p(y)||^2 over the trainable parameters, every y enumerated."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    traces = []
+    for context in contexts:
+        position = next(t for t, label in enumerate(context["labels"]) if label != -100)
+        ids = torch.tensor([context["input_ids"][:position]])
+        log_p = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, -1].double(), -1)
+        trace = 0.0
+        for y in range(len(log_p)):
+            trace += float(log_p[y].exp()) * norm_of(grad_list(log_p[y], params, retain_graph=True)) ** 2
+        traces.append(trace)
+    return sum(traces) / len(traces)
+
+
+def measured_positions(callback) -> list[tuple[list[int], int]]:
+    return [
+        (context["input_ids"], next(t for t, label in enumerate(context["labels"]) if label != -100))
+        for context in callback._contexts
+    ]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_trace_callback_on_sft_measures_the_trained_parameters_on_held_out_completions(tmp_path, tokenizer, lora):
+    from hf_flatbias import HessianTraceCallback
+
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    callback = HessianTraceCallback(n_contexts=6, n_draws=24, on_evaluate=False)
+    trainer = FlatBiasSFTTrainer(
+        model=tiny_llama(len(tokenizer)),
+        args=sft_config(tmp_path, flatness_method="sam", max_steps=2),
+        train_dataset=prompt_completion_rows(),
+        eval_dataset=prompt_completion_rows(n=6, seed=5),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[callback],
+    )
+    trainer.train()
+    held_out = trainer.eval_dataset
+    for index, (ids, position) in enumerate(measured_positions(callback)):
+        row = held_out[index]
+        assert ids == row["input_ids"] and row["labels"][position] != -100  # a completion token
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    assert (trainable < 500) == lora  # LoRA: the adapters only
+    logged = [entry for entry in trainer.state.log_history if "flatness/hessian_trace" in entry][-1]
+    exact = exact_next_token_fisher_trace(trainer.model, callback._contexts)
+    assert abs(logged["flatness/hessian_trace"] - exact) < 4 * logged["flatness/hessian_trace_stderr"] + 1e-9
+
+
+def test_trace_callback_on_dpo_measures_the_policy_on_the_chosen_responses(tmp_path, tokenizer):
+    from hf_flatbias import HessianTraceCallback
+
+    callback = HessianTraceCallback(n_contexts=6, n_draws=24, on_evaluate=False)
+    trainer = FlatBiasDPOTrainer(
+        model=tiny_llama(len(tokenizer)),
+        ref_model=tiny_llama(len(tokenizer)),
+        args=dpo_config(tmp_path, flatness_method="sam", max_steps=2),
+        train_dataset=preference_rows(),
+        eval_dataset=preference_rows(n=6, seed=5),
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
+    trainer.train()
+    for index, (ids, position) in enumerate(measured_positions(callback)):
+        row = trainer.eval_dataset[index]
+        assert ids == row["prompt_ids"] + row["chosen_ids"] and position >= len(row["prompt_ids"])
+    logged = [entry for entry in trainer.state.log_history if "flatness/hessian_trace" in entry][-1]
+    exact = exact_next_token_fisher_trace(trainer.model, callback._contexts)
+    assert abs(logged["flatness/hessian_trace"] - exact) < 4 * logged["flatness/hessian_trace_stderr"] + 1e-9

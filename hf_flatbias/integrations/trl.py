@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +69,21 @@ class FlatBiasSFTTrainer(_TrlMetricsMixin, FlatnessTrainerMixin, SFTTrainer):
     flatness_config_class = FlatBiasSFTConfig
     _tag_names = [*SFTTrainer._tag_names, "hf_flatbias"]
 
+    def _trace_context_rows(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """`HessianTraceCallback`'s rows of one prepared row: each packed document on its own, predicted where the
+        loss trains (``labels != -100``: the completion with the completion-only loss)."""
+        lengths = list(row.get("seq_lengths") or [len(row["input_ids"])])
+        documents, start = [], 0
+        for length in lengths:
+            document = {"input_ids": list(row["input_ids"][start : start + length])}
+            if "labels" in row:
+                document["completion_mask"] = [int(label != -100) for label in row["labels"][start : start + length]]
+            elif "completion_mask" in row:
+                document["completion_mask"] = list(row["completion_mask"][start : start + length])
+            documents.append(document)
+            start += length
+        return documents
+
     def _loss_and_outputs(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch):
         loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
         # SFT's fused head returns no logits; without `fused_lm_head` the model runs its own forward
@@ -95,6 +110,12 @@ class FlatBiasDPOTrainer(_TrlMetricsMixin, FlatnessTrainerMixin, DPOTrainer):
                 "have; use 'sam', 'asam', 'looksam' or 'grad_norm_penalty' with DPO, or fisher_penalty with SFT."
             )
         super().__init__(model=model, ref_model=ref_model, args=args, **kwargs)
+
+    def _trace_context_rows(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """`HessianTraceCallback`'s row of one preference pair: the chosen response after its prompt, predicted on
+        the response."""
+        prompt, chosen = list(row["prompt_ids"]), list(row["chosen_ids"])
+        return [{"input_ids": prompt + chosen, "completion_mask": [0] * len(prompt) + [1] * len(chosen)}]
 
     def _add_values_shared_by_passes(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         if self.precompute_ref_logps or all(key in inputs for key in _REFERENCE_KEYS):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -243,7 +244,9 @@ class HessianTraceCallback(TrainerCallback):
         # on_step_end would swallow the training loss the loop was about to log at this step.
         trainer = self._trainer
         should_log = trainer.control.should_log
-        trainer.log(logs)
+        # trl's log adds (and clears) the metrics its loss collected: they belong with the next training loss
+        with getattr(trainer, "_host_metrics_suspended", contextlib.nullcontext)():
+            trainer.log(logs)
         trainer.control.should_log = should_log
 
     def _build_contexts(self) -> list[dict[str, list[int]]]:

@@ -274,8 +274,9 @@ class FlatnessTrainerMixin:
         return inputs
 
     def _host_metrics_suspended(self) -> contextlib.AbstractContextManager:
-        """The context of a step's second pass (at ``w + e`` or ``w + h u``): a host whose ``compute_loss`` records
-        metrics (trl's token accuracy, rewards, token counts) records them in the first pass only."""
+        """The context of a step's second pass (at ``w + e`` or ``w + h u``), and of `HessianTraceCallback`'s logs: a
+        host whose ``compute_loss`` records metrics (trl's token accuracy, rewards, token counts) records them in the
+        first pass only and logs them with the training loss."""
         return contextlib.nullcontext()
 
     def _loss_and_outputs(

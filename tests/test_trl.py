@@ -462,3 +462,22 @@ def test_trace_callback_on_dpo_measures_the_policy_on_the_chosen_responses(tmp_p
     logged = [entry for entry in trainer.state.log_history if "flatness/hessian_trace" in entry][-1]
     exact = exact_next_token_fisher_trace(trainer.model, callback._contexts)
     assert abs(logged["flatness/hessian_trace"] - exact) < 4 * logged["flatness/hessian_trace_stderr"] + 1e-9
+
+
+def test_trace_logs_leave_trl_metrics_to_the_training_loss(tmp_path, tokenizer):
+    from hf_flatbias import HessianTraceCallback
+
+    trainer = FlatBiasSFTTrainer(
+        model=tiny_llama(len(tokenizer)),
+        args=sft_config(tmp_path, flatness_method="sam", max_steps=2),
+        train_dataset=prompt_completion_rows(),
+        eval_dataset=prompt_completion_rows(n=4, seed=5),
+        processing_class=tokenizer,
+        callbacks=[HessianTraceCallback(n_contexts=4, every_n_steps=1, on_evaluate=False)],
+    )
+    trainer.train()
+    for entry in trainer.state.log_history:
+        if "flatness/hessian_trace" in entry:
+            assert "mean_token_accuracy" not in entry
+        if "loss" in entry:
+            assert {"mean_token_accuracy", "entropy", "num_tokens"} <= set(entry)

@@ -69,7 +69,15 @@ def dpo_config(tmp_path, **overrides) -> FlatBiasDPOConfig:
 def fresh_model(trainer):
     """The trainer's initial model built again: a deep copy of a trl model would keep calling the original (trl's
     fused LM head closes over the forward of the model it patched)."""
-    return tiny_llama(trainer.model.config.vocab_size)
+    return tiny_llama(trainer.model.config.vocab_size).to(trainer.model.dtype)
+
+
+def with_lora(model, seed: int = 3):
+    """LoRA adapters on the attention's q and v projections (B starts at zero, so the policy starts as the base)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    return get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
 
 
 def updates_of(trainer) -> list[list[dict[str, torch.Tensor]]]:
@@ -161,14 +169,16 @@ def reference_penalty_sgd(model, updates, *, method, lr, lam, h, seed=0):
     generator = torch.Generator().manual_seed(seed)
 
     def labelled_logits(batch):
-        return next_token_logits(model, batch)[batch["labels"][:, 1:] != -100].float()
+        return next_token_logits(model, batch)[batch["labels"][:, 1:] != -100]
 
     for update in updates:
         total = [torch.zeros_like(p) for p in params]
         for batch in update:
             if method == "fisher_penalty":
                 logits = labelled_logits(batch)
-                y = torch.multinomial(torch.softmax(logits.detach(), -1), 1, generator=generator).squeeze(-1)
+                # drawn from float32 probabilities, as the package draws them (the same draws in any dtype)
+                probabilities = torch.softmax(logits.detach().float(), -1)
+                y = torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
                 g = grad_list(F.cross_entropy(logits, y), params)
             else:
                 g = grad_list(sft_loss(model, batch, update), params)
@@ -206,10 +216,10 @@ SFT_CASES = {
 }
 
 
-def sft_trainer(tmp_path, tokenizer, case, **overrides):
+def sft_trainer(tmp_path, tokenizer, case, dtype=torch.float32, **overrides):
     rows, case_overrides = SFT_CASES[case]
     args = sft_config(tmp_path, **{**case_overrides, **overrides})
-    model = tiny_llama(len(tokenizer))
+    model = tiny_llama(len(tokenizer)).to(dtype)
     return FlatBiasSFTTrainer(model=model, args=args, train_dataset=rows(), processing_class=tokenizer)
 
 
@@ -247,12 +257,30 @@ def test_sft_sam_matches_plain_pytorch_sam(tmp_path, tokenizer, case, scope, acc
     assert max_param_diff(initial, reference) > 1e-3  # the steps moved the weights
 
 
+def test_sft_sam_with_lora_perturbs_and_trains_the_adapters_only(tmp_path, tokenizer):
+    args = sft_config(tmp_path, flatness_method="sam", per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    model = with_lora(tiny_llama(len(tokenizer)))
+    trainer = FlatBiasSFTTrainer(model=model, args=args, train_dataset=prompt_completion_rows(), processing_class=tokenizer)
+    reference = reference_sam_sgd(
+        with_lora(tiny_llama(len(tokenizer))), updates_of(trainer), sft_loss, lr=0.1, rho=0.05, scope="micro_batch"
+    )
+    trainer.train()
+    assert max_param_diff(trainer.model, reference) < 1e-6
+    base = tiny_llama(len(tokenizer))
+    for name, p in trainer.model.get_base_model().named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(p, base.get_parameter(name.replace(".base_layer", ""))), name
+
+
 @pytest.mark.parametrize("method", ["fisher_penalty", "grad_norm_penalty"])
 def test_sft_penalties_match_their_definitions(tmp_path, tokenizer, method):
+    # float64 weights: the finite difference divides by h = 0.01 and amplifies rounding (float32 weights: 8e-7 apart;
+    # float64: 3e-7, trl's fused LM head still returning float32-accurate log-probabilities)
     trainer = sft_trainer(
         tmp_path,
         tokenizer,
         "completion_only",
+        dtype=torch.float64,
         flatness_method=method,
         penalty_lambda=0.02,
         penalty_fd_step=0.01,
@@ -364,6 +392,26 @@ def test_dpo_sam_matches_plain_pytorch_sam(tmp_path, tokenizer, live_reference, 
     assert max_param_diff(initial, reference) > 1e-3
     if live_reference:  # once per micro-batch, not again at w + e
         assert counter.calls == trainer.args.max_steps * accumulation
+
+
+def test_dpo_sam_with_lora_uses_the_adapter_free_model_as_reference(tmp_path, tokenizer):
+    trainer = FlatBiasDPOTrainer(
+        model=with_lora(tiny_llama(len(tokenizer))),
+        args=dpo_config(tmp_path, flatness_method="sam", per_device_train_batch_size=2, gradient_accumulation_steps=2),
+        train_dataset=preference_rows(),
+        processing_class=tokenizer,
+    )
+    assert trainer.ref_model is None and not trainer.precompute_ref_logps
+    loss = dpo_loss_function(tiny_llama(len(tokenizer)).eval(), beta=0.5)
+    reference = reference_sam_sgd(
+        with_lora(tiny_llama(len(tokenizer))), updates_of(trainer), loss, lr=0.1, rho=0.05, scope="micro_batch"
+    )
+    trainer.train()
+    # trl keeps a frozen copy of the adapters as the "ref" adapter: compare what trains
+    trained = [p for p in trainer.model.parameters() if p.requires_grad]
+    expected = [p for p in reference.parameters() if p.requires_grad]
+    assert len(trained) == len(expected)
+    assert max(float((p - q).abs().max()) for p, q in zip(trained, expected, strict=True)) < 1e-6
 
 
 def test_dpo_second_pass_logs_nothing_twice(tmp_path, tokenizer):

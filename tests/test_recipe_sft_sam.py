@@ -28,4 +28,6 @@ def test_smoke_run_under_accelerate_launch(recipes, tmp_path):
     summary = json.loads((output_dir / "sft_summary.json").read_text())
     assert summary["flatness_method"] == "sam" and summary["steps"] == 4 and summary["trace_contexts"] == 8
     assert math.isfinite(summary["eval_loss"]) and summary["hessian_trace"] > 0
-    assert (output_dir / "README.md").is_file() and (output_dir / "tokenizer_config.json").is_file()
+    card = (output_dir / "README.md").read_text()
+    assert all(f"- {tag}\n" in card for tag in ("trl", "sft", "hf_flatbias", "sam"))  # trl's tags and ours
+    assert (output_dir / "tokenizer_config.json").is_file()

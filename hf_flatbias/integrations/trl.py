@@ -44,8 +44,14 @@ class FlatBiasDPOConfig(FlatnessArguments, DPOConfig):
     """trl's [`~trl.DPOConfig`] (its defaults kept) with the flatness options of [`FlatBiasConfig`]."""
 
 
-class _TrlMetricsMixin:
-    """trl's trainers keep their metrics in ``self._metrics[mode]`` and a running ``_total_train_tokens``."""
+class _TrlTrainerMixin:
+    """What trl's SFT and DPO trainers share: metrics in ``self._metrics[mode]`` and a running
+    ``_total_train_tokens``; tags (``_tag_names``) that their model cards carry."""
+
+    def flatness_card(self, **card_kwargs: Any):
+        given = card_kwargs.get("tags") or getattr(self, "_flatness_card_kwargs", {}).get("tags") or []
+        card_kwargs["tags"] = [*self._tag_names, *([given] if isinstance(given, str) else given)]
+        return super().flatness_card(**card_kwargs)
 
     @contextlib.contextmanager
     def _host_metrics_suspended(self) -> Iterator[None]:
@@ -57,7 +63,7 @@ class _TrlMetricsMixin:
             self._metrics, self._total_train_tokens = metrics, total_tokens
 
 
-class FlatBiasSFTTrainer(_TrlMetricsMixin, FlatnessTrainerMixin, SFTTrainer):
+class FlatBiasSFTTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, SFTTrainer):
     """trl's [`~trl.SFTTrainer`] whose steps seek flat minima; takes a [`FlatBiasSFTConfig`].
 
     Every flatness method works with every SFT data format (language modeling, prompt-completion with the
@@ -91,7 +97,7 @@ class FlatBiasSFTTrainer(_TrlMetricsMixin, FlatnessTrainerMixin, SFTTrainer):
         return loss, outputs
 
 
-class FlatBiasDPOTrainer(_TrlMetricsMixin, FlatnessTrainerMixin, DPOTrainer):
+class FlatBiasDPOTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, DPOTrainer):
     """trl's [`~trl.DPOTrainer`] whose steps seek flat minima; takes a [`FlatBiasDPOConfig`].
 
     The reference log-probabilities of a micro-batch are computed once, at the start of its step (or read from the

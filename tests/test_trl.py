@@ -529,3 +529,12 @@ def test_trace_logs_leave_trl_metrics_to_the_training_loss(tmp_path, tokenizer):
             assert "mean_token_accuracy" not in entry
         if "loss" in entry:
             assert {"mean_token_accuracy", "entropy", "num_tokens"} <= set(entry)
+
+
+def test_trace_rows_of_a_packed_row_are_its_documents(tmp_path, tokenizer):
+    trainer = sft_trainer(tmp_path, tokenizer, "packing")
+    packed = trainer.train_dataset[0]
+    documents = trainer._trace_context_rows(packed)
+    assert [len(d["input_ids"]) for d in documents] == list(packed["seq_lengths"]) and len(documents) > 1
+    assert sum((d["input_ids"] for d in documents), []) == list(packed["input_ids"])
+    assert all(len(d["completion_mask"]) == len(d["input_ids"]) for d in documents)

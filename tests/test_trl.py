@@ -330,6 +330,11 @@ def test_sft_config_keeps_trl_defaults_and_validates_flatness_fields(tmp_path):
         FlatBiasSFTConfig(str(tmp_path), use_cpu=True, flatness_method="sam", sam_rho=-1.0)
 
 
+def test_activation_offloading_is_refused_with_a_flatness_method(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="activation_offloading=False"):
+        sft_trainer(tmp_path, tokenizer, "completion_only", flatness_method="sam", activation_offloading=True)
+
+
 def test_trainers_keep_trl_tags_and_add_ours():
     assert FlatBiasSFTTrainer._tag_names == ["trl", "sft", "hf_flatbias"]
     assert FlatBiasDPOTrainer._tag_names == ["trl", "dpo", "hf_flatbias"]

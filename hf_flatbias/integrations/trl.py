@@ -48,6 +48,16 @@ class _TrlTrainerMixin:
     """What trl's SFT and DPO trainers share: metrics in ``self._metrics[mode]`` and a running
     ``_total_train_tokens``; tags (``_tag_names``) that their model cards carry."""
 
+    def __init__(self, model=None, args=None, **kwargs: Any):
+        if getattr(args, "activation_offloading", False) and getattr(args, "flatness_method", "none") != "none":
+            # trl enters its offloading context in its own training_step, which a flatness step does not call
+            raise ValueError(
+                f"activation_offloading=True is not supported with flatness_method={args.flatness_method!r}: its "
+                "two-pass step runs outside trl's offloading context. Set activation_offloading=False (or use "
+                "gradient_checkpointing to save activation memory)."
+            )
+        super().__init__(model=model, args=args, **kwargs)
+
     def flatness_card(self, **card_kwargs: Any):
         given = card_kwargs.get("tags") or getattr(self, "_flatness_card_kwargs", {}).get("tags") or []
         card_kwargs["tags"] = [*self._tag_names, *([given] if isinstance(given, str) else given)]

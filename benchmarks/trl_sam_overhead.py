@@ -129,7 +129,8 @@ def main() -> None:
     )
     for name in TRAINERS:
         plain, sam = statistics.median(times[name, "none"]), statistics.median(times[name, "sam"])
-        print(f"{name}: plain step {plain * 1e3:.1f} ms, SAM step {sam * 1e3:.1f} ms (medians of {len(times[name, 'sam'])})")
+        count = len(times[name, "sam"])
+        print(f"{name}: plain step {plain * 1e3:.1f} ms, SAM step {sam * 1e3:.1f} ms (medians of {count})")
     for name in TRAINERS:
         ratio = statistics.median(times[name, "sam"]) / statistics.median(times[name, "none"])
         print(f"{name}_sam_step_ratio={ratio:.3f}")

@@ -32,8 +32,8 @@ _import_structure = {
         "exact_fisher_trace",
         "exact_hessian_trace",
     ],
-    "integrations.trl": ["FlatBiasDPOConfig", "FlatBiasDPOTrainer", "FlatBiasSFTConfig", "FlatBiasSFTTrainer"],
     "glue": ["GlueResult", "finetune_glue", "load_glue_dataset", "load_glue_metric"],
+    "integrations.trl": ["FlatBiasDPOConfig", "FlatBiasDPOTrainer", "FlatBiasSFTConfig", "FlatBiasSFTTrainer"],
     "modelcard": ["FlatnessCard", "add_glue_results", "format_comparison_table", "load_flatness_card"],
     "selection": [
         "CheckpointRecord",

@@ -142,7 +142,8 @@ def reference_sam_sgd(model, updates, loss_of, *, lr, rho, scope):
 
     for update in updates:
         if scope == "batch":
-            first = [sum(parts) for parts in zip(*(grad_list(loss_of(model, b, update), params) for b in update))]
+            per_batch = [grad_list(loss_of(model, b, update), params) for b in update]
+            first = [sum(parts) for parts in zip(*per_batch, strict=True)]
             eps = perturbation(first)
         total = [torch.zeros_like(p) for p in params]
         for batch in update:
@@ -260,7 +261,9 @@ def test_sft_sam_matches_plain_pytorch_sam(tmp_path, tokenizer, case, scope, acc
 def test_sft_sam_with_lora_perturbs_and_trains_the_adapters_only(tmp_path, tokenizer):
     args = sft_config(tmp_path, flatness_method="sam", per_device_train_batch_size=2, gradient_accumulation_steps=2)
     model = with_lora(tiny_llama(len(tokenizer)))
-    trainer = FlatBiasSFTTrainer(model=model, args=args, train_dataset=prompt_completion_rows(), processing_class=tokenizer)
+    trainer = FlatBiasSFTTrainer(
+        model=model, args=args, train_dataset=prompt_completion_rows(), processing_class=tokenizer
+    )
     reference = reference_sam_sgd(
         with_lora(tiny_llama(len(tokenizer))), updates_of(trainer), sft_loss, lr=0.1, rho=0.05, scope="micro_batch"
     )
@@ -307,7 +310,11 @@ def test_sft_second_pass_logs_nothing_twice(tmp_path, tokenizer, method, scope):
     plain = sft_trainer(tmp_path / "plain", tokenizer, "completion_only", **overrides)
     plain.train()
     flat = sft_trainer(
-        tmp_path / "flat", tokenizer, "completion_only", flatness_method=method, sam_scope=scope or "micro_batch",
+        tmp_path / "flat",
+        tokenizer,
+        "completion_only",
+        flatness_method=method,
+        sam_scope=scope or "micro_batch",
         **overrides,
     )
     flat.train()
@@ -426,8 +433,16 @@ def test_dpo_second_pass_logs_nothing_twice(tmp_path, tokenizer):
     flat = dpo_trainer(tmp_path / "flat", tokenizer, live_reference=True, flatness_method="sam", **overrides)
     flat.train()
     first_plain, first_flat = logged_steps(plain)[0], logged_steps(flat)[0]
-    keys = ["loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-            "entropy", "mean_token_accuracy"]
+    keys = [
+        "loss",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/margins",
+        "rewards/accuracies",
+        "logps/chosen",
+        "entropy",
+        "mean_token_accuracy",
+    ]
     for key in keys:
         assert first_flat[key] == pytest.approx(first_plain[key], abs=1e-6), key
     assert [e["num_tokens"] for e in logged_steps(flat)] == [e["num_tokens"] for e in logged_steps(plain)]

@@ -1,1 +1,1 @@
-"""The flatness steps inside other libraries' trainers (each module needs its library: `pip install "hf_flatbias[X]"`)."""
+"""Flatness steps inside other libraries' trainers; each module needs its extra (`pip install "hf_flatbias[trl]"`)."""

@@ -24,9 +24,7 @@ from torch import nn
 try:
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 except ImportError as error:  # pragma: no cover - exercised in a subprocess without trl
-    raise ImportError(
-        f"hf_flatbias's trl integration needs trl: pip install \"hf_flatbias[trl]\" ({error})."
-    ) from error
+    raise ImportError(f'hf_flatbias\'s trl integration needs trl: pip install "hf_flatbias[trl]" ({error}).') from error
 
 from ..config import FlatnessArguments
 from ..trainer import FlatnessTrainerMixin

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 # Names are imported on first use, as in transformers and trl: `hf-flatbias --help` then answers without importing
-# torch and transformers (seconds), which only the command that runs needs.
+# torch and transformers (seconds), which only the command that runs needs. The trl names need the `trl` extra: without
+# it they raise an ImportError naming it, the other names are unaffected.
 _import_structure = {
     "callbacks": ["FlatnessCheckpointSelector", "HessianTraceCallback", "SaveOnInterruptCallback"],
     "config": ["FlatBiasConfig", "FlatnessArguments"],
@@ -32,6 +33,7 @@ _import_structure = {
         "exact_hessian_trace",
     ],
     "glue": ["GlueResult", "finetune_glue", "load_glue_dataset", "load_glue_metric"],
+    "integrations.trl": ["FlatBiasDPOConfig", "FlatBiasDPOTrainer", "FlatBiasSFTConfig", "FlatBiasSFTTrainer"],
     "modelcard": ["FlatnessCard", "add_glue_results", "format_comparison_table", "load_flatness_card"],
     "selection": [
         "CheckpointRecord",
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
         exact_hessian_trace,
     )
     from .glue import GlueResult, finetune_glue, load_glue_dataset, load_glue_metric
+    from .integrations.trl import FlatBiasDPOConfig, FlatBiasDPOTrainer, FlatBiasSFTConfig, FlatBiasSFTTrainer
     from .modelcard import FlatnessCard, add_glue_results, format_comparison_table, load_flatness_card
     from .selection import (
         CheckpointRecord,

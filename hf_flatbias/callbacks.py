@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ from .selection import SELECTION_FILE, CheckpointRecord, CheckpointSelection, se
 
 logger = logging.getLogger(__name__)
 
-_CONTEXT_COLUMNS = ("input_ids", "attention_mask", "token_type_ids")
+_CONTEXT_COLUMNS = ("input_ids", "attention_mask", "token_type_ids", "completion_mask")
 
 
 class HessianTraceCallback(TrainerCallback):
@@ -49,6 +50,11 @@ class HessianTraceCallback(TrainerCallback):
     By default the callback also measures at the last step of training when its latest measurement is older, so
     the final checkpoint and ``trainer.train(); trainer.push_to_hub()`` publish the trace of the weights they carry.
     The trace covers the model's trainable parameters (``requires_grad``): with LoRA, the adapters only.
+
+    Inside trl (`FlatBiasSFTTrainer`, `FlatBiasDPOTrainer`, whose eval sets trl has tokenized) it is the next-token
+    Fisher trace at positions the fine-tuning trains: SFT's trained tokens (the completions with the
+    completion-only loss; each packed document on its own), DPO's chosen responses after their prompts, measured
+    on the policy (the reference model is not measured).
 
     Measuring does not change training: the model is put in ``eval()`` and every module back in its own mode after,
     draws use their own generators and the global random streams are restored, no ``.grad`` is written
@@ -251,7 +257,9 @@ class HessianTraceCallback(TrainerCallback):
         # on_step_end would swallow the training loss the loop was about to log at this step.
         trainer = self._trainer
         should_log = trainer.control.should_log
-        trainer.log(logs)
+        # trl's log adds (and clears) the metrics its loss collected: they belong with the next training loss
+        with getattr(trainer, "_host_metrics_suspended", contextlib.nullcontext)():
+            trainer.log(logs)
         trainer.control.should_log = should_log
 
     def _build_contexts(self) -> list[dict[str, list[int]]]:
@@ -267,11 +275,15 @@ class HessianTraceCallback(TrainerCallback):
                 "The trainer has several eval datasets; pass the one to measure on as "
                 "HessianTraceCallback(eval_dataset=...)."
             )
+        # trl's trainers say which sequences and positions their rows hold (packed documents, prompt + chosen)
+        context_rows = getattr(trainer, "_trace_context_rows", lambda row: [row])
         rows = []
         for row in dataset:
-            rows.append({key: row[key] for key in _CONTEXT_COLUMNS if key in row})
-            if len(rows) == self.n_contexts:
+            for context_row in context_rows(row):
+                rows.append({key: context_row[key] for key in _CONTEXT_COLUMNS if key in context_row})
+            if len(rows) >= self.n_contexts:
                 break
+        rows = rows[: self.n_contexts]
         model = trainer.model
         causal = is_causal_lm(model)
         tokenizer = getattr(trainer, "processing_class", None)

@@ -13,6 +13,7 @@ This module orchestrates; the numbers come from `hf_flatbias.sharpness`. A SAM s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -80,7 +81,7 @@ class FlatnessTrainerMixin:
     flatness_config_class: type[FlatnessArguments] = FlatBiasConfig
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None, **kwargs: Any):
         args = _as_flatness_config(args, self.flatness_config_class)
-        if model is not None and not any(p.requires_grad for p in model.parameters()):
+        if isinstance(model, nn.Module) and not any(p.requires_grad for p in model.parameters()):
             raise ValueError(
                 "The model has no trainable parameter (every requires_grad is False): unfreeze some parameters or "
                 "attach adapters (e.g. peft.get_peft_model) before building the trainer."
@@ -239,13 +240,33 @@ class FlatnessTrainerMixin:
 
     def _start_step(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         """What `Trainer.training_step` does before its forward: train mode (model and schedule-free optimizers),
-        inputs on the device."""
+        inputs on the device; plus what both passes of the step share (`_add_values_shared_by_passes`)."""
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         if is_fully_sharded(model):
             sync_gradients_every_backward(model)
-        return self._prepare_inputs(inputs)
+        return self._prepare_inputs(self._add_values_shared_by_passes(model, inputs))
+
+    # Hooks for host trainers whose loss does more than a forward (trl's): both default to doing nothing.
+
+    def _add_values_shared_by_passes(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Add to the micro-batch, in place, what both passes of a flatness step must share rather than recompute
+        at ``w + e`` (DPO: the reference model's log-probabilities), and return it. Written into the loop's own
+        batch so that a ``sam_scope="batch"`` update, whose first pass runs every micro-batch, computes it once."""
+        return inputs
+
+    def _host_metrics_suspended(self) -> contextlib.AbstractContextManager:
+        """The context of a step's second pass (at ``w + e`` or ``w + h u``), and of `HessianTraceCallback`'s logs: a
+        host whose ``compute_loss`` records metrics (trl's token accuracy, rewards, token counts) records them in the
+        first pass only and logs them with the training loss."""
+        return contextlib.nullcontext()
+
+    def _loss_and_outputs(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch
+    ) -> tuple[torch.Tensor, Any]:
+        """The loss and the model outputs with differentiable ``logits`` (the Fisher penalty samples from them)."""
+        return self.compute_loss(model, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch)
 
     def _sam_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
         """One micro-batch of a SAM/ASAM update: the first gradient, the step to ``w + e``, backward there, ``w``.
@@ -257,7 +278,10 @@ class FlatnessTrainerMixin:
         if self.args.sam_scope == "batch":
             batch_sam = self._batch_sam
             if batch_sam.micro_batches is not None:
-                micro_batches = [self._prepare_inputs(batch) for batch in batch_sam.micro_batches]
+                micro_batches = [
+                    self._prepare_inputs(self._add_values_shared_by_passes(model, batch))
+                    for batch in batch_sam.micro_batches
+                ]
                 batch_sam.micro_batches = None
                 batch_sam.perturbation, batch_sam.clean_losses = self._perturb(model, micro_batches, num_items_in_batch)
             perturbation = batch_sam.perturbation
@@ -268,7 +292,8 @@ class FlatnessTrainerMixin:
             restore_now = True
 
         try:
-            loss = self._scaled_loss(model, inputs, num_items_in_batch)
+            with self._host_metrics_suspended():
+                loss = self._scaled_loss(model, inputs, num_items_in_batch)
             self._backward(loss)
         except BaseException:
             restore_now = True
@@ -402,9 +427,7 @@ class FlatnessTrainerMixin:
         module = self.accelerator.unwrap_model(model)
         perturbable = perturbable_parameters(module, self._deepspeed_engine())
         with self.compute_loss_context_manager():
-            data_loss, outputs = self.compute_loss(
-                module, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch
-            )
+            data_loss, outputs = self._loss_and_outputs(module, inputs, num_items_in_batch)
         clean_loss = self._scale_for_accumulation(data_loss.detach(), num_items_in_batch)
         logits = self._labelled_logits(module, outputs, labels)
         sampled = self._sampled_labels.draw(logits)
@@ -421,9 +444,7 @@ class FlatnessTrainerMixin:
             step = self.args.penalty_fd_step
             coefficient = fisher_penalty_coefficient(self.args.penalty_lambda, n_labels, grad_norm, step)
             with self.compute_loss_context_manager():
-                shifted_loss, outputs = self.compute_loss(
-                    model, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch
-                )
+                shifted_loss, outputs = self._loss_and_outputs(model, inputs, num_items_in_batch)
                 shifted_direction_loss = sampled_label_loss(self._labelled_logits(module, outputs, labels), sampled)
             penalty_part = coefficient * (
                 shifted_direction_loss - linear_term(perturbable.differentiable_tensors, first_gradient)
@@ -479,14 +500,17 @@ class FlatnessTrainerMixin:
         perturbation = perturbable.perturb(grads, self.args.penalty_fd_step)
         if perturbation is None:
             self._warn_skipped_perturbation("this micro-batch takes a plain step")
-            loss = self._scaled_loss(model, inputs, num_items_in_batch)
+            with self._host_metrics_suspended():  # the first pass recorded them
+                loss = self._scaled_loss(model, inputs, num_items_in_batch)
             self._backward(loss)
             self._step_deepspeed_after_restore()
             self._count_flos_of_extra_pass(inputs)
             return loss.detach()
         try:
             # the norm over every rank's shards when the parameters are sharded
-            self._backward(loss_at_shifted_weights(first_gradient, perturbation.grad_norm))
+            with self._host_metrics_suspended():
+                shifted_loss = loss_at_shifted_weights(first_gradient, perturbation.grad_norm)
+            self._backward(shifted_loss)
         finally:
             perturbation.restore()
         self._step_deepspeed_after_restore()
@@ -517,7 +541,8 @@ class FlatnessTrainerMixin:
         if perturbation is not None:
             self._record_perturbation(perturbation, 1)
         try:
-            loss = self._scaled_loss(model, inputs, num_items_in_batch)
+            with self._host_metrics_suspended():
+                loss = self._scaled_loss(model, inputs, num_items_in_batch)
             self._backward(loss)
         finally:
             if perturbation is not None:

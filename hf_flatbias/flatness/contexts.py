@@ -49,8 +49,9 @@ def build_masked_contexts(
     """Turn tokenized rows into trace contexts with exactly one labelled position each.
 
     Args:
-        rows: mappings with ``input_ids`` and optionally ``attention_mask`` and ``token_type_ids`` (other keys are
-            ignored; existing ``labels`` are replaced). A list or a `datasets.Dataset`.
+        rows: mappings with ``input_ids`` and optionally ``attention_mask``, ``token_type_ids`` and
+            ``completion_mask`` (trl's column: 1 on the tokens a fine-tuning loss trains; only those positions are
+            then predicted). Other keys are ignored; existing ``labels`` are replaced. A list or a `datasets.Dataset`.
         mask_token_id: the tokenizer's mask id; required for masked LMs, unused for causal LMs.
         causal: build causal-LM contexts (no masking; the labelled position is predicted from its prefix, so
             position 0 is never chosen).
@@ -86,13 +87,17 @@ def build_masked_contexts(
             raise ValueError(f"Row {index % len(rows)} has no 'input_ids'; tokenize the data first.")
         input_ids = _as_list(row["input_ids"])
         attention_mask = _as_list(row["attention_mask"]) if "attention_mask" in row else [1] * len(input_ids)
+        predictable = _as_list(row["completion_mask"]) if "completion_mask" in row else attention_mask
         candidates = [
-            t for t in range(first_allowed, len(input_ids)) if attention_mask[t] and input_ids[t] not in excluded
+            t
+            for t in range(first_allowed, len(input_ids))
+            if attention_mask[t] and predictable[t] and input_ids[t] not in excluded
         ]
         if not candidates:
             raise ValueError(
-                f"Row {index % len(rows)} has no position that can be predicted (all padding or special tokens"
-                f"{', or a single token for a causal LM' if causal else ''}); drop such rows first."
+                f"Row {index % len(rows)} has no position that can be predicted (all padding, special tokens or "
+                f"outside its completion_mask{', or a single token for a causal LM' if causal else ''}); drop such "
+                "rows first."
             )
         choice = int(torch.randint(len(candidates), (1,), generator=context_generator(seed, index)))
         position = candidates[choice]

@@ -74,8 +74,9 @@ def stack(rows):
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-def flatbias_config(tmp_path, **overrides):
-    """FlatBiasConfig for single-process CPU tests: SGD lr 0.1, constant schedule, 3 steps of 4 sequential rows."""
+def flatbias_config(tmp_path, config_class=None, **overrides):
+    """FlatBiasConfig (or ``config_class``, e.g. a trl config) for single-process CPU tests: SGD lr 0.1, constant
+    schedule, 3 steps of 4 sequential rows."""
     # imported on use, as the launched script does: importing this module does not import the package
     from hf_flatbias import FlatBiasConfig
 
@@ -97,7 +98,7 @@ def flatbias_config(tmp_path, **overrides):
         seed=0,
     )
     values.update(overrides)
-    return FlatBiasConfig(**values)
+    return (config_class or FlatBiasConfig)(**values)
 
 
 def wide_masked_lm(seed: int = 0, *, vocab_size: int, **overrides) -> BertForMaskedLM:
@@ -145,3 +146,29 @@ def randomize_norms(model: torch.nn.Module) -> torch.nn.Module:
             if p.dim() == 1 and "norm" in name:
                 p.copy_(0.5 + torch.rand(p.shape, generator=generator))
     return model
+
+
+def word_tokenizer(n_words: int = 20):
+    """A whitespace word-level tokenizer over ``w0 .. w{n-1}`` with ``<pad>`` 0, ``<s>`` 1 (bos), ``</s>`` 2 (eos),
+    ``<unk>`` 3 and no template: what trl's trainers need of a causal LM's tokenizer, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    vocab = {token: i for i, token in enumerate([*specials, *(f"w{i}" for i in range(n_words))])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def tiny_llama(vocab_size: int, seed: int = 0):
+    """A two-layer Llama (hidden 16, grouped-query attention, random norms) for the trl tests, in float32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    fields = dict(TINY_DECODER, hidden_size=16, intermediate_size=32, initializer_range=0.1)
+    fields.update(vocab_size=vocab_size, eos_token_id=2)
+    config = LlamaConfig(**fields)
+    return randomize_norms(LlamaForCausalLM(config))

@@ -1,0 +1,140 @@
+"""Cost of a SAM step inside trl's trainers: SAM step / plain step of the same trainer, measured in one run.
+
+Three trainers on the same config-built Llama and the same token rows: `FlatBiasTrainer` (plain causal-LM loss),
+`FlatBiasSFTTrainer` (trl's SFT loss, fused LM head, its metrics) and `FlatBiasDPOTrainer` (live reference model;
+SAM computes the reference log-probabilities once per micro-batch, so its second pass runs the policy only and the
+ratio may fall below 2). Plain and SAM runs of each trainer are interleaved so that load on a shared machine hits
+both alike; the ratios are medians of step times.
+
+    python benchmarks/trl_sam_overhead.py [--quick]
+
+The last lines are ``<trainer>_sam_step_ratio=X``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from _common import StepTimer  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from tokenizers import processors  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from hf_flatbias import (  # noqa: E402
+    FlatBiasConfig,
+    FlatBiasDPOConfig,
+    FlatBiasDPOTrainer,
+    FlatBiasSFTConfig,
+    FlatBiasSFTTrainer,
+    FlatBiasTrainer,
+)
+from hf_flatbias.synthetic.tokenizer import make_tokenizer  # noqa: E402
+
+TRAINERS = ("FlatBiasTrainer", "FlatBiasSFTTrainer", "FlatBiasDPOTrainer")
+
+
+def build_llama(vocab: int, hidden: int, layers: int, seq_len: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        max_position_embeddings=2 * seq_len,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config)
+
+
+def token_rows(n: int, seq_len: int, vocab: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(5, vocab, (n, seq_len), generator=generator).tolist()
+
+
+def time_steps(trainer_name: str, method: str, rows, tokenizer, sizes: dict, steps: int, batch: int) -> list[float]:
+    timer = StepTimer()
+    common = dict(
+        flatness_method=method,
+        max_steps=steps,
+        per_device_train_batch_size=batch,
+        optim="adamw_torch",
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trl_defaults_off = dict(bf16=False, gradient_checkpointing=False)
+    model = build_llama(len(tokenizer), **sizes)
+    with tempfile.TemporaryDirectory() as out:
+        if trainer_name == "FlatBiasTrainer":
+            data = [{"input_ids": torch.tensor(r), "labels": torch.tensor(r)} for r in rows]
+            trainer = FlatBiasTrainer(model=model, args=FlatBiasConfig(out, **common), train_dataset=data)
+        elif trainer_name == "FlatBiasSFTTrainer":
+            args = FlatBiasSFTConfig(out, **common, **trl_defaults_off, max_length=None, dataset_num_proc=None)
+            data = Dataset.from_dict({"input_ids": rows})
+            trainer = FlatBiasSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        else:
+            half = len(rows[0]) // 2  # prompt: the first half; chosen and rejected: the second halves of two rows
+            text = [" ".join(tokenizer.convert_ids_to_tokens(r)) for r in rows]
+            halves = [(" ".join(t.split()[:half]), " " + " ".join(t.split()[half:])) for t in text]
+            pairs = {
+                "prompt": [p for p, _ in halves],
+                "chosen": [c for _, c in halves],
+                "rejected": [c for _, c in halves[1:] + halves[:1]],
+            }
+            args = FlatBiasDPOConfig(out, **common, **trl_defaults_off, max_length=None)
+            trainer = FlatBiasDPOTrainer(
+                model=model,
+                ref_model=build_llama(len(tokenizer), **sizes),
+                args=args,
+                train_dataset=Dataset.from_dict(pairs),
+                processing_class=tokenizer,
+            )
+        trainer.add_callback(timer)
+        trainer.train()
+    return timer.durations[2:]  # the first steps pay for allocation and lazy initialisation
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer repeats (a few minutes)")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+    if args.quick:
+        sizes, repeats, steps, batch = dict(hidden=64, layers=2, seq_len=64), args.repeats or 2, 10, 8
+    else:
+        sizes, repeats, steps, batch = dict(hidden=256, layers=4, seq_len=128), args.repeats or 3, 20, 16
+    vocab = 2000
+    tokenizer = make_tokenizer([f"w{i}" for i in range(vocab - 5)])
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B")
+    tokenizer.eos_token = tokenizer.sep_token
+    rows = token_rows(steps * batch, sizes["seq_len"], vocab)
+    n_params = sum(p.numel() for p in build_llama(vocab, **sizes).parameters())
+    times = {(name, method): [] for name in TRAINERS for method in ("none", "sam")}
+    for _ in range(repeats):
+        for name in TRAINERS:
+            for method in ("none", "sam"):
+                times[name, method] += time_steps(name, method, rows, tokenizer, sizes, steps, batch)
+    print(
+        f"model: Llama {n_params / 1e6:.2f}M parameters, batch {batch} x {sizes['seq_len']} tokens (DPO: {batch} "
+        f"pairs of {sizes['seq_len']} tokens), AdamW, torch threads {torch.get_num_threads()}"
+    )
+    for name in TRAINERS:
+        plain, sam = statistics.median(times[name, "none"]), statistics.median(times[name, "sam"])
+        count = len(times[name, "sam"])
+        print(f"{name}: plain step {plain * 1e3:.1f} ms, SAM step {sam * 1e3:.1f} ms (medians of {count})")
+    for name in TRAINERS:
+        ratio = statistics.median(times[name, "sam"]) / statistics.median(times[name, "none"])
+        print(f"{name}_sam_step_ratio={ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""SAM, the flatness penalties and the trace callback inside trl's `SFTTrainer` and `DPOTrainer`.
+
+`FlatnessTrainerMixin` owns ``training_step`` (trl's trainers only wrap it); what differs from the plain `Trainer` is
+what trl's ``compute_loss`` does besides the loss, handled through the mixin's hooks:
+
+* it records metrics on every call (token accuracy, entropy, token counts; DPO's rewards and margins): the second
+  pass of a step runs with them suspended, so every logged metric is the clean pass's, recorded once;
+* SFT's forward returns per-token log-probabilities of the labels (a fused LM head), not logits: the Fisher penalty
+  takes the logits from the model's ordinary forward;
+* DPO computes the reference model's log-probabilities inside the loss: they are computed once per micro-batch at
+  the start of a flatness step and both passes read them, as with ``precompute_ref_log_probs=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+try:
+    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+except ImportError as error:  # pragma: no cover - exercised in a subprocess without trl
+    raise ImportError(f'hf_flatbias\'s trl integration needs trl: pip install "hf_flatbias[trl]" ({error}).') from error
+
+from ..config import FlatnessArguments
+from ..trainer import FlatnessTrainerMixin
+
+_REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+@dataclass
+class FlatBiasSFTConfig(FlatnessArguments, SFTConfig):
+    """trl's [`~trl.SFTConfig`] (its defaults kept) with the flatness options of [`FlatBiasConfig`]."""
+
+
+@dataclass
+class FlatBiasDPOConfig(FlatnessArguments, DPOConfig):
+    """trl's [`~trl.DPOConfig`] (its defaults kept) with the flatness options of [`FlatBiasConfig`]."""
+
+
+class _TrlTrainerMixin:
+    """What trl's SFT and DPO trainers share: metrics in ``self._metrics[mode]`` and a running
+    ``_total_train_tokens``; tags (``_tag_names``) that their model cards carry."""
+
+    def __init__(self, model=None, args=None, **kwargs: Any):
+        if getattr(args, "activation_offloading", False) and getattr(args, "flatness_method", "none") != "none":
+            # trl enters its offloading context in its own training_step, which a flatness step does not call
+            raise ValueError(
+                f"activation_offloading=True is not supported with flatness_method={args.flatness_method!r}: its "
+                "two-pass step runs outside trl's offloading context. Set activation_offloading=False (or use "
+                "gradient_checkpointing to save activation memory)."
+            )
+        super().__init__(model=model, args=args, **kwargs)
+
+    def flatness_card(self, **card_kwargs: Any):
+        given = card_kwargs.get("tags") or getattr(self, "_flatness_card_kwargs", {}).get("tags") or []
+        card_kwargs["tags"] = [*self._tag_names, *([given] if isinstance(given, str) else given)]
+        return super().flatness_card(**card_kwargs)
+
+    @contextlib.contextmanager
+    def _host_metrics_suspended(self) -> Iterator[None]:
+        metrics, total_tokens = self._metrics, self._total_train_tokens
+        self._metrics = {mode: defaultdict(list) for mode in metrics}
+        try:
+            yield
+        finally:
+            self._metrics, self._total_train_tokens = metrics, total_tokens
+
+
+class FlatBiasSFTTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, SFTTrainer):
+    """trl's [`~trl.SFTTrainer`] whose steps seek flat minima; takes a [`FlatBiasSFTConfig`].
+
+    Every flatness method works with every SFT data format (language modeling, prompt-completion with the
+    completion-only loss, packing): the steps differentiate whatever loss `SFTTrainer.compute_loss` returns.
+    ``fisher_penalty`` samples its labels at the positions the loss trains (the completion with
+    ``completion_only_loss``) from the model's ordinary logits, one extra forward per pass.
+    """
+
+    flatness_config_class = FlatBiasSFTConfig
+    _tag_names = [*SFTTrainer._tag_names, "hf_flatbias"]
+
+    def _trace_context_rows(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """`HessianTraceCallback`'s rows of one prepared row: each packed document on its own, predicted where the
+        loss trains (``labels != -100``: the completion with the completion-only loss)."""
+        lengths = list(row.get("seq_lengths") or [len(row["input_ids"])])
+        documents, start = [], 0
+        for length in lengths:
+            document = {"input_ids": list(row["input_ids"][start : start + length])}
+            if "labels" in row:
+                document["completion_mask"] = [int(label != -100) for label in row["labels"][start : start + length]]
+            elif "completion_mask" in row:
+                document["completion_mask"] = list(row["completion_mask"][start : start + length])
+            documents.append(document)
+            start += length
+        return documents
+
+    def _loss_and_outputs(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch):
+        loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+        # SFT's fused head returns no logits; without `fused_lm_head` the model runs its own forward
+        outputs = model(**{key: value for key, value in inputs.items() if key != "labels"}, use_cache=False)
+        return loss, outputs
+
+
+class FlatBiasDPOTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, DPOTrainer):
+    """trl's [`~trl.DPOTrainer`] whose steps seek flat minima; takes a [`FlatBiasDPOConfig`].
+
+    The reference log-probabilities of a micro-batch are computed once, at the start of its step (or read from the
+    dataset with ``precompute_ref_log_probs=True``), and both passes use them: the second pass at ``w + e`` runs the
+    policy only. ``fisher_penalty`` is refused: DPO's loss has no next-token labels to sample the Fisher from.
+    """
+
+    flatness_config_class = FlatBiasDPOConfig
+    _tag_names = [*DPOTrainer._tag_names, "hf_flatbias"]
+
+    def __init__(self, model, ref_model=None, args=None, **kwargs: Any):
+        # DPOTrainer takes ref_model second; the mixin's signature is (model, args, ...)
+        if getattr(args, "flatness_method", None) == "fisher_penalty":
+            raise ValueError(
+                "flatness_method='fisher_penalty' samples next-token labels, which DPO's preference loss does not "
+                "have; use 'sam', 'asam', 'looksam' or 'grad_norm_penalty' with DPO, or fisher_penalty with SFT."
+            )
+        super().__init__(model=model, ref_model=ref_model, args=args, **kwargs)
+
+    def _trace_context_rows(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """`HessianTraceCallback`'s row of one preference pair: the chosen response after its prompt, predicted on
+        the response."""
+        prompt, chosen = list(row["prompt_ids"]), list(row["chosen_ids"])
+        return [{"input_ids": prompt + chosen, "completion_mask": [0] * len(prompt) + [1] * len(chosen)}]
+
+    def _add_values_shared_by_passes(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        if self.precompute_ref_logps or all(key in inputs for key in _REFERENCE_KEYS):
+            return inputs
+        reference = self.ref_model if self.ref_model is not None else self.model
+        chosen, rejected = self.compute_ref_log_probs(reference, self._prepare_inputs(inputs))
+        inputs.update(ref_chosen_logps=chosen, ref_rejected_logps=rejected)
+        return inputs
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.precompute_ref_logps or not all(key in inputs for key in _REFERENCE_KEYS):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        # a flatness step added the reference log-probabilities: read them as a precomputed reference
+        self.precompute_ref_logps = True
+        try:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            self.precompute_ref_logps = False
+
+
+__all__ = ["FlatBiasDPOConfig", "FlatBiasDPOTrainer", "FlatBiasSFTConfig", "FlatBiasSFTTrainer"]

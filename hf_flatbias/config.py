@@ -122,10 +122,11 @@ class FlatnessArguments:
         default="none",
         metadata={
             "help": "The geometry of the SAM/Functional-SAM perturbation. 'none': e = rho * g / ||g||; 'adam': "
-            "e = rho * (g / P) / ||g / P|| with P = sqrt(v / (1 - beta2^t)) + eps, Adam's own denominator read from "
-            "the optimizer's state (needs an AdamW optimizer: optim in " + ", ".join(ADAM_OPTIMIZERS) + "). Before "
-            "the optimizer's first step there is no second moment: the first update uses P = 1 (plain SAM's "
-            "perturbation), and a parameter without state (it never had a gradient) keeps P = 1.",
+            "e = rho * (g / P) / ||g / P|| with P = sqrt(v_hat) + eps, Adam's denominator for this gradient: "
+            "v = beta2 * v_prev + (1 - beta2) * g^2 from the optimizer's state (v_prev, its step t, betas, eps), "
+            "bias-corrected by 1 - beta2^(t + 1); needs optim in " + ", ".join(ADAM_OPTIMIZERS) + ". Before the "
+            "optimizer's first step v_prev = 0 and t = 0, so P = |g| + eps (a sign-like perturbation, as Adam's "
+            "first update). Not under DeepSpeed (ZeRO keeps the moments in its own partitions).",
             "choices": list(SAM_PRECONDITIONERS),
         },
     )

@@ -440,7 +440,7 @@ class FlatnessTrainerMixin:
         preconditioner = None
         if self.args.sam_preconditioner == "adam":
             optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds the state
-            preconditioner = adam_preconditioner(optimizer, perturbable.params)
+            preconditioner = adam_preconditioner(optimizer, perturbable.params, grads)
         perturbation = perturbable.perturb(
             grads,
             rho,

@@ -125,34 +125,40 @@ def perturb_weights(
     return Perturbation(params, grads, grad_norm=norm_value, norm=float(perturbation_sq.sqrt()))
 
 
-def adam_preconditioner(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
-    """Adam's per-coordinate denominator ``P = sqrt(v / (1 - beta2^t)) + eps`` for each of ``params``, as torch's
-    Adam/AdamW divide by it, read from ``optimizer``'s state.
+def adam_preconditioner(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Adam's per-coordinate denominator for this step's gradient ``g``, ``P = sqrt(v_hat) + eps``, with
+    ``v = beta2 * v_prev + (1 - beta2) * g^2`` and ``v_hat = v / (1 - beta2^(t + 1))``: the second moment torch's
+    Adam/AdamW would hold after taking ``g`` at its step ``t + 1``, from ``v_prev``, ``t``, ``betas`` and ``eps`` in
+    ``optimizer``'s state and param groups.
 
-    Returns ``None`` before the optimizer's first step (no parameter has a second moment yet: the caller perturbs
-    without preconditioning). A parameter without state (it never had a gradient) gets ``P = 1``.
+    Including ``g`` defines the first step (no state: ``v_prev = 0``, ``t = 0``, so ``P = |g| + eps``) and keeps
+    ``|g| / P <= sqrt((1 - beta2^(t+1)) / (1 - beta2))``: with ``v_prev`` alone a coordinate that never had a
+    gradient before (the embedding row of a token not yet seen) gets ``P = eps`` and takes the whole perturbation.
 
     Raises:
-        ValueError: when the optimizer has stepped but keeps no ``exp_avg_sq`` (not an Adam-family optimizer).
+        ValueError: when a parameter's state exists but holds no ``exp_avg_sq`` (not an Adam-family optimizer).
     """
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-    if not any(optimizer.state.get(p) for p in params):
-        return None
     denominators = []
-    for param in params:
+    for param, grad in zip(params, grads, strict=True):
         state = optimizer.state.get(param) or {}
-        if not state:
-            denominators.append(torch.ones_like(param))
-            continue
-        if "exp_avg_sq" not in state:
+        if state and "exp_avg_sq" not in state:
             raise ValueError(
                 f"sam_preconditioner='adam' needs Adam's second moment, but {type(optimizer).__name__}'s state holds "
                 f"{sorted(state)}; use an AdamW optimizer or sam_preconditioner='none'."
             )
-        group = group_of[id(param)]
-        step = float(state["step"])
-        bias_correction = math.sqrt(1 - group["betas"][1] ** step)
-        denominators.append(state["exp_avg_sq"].sqrt().div_(bias_correction).add_(group["eps"]))
+        group = group_of.get(id(param))
+        if group is None:
+            raise ValueError("sam_preconditioner='adam': a perturbed parameter is not in the optimizer's param groups.")
+        beta2, eps = group["betas"][1], group["eps"]
+        step = float(state["step"]) if state else 0.0
+        second_moment = grad.detach().square().mul_(1 - beta2)
+        if state:
+            second_moment.add_(state["exp_avg_sq"], alpha=beta2)
+        bias_correction = math.sqrt(1 - beta2 ** (step + 1))
+        denominators.append(second_moment.sqrt_().div_(bias_correction).add_(eps))
     return denominators
 
 

@@ -122,7 +122,8 @@ class FlatnessArguments:
         default="none",
         metadata={
             "help": "The geometry of the SAM/Functional-SAM perturbation. 'none': e = rho * g / ||g||; 'adam': "
-            "e = rho * (g / P) / ||g / P|| with P = sqrt(v_hat) + eps, Adam's denominator for this gradient: "
+            "e = rho * (g / P) / ||g / P|| with P = sqrt(v_hat) + eps, Adam's denominator for this gradient (g at "
+            "the scale of a whole update under accumulation): "
             "v = beta2 * v_prev + (1 - beta2) * g^2 from the optimizer's state (v_prev, its step t, betas, eps), "
             "bias-corrected by 1 - beta2^(t + 1); needs optim in " + ", ".join(ADAM_OPTIMIZERS) + ". Before the "
             "optimizer's first step v_prev = 0 and t = 0, so P = |g| + eps (a sign-like perturbation, as Adam's "

@@ -37,7 +37,7 @@ import jinja2
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .config import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS
+from .config import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS, SAM_STEP_OPTIONS
 from .constants import MEASURES, TRACE_METRIC, TRACE_STDERR_METRIC
 
 HESSIAN_TRACE_METRIC = "hessian_trace"
@@ -55,6 +55,7 @@ METHOD_TITLES = {
     "none": "none (plain optimizer steps)",
     "sam": "SAM",
     "asam": "ASAM",
+    "functional_sam": "Functional-SAM",
     "looksam": "LookSAM",
     "fisher_penalty": "Fisher-trace penalty",
     "grad_norm_penalty": "gradient-norm penalty",
@@ -768,6 +769,9 @@ def _training_hyperparameters(args: Any) -> dict[str, Any]:
         "seed",
         "sam_scope",
         "sam_perturbation",
+        # the SAM step's own options (geometry, ascent rows, parameters, window, rho schedule), for the methods that
+        # read them only
+        *SAM_STEP_OPTIONS.get(getattr(args, "flatness_method", "none"), ()),
     )
     # max_steps > 0 overrides num_train_epochs: record the one that decided how long training ran
     max_steps = getattr(args, "max_steps", None)

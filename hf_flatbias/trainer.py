@@ -440,7 +440,9 @@ class FlatnessTrainerMixin:
         preconditioner = None
         if self.args.sam_preconditioner == "adam":
             optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds the state
-            preconditioner = adam_preconditioner(optimizer, perturbable.params, grads)
+            # at the scale of a whole update's gradient, the scale Adam's second moment was built from
+            share = len(micro_batches) / self.current_gradient_accumulation_steps
+            preconditioner = adam_preconditioner(optimizer, perturbable.params, torch._foreach_div(grads, share))
         perturbation = perturbable.perturb(
             grads,
             rho,

@@ -22,7 +22,8 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback  # noqa: E402
+from _common import StepTimer  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from hf_flatbias import FlatBiasConfig, FlatBiasTrainer  # noqa: E402
 
@@ -35,18 +36,6 @@ VARIANTS: dict[str, dict] = {
     "subbatch_sam_0.5": {"flatness_method": "sam", "sam_ascent_fraction": 0.5},
     "output_layer_sam": {"flatness_method": "sam", "sam_parameters": "output_layer"},
 }
-
-
-class CpuStepTimer(TrainerCallback):
-    def __init__(self):
-        self.durations: list[float] = []
-        self._start = 0.0
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._start = time.process_time()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.durations.append(time.process_time() - self._start)
 
 
 def build_model(hidden: int, layers: int, vocab: int, seq_len: int) -> LlamaForCausalLM:
@@ -71,7 +60,7 @@ def causal_rows(n: int, seq_len: int, vocab: int) -> list[dict[str, torch.Tensor
 
 
 def time_steps(overrides: dict, rows, model_kwargs, steps: int, batch_size: int) -> list[float]:
-    timer = CpuStepTimer()
+    timer = StepTimer(clock=time.process_time)
     with tempfile.TemporaryDirectory() as out:
         args = FlatBiasConfig(
             out,

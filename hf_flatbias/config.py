@@ -24,32 +24,21 @@ FLATNESS_METHOD_HYPERPARAMETERS: dict[str, tuple[str, ...]] = {
 }
 # The options of the SAM step itself (the perturbation's geometry, rows, parameters, window and radius schedule) and
 # the methods that read them; the card records them with the training settings of a run whose method reads them.
+_SAM_STEP_OPTION_NAMES = (
+    "sam_preconditioner",
+    "sam_ascent_fraction",
+    "sam_parameters",
+    "sam_start_step",
+    "sam_end_step",
+    "sam_rho_schedule",
+    "sam_rho_warmup_steps",
+)
 SAM_STEP_OPTIONS: dict[str, tuple[str, ...]] = {
-    "sam": (
-        "sam_preconditioner",
-        "sam_ascent_fraction",
-        "sam_parameters",
-        "sam_start_step",
-        "sam_end_step",
-        "sam_rho_schedule",
-        "sam_rho_warmup_steps",
-    ),
-    "asam": (
-        "sam_ascent_fraction",
-        "sam_parameters",
-        "sam_start_step",
-        "sam_end_step",
-        "sam_rho_schedule",
-        "sam_rho_warmup_steps",
-    ),
-    "functional_sam": (
-        "sam_preconditioner",
-        "sam_parameters",
-        "sam_start_step",
-        "sam_end_step",
-        "sam_rho_schedule",
-        "sam_rho_warmup_steps",
-    ),
+    "sam": _SAM_STEP_OPTION_NAMES,
+    # ASAM's |w| scaling is its own geometry: no second preconditioner on top of it
+    "asam": tuple(name for name in _SAM_STEP_OPTION_NAMES if name != "sam_preconditioner"),
+    # Functional-SAM needs dL/dF at w on every row, so its first pass cannot be cut to a share of them
+    "functional_sam": tuple(name for name in _SAM_STEP_OPTION_NAMES if name != "sam_ascent_fraction"),
 }
 SAM_PRECONDITIONERS = ("none", "adam")
 SAM_RHO_SCHEDULES = ("constant", "linear_warmup")
@@ -304,7 +293,7 @@ class FlatnessArguments:
                 f"sam_parameters must be 'all', 'output_layer' or name patterns (got {self.sam_parameters!r})."
             )
         reads = SAM_STEP_OPTIONS.get(self.flatness_method, ())
-        for name in SAM_STEP_OPTIONS["sam"]:
+        for name in _SAM_STEP_OPTION_NAMES:
             if name not in reads and getattr(self, name) != _FIELD_DEFAULTS_ALL[name]:
                 users = [method for method, options in SAM_STEP_OPTIONS.items() if name in options]
                 raise ValueError(

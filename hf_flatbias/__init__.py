@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 # Names are imported on first use, as in transformers and trl: `hf-flatbias --help` then answers without importing
 # torch and transformers (seconds), which only the command that runs needs.
 _import_structure = {
-    "callbacks": ["HessianTraceCallback"],
+    "callbacks": ["FlatnessCheckpointSelector", "HessianTraceCallback", "SaveOnInterruptCallback"],
     "config": ["FlatBiasConfig", "FlatnessArguments"],
     "enlarge": ["check_enlargeable", "enlarge"],
     "flatness": [
@@ -36,7 +36,6 @@ _import_structure = {
     "selection": [
         "CheckpointRecord",
         "CheckpointSelection",
-        "FlatnessCheckpointSelector",
         "select_flattest_checkpoint",
     ],
     "trainer": ["FlatBiasTrainer", "FlatnessTrainerMixin"],
@@ -46,7 +45,7 @@ _module_of_name = {name: module for module, names in _import_structure.items() f
 __all__ = sorted(_module_of_name, key=str.lower) + ["__version__"]
 
 if TYPE_CHECKING:
-    from .callbacks import HessianTraceCallback
+    from .callbacks import FlatnessCheckpointSelector, HessianTraceCallback, SaveOnInterruptCallback
     from .config import FlatBiasConfig, FlatnessArguments
     from .enlarge import check_enlargeable, enlarge
     from .flatness import (
@@ -68,7 +67,6 @@ if TYPE_CHECKING:
     from .selection import (
         CheckpointRecord,
         CheckpointSelection,
-        FlatnessCheckpointSelector,
         select_flattest_checkpoint,
     )
     from .trainer import FlatBiasTrainer, FlatnessTrainerMixin

@@ -1,14 +1,22 @@
-"""Trainer callbacks: the paper's flatness measure logged during training."""
+"""Trainer callbacks: the paper's flatness measure logged during training, and checkpoint selection by flatness."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .constants import (
     DEFAULT_BATCH_SIZE,
+    ESTIMATORS,
     MEASURES,
     RECOMMENDED_N_DRAWS,
     SAM_SHARPNESS_METRIC,
@@ -22,6 +30,9 @@ from .flatness.api import estimate_hessian_trace
 from .flatness.contexts import build_masked_contexts
 from .flatness.lm import check_tokenizer_fits_model, is_causal_lm, output_vocab_size
 from .flatness.results import TraceEstimate
+from .selection import SELECTION_FILE, CheckpointRecord, CheckpointSelection, select_flattest_checkpoint
+
+logger = logging.getLogger(__name__)
 
 _CONTEXT_COLUMNS = ("input_ids", "attention_mask", "token_type_ids")
 
@@ -97,6 +108,8 @@ class HessianTraceCallback(TrainerCallback):
             raise ValueError(f"n_draws must be an integer >= 1 (got {n_draws!r}).")
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1 or None (got {every_n_steps}).")
+        if estimator not in ESTIMATORS:  # here, not at the first measurement some steps into training
+            raise ValueError(f"estimator={estimator!r} is not one of {list(ESTIMATORS)}.")
         self.also_measure = _check_extra_measures(also_measure, eigenvalue_matrix, sam_rho)
         self.eigenvalue_matrix = eigenvalue_matrix
         self.sam_rho = sam_rho
@@ -295,3 +308,210 @@ def _check_extra_measures(also_measure: Sequence[str], eigenvalue_matrix: str, s
     if not sam_rho > 0:
         raise ValueError(f"sam_rho must be > 0 (got {sam_rho!r}).")
     return also_measure
+
+
+TraceFunction = Callable[[Any], Any]
+
+
+@dataclass
+class FlatnessCheckpointSelector(TrainerCallback):
+    """Trainer callback: make the flattest checkpoint within a loss tolerance the run's "best" checkpoint.
+
+    After every evaluation it records the step's validation loss and Hessian trace; after every save it re-runs
+    [`select_flattest_checkpoint`] over the saved checkpoints and sets ``state.best_model_checkpoint`` (and
+    ``state.best_global_step``) to the choice, so ``load_best_model_at_end=True`` loads the flattest near-best
+    checkpoint instead of the lowest-loss one. At the end of training it writes the selection to
+    ``<output_dir>/flatness_selection.json``.
+
+    Where the trace comes from, first found wins: a ``trace_metric`` entry logged at the step (what
+    ``HessianTraceCallback`` logs on every evaluation, ``flatness/hessian_trace``), the same key in the evaluation
+    metrics, or ``trace_fn(model)``, which returns an object with ``mean`` and ``stderr`` (such as a
+    ``TraceEstimate``) or a ``(mean, stderr)`` pair.
+
+    Use with ``save_total_limit=None``: the Trainer's checkpoint rotation protects the lowest-loss checkpoint only.
+    """
+
+    loss_tolerance: float = field(
+        default=0.01, metadata={"help": "Absolute (or, with relative_tolerance, fractional) slack on the best loss."}
+    )
+    relative_tolerance: bool = field(default=False, metadata={"help": "Read loss_tolerance as a fraction."})
+    trace_margin: float = field(
+        default=0.0, metadata={"help": "Traces within this many combined standard errors count as equally flat."}
+    )
+    loss_metric: str = field(default="eval_loss", metadata={"help": "Evaluation metric holding the validation loss."})
+    trace_metric: str = field(
+        default=TRACE_METRIC, metadata={"help": "Logged (or evaluation) key holding the trace estimate."}
+    )
+    stderr_metric: str = field(
+        default=TRACE_STDERR_METRIC, metadata={"help": "Logged (or evaluation) key holding its standard error."}
+    )
+    trace_fn: TraceFunction | None = field(
+        default=None, metadata={"help": "Called with the model at an evaluation that logged no trace."}
+    )
+    selection: CheckpointSelection | None = field(default=None, init=False)
+    _losses: dict[int, float] = field(default_factory=dict, init=False, repr=False)
+    _traces: dict[int, tuple[float, float | None]] = field(default_factory=dict, init=False, repr=False)
+    _paths: dict[int, str] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Fail at construction, not after the first evaluation has been paid for.
+        select_flattest_checkpoint(
+            [CheckpointRecord(0, 0.0, 0.0)],
+            loss_tolerance=self.loss_tolerance,
+            relative_tolerance=self.relative_tolerance,
+            trace_margin=self.trace_margin,
+        )
+
+    @property
+    def records(self) -> dict[int, CheckpointRecord]:
+        """One record per evaluated step: its loss, its trace when one was measured, its checkpoint when saved."""
+        records = {}
+        for step, loss in sorted(self._losses.items()):
+            trace, stderr = self._traces.get(step, (None, None))
+            records[step] = CheckpointRecord(step, loss, trace, stderr, self._paths.get(step))
+        return records
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if args.save_total_limit is not None:
+            raise ValueError(
+                f"FlatnessCheckpointSelector needs every evaluated checkpoint kept, but save_total_limit="
+                f"{args.save_total_limit} lets the Trainer delete the flattest one; set save_total_limit=None."
+            )
+        if args.eval_strategy == "no":
+            raise ValueError("FlatnessCheckpointSelector needs evaluations: set eval_strategy to 'steps' or 'epoch'.")
+
+    def on_log(self, args, state, control, logs: dict[str, float] | None = None, **kwargs):
+        if logs and self.trace_metric in logs:
+            self._traces[state.global_step] = (float(logs[self.trace_metric]), _optional(logs.get(self.stderr_metric)))
+
+    def on_evaluate(self, args, state, control, metrics: dict[str, float] | None = None, model=None, **kwargs):
+        metrics = metrics or {}
+        if self.loss_metric not in metrics:
+            return
+        step = state.global_step
+        self._losses[step] = float(metrics[self.loss_metric])
+        if self.trace_metric in metrics:
+            self._traces[step] = (float(metrics[self.trace_metric]), _optional(metrics.get(self.stderr_metric)))
+        elif step not in self._traces and self.trace_fn is not None and model is not None:
+            # A HessianTraceCallback placed after this one logs later in the same evaluation and overwrites this.
+            self._traces[step] = _mean_and_stderr(self.trace_fn(model))
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        if os.path.isdir(folder):
+            self._paths[state.global_step] = folder
+        saved = [r for r in self.records.values() if r.path and os.path.isdir(r.path) and r.hessian_trace is not None]
+        if not saved:
+            return
+        self.selection = self._select(saved)
+        state.best_model_checkpoint = self.selection.chosen.path
+        state.best_global_step = self.selection.chosen.step
+        state.best_metric = self.selection.chosen.eval_loss
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.selection is None and any(r.hessian_trace is not None for r in self.records.values()):
+            # No checkpoint saved: still report which evaluated step would have been chosen.
+            self.selection = self._select(list(self.records.values()))
+        if self.selection is not None and state.is_world_process_zero:
+            os.makedirs(args.output_dir, exist_ok=True)
+            with open(os.path.join(args.output_dir, SELECTION_FILE), "w") as handle:
+                json.dump(self.selection.to_dict(), handle, indent=2)
+            logger.info("Flatness checkpoint selection: %s", self.selection.reason)
+
+    def _select(self, records: list[CheckpointRecord]) -> CheckpointSelection:
+        return select_flattest_checkpoint(
+            records,
+            loss_tolerance=self.loss_tolerance,
+            relative_tolerance=self.relative_tolerance,
+            trace_margin=self.trace_margin,
+        )
+
+
+def _optional(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _mean_and_stderr(estimate: Any) -> tuple[float, float | None]:
+    if hasattr(estimate, "mean"):
+        return float(estimate.mean), None if getattr(estimate, "stderr", None) is None else float(estimate.stderr)
+    if isinstance(estimate, tuple | list) and len(estimate) == 2:
+        return float(estimate[0]), None if estimate[1] is None else float(estimate[1])
+    return float(estimate), None
+
+
+class SaveOnInterruptCallback(TrainerCallback):
+    """On Ctrl-C during training: finish the optimizer step in progress, save a checkpoint, then interrupt.
+
+    The Trainer saves only on its schedule, so an interrupt loses every step since the last save. With this callback
+    the first signal asks the Trainer to save (``control.should_save``) at the end of the current step; once
+    ``checkpoint-N`` is written (model, optimizer, scheduler and random states) ``trainer.train()`` raises
+    ``KeyboardInterrupt``, as Ctrl-C does without the callback, and nothing else runs (no end-of-training
+    measurement, no final save). ``trainer.train(resume_from_checkpoint=True)`` continues from the checkpoint. A
+    second signal interrupts at once. `interrupted` says whether training stopped this way.
+
+    The handler is installed from ``on_train_begin`` until training ends, in the main thread only. With several
+    processes the ranks agree on the step to stop at (one all-reduce of a flag per step), so they save together.
+
+    Args:
+        signals: the signals handled this way (default: ``SIGINT``, Ctrl-C).
+    """
+
+    def __init__(self, signals: Sequence[int] = (signal.SIGINT,)) -> None:
+        self.signals = tuple(signals)
+        self.interrupted = False
+        self._requested = False
+        self._previous: dict[int, Any] = {}
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        self.interrupted = self._requested = False
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {number: signal.signal(number, self._request) for number in self.signals}
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if _any_rank(self._requested, args.device):
+            self.interrupted = True
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if not self.interrupted:
+            return
+        self._restore_handlers()
+        if state.is_world_process_zero:
+            logger.warning(
+                "Interrupted: saved %s; train(resume_from_checkpoint=True) continues from it.",
+                os.path.join(args.output_dir, f"checkpoint-{state.global_step}"),
+            )
+        raise KeyboardInterrupt
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        self._restore_handlers()
+
+    def _restore_handlers(self) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous = {}
+
+    def _request(self, number: int, frame: Any) -> None:
+        if self._requested:  # the second signal: stop now, as without this callback
+            self._restore_handlers()
+            raise KeyboardInterrupt
+        self._requested = True
+        print(
+            "Interrupt: saving a checkpoint after the current step (interrupt again to stop at once).",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _any_rank(flag: bool, device: Any) -> bool:
+    """``flag`` or-ed over the processes of a distributed run; ``flag`` itself in one process."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    value = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())

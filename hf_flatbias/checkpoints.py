@@ -1,4 +1,5 @@
-"""Checks a checkpoint before training resumes from it: intact files, and a model of the same shape.
+"""Checks a checkpoint before training resumes from it: intact files, and a model of the same shape; and a lock
+that keeps two trainings from writing one ``output_dir`` at once.
 
 Without them a truncated ``model.safetensors`` or a half-written ``trainer_state.json`` surfaces as a raw
 deserialisation traceback, and a checkpoint of another model size (a ``--smoke`` run left in the same folder, say)
@@ -7,8 +8,12 @@ as a wall of size-mismatch errors, both after the model and the data were built.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -139,3 +144,70 @@ def _safetensors_problem(path: Path) -> str | None:
     if size < expected:
         return f"{size} bytes where its header needs {expected}: truncated"
     return None
+
+
+OUTPUT_DIR_LOCK = "_flatbias_training.lock"
+"""Lock file of a training in progress (a leading ``_``: the Trainer's pushes to the Hub skip it)."""
+
+
+@contextlib.contextmanager
+def output_dir_lock(output_dir: str | os.PathLike) -> Iterator[None]:
+    """Hold ``output_dir/_flatbias_training.lock`` (this process's id and host) while the block runs.
+
+    Two trainings writing one folder interleave their checkpoints and cards and both exit 0; the second is refused
+    here instead, before it trains. A lock left by a process that has died (a crash, a kill) is taken over.
+
+    Raises:
+        ValueError: another live process on this host holds the lock, or a process on another host does (its
+            liveness cannot be checked from here; the message names the file to delete once it has stopped).
+    """
+    folder = Path(output_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / OUTPUT_DIR_LOCK
+    mine = {"pid": os.getpid(), "host": socket.gethostname()}
+    acquired = False
+    for _ in range(2):  # a second try after removing a dead holder's lock
+        try:
+            descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            holder = _lock_holder(lock)
+            if holder is not None and holder.get("host") == mine["host"] and not _process_alive(holder.get("pid")):
+                lock.unlink(missing_ok=True)  # the holder died without removing it
+                continue
+            who = f"process {holder.get('pid')} on {holder.get('host')}" if holder else "another process"
+            raise ValueError(
+                f"{folder} is being written by another training ({who}, lock file {lock}): two trainings in one "
+                "output_dir overwrite each other's checkpoints. Use another output_dir, or wait for it to finish "
+                "(delete the lock file only if that training has stopped)."
+            ) from None
+        with os.fdopen(descriptor, "w") as handle:
+            json.dump(mine, handle)
+        acquired = True
+        break
+    if not acquired:
+        raise ValueError(f"{lock} is taken and released over and over by other processes; use another output_dir.")
+    try:
+        yield
+    finally:
+        if _lock_holder(lock) == mine:
+            lock.unlink(missing_ok=True)
+
+
+def _lock_holder(lock: Path) -> dict[str, Any] | None:
+    try:
+        holder = json.loads(lock.read_text())
+    except (OSError, ValueError):
+        return None  # gone, or being written this instant
+    return holder if isinstance(holder, dict) else None
+
+
+def _process_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    return True

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
 from .commands import card, compare, demo, glue, select, trace
 
@@ -18,6 +20,7 @@ from .commands import card, compare, demo, glue, select, trace
 COMMANDS = (trace, card, compare, select, glue, demo)
 
 USAGE_ERROR = 2  # argparse's exit status for bad arguments; bad files and values are bad input too
+INTERRUPTED = 130  # the shell's status for a process ended by SIGINT (128 + 2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,9 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; returns its exit code.
 
-    Bad input (a `ValueError` or `OSError`: a missing file, a value out of range, a card that does not parse, a Hub
-    error) is reported as one ``hf-flatbias COMMAND: error: ...`` line with exit code 2. Any other exception is a bug
-    and keeps its traceback.
+    Bad input is reported as one ``hf-flatbias COMMAND: error: ...`` line with exit code 2 (see
+    `run_reporting_errors`); ``--debug`` shows the traceback.
     """
     try:
         try:
@@ -54,15 +56,44 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    return run_reporting_errors(f"hf-flatbias {args.command}", lambda: args.func(args), debug=args.debug)
+
+
+def run_reporting_errors(name: str, call: Callable[[], Any], *, debug: bool = False) -> int:
+    """Run ``call`` and return its exit code, reporting a user's error in one line instead of a traceback.
+
+    Bad input (a `ValueError` or `OSError`: a missing file, a value out of range, a card that does not parse, a Hub
+    error) prints ``NAME: error: ...`` and returns 2; Ctrl-C prints ``NAME: interrupted`` and returns 130. Any other
+    exception is a bug and keeps its traceback; with ``debug`` every exception does. The command line and the
+    recipes' ``main`` (see `run_recipe`) report errors through this one function.
+    """
     try:
-        return int(args.func(args) or 0)
+        result = call()
+        return result if isinstance(result, int) and not isinstance(result, bool) else 0
     except BrokenPipeError:
         raise  # an OSError, but not bad input
     except (ValueError, OSError) as error:
-        if args.debug:
+        if debug:
             raise
-        print(f"hf-flatbias {args.command}: error: {error}", file=sys.stderr)
+        print(f"{name}: error: {error}", file=sys.stderr)
         return USAGE_ERROR
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{name}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+def run_recipe(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> NoReturn:
+    """A recipe's ``if __name__ == "__main__":`` line: ``main(argv)`` with its user errors in one line.
+
+    ``--debug`` anywhere on the command line is taken out of ``argv`` and shows the full traceback instead, as
+    ``hf-flatbias --debug`` does.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [arg for arg in argv if arg != "--debug"]
+    raise SystemExit(run_reporting_errors(Path(sys.argv[0]).name, lambda: main(argv), debug=debug))
 
 
 if __name__ == "__main__":

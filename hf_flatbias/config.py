@@ -3,43 +3,21 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .constants import (
+    SAM_STEP_OPTION_NAMES,
+    FLATNESS_METHOD_HYPERPARAMETERS,
+    FLATNESS_METHODS,
+    PENALTY_METHODS,
+    SAM_METHODS,
+    SAM_STEP_OPTIONS,
+)
 from .utils import quiet_deepspeed_without_accelerator
 
-SAM_METHODS = ("sam", "asam", "functional_sam", "looksam")
-PENALTY_METHODS = ("fisher_penalty", "grad_norm_penalty")
-FLATNESS_METHODS = ("none", *SAM_METHODS, *PENALTY_METHODS)
-# The fields below that each method reads: a model card records these and no others (no sam_rho on a penalty run).
-FLATNESS_METHOD_HYPERPARAMETERS: dict[str, tuple[str, ...]] = {
-    "none": (),
-    "sam": ("sam_rho", "sam_every_k"),
-    "asam": ("sam_rho", "asam_eta", "sam_every_k"),
-    "functional_sam": ("sam_rho", "sam_every_k"),
-    "looksam": ("sam_rho", "sam_every_k", "looksam_alpha"),
-    "fisher_penalty": ("penalty_lambda", "penalty_fd_step"),
-    "grad_norm_penalty": ("penalty_lambda", "penalty_fd_step"),
-}
-# The options of the SAM step itself (the perturbation's geometry, rows, parameters, window and radius schedule) and
-# the methods that read them; the card records them with the training settings of a run whose method reads them.
-_SAM_STEP_OPTION_NAMES = (
-    "sam_preconditioner",
-    "sam_ascent_fraction",
-    "sam_parameters",
-    "sam_start_step",
-    "sam_end_step",
-    "sam_rho_schedule",
-    "sam_rho_warmup_steps",
-)
-SAM_STEP_OPTIONS: dict[str, tuple[str, ...]] = {
-    "sam": _SAM_STEP_OPTION_NAMES,
-    # ASAM's |w| scaling is its own geometry: no second preconditioner on top of it
-    "asam": tuple(name for name in _SAM_STEP_OPTION_NAMES if name != "sam_preconditioner"),
-    # Functional-SAM needs dL/dF at w on every row, so its first pass cannot be cut to a share of them
-    "functional_sam": tuple(name for name in _SAM_STEP_OPTION_NAMES if name != "sam_ascent_fraction"),
-}
 SAM_PRECONDITIONERS = ("none", "adam")
 SAM_RHO_SCHEDULES = ("constant", "linear_warmup")
 # The optimizers whose state holds Adam's second moment as `exp_avg_sq`, `step` and the group's `betas`/`eps`.
@@ -236,6 +214,7 @@ class FlatnessArguments:
             )
         self._validate_regularizer_arguments()
         self._validate_sam_step_options()
+        self._warn_about_unread_hyperparameters()
 
     def _validate_regularizer_arguments(self) -> None:
         if isinstance(self.sam_every_k, bool) or not isinstance(self.sam_every_k, int) or self.sam_every_k < 1:
@@ -293,7 +272,7 @@ class FlatnessArguments:
                 f"sam_parameters must be 'all', 'output_layer' or name patterns (got {self.sam_parameters!r})."
             )
         reads = SAM_STEP_OPTIONS.get(self.flatness_method, ())
-        for name in _SAM_STEP_OPTION_NAMES:
+        for name in SAM_STEP_OPTION_NAMES:
             if name not in reads and getattr(self, name) != _FIELD_DEFAULTS_ALL[name]:
                 users = [method for method, options in SAM_STEP_OPTIONS.items() if name in options]
                 raise ValueError(
@@ -307,6 +286,29 @@ class FlatnessArguments:
                     f"sam_preconditioner='adam' reads Adam's second moment from the optimizer state, but optim={optim!r}; "
                     f"use optim in {list(ADAM_OPTIMIZERS)} or sam_preconditioner='none'."
                 )
+
+    def _warn_about_unread_hyperparameters(self) -> None:
+        # penalty_lambda=0.1 with flatness_method="sam" is almost always a forgotten method, not a wish
+        read = FLATNESS_METHOD_HYPERPARAMETERS[self.flatness_method]
+        unread = sorted(
+            {
+                name
+                for names in FLATNESS_METHOD_HYPERPARAMETERS.values()
+                for name in names
+                if name not in read and getattr(self, name) != self.__dataclass_fields__[name].default
+            }
+        )
+        if unread:
+            readers = {
+                name: [m for m, names in FLATNESS_METHOD_HYPERPARAMETERS.items() if name in names] for name in unread
+            }
+            given = ", ".join(f"{name}={getattr(self, name)!r} (read by {', '.join(readers[name])})" for name in unread)
+            warnings.warn(
+                f"flatness_method={self.flatness_method!r} ignores {given}: set the method that reads them, or leave "
+                "them at their defaults.",
+                UserWarning,
+                stacklevel=5,  # the line that built the config, past __post_init__ and the dataclass __init__
+            )
 
     @property
     def uses_sam(self) -> bool:

@@ -192,7 +192,8 @@ def load_glue_dataset(
     else:
         raise ValueError(
             f"GLUE task {spec.name!r} needs the Hugging Face Hub (unset HF_HUB_OFFLINE, check the network) or local "
-            f"files: pass data_dir=... holding train and {spec.validation_split} files."
+            f"files: pass a folder holding train and {spec.validation_split} files (--data-dir on the command line, "
+            "--data_dir in the recipes, data_dir= in Python)."
         )
     missing = [c for c in (*spec.text_columns, "label") if c not in dataset["train"].column_names]
     if missing:
@@ -239,6 +240,19 @@ def load_tokenizer(model_name_or_path: str, tokenizer_name_or_path: str | None =
         ) from error
     check_tokenizer_fits_model(tokenizer, None, source=source)
     return tokenizer
+
+
+def check_task_text_fits_tokenizer(tokenizer: Any, task: GlueTask, rows, *, source: str, max_rows: int = 500) -> None:
+    """The rule `trace` applies to its text (`check_tokenizer_fits_model`: more than half unknown tokens is refused),
+    on the first ``max_rows`` rows of a task's data: English on a model of a generated language's vocabulary would
+    otherwise fine-tune on ``[UNK]`` alone and report an accuracy."""
+    from .flatness.lm import check_tokenizer_fits_model
+
+    sample = rows.select(range(min(len(rows), max_rows)))
+    encoded = tokenizer(*(list(sample[column]) for column in task.text_columns), truncation=True, max_length=128)
+    check_tokenizer_fits_model(
+        tokenizer, None, source=source, input_ids=encoded["input_ids"], text_source=f"the {task.name} data"
+    )
 
 
 def load_classifier(
@@ -552,6 +566,7 @@ def finetune_glue(
         evaluation = evaluation.select(range(min(max_eval_samples, len(evaluation))))
     check_labels(spec, train["label"])
     check_labels(spec, evaluation["label"])
+    check_task_text_fits_tokenizer(tokenizer, spec, train, source=tokenizer_name_or_path or str(model_name_or_path))
 
     def tokenize(batch):
         encoded = tokenizer(*(batch[c] for c in spec.text_columns), truncation=True, max_length=max_length)

@@ -12,7 +12,7 @@ blocks in the README's YAML front matter:
   the trace, when taken, are one mapping each (``top_eigenvalue``, ``sam_sharpness``) holding the ``value``, its
   settings and the ``step`` it was measured at.
 
-The list of methods and the hyperparameters each one reads come from `hf_flatbias.config`
+The list of methods and the hyperparameters each one reads come from `hf_flatbias.constants`
 (``FLATNESS_METHOD_HYPERPARAMETERS``), so a card exists for every method the trainer runs and records exactly what
 that method used.
 
@@ -37,8 +37,14 @@ import jinja2
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .config import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS, SAM_STEP_OPTIONS
-from .constants import MEASURES, TRACE_METRIC, TRACE_STDERR_METRIC
+from .constants import (
+    FLATNESS_METHOD_HYPERPARAMETERS,
+    FLATNESS_METHODS,
+    MEASURES,
+    SAM_STEP_OPTIONS,
+    TRACE_METRIC,
+    TRACE_STDERR_METRIC,
+)
 
 HESSIAN_TRACE_METRIC = "hessian_trace"
 PRETRAINING_LOSS_METRIC = "loss"

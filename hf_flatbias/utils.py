@@ -58,15 +58,22 @@ def without_load_report() -> Iterator[None]:
     """Silence transformers' LOAD REPORT table (missing and unexpected weights) inside the block.
 
     For loads whose missing and unexpected weights the caller checks itself (a masked-LM checkpoint loaded into a
-    classifier always lacks the new head and has an unused LM head): the table would only alarm the user.
+    classifier always lacks the new head and has an unused LM head): the table would only alarm the user. A raised
+    level on the loading logger also makes transformers check the model's tensor-parallel plan and warn that "layers
+    were not sharded" on every load, though nothing is sharded here: that logger is raised too.
     """
-    report_logger = logging.getLogger("transformers.modeling_utils")
-    level = report_logger.level
-    report_logger.setLevel(logging.ERROR)
+    loggers = [logging.getLogger(name) for name in ("transformers.modeling_utils", _TENSOR_PARALLEL_LOGGER)]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        report_logger.setLevel(level)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+_TENSOR_PARALLEL_LOGGER = "transformers.distributed.tensor_parallel"
 
 
 def quiet_deepspeed_without_accelerator() -> bool:

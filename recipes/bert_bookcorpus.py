@@ -4,7 +4,8 @@ Liu et al. (ICML 2023, Sec. 4) pre-train BERT on BookCorpus (1) with AdamW, drop
 neither dropout nor weight decay, (3) as (2) plus SAM, and compare models of the same pre-training loss. Each setting
 is a YAML file in ``recipes/configs/``:
 
-    accelerate launch recipes/bert_bookcorpus.py --config recipes/configs/no_dropout_no_wd_sam.yaml
+    accelerate launch --config_file recipes/configs/accelerate_1proc.yaml \\
+        recipes/bert_bookcorpus.py --config recipes/configs/no_dropout_no_wd_sam.yaml
     python recipes/bert_bookcorpus.py --config recipes/configs/adamw_dropout_wd.yaml --model_size mini
     python recipes/bert_bookcorpus.py --smoke --output_dir /tmp/smoke     # tiny CPU run, under 3 minutes
 
@@ -23,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hf_flatbias.cli import run_recipe
 from hf_flatbias.config import FlatBiasConfig
 from hf_flatbias.experiments import parse_dataclass_args
 
@@ -344,12 +346,17 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import set_seed
     from transformers.trainer_utils import get_last_checkpoint
 
+    from hf_flatbias.callbacks import SaveOnInterruptCallback
+    from hf_flatbias.flatness.lm import check_tokenizer_fits_model
     from hf_flatbias.text_data import mask_blocks_once, masked_lm_loss, tokenize_into_blocks
     from hf_flatbias.trainer import FlatBiasTrainer
 
     set_seed(training_args.seed)
     with training_args.main_process_first(desc="loading text and training the tokenizer"):
+        # Each stage says it has begun: on a CPU the first ones take minutes before the training bar appears.
+        logger.info("Loading the text (--dataset %s)...", data_args.dataset)
         raw = load_text(data_args)
+        logger.info("Text: %d training and %d held-out texts; building the tokenizer...", *map(len, raw.values()))
         tokenizer = build_tokenizer(model_args, raw["train"], data_args.text_column)
         blocks = {
             split: tokenize_into_blocks(
@@ -363,9 +370,24 @@ def main(argv: list[str] | None = None) -> dict:
         }
     if len(blocks["train"]) == 0 or len(blocks["validation"]) == 0:
         raise ValueError("Too little text for one block per split: lower --max_seq_length or use more texts.")
+    # The rule `hf-flatbias trace` applies: a given tokenizer that reads this text as mostly [UNK] is refused.
+    check_tokenizer_fits_model(
+        tokenizer,
+        None,
+        source=model_args.tokenizer_name_or_path,
+        input_ids=blocks["train"].select(range(min(200, len(blocks["train"]))))["input_ids"],
+        text_source=data_args.dataset,
+    )
     evaluation = mask_blocks_once(blocks["validation"], tokenizer, mlm_probability=data_args.mlm_probability)
     model = build_model(model_args, tokenizer)
-    callbacks = []
+    logger.info(
+        "Model: %.1fM parameters; %d training blocks of %d tokens. On a CPU the training bar moves slowly: see the "
+        "README for the time per step.",
+        model.num_parameters() / 1e6,
+        len(blocks["train"]),
+        model_args.max_seq_length,
+    )
+    callbacks = [SaveOnInterruptCallback()]  # Ctrl-C saves a checkpoint that the next run resumes from
     trace_callback = None
     if flatness.trace_contexts:
         from hf_flatbias.callbacks import HessianTraceCallback
@@ -435,4 +457,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

@@ -6,7 +6,8 @@ task over several seeds, and writes ``glue_compare.md`` (table), ``glue_compare.
 (GLUE score against trace) to ``--output_dir``:
 
     python recipes/glue_compare.py runs/a runs/b --tasks sst2,qnli,rte --output_dir runs/compare
-    accelerate launch recipes/glue_compare.py runs/a runs/b --config recipes/configs/glue_compare.yaml
+    accelerate launch --config_file recipes/configs/accelerate_1proc.yaml \\
+        recipes/glue_compare.py runs/a runs/b --config recipes/configs/glue_compare.yaml
     python recipes/glue_compare.py runs/a runs/b --smoke --output_dir /tmp/compare   # SST-2 stand-in, minutes
 
 Offline, SST-2 is replaced by Rotten Tomatoes review snippets (see ``hf_flatbias.glue.load_glue_dataset``); other
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hf_flatbias.cli import run_recipe
 from hf_flatbias.config import FlatBiasConfig
 from hf_flatbias.experiments import parse_dataclass_args
 
@@ -229,6 +231,7 @@ def pretraining_measurements(model_name_or_path: str, raw_text, args: CompareArg
     """Loss on held-out text (per-block sums, for paired errors), the paper's Fisher trace and the released code's
     trace of one checkpoint. Returns ``(row fields, per-block loss sums, per-block counts)``."""
     from hf_flatbias.flatness import build_masked_contexts, estimate_hessian_trace
+    from hf_flatbias.flatness.lm import check_tokenizer_fits_model
     from hf_flatbias.flatness.released_code import released_code_trace
     from hf_flatbias.text_data import ratio_mean_stderr, tokenize_into_blocks
 
@@ -237,6 +240,13 @@ def pretraining_measurements(model_name_or_path: str, raw_text, args: CompareArg
     blocks = tokenize_into_blocks(raw_text, tokenizer, block_size=args.max_seq_length, text_column=args.text_column)
     if len(blocks) < 2:
         raise ValueError("The held-out text holds fewer than two blocks: use more texts or a lower --max_seq_length.")
+    check_tokenizer_fits_model(
+        tokenizer,
+        None,
+        source=model_name_or_path,
+        input_ids=blocks.select(range(min(200, len(blocks))))["input_ids"],
+        text_source="its held-out pre-training text",
+    )
     sums, counts = held_out_losses(model, blocks, tokenizer, maskings=args.loss_maskings, seed=seed)
     loss, loss_stderr = ratio_mean_stderr(sums, counts)
     contexts = build_masked_contexts(
@@ -520,6 +530,7 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from hf_flatbias.glue import (
+        check_task_text_fits_tokenizer,
         finetune_glue,
         get_glue_task,
         hub_is_reachable,
@@ -561,9 +572,9 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
             )
         corpora[model] = corpus
     # Every check that can fail runs before the first training step: tokenizers, heads, vocabularies, data.
-    vocabularies = {}
+    tokenizers = {}
     for model in args.models:
-        vocabularies[model] = load_masked_lm(model)[1].get_vocab()
+        tokenizers[model] = load_masked_lm(model)[1]
         if args.update_cards:
             from hf_flatbias.modelcard import load_flatness_card
 
@@ -572,6 +583,7 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
             load_flatness_card(model)  # fails now, not after fine-tuning, if the folder has no card
         for task in tasks:
             load_classifier(model, get_glue_task(task))
+    vocabularies = {model: tokenizer.get_vocab() for model, tokenizer in tokenizers.items()}
     differing = [m for m in args.models if vocabularies[m] != vocabularies[args.models[0]]]
     if differing:
         raise ValueError(
@@ -580,6 +592,10 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
         )
     datasets_by_task = load_task_data(tasks, args.data_dir)
     tasks = [task for task in tasks if task in datasets_by_task]
+    for task in tasks:  # the one rule `hf-flatbias trace` applies: text the vocabulary reads as [UNK] is refused
+        check_task_text_fits_tokenizer(
+            tokenizers[args.models[0]], get_glue_task(task), datasets_by_task[task]["train"], source=args.models[0]
+        )
     standin_tasks = [task for task in standin_tasks if task in tasks]
 
     output_dir = Path(training_args.output_dir)
@@ -646,4 +662,4 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

@@ -2,5 +2,7 @@
 
 from pcfg_lookup_table import main
 
+from hf_flatbias.cli import run_recipe
+
 if __name__ == "__main__":
-    main(default_language="hmm")
+    run_recipe(lambda argv: main(argv, default_language="hmm"))

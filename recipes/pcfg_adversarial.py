@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from hf_flatbias.adversarial import AdversarialPretrainingModel
+from hf_flatbias.cli import run_recipe
 from hf_flatbias.experiments import (
     RunSpec,
     add_common_arguments,
@@ -128,4 +129,4 @@ def adversary_wrapper(n_classes: int, weight: float):
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

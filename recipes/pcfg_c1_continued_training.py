@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from hf_flatbias.cli import run_recipe
 from hf_flatbias.experiments import (
     RunSpec,
     add_paper_protocol_arguments,
@@ -177,4 +178,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from hf_flatbias.callbacks import FlatnessCheckpointSelector
+from hf_flatbias.cli import run_recipe
 from hf_flatbias.experiments import (
     RunSpec,
     add_common_arguments,
@@ -31,7 +33,6 @@ from hf_flatbias.experiments import (
     train_and_evaluate,
     write_results,
 )
-from hf_flatbias.selection import FlatnessCheckpointSelector
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,4 +109,4 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

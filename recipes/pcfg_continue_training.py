@@ -7,7 +7,8 @@ trace and of loss with probe accuracy, over all checkpoints and over those at ma
 
     python recipes/pcfg_continue_training.py           # defaults: 0.11M BERT, 30,000 steps, 21 min on 2 shared cores
     python recipes/pcfg_continue_training.py --smoke   # under 2 minutes
-    accelerate launch recipes/pcfg_continue_training.py --language hmm
+    accelerate launch --config_file recipes/configs/accelerate_1proc.yaml \\
+        recipes/pcfg_continue_training.py --language hmm
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from hf_flatbias.cli import run_recipe
 from hf_flatbias.experiments import (
     RunSpec,
     add_common_arguments,
@@ -77,4 +79,4 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

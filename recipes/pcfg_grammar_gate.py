@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from hf_flatbias.cli import run_recipe
 from hf_flatbias.experiments import (
     add_paper_protocol_arguments,
     apply_paper_smoke,
@@ -164,4 +165,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from hf_flatbias.cli import run_recipe
 from hf_flatbias.experiments import (
     RunSpec,
     add_common_arguments,
@@ -117,4 +118,4 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

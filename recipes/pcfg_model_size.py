@@ -20,6 +20,7 @@ import argparse
 import time
 from dataclasses import dataclass
 
+from hf_flatbias.cli import run_recipe
 from hf_flatbias.enlarge import enlarge
 from hf_flatbias.experiments import (
     RunSpec,
@@ -140,4 +141,4 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

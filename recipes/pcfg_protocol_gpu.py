@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from hf_flatbias.cli import run_recipe
+
 RECIPES = Path(__file__).resolve().parent
 #: most CPU threads one process gets: the models' tiny CPU ops (features, probes) slow down with more, badly so on a
 #: shared machine (a smoke merge took 15 s on one thread and 248 s on two here)
@@ -253,4 +255,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

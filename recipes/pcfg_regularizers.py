@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from hf_flatbias.cli import run_recipe
 from hf_flatbias.experiments import (
     RunSpec,
     add_common_arguments,
@@ -128,4 +129,4 @@ def main(argv=None, *, default_language: str = "pcfg") -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

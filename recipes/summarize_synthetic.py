@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from hf_flatbias.cli import run_recipe
 from hf_flatbias.experiments import summarize
 
 
@@ -17,4 +18,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

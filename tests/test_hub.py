@@ -214,7 +214,7 @@ def test_readme_hub_example_publishes_the_trace_of_the_pushed_weights(hub, tmp_p
     namespace = {
         "model": model,
         "train": data,
-        "valid": [{"input_ids": row["input_ids"].tolist()} for row in data],
+        "valid": data,  # labelled rows: evaluate() gives the held-out loss the card records
         "collator": None,
         "tokenizer": make_tokenizer(words),
     }
@@ -230,8 +230,11 @@ def test_readme_hub_example_publishes_the_trace_of_the_pushed_weights(hub, tmp_p
     assert math.isfinite(flatness["hessian_trace"]) and flatness["hessian_trace"] > 0
     assert flatness["trace_step"] == flatness["global_step"] == final_step
     measured_at = [e["step"] for e in trainer.state.log_history if "flatness/hessian_trace" in e]
-    assert measured_at == [final_step], "no evaluation ran, so the only measurement is the one at the end"
-    assert f"at step {final_step}" in capsys.readouterr().out
+    assert measured_at == [final_step], "the final evaluation sees the weights measured at the end: no second one"
+    eval_loss = next(e["eval_loss"] for e in reversed(trainer.state.log_history) if "eval_loss" in e)
+    assert flatness["pretraining_loss"] == pytest.approx(eval_loss) and flatness["pretraining_loss_source"] == "eval"
+    printed = capsys.readouterr().out
+    assert f"at step {final_step}" in printed and f"loss {eval_loss:.3f} (eval)" in printed
 
 
 PUSH_CARDS_SCRIPT = """

@@ -23,6 +23,8 @@ def test_the_quick_start_runs_as_written(tmp_path, monkeypatch, capsys):
     trainer = namespace["trainer"]
     traces = [entry[TRACE_METRIC] for entry in trainer.state.log_history if TRACE_METRIC in entry]
     assert len(traces) >= 3  # a short run logs the trace (every_n_steps fits max_steps)
+    logged = {key for entry in trainer.state.log_history for key in entry}
+    assert {"loss", "sam/first_grad_norm", "sam/perturbation_norm"} <= logged  # what the snippet's comment promises
     assert (tmp_path / "bert-sam" / "README.md").is_file() and (tmp_path / "bert-sam" / "model.safetensors").is_file()
     assert re.search(r"Tr\(H\) = [\d.]+ ± [\d.]+", capsys.readouterr().out)
     estimate = namespace["estimate"]

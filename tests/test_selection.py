@@ -10,9 +10,9 @@ import torch
 from transformers import BertConfig, BertForMaskedLM, Trainer, TrainingArguments
 
 from hf_flatbias.cli import main as cli_main
+from hf_flatbias.callbacks import FlatnessCheckpointSelector
 from hf_flatbias.selection import (
     CheckpointRecord,
-    FlatnessCheckpointSelector,
     records_from_log_history,
     select_flattest_checkpoint,
 )

@@ -1,4 +1,4 @@
-"""``hf-flatbias demo``: the paper's comparison in about two minutes on a CPU.
+"""``hf-flatbias demo``: the paper's comparison in about a minute on an idle 2-core CPU (several on a busy one).
 
 Two tiny BERTs learn the same generated language (a random PCFG in the shape of the paper's) from the same
 initialisation and the same batches: one with AdamW, one with SAM (AdamW at a perturbed point, the flatness
@@ -7,7 +7,8 @@ are then compared where they reach the same loss, with linear-probe accuracy on 
 paper's "downstream"). Everything is generated locally, nothing is downloaded.
 
 Written to OUTPUT_DIR: one folder per run (checkpoints with trainer_state.json, so `hf-flatbias select OUTPUT_DIR/sam`
-works; the final model with its flatness card; TensorBoard logs when tensorboard is installed), demo.png (loss and
+works; the final model with its flatness card; TensorBoard logs only when tensorboard is installed, which the
+plain install does not bring: `pip install tensorboard`), demo.png (loss and
 trace per step, both runs) and demo.json (every number printed).
 """
 
@@ -46,14 +47,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     for name in ("steps", "eval_every", "n_train", "trace_contexts", "n_probe"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if args.rho <= 0:
-        raise SystemExit("--rho must be > 0")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)}).")
+    if not args.rho > 0:
+        raise ValueError(f"--rho must be > 0 (got {args.rho}).")
     output_dir = Path(args.output_dir)
     earlier = sorted(str(path) for label in RUNS for path in (output_dir / label).glob("checkpoint-*"))
     if earlier:
         # the comparison and `hf-flatbias select` read every checkpoint-* folder: an earlier run's would mix in
-        raise SystemExit(
+        raise ValueError(
             f"{output_dir} already holds a demo run ({earlier[0]}, ...); pass another --output-dir or delete it."
         )
     # 0.1M-parameter models and 500-row probes: a second thread (torch's or the BLAS's under numpy and scikit-learn)
@@ -111,13 +112,21 @@ def _compare_runs(args: argparse.Namespace, output_dir: Path) -> int:
     print(f"\nplot: {plot_path}\nnumbers: {output_dir / 'demo.json'}")
     print(f"model cards: {output_dir / 'adamw' / 'README.md'}, {output_dir / 'sam' / 'README.md'}")
     print(f"choose a checkpoint by flatness: hf-flatbias select {output_dir / 'sam'}")
+    if _tensorboard_installed():
+        print(f"TensorBoard logs: tensorboard --logdir {output_dir}")
+    else:
+        print("TensorBoard logs: none written (tensorboard is not installed; pip install tensorboard to get them)")
     return 0
+
+
+def _tensorboard_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tensorboard") is not None
 
 
 def _train(setup, label: str, method: str, args: argparse.Namespace, run_dir: Path) -> list[dict[str, Any]]:
     """One run through `FlatBiasTrainer`; returns its evaluations ``{step, eval_loss, trace, trace_stderr}``."""
-    import importlib.util
-
     from transformers.trainer_callback import PrinterCallback
 
     from ..callbacks import HessianTraceCallback
@@ -126,7 +135,7 @@ def _train(setup, label: str, method: str, args: argparse.Namespace, run_dir: Pa
     from ..synthetic import MaskedWordCollator
     from ..trainer import FlatBiasTrainer
 
-    reporters = ["tensorboard"] if importlib.util.find_spec("tensorboard") is not None else []
+    reporters = ["tensorboard"] if _tensorboard_installed() else []
     config = FlatBiasConfig(
         output_dir=str(run_dir),
         flatness_method=method,

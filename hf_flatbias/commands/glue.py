@@ -39,9 +39,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_arguments(args)  # before torch and transformers load
     model = local_path_or_hub_id(args.model, "MODEL")
     data_dir = None if args.data_dir is None else existing_local_path(args.data_dir, "--data-dir")
-    from ..glue import finetune_glue
+    from ..glue import finetune_glue, get_glue_task
+
+    get_glue_task(args.task)  # before transformers loads
     from ..utils import quiet_deepspeed_without_accelerator
 
     quiet_deepspeed_without_accelerator()
@@ -70,3 +73,21 @@ def run(args: argparse.Namespace) -> int:
             f"{100 * result.mean:.2f} ± {100 * result.std:.2f} over seeds {result.seeds} [{scores}]"
         )
     return 0
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every check of the flags alone; raises `ValueError` naming the flag."""
+    if not args.seeds:
+        raise ValueError("--seeds needs at least one seed.")
+    for flag, value in (
+        ("--batch-size", args.batch_size),
+        ("--max-length", args.max_length),
+        ("--max-train-samples", args.max_train_samples),
+        ("--max-eval-samples", args.max_eval_samples),
+    ):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1 (got {value}).")
+    if args.max_steps <= 0 and not args.num_train_epochs > 0:
+        raise ValueError(f"Give --max-steps > 0 or --num-train-epochs > 0 (got {args.num_train_epochs}).")
+    if args.learning_rate is not None and not args.learning_rate > 0:
+        raise ValueError(f"--learning-rate must be > 0 (got {args.learning_rate}).")

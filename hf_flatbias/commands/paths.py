@@ -8,6 +8,7 @@ for half a minute and then blames the connection. Hub ids are ``name`` or ``name
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 
 def looks_like_local_path(value: str, file_suffixes: tuple[str, ...] = ()) -> bool:
@@ -49,3 +50,18 @@ def existing_local_path(value: str, label: str) -> str:
     if not os.path.exists(path):
         raise FileNotFoundError(f"{label} {value}: no such file or folder.")
     return path
+
+
+def check_output_file(value: str, label: str) -> None:
+    """Raise naming ``label`` when ``value`` cannot become a file: it is a folder, or a file stands where one of its
+    folders would be, or the nearest existing folder is not writable. Checked before any compute; nothing is made."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        raise IsADirectoryError(f"{label} {value} is a folder; name a file.")
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise NotADirectoryError(f"{label} {value}: {folder} is a file, so no folder can be made there.")
+    if not os.access(folder, os.W_OK):
+        raise PermissionError(f"{label} {value}: {folder} is not writable.")

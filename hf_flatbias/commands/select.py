@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(selection.to_dict(), indent=2))
         return 0
-    print(f"{'step':>8} {'eval_loss':>12} {'trace':>12} {'stderr':>10}  ")
+    print(f"{'step':>8} {'eval_loss':>12} {'trace':>12} {'stderr':>10}")
     for record in sorted(records, key=lambda r: r.step):
         marks = []
         if record in selection.candidates:
@@ -70,10 +70,8 @@ def run(args: argparse.Namespace) -> int:
             marks.append("lowest loss")
         if record == selection.chosen:
             marks.append("CHOSEN")
-        print(
-            f"{record.step:>8} {record.eval_loss:>12.6g} {_fmt(record.hessian_trace):>12} {_fmt(record.stderr):>10}  "
-            + ", ".join(marks)
-        )
+        row = f"{record.step:>8} {record.eval_loss:>12.6g} {_fmt(record.hessian_trace):>12} {_fmt(record.stderr):>10}"
+        print(f"{row}  {', '.join(marks)}" if marks else row)
     print(selection.reason)
     print(f"chosen: {selection.chosen.path or f'step {selection.chosen.step}'}")
     return 0

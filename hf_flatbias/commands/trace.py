@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, IGNORE_INDEX, MEASURES, RECOMMENDED_N_DRAWS, SPECTRUM_MATRICES
-from .paths import local_path_or_hub_id
+from .paths import check_output_file, local_path_or_hub_id
 
 DATA_FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
@@ -76,7 +77,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--plot", default=None, help="Draw the per-group trace as a bar chart into this .png/.pdf/.svg file."
     )
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu).")
-    parser.add_argument("--causal", action="store_true", help="Treat the model as a causal LM (default: detect).")
+    parser.add_argument(
+        "--causal",
+        action="store_true",
+        help="Measure next-token contexts. Detected from the checkpoint's architecture; refused for a checkpoint whose "
+        "head is a masked LM (the trace is defined on the objective the head was trained for).",
+    )
     parser.add_argument("--output", default="hessian_trace.json", help="JSON file to write (default: %(default)s).")
     parser.add_argument(
         "--progress",
@@ -117,8 +123,12 @@ def _measure_list(text: str) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_arguments(args)  # before torch and transformers load (seconds) and before any data is read
     args.model = local_path_or_hub_id(args.model, "MODEL")
     args.data = local_path_or_hub_id(args.data, "--data", file_suffixes=tuple(DATA_FILE_FORMATS))
+    check_output_file(args.output, "--output")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
     result = measure(args)
     estimate = result.get("estimate")
     if estimate is not None:
@@ -153,6 +163,36 @@ def run(args: argparse.Namespace) -> int:
         plot_groups(estimate, args.plot, title=f"Hessian trace by parameter group: {args.model}")
         print(f"Wrote {args.plot}")
     return 0
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every check of the flags alone; raises `ValueError` naming the flag."""
+    for flag, value in (
+        ("--n-draws", args.n_draws),
+        ("--n-contexts", args.n_contexts),
+        ("--max-length", args.max_length),
+    ):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1 (got {value}).")
+    if args.by_group is None:
+        args.by_group = args.estimator in GROUPED_ESTIMATORS
+    if (args.by_group or args.plot) and args.estimator not in GROUPED_ESTIMATORS:
+        raise ValueError(
+            f"--by-group and --plot need a per-context estimator ({', '.join(GROUPED_ESTIMATORS)}), got "
+            f"--estimator {args.estimator}."
+        )
+    if args.plot and not args.by_group:
+        raise ValueError("--plot draws the per-group trace: drop --no-by-group.")
+    if args.plot and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
+        raise ValueError(f"--plot {args.plot}: use a file ending in one of {list(PLOT_SUFFIXES)}.")
+    if args.top_k < 1:
+        raise ValueError(f"--top-k must be >= 1 (got {args.top_k}).")
+    if not args.sam_rho > 0:
+        raise ValueError(f"--sam-rho must be > 0 (got {args.sam_rho}).")
+    if args.sam_batch_size is not None and args.sam_batch_size < 1:
+        raise ValueError(f"--sam-batch-size must be >= 1 (got {args.sam_batch_size}).")
+    if args.plot and "trace" not in args.measures:
+        raise ValueError("--plot draws the per-group trace: add trace to --measures.")
 
 
 def format_group_table(estimate: dict[str, Any]) -> str:
@@ -193,8 +233,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from ..utils import quiet_deepspeed_without_accelerator
 
     quiet_deepspeed_without_accelerator()
+    import datasets
+    from transformers.utils import logging as transformers_logging
+
+    bars = transformers_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()
+    if not args.progress:  # also the loading bars of transformers and datasets, not only the estimate's
+        transformers_logging.disable_progress_bar()
+        datasets.disable_progress_bars()
+    try:
+        return _measure(args)
+    finally:
+        if bars[0]:
+            transformers_logging.enable_progress_bar()
+        if bars[1]:
+            datasets.enable_progress_bars()
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -204,33 +261,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from ..flatness.contexts import build_masked_contexts
     from ..flatness.lm import check_tokenizer_fits_model, is_causal_lm, output_vocab_size
 
-    if args.n_draws < 1:
-        raise ValueError(f"--n-draws must be >= 1 (got {args.n_draws}).")
-    if args.n_contexts < 1:
-        raise ValueError(f"--n-contexts must be >= 1 (got {args.n_contexts}).")
-    if args.by_group is None:
-        args.by_group = args.estimator in GROUPED_ESTIMATORS
-    if (args.by_group or args.plot) and args.estimator not in GROUPED_ESTIMATORS:
-        raise ValueError(
-            f"--by-group and --plot need a per-context estimator ({', '.join(GROUPED_ESTIMATORS)}), got "
-            f"--estimator {args.estimator}."
-        )
-    if args.plot and not args.by_group:
-        raise ValueError("--plot draws the per-group trace: drop --no-by-group.")
-    if args.plot and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
-        raise ValueError(f"--plot {args.plot}: use a file ending in one of {list(PLOT_SUFFIXES)}.")
-    if args.top_k < 1:
-        raise ValueError(f"--top-k must be >= 1 (got {args.top_k}).")
-    if not args.sam_rho > 0:
-        raise ValueError(f"--sam-rho must be > 0 (got {args.sam_rho}).")
-    if args.sam_batch_size is not None and args.sam_batch_size < 1:
-        raise ValueError(f"--sam-batch-size must be >= 1 (got {args.sam_batch_size}).")
-    if args.plot and "trace" not in args.measures:
-        raise ValueError("--plot draws the per-group trace: add trace to --measures.")
+    device = _checked_device(args.device, torch)
     rows = _load_rows(args)  # before the model: a bad data file is reported at once
     if not rows:
         raise ValueError(f"{args.data} holds no rows.")
-    config = AutoConfig.from_pretrained(args.model)
+    base_model = _peft_base_model(args.model)  # a PEFT adapter folder names the model it adapts
+    config = AutoConfig.from_pretrained(base_model or args.model)
     architectures = list(getattr(config, "architectures", None) or [])
     causal_names, masked_names = (
         set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()),
@@ -241,13 +277,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             f"{args.model} is a {architectures} checkpoint without a language-model head; loading it as an LM would "
             "initialise a random head. Measure the pre-trained checkpoint (e.g. ...ForMaskedLM / ...ForCausalLM)."
         )
-    causal = args.causal or is_causal_lm(config)
-    model_class = AutoModelForCausalLM if causal else AutoModelForMaskedLM
-    model = model_class.from_pretrained(args.model)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    detected_causal = is_causal_lm(config)
+    if args.causal and architectures and not detected_causal:
+        raise ValueError(
+            f"--causal: {args.model} is a {', '.join(architectures)} checkpoint, whose head predicts masked tokens; "
+            "the trace of a next-token loss it was never trained for is another number. Drop --causal (the "
+            "objective is read from the checkpoint)."
+        )
+    causal = args.causal or detected_causal
+    if "input_ids" in rows[0]:
+        _check_token_ids(rows, config.vocab_size, args.data)  # an id outside the embedding fails deep in torch
+    model = _load_language_model(args.model, base_model, causal)
     model.to(device)
     vocab_size = output_vocab_size(model)
-
+    tokenizer_source = args.model if base_model is None or _has_tokenizer_files(args.model) else base_model
     tokenizer = None
     if "input_ids" not in rows[0]:
         if args.text_column not in rows[0]:
@@ -255,13 +298,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 f"Rows of {args.data} have neither input_ids nor a {args.text_column!r} column (columns: "
                 f"{sorted(rows[0])}); name the text column with --text-column."
             )
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
         texts = [row[args.text_column] for row in rows if row[args.text_column] and row[args.text_column].strip()]
         if not texts:
             raise ValueError(f"The {args.text_column!r} column of {args.data} holds no text.")
         encoded = tokenizer(texts, truncation=True, max_length=args.max_length)
         check_tokenizer_fits_model(
-            tokenizer, vocab_size, source=args.model, input_ids=encoded["input_ids"], text_source=args.data
+            tokenizer, vocab_size, source=tokenizer_source, input_ids=encoded["input_ids"], text_source=args.data
         )
         rows = [
             {"input_ids": ids, "attention_mask": mask}
@@ -271,10 +314,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # ready-made contexts: each labelled position is one
         contexts = rows
         n_contexts = min(args.n_contexts, _count_labelled(rows))
+        if n_contexts < args.n_contexts:
+            _notice(f"--n-contexts {args.n_contexts}: {args.data} labels {n_contexts} positions; using those.")
     else:
         if tokenizer is None and not causal:
-            tokenizer = AutoTokenizer.from_pretrained(args.model)
-            check_tokenizer_fits_model(tokenizer, vocab_size, source=args.model)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+            check_tokenizer_fits_model(
+                tokenizer,
+                vocab_size,
+                source=tokenizer_source,
+                input_ids=[row["input_ids"] for row in rows],
+                text_source=args.data,
+            )
+        if len(rows) < args.n_contexts:
+            # As HessianTraceCallback and build_masked_contexts do (and the paper, with many masked positions per
+            # held-out text): rows are reused with other positions; said here because it is not free.
+            _notice(
+                f"--n-contexts {args.n_contexts} from {len(rows)} rows: each row is reused with other masked positions "
+                f"(about {args.n_contexts / len(rows):.0f} contexts per row). Contexts of one row are correlated, so "
+                "the standard error comes out somewhat too small; more rows give independent contexts."
+            )
         if not causal and tokenizer.mask_token_id is None:
             raise ValueError(f"The tokenizer of {args.model} has no mask token; is this a masked LM?")
         contexts = build_masked_contexts(
@@ -287,6 +346,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
         n_contexts = None
     result = {"model": args.model, "data": args.data, "split": args.split, "seed": args.seed, "device": device}
+    if base_model is not None:
+        result["base_model"] = base_model  # the trace is over the adapter's parameters, the trainable ones
     if "trace" in args.measures:
         estimate = estimate_hessian_trace(
             model,
@@ -330,6 +391,63 @@ def _measures_beyond_trace(args: argparse.Namespace, model, contexts, n_contexts
             causal=causal,
         ).to_dict()
     return results
+
+
+def _notice(text: str) -> None:
+    print(f"hf-flatbias trace: {text}", file=sys.stderr, flush=True)
+
+
+def _checked_device(name: str | None, torch) -> str:
+    """``--device``, or cuda when available else cpu; a device this torch cannot use is refused before loading."""
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.empty(0, device=name)
+    except (RuntimeError, AssertionError) as error:  # AssertionError: "Torch not compiled with CUDA enabled"
+        raise ValueError(
+            f"--device {name}: this torch cannot use it ({error}); drop --device to use what is available."
+        ) from None
+    return name
+
+
+def _check_token_ids(rows: list[dict[str, Any]], vocab_size: int, source: str) -> None:
+    for index, row in enumerate(rows):
+        ids = [int(token) for token in row["input_ids"]]
+        labels = [int(label) for label in row.get("labels", []) if label != IGNORE_INDEX]
+        bad = [token for token in ids + labels if not 0 <= token < vocab_size]
+        if bad:
+            raise ValueError(
+                f"Row {index} of {source} holds the token id {bad[0]}, outside the model's vocabulary of {vocab_size} "
+                f"(ids 0..{vocab_size - 1}): the data was tokenized for another model."
+            )
+
+
+def _peft_base_model(model: str) -> str | None:
+    """The base model a local PEFT adapter folder (``adapter_config.json``) adapts, else ``None``."""
+    adapter_config = Path(model, "adapter_config.json")
+    if not adapter_config.is_file():
+        return None
+    base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{adapter_config} names no base_model_name_or_path: the adapter's base model is unknown.")
+    return base
+
+
+def _has_tokenizer_files(folder: str) -> bool:
+    return any(Path(folder, name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"))
+
+
+def _load_language_model(model: str, base_model: str | None, causal: bool):
+    """The checkpoint with its LM head; a PEFT adapter on its base model, the adapter's parameters trainable (the
+    trace is taken over trainable parameters, as for a LoRA run in the trainer)."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    model_class = AutoModelForCausalLM if causal else AutoModelForMaskedLM
+    if base_model is None:
+        return model_class.from_pretrained(model)
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model_class.from_pretrained(base_model), model, is_trainable=True)
 
 
 def _count_labelled(rows: list[dict[str, Any]]) -> int:

@@ -12,7 +12,16 @@ from transformers.utils.logging import is_progress_bar_enabled
 
 from ..constants import DEFAULT_BATCH_SIZE, RECOMMENDED_N_DRAWS
 from .contexts import TraceContexts
-from .distributed import gather_trace_samples, gathered_parameters, needs_lockstep, share_of_contexts, world
+from .distributed import (
+    gather_trace_samples,
+    gathered_parameters,
+    is_fully_sharded,
+    is_zero3_partitioned,
+    needs_lockstep,
+    share_of_contexts,
+    unsharded_parameters,
+    world,
+)
 from .estimators import check_estimator_arguments, compute_trace_samples
 from .groups import GroupOf
 from .lm import check_lm_model, evaluation_mode, is_causal_lm, measured_parameters, preserved_global_rng
@@ -130,8 +139,8 @@ def _check_partitioned_model(model: nn.Module, across_processes: bool) -> None:
         return
     if not across_processes:
         raise ValueError(
-            "The model's parameters are partitioned by DeepSpeed ZeRO-3: every forward is a collective over all "
-            "processes. Call estimate_hessian_trace on every process with across_processes=True."
+            "The model's parameters are partitioned across processes (DeepSpeed ZeRO-3 or FSDP2): every forward is "
+            "a collective over all processes. Call estimate_hessian_trace on every process with across_processes=True."
         )
 
 
@@ -148,7 +157,12 @@ def _samples_across_processes(
         )
     lockstep = needs_lockstep(model)
     share = share_of_contexts(indices, rank, world_size, lockstep=lockstep)
-    gather_whole = lockstep and measure["estimator"] == "per_sample"
-    with gathered_parameters(model) if gather_whole else contextlib.nullcontext():
+    if is_fully_sharded(model):
+        whole = unsharded_parameters(model)
+    elif is_zero3_partitioned(model) and measure["estimator"] == "per_sample":
+        whole = gathered_parameters(model)
+    else:
+        whole = contextlib.nullcontext()
+    with whole:
         local = compute_trace_samples(model, contexts, indices=share.indices, **measure) if share.indices else None
     return gather_trace_samples(local, share.n_measured, world_size)

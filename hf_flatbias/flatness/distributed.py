@@ -4,10 +4,10 @@ Each context's draws depend only on ``(seed, context index)``, so splitting the 
 per-context values back in their original order gives the one-process estimate on the same contexts and draws
 (per-context estimators; ``summed``/``hutchinson`` group contexts into batches, whose grouping then differs).
 
-Under DeepSpeed ZeRO-3 every forward and backward gathers parameters from all ranks, so the ranks must run the same
-sequence of passes: shares are then padded to equal length with a repeated context whose values are dropped.
-`gathered_parameters` holds the whole model on every rank while ``per_sample`` measures (see its docstring for the
-memory this costs).
+Under DeepSpeed ZeRO-3 and FSDP2 every forward and backward gathers parameters from all ranks, so the ranks must
+run the same sequence of passes: shares are then padded to equal length with a repeated context whose values are
+dropped. `gathered_parameters` (ZeRO-3, ``per_sample``) and `unsharded_parameters` (FSDP2, every estimator) hold
+the whole model on every rank while the trace is measured (see their docstrings for the memory this costs).
 """
 
 from __future__ import annotations
@@ -39,9 +39,14 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def needs_lockstep(model: nn.Module) -> bool:
-    """Whether the model's parameters are partitioned across ranks (ZeRO-3), so every pass is a collective."""
+def is_zero3_partitioned(model: nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 partitions the model's parameters."""
     return any(hasattr(p, "ds_tensor") for p in model.parameters())
+
+
+def needs_lockstep(model: nn.Module) -> bool:
+    """Whether the model's parameters are partitioned across ranks (ZeRO-3, FSDP2), so every pass is a collective."""
+    return is_zero3_partitioned(model) or is_fully_sharded(model)
 
 
 @contextlib.contextmanager
@@ -68,6 +73,51 @@ def gathered_parameters(model: nn.Module) -> Iterator[None]:
         finally:
             for param in params:
                 param.ds_active_sub_modules.discard(_MEASUREMENT_HOLDER)
+
+
+@contextlib.contextmanager
+def unsharded_parameters(model: nn.Module) -> Iterator[None]:
+    """Every parameter of an FSDP2 model whole on every rank until the block ends, then sharded again.
+
+    The estimators differentiate against the parameters the module holds, which under FSDP2 are the shards between
+    forwards (a backward to them finds them unused). Each FSDP module is all-gathered once (one collective per
+    module, every rank entering together) and told not to reshard after forward or backward, so the module holds
+    its unsharded parameters through every pass of the measurement and FSDP's hooks have nothing to gather, free or
+    reduce (the estimators write no ``.grad``). The cost is the whole fp32 model on every rank while it measures, as
+    DDP holds it all the time. The resharding settings are FSDP's own (torch 2.13 keeps them on each parameter
+    group) and are put back as they were.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    saved = []
+    for module in modules:
+        state = module._get_fsdp_state()
+        groups = [
+            (group, group.post_forward_mesh_info, group.reshard_after_backward) for group in state._fsdp_param_groups
+        ]
+        saved.append((state, state._auto_reshard_after_forward, groups))
+        module.set_reshard_after_forward(False, recurse=False)
+        module.set_reshard_after_backward(False, recurse=False)
+    try:
+        for module in modules:
+            module.unshard()
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+        for state, auto_reshard, groups in saved:
+            state._auto_reshard_after_forward = auto_reshard
+            for group, post_forward_mesh_info, reshard_after_backward in groups:
+                group.post_forward_mesh_info = post_forward_mesh_info
+                group.reshard_after_backward = reshard_after_backward
+
+
+def is_fully_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 (``fully_shard``) shards the model or one of its submodules."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 _MEASUREMENT_HOLDER = -1

@@ -3,6 +3,10 @@
 The first SAM gradient must bypass the engine: DDP and DeepSpeed hooks fire on ``.grad`` accumulation and
 DeepSpeed's backward also steps the optimizer. Gradients are therefore taken with ``torch.autograd.grad`` on the
 unwrapped module, and anything the engine would normally do for them (averaging over ranks) happens here.
+
+FSDP2 (``fully_shard``) is the exception: its forward runs on all-gathered copies that ``torch.autograd.grad``
+cannot reach from the sharded parameters, so there the first gradient comes through FSDP's own backward (see
+`FullyShardedParameters`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..flatness.distributed import is_fully_sharded
 from ..flatness.lm import trainable_parameters
 from .sam import Perturbation, SquaredNormReducer, perturb_weights
 
@@ -114,6 +119,21 @@ class PerturbableParameters:
         """How a squared norm over ``tensors`` becomes the squared norm over the whole model."""
         return None
 
+    @property
+    def differentiable_tensors(self) -> list[torch.Tensor]:
+        """``tensors`` as a loss term may use them, so that its gradient reaches the parameters (`linear_term`)."""
+        return self.params
+
+    def first_gradient(
+        self,
+        losses: torch.Tensor | Iterable[torch.Tensor],
+        *,
+        scaler: torch.amp.GradScaler | None = None,
+        average_over_processes: bool = False,
+    ) -> list[torch.Tensor]:
+        """``d sum(losses) / d params`` (see `first_gradient`), off the engine's hooks and ``.grad``."""
+        return first_gradient(losses, self.params, scaler=scaler, average_over_processes=average_over_processes)
+
     def local_gradients(self, full_gradients: list[torch.Tensor]) -> list[torch.Tensor]:
         """Gradients of the whole parameters, cut to the layout of ``tensors`` (may reuse the buffers)."""
         return full_gradients
@@ -210,6 +230,98 @@ class ZeroStage3Parameters(PerturbableParameters):
         self._optimizer.empty_partition_cache()
 
 
+class FullyShardedParameters(PerturbableParameters):
+    """FSDP2 (``fully_shard``): each rank edits its local shard of every parameter, ``param.to_local()``.
+
+    The forward all-gathers the shards into unsharded copies and frees them again, so an edit of the shards reaches
+    the next forward, and ``torch.autograd.grad`` against the sharded parameters finds them unused. The first
+    gradient therefore takes FSDP's own backward, which reduce-scatters the gradient, averaged over ranks, into each
+    parameter's sharded ``.grad``: exactly the global first gradient, in the layout of the shards. The gradient the
+    update has accumulated so far is moved aside for that backward and put back after it, untouched; the new shards
+    become the buffers `perturb_weights` keeps ``w`` in, so the step holds one extra copy of this rank's shard, not
+    of the model. The squared norm is summed over ranks.
+
+    Every backward of a flatness step must reduce-scatter (see `sync_gradients_every_backward`): FSDP keeps the
+    gradient of a backward that does not in its unsharded buffers, where the first gradient would add to it.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter]):
+        from torch.distributed.tensor import DTensor
+
+        super().__init__(params)
+        unsharded = [i for i, p in enumerate(self.params) if not isinstance(p, DTensor)]
+        if unsharded:
+            raise ValueError(
+                f"{len(unsharded)} trainable parameters are not sharded by FSDP2 (not DTensors): pass the model "
+                "through accelerate's prepare (or the Trainer) with fsdp_version 2 before building a flatness step."
+            )
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [p.to_local() for p in self.params]
+
+    @property
+    def differentiable_tensors(self) -> list[torch.Tensor]:
+        # to_local() is differentiable: the term's gradient lands in this rank's shard of the sharded .grad, which
+        # is what an average over ranks of the same term gives.
+        return [p.to_local() for p in self.params]
+
+    @property
+    def sq_norm_reducer(self) -> SquaredNormReducer | None:
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        return _sum_over_group(None)
+
+    def first_gradient(
+        self,
+        losses: torch.Tensor | Iterable[torch.Tensor],
+        *,
+        scaler: torch.amp.GradScaler | None = None,
+        average_over_processes: bool = True,
+    ) -> list[torch.Tensor]:
+        """The rank-averaged first gradient, one local shard per parameter, through FSDP's backward.
+
+        ``average_over_processes=False`` cannot be honoured: FSDP's reduce-scatter always averages (see
+        `check_fsdp_supports`, which refuses ``sam_perturbation='per_rank'``).
+        """
+        if not average_over_processes:
+            raise ValueError("Under FSDP2 the first gradient is always the average over ranks (reduce-scatter).")
+        accumulated = [p.grad for p in self.params]
+        for param in self.params:
+            param.grad = None
+        try:
+            n_losses = 0
+            for loss in [losses] if isinstance(losses, torch.Tensor) else losses:
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                n_losses += 1
+            if n_losses == 0:
+                raise ValueError("first_gradient needs at least one loss.")
+            grads = [
+                torch.zeros_like(p.to_local()) if p.grad is None else p.grad.to_local() for p in self.params
+            ]
+        finally:
+            for param, grad in zip(self.params, accumulated, strict=True):
+                param.grad = grad
+        if scaler is not None:
+            torch._foreach_div_(grads, scaler.get_scale())
+        return grads
+
+
+def sync_gradients_every_backward(model: torch.nn.Module) -> None:
+    """Make FSDP2 reduce-scatter on the next backward even inside accelerate's ``no_sync`` (accumulation).
+
+    A flatness step takes the first gradient by a backward of its own; were the update's earlier gradients kept
+    unsharded (what ``no_sync`` does), that backward would add to them. Reduce-scattering every micro-batch keeps
+    the update's gradient in the sharded ``.grad``, summed over micro-batches as before, at the cost of one
+    reduce-scatter per micro-batch instead of one per update. accelerate turns the sync back on after the step.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_gradient_sync(True, recurse=False)
+
+
 @dataclass
 class _ReleasingPerturbation(Perturbation):
     release_gathered: Callable[[], None] = lambda: None
@@ -226,9 +338,12 @@ def perturbable_parameters(
     """The trainable parameters of ``model`` (the unwrapped module), or the subset ``params`` of them, in the layout
     ``engine`` keeps them.
 
-    ``engine`` is the DeepSpeed engine wrapping ``model``, or ``None`` for plain PyTorch and DDP.
+    ``engine`` is the DeepSpeed engine wrapping ``model``, or ``None`` for plain PyTorch, DDP and FSDP2 (which is
+    recognised from the module).
     """
     params = trainable_parameters(model) if params is None else list(params)
+    if is_fully_sharded(model):
+        return FullyShardedParameters(params)
     if deepspeed_zero_stage(engine) == 3:
         return ZeroStage3Parameters(params, engine.optimizer)
     return PerturbableParameters(params)
@@ -305,4 +420,30 @@ def check_deepspeed_supports_penalty(config: dict, flatness_method: str) -> None
             f"flatness_method={flatness_method!r} is not supported under ZeRO-3: its step adds a term linear in the "
             "whole parameters, which ZeRO-3 only holds inside a forward. Use ZeRO stage 0-2, or 'sam' (which "
             "supports ZeRO-3)."
+        )
+
+
+def check_fsdp_supports(flatness_method: str, sam_perturbation: str, *, fsdp_version: int) -> None:
+    """Raise a ``ValueError`` naming the fix when a flatness method cannot run exactly under FSDP.
+
+    Checked at trainer construction, before any compute is spent.
+    """
+    if flatness_method == "none":
+        return
+    if fsdp_version != 2:
+        raise ValueError(
+            f"flatness_method={flatness_method!r} supports FSDP2 only (fully_shard), but the run uses FSDP version "
+            f"{fsdp_version}. Set fsdp_version: 2 in the accelerate config (or fsdp_config={{'version': 2}})."
+        )
+    if flatness_method == "looksam":
+        raise ValueError(
+            "flatness_method='looksam' is not supported under FSDP2: its reuse updates edit param.grad between the "
+            "backward and the optimizer step and keep a direction over the whole parameters. Use 'sam' (with "
+            "sam_every_k for a cheaper schedule), or run LookSAM with DDP (accelerate launch --multi_gpu)."
+        )
+    if sam_perturbation == "per_rank":
+        raise ValueError(
+            "sam_perturbation='per_rank' cannot be exact under FSDP2: every forward all-gathers each parameter from "
+            "all ranks' shards, so rank-specific perturbations would be mixed, and its reduce-scatter only yields "
+            "the rank-averaged gradient. Use sam_perturbation='global' or DDP."
         )

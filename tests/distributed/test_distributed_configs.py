@@ -15,12 +15,14 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = REPO_ROOT / "recipes" / "configs"
 
 ACCELERATE_CONFIGS = {
+    "accelerate_1proc.yaml": (DistributedType.NO, 1),
     "accelerate_cpu_1proc.yaml": (DistributedType.NO, 1),
     "accelerate_cpu_2proc.yaml": (DistributedType.MULTI_GPU, 2),
     "accelerate_multi_gpu.yaml": (DistributedType.MULTI_GPU, 2),
     "accelerate_deepspeed_zero1.yaml": (DistributedType.DEEPSPEED, 2),
     "accelerate_deepspeed_zero2.yaml": (DistributedType.DEEPSPEED, 2),
     "accelerate_deepspeed_zero3.yaml": (DistributedType.DEEPSPEED, 2),
+    "accelerate_fsdp2_cpu_2proc.yaml": (DistributedType.FSDP, 2),
 }
 
 
@@ -43,6 +45,9 @@ def test_accelerate_config_loads(name):
         # accelerate refuses a deepspeed_config_file next to settings it would ignore
         assert config.mixed_precision in (None, "no") and "zero_stage" not in config.deepspeed_config
         assert config.deepspeed_config["zero3_init_flag"] == (stage == 3)
+    if distributed_type == DistributedType.FSDP:
+        # FSDP2 is what the flatness steps support; FSDP1 is refused at trainer start
+        assert config.fsdp_config["fsdp_version"] == 2 and config.mixed_precision == "no" and not config.use_cpu
 
 
 @pytest.mark.parametrize("stage", range(4))

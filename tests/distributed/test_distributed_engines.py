@@ -15,6 +15,7 @@ from hf_flatbias.sharpness.engines import (
     ZeroStage3Parameters,
     check_deepspeed_supports_penalty,
     check_deepspeed_supports_sam,
+    check_fsdp_supports,
     perturbable_parameters,
 )
 
@@ -135,3 +136,29 @@ def test_penalties_run_under_zero_0_to_2(stage):
 def test_penalties_refuse_what_they_cannot_do_exactly(config, match):
     with pytest.raises(ValueError, match=match):
         check_deepspeed_supports_penalty(config, "grad_norm_penalty")
+
+
+@pytest.mark.parametrize("method", ["none", "sam", "asam", "fisher_penalty", "grad_norm_penalty"])
+def test_fsdp2_runs_every_method_but_looksam_with_global_perturbation(method):
+    check_fsdp_supports(method, "global", fsdp_version=2)
+
+
+@pytest.mark.parametrize(
+    "method,perturbation,version,match",
+    [
+        ("sam", "per_rank", 2, "sam_perturbation='global'"),
+        ("grad_norm_penalty", "per_rank", 2, "per_rank"),
+        ("looksam", "global", 2, "'sam'"),
+        ("sam", "global", 1, "fsdp_version: 2"),
+    ],
+)
+def test_what_fsdp_cannot_do_exactly_is_refused(method, perturbation, version, match):
+    with pytest.raises(ValueError, match=match):
+        check_fsdp_supports(method, perturbation, fsdp_version=version)
+
+
+def test_fsdp2_parameters_must_be_sharded():
+    from hf_flatbias.sharpness.engines import FullyShardedParameters
+
+    with pytest.raises(ValueError, match="fsdp_version 2"):
+        FullyShardedParameters([torch.nn.Parameter(torch.ones(2))])

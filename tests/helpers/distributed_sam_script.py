@@ -43,7 +43,8 @@ class Case:
     """One training run; ``args`` override the FlatBiasConfig defaults.
 
     ``engine``: "ddp", "zero0".."zero3" (the DeepSpeed JSON in recipes/configs passed as ``deepspeed=``), or
-    "launcher" (whatever the ``accelerate launch`` config set up).
+    "launcher" (whatever the ``accelerate launch`` config set up, e.g. FSDP2). A "ddp" case inside an FSDP launch
+    drops the launcher's FSDP settings.
     """
 
     name: str
@@ -58,8 +59,13 @@ class Case:
     kind: str = "sam"
     trace: dict = field(default_factory=dict)
     #: What a "sam" case trains: "classification" (`tiny_classifier` on `classification_rows`) or "masked_lm"
-    #: (`tiny_mlm` on `token_weighted_rows`, whose micro-batches and ranks hold unequal label counts).
+    #: (`tiny_mlm` on `token_weighted_rows`, whose micro-batches and ranks hold unequal label counts). What a trace
+    #: case measures: "masked_lm" (`tiny_masked_lm` on `masked_rows`) or "causal_lm" (`tiny_causal_lm` on
+    #: `causal_rows`; FSDP2 through accelerate 1.15 cannot shard BERT's masked-LM head, whose bias is tied). A "sam"
+    #: case on "causal_lm" trains `tiny_causal_lm` on `causal_training_rows`.
     task: str = "classification"
+    #: LoRA adapters (``peft.LoraConfig`` keyword arguments) on the model before training, or ``None``.
+    lora: dict | None = None
 
 
 def classification_rows(n: int = N_ROWS, seed: int = 1) -> list[dict[str, torch.Tensor]]:
@@ -76,6 +82,35 @@ def tiny_masked_lm(seed: int = 0) -> BertForMaskedLM:
     config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=32, max_position_embeddings=16)
     return BertForMaskedLM(config)
+
+
+def tiny_causal_lm(seed: int = 0) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return tiny_models.randomize_norms(LlamaForCausalLM(LlamaConfig(**tiny_models.TINY_DECODER)))
+
+
+def causal_rows(n: int = 7, seed: int = 2) -> list[dict[str, torch.Tensor]]:
+    """One labelled position per row (never the first, which a causal LM cannot predict): one context each."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, tiny_models.TINY_DECODER["vocab_size"], (n, SEQ_LEN), generator=g)
+    rows = []
+    for i in range(n):
+        labels = torch.full((SEQ_LEN,), -100)
+        position = 1 + i % (SEQ_LEN - 1)
+        labels[position] = ids[i, position]
+        rows.append({"input_ids": ids[i], "attention_mask": torch.ones(SEQ_LEN, dtype=torch.long), "labels": labels})
+    return rows
+
+
+#: What a trace case measures, by its ``task``: the model builder and its rows.
+TRACE_TASKS = {"masked_lm": ("tiny_masked_lm", "masked_rows"), "causal_lm": ("tiny_causal_lm", "causal_rows")}
+
+
+def trace_task(task: str):
+    model_name, rows_name = TRACE_TASKS.get(task, TRACE_TASKS["masked_lm"])
+    return globals()[model_name], globals()[rows_name]
 
 
 def masked_rows(n: int = 7, seed: int = 2) -> list[dict[str, torch.Tensor]]:
@@ -127,11 +162,13 @@ def deepspeed_config(stage: int, overrides: dict) -> dict:
 
 
 def work_around_accelerate_cpu_world_size() -> None:
-    """Test harness only: accelerate 1.15 reports world size 1 to DeepSpeed on CPU.
+    """Test harness only: accelerate 1.15 miscounts the processes of DeepSpeed and FSDP launches on CPU.
 
-    Without a GPU, accelerate picks no backend for a DeepSpeed launch and then counts one process although
-    DeepSpeed set up all of them, so DeepSpeed rejects ``train_batch_size`` (``8 != 8 * 1 * 2``). When a
-    DeepSpeed run sees several processes and accelerate found no backend, answer gloo as a multi-CPU run does.
+    Without a GPU, accelerate picks no backend for either. DeepSpeed then sets up all processes while accelerate
+    counts one, so DeepSpeed rejects ``train_batch_size`` (``8 != 8 * 1 * 2``): answer gloo as a multi-CPU run does.
+    With FSDP each process silently trains alone (world size 1, no sharding), and ``use_cpu=True`` runs DDP over
+    gloo, dropping the FSDP settings (accelerate turns FSDP on only for its GPU-like distributed types): answer gloo
+    as for GPUs with the device pinned to the CPU, and accelerate shards with FSDP over gloo.
     """
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
@@ -142,23 +179,32 @@ def work_around_accelerate_cpu_world_size() -> None:
 
     def prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
         chosen, distributed_type = original(self, cpu, sagemaker_dp, backend)
-        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-        if chosen is None and deepspeed and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if chosen is not None or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            return chosen, distributed_type
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
             return "gloo", DistributedType.MULTI_CPU
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not cpu:
+            self.device = torch.device("cpu")  # set_device keeps a device already set
+            return "gloo", DistributedType.MULTI_GPU
         return chosen, distributed_type
 
     prepare_backend._hf_flatbias_patched = True
     PartialState._prepare_backend = prepare_backend
 
 
-def reset_accelerate(launch_environment: dict[str, str]) -> None:
-    """Forget the previous case: accelerate keeps its state in class attributes and flags in the environment."""
+def reset_accelerate(launch_environment: dict[str, str], *, keep_fsdp: bool = True) -> None:
+    """Forget the previous case: accelerate keeps its state in class attributes and flags in the environment.
+
+    ``keep_fsdp=False`` drops an FSDP launcher's settings, so that a DDP case runs inside an FSDP launch."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     for key in [k for k in os.environ if k.startswith("ACCELERATE_")]:
         del os.environ[key]
-    os.environ.update({k: v for k, v in launch_environment.items() if k.startswith("ACCELERATE_")})
+    os.environ.update(
+        {k: v for k, v in launch_environment.items()
+         if k.startswith("ACCELERATE_") and (keep_fsdp or k != "ACCELERATE_USE_FSDP")}
+    )
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     PartialState._reset_state()
@@ -166,7 +212,11 @@ def reset_accelerate(launch_environment: dict[str, str]) -> None:
 
 
 def trained_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
     params = dict(model.named_parameters())
+    if any(isinstance(p, DTensor) for p in params.values()):  # FSDP2: gather each parameter from its shards
+        return {name: p.full_tensor().detach().clone() for name, p in params.items()}
     if any(hasattr(p, "ds_tensor") for p in params.values()):
         import deepspeed
 
@@ -182,7 +232,8 @@ def run_trace_case(case: Case, values: dict) -> dict:
     from hf_flatbias.sharpness.engines import deepspeed_zero_stage
 
     values.update(flatness_method="none", learning_rate=0.0, max_steps=1)
-    trainer = FlatBiasTrainer(model=tiny_masked_lm(), args=FlatBiasConfig(**values), train_dataset=masked_rows())
+    model, rows = trace_task(case.task)
+    trainer = FlatBiasTrainer(model=with_lora(model(), case.lora), args=FlatBiasConfig(**values), train_dataset=rows())
     trainer.train()
     summarized = []
     real_summary = api.summarize_trace_samples
@@ -193,7 +244,7 @@ def run_trace_case(case: Case, values: dict) -> dict:
 
     api.summarize_trace_samples = keep_samples
     try:
-        estimate = api.estimate_hessian_trace(trainer.model, masked_rows(), across_processes=True, **case.trace)
+        estimate = api.estimate_hessian_trace(trainer.model, rows(), across_processes=True, **case.trace)
     finally:
         api.summarize_trace_samples = real_summary
     return {
@@ -209,13 +260,53 @@ def run_trace_callback_case(case: Case, values: dict) -> dict:
     from hf_flatbias.callbacks import TRACE_METRIC, HessianTraceCallback
 
     values.update(flatness_method="none", learning_rate=0.0, max_steps=1)
-    callback = HessianTraceCallback(masked_rows(), every_n_steps=1, on_evaluate=False, mask_token_id=4, **case.trace)
-    trainer = FlatBiasTrainer(model=tiny_masked_lm(), args=FlatBiasConfig(**values), train_dataset=masked_rows(),
+    model, rows = trace_task(case.task)
+    callback = HessianTraceCallback(rows(), every_n_steps=1, on_evaluate=False, mask_token_id=4, **case.trace)
+    trainer = FlatBiasTrainer(model=with_lora(model(), case.lora), args=FlatBiasConfig(**values), train_dataset=rows(),
                               callbacks=[callback])
     trainer.train()
     logged = [entry[TRACE_METRIC] for entry in trainer.state.log_history if TRACE_METRIC in entry]
     return {"logged_trace": logged, "contexts": callback._contexts, "world_size": trainer.args.world_size,
             "estimate": callback.last_estimate.to_dict()}
+
+
+def with_lora(model: torch.nn.Module, lora: dict | None) -> torch.nn.Module:
+    if lora is None:
+        return model
+    import peft
+
+    return peft.get_peft_model(model, peft.LoraConfig(**lora))
+
+
+def record_perturbation_bytes() -> list[int]:
+    """The bytes each perturbation of this process holds (the saved ``w``: the step's extra parameter copy)."""
+    from hf_flatbias.sharpness.engines import PerturbableParameters
+
+    held: list[int] = []
+    original = getattr(PerturbableParameters.perturb, "_hf_flatbias_original", PerturbableParameters.perturb)
+
+    def perturb(self, *args, **kwargs):
+        perturbation = original(self, *args, **kwargs)
+        if perturbation is not None:
+            held.append(sum(t.numel() * t.element_size() for t in perturbation.saved_weights))
+        return perturbation
+
+    perturb._hf_flatbias_original = original
+    PerturbableParameters.perturb = perturb
+    return held
+
+
+def causal_training_rows(n: int = N_ROWS) -> list[dict[str, torch.Tensor]]:
+    """`causal_rows` enough for training: one label per row, so ranks and micro-batches hold equal counts."""
+    return causal_rows(n)
+
+
+#: What a "sam" case trains, by its ``task``: the model builder and its rows.
+TRAINING_TASKS = {
+    "classification": (tiny_classifier, classification_rows),
+    "masked_lm": (tiny_models.tiny_mlm, token_weighted_rows),
+    "causal_lm": (tiny_causal_lm, causal_training_rows),
+}
 
 
 def run_case(case: Case, out_dir: Path, rank: int) -> dict:
@@ -233,24 +324,31 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
         values["deepspeed"] = deepspeed_config(int(case.engine.removeprefix("zero")), case.deepspeed_overrides)
     if case.resume_from_step is not None:
         values.update(save_strategy="steps", save_steps=case.resume_from_step)
+    # accelerate 1.15 cannot shard a BERT by its own _no_split_modules (BertEmbeddings holds the word embedding it
+    # carves out again): its layers are named, as a user sets fsdp_transformer_layer_cls_to_wrap
+    if case.kind == "sam" and case.task != "causal_lm":
+        os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = "BertLayer"
+    else:
+        os.environ.pop("FSDP_TRANSFORMER_CLS_TO_WRAP", None)
     if case.kind == "trace":
         return run_trace_case(case, values)
     if case.kind == "trace_callback":
         return run_trace_callback_case(case, values)
 
-    model, rows = {
-        "classification": (tiny_classifier, classification_rows),
-        "masked_lm": (tiny_models.tiny_mlm, token_weighted_rows),
-    }[case.task]
+    model, rows = TRAINING_TASKS[case.task]
 
     def train(resume_from_checkpoint: str | None = None) -> FlatBiasTrainer:
         args = FlatBiasConfig(**values)
-        trainer = FlatBiasTrainer(model=model(), args=args, train_dataset=rows())
+        trainer = FlatBiasTrainer(model=with_lora(model(), case.lora), args=args, train_dataset=rows())
         trainer.train(resume_from_checkpoint=resume_from_checkpoint)
         return trainer
 
+    held_bytes = record_perturbation_bytes()
     trainer = train()
     result = {"params": trained_parameters(trainer.model)}
+    result["perturbation_bytes"] = max(held_bytes, default=0)
+    trainable = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
+    result["trainable_bytes"] = sum(p.numel() * p.element_size() for n, p in result["params"].items() if n in trainable)
     if case.resume_from_step is not None:
         checkpoint = work / f"checkpoint-{case.resume_from_step}"
         trainer.accelerator.wait_for_everyone()
@@ -272,7 +370,7 @@ def main(cases_file: str, out: str) -> None:
     work_around_accelerate_cpu_world_size()
     rank = int(os.environ.get("RANK", "0"))
     for case in cases:
-        reset_accelerate(launch_environment)
+        reset_accelerate(launch_environment, keep_fsdp=case.engine != "ddp")
         start = time.perf_counter()
         stem = f"{case.name}.rank{rank}"
         try:

@@ -8,9 +8,20 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
-from .constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS, PENALTY_METHODS, SAM_METHODS
+from .constants import (
+    SAM_STEP_OPTION_NAMES,
+    FLATNESS_METHOD_HYPERPARAMETERS,
+    FLATNESS_METHODS,
+    PENALTY_METHODS,
+    SAM_METHODS,
+    SAM_STEP_OPTIONS,
+)
 from .utils import quiet_deepspeed_without_accelerator
 
+SAM_PRECONDITIONERS = ("none", "adam")
+SAM_RHO_SCHEDULES = ("constant", "linear_warmup")
+# The optimizers whose state holds Adam's second moment as `exp_avg_sq`, `step` and the group's `betas`/`eps`.
+ADAM_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_npu_fused", "adamw_torch_xla")
 SAM_SCOPES = ("micro_batch", "batch")
 SAM_PERTURBATIONS = ("global", "per_rank")
 
@@ -32,7 +43,9 @@ class FlatnessArguments:
             "minimization (Foret et al., 2021), the gradient taken at w + rho * g / ||g||; 'asam': adaptive SAM "
             "(Kwon et al., 2021), the neighbourhood scaled elementwise by |w| + asam_eta for every trainable "
             "parameter, biases and LayerNorms included (the official ASAM code scales only weights; asam_eta=0 "
-            "reproduces davda54/sam's adaptive mode); 'looksam': LookSAM "
+            "reproduces davda54/sam's adaptive mode); 'functional_sam': Functional-SAM (Singh et al., ICML 2025), "
+            "SAM's perturbation but the update is the backward of <F(w + e), dL/dF at w> with F the logits, which keeps "
+            "the Jacobian's change and drops the logit path of SAM's gradient; 'looksam': LookSAM "
             "(Liu et al., CVPR 2022), a SAM update every sam_every_k updates and one-pass updates in between that "
             "reuse the stored SAM direction; 'fisher_penalty': adds penalty_lambda x the sampled-label Fisher trace "
             "of the micro-batch to the loss; 'grad_norm_penalty': adds penalty_lambda x ||grad L|| (Zhao et al., "
@@ -70,6 +83,62 @@ class FlatnessArguments:
             "rank use its own gradient (m-sharpness across ranks, no extra communication).",
             "choices": list(SAM_PERTURBATIONS),
         },
+    )
+
+    sam_preconditioner: str = field(
+        default="none",
+        metadata={
+            "help": "The geometry of the SAM/Functional-SAM perturbation. 'none': e = rho * g / ||g||; 'adam': "
+            "e = rho * (g / P) / ||g / P|| with P = sqrt(v_hat) + eps, Adam's denominator for this gradient (g at "
+            "the scale of a whole update under accumulation): "
+            "v = beta2 * v_prev + (1 - beta2) * g^2 from the optimizer's state (v_prev, its step t, betas, eps), "
+            "bias-corrected by 1 - beta2^(t + 1); needs optim in " + ", ".join(ADAM_OPTIMIZERS) + ". Before the "
+            "optimizer's first step v_prev = 0 and t = 0, so P = |g| + eps (a sign-like perturbation, as Adam's "
+            "first update). Not under DeepSpeed (ZeRO keeps the moments in its own partitions).",
+            "choices": list(SAM_PRECONDITIONERS),
+        },
+    )
+    sam_ascent_fraction: float = field(
+        default=1.0,
+        metadata={
+            "help": "Share f (0 < f <= 1) of each micro-batch's rows whose gradient defines the SAM/ASAM perturbation "
+            "(Bahri et al., ACL 2022): the first ceil(f * rows) rows; the update's gradient still uses every row. "
+            "A step costs about 1 + f forward/backward passes. With f < 1 the logged loss is that of the ascent rows "
+            "(per labelled token for language models). Not for 'functional_sam', which needs dL/dF at w on every row."
+        },
+    )
+    sam_parameters: str = field(
+        default="all",
+        metadata={
+            "help": "Which trainable parameters the SAM perturbation moves (the norm of g is taken over them only): "
+            "'all'; 'output_layer': the parameters of model.get_output_embeddings() (logits-SAM of Luo et al., 2026; "
+            "with tied embeddings this is the input embedding too); or comma-separated fnmatch patterns of "
+            "parameter names, e.g. '*.layer.1.*,cls.*'. The update still trains every trainable parameter."
+        },
+    )
+    sam_start_step: int = field(
+        default=0,
+        metadata={"help": "First optimizer update (global step) that takes the SAM step; earlier updates are plain."},
+    )
+    sam_end_step: int = field(
+        default=-1,
+        metadata={
+            "help": "Optimizer update at which the SAM window closes (updates >= sam_end_step are plain); -1 keeps "
+            "SAM to the end of training."
+        },
+    )
+    sam_rho_schedule: str = field(
+        default="constant",
+        metadata={
+            "help": "How rho varies inside the SAM window. 'constant': sam_rho; 'linear_warmup': "
+            "sam_rho * min(1, (t - sam_start_step + 1) / sam_rho_warmup_steps) at update t. The radius in use is "
+            "logged as sam/rho.",
+            "choices": list(SAM_RHO_SCHEDULES),
+        },
+    )
+    sam_rho_warmup_steps: int = field(
+        default=0,
+        metadata={"help": "Length in optimizer updates of the 'linear_warmup' rho schedule (>= 1 for it, else 0)."},
     )
 
     sam_every_k: int = field(
@@ -144,6 +213,7 @@ class FlatnessArguments:
                 f"sam_perturbation={self.sam_perturbation!r} is not supported; choose one of {list(SAM_PERTURBATIONS)}."
             )
         self._validate_regularizer_arguments()
+        self._validate_sam_step_options()
         self._warn_about_unread_hyperparameters()
 
     def _validate_regularizer_arguments(self) -> None:
@@ -169,6 +239,53 @@ class FlatnessArguments:
                 f"flatness_method={self.flatness_method!r} works per micro-batch; set sam_scope='micro_batch' "
                 "(sam_scope='batch' is implemented for 'sam' and 'asam' only)."
             )
+
+    def _validate_sam_step_options(self) -> None:
+        if self.sam_preconditioner not in SAM_PRECONDITIONERS:
+            raise ValueError(
+                f"sam_preconditioner={self.sam_preconditioner!r} is not supported; choose one of "
+                f"{list(SAM_PRECONDITIONERS)}."
+            )
+        if self.sam_rho_schedule not in SAM_RHO_SCHEDULES:
+            raise ValueError(
+                f"sam_rho_schedule={self.sam_rho_schedule!r} is not supported; choose one of {list(SAM_RHO_SCHEDULES)}."
+            )
+        fraction = self.sam_ascent_fraction
+        if not isinstance(fraction, (int, float)) or not math.isfinite(fraction) or not 0 < fraction <= 1:
+            raise ValueError(f"sam_ascent_fraction must be in (0, 1] (got {fraction!r}); 1 uses every row.")
+        for name, lowest in (("sam_start_step", 0), ("sam_end_step", -1), ("sam_rho_warmup_steps", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+                raise ValueError(f"{name} must be an integer >= {lowest} (got {value!r}).")
+        if self.sam_end_step != -1 and self.sam_end_step <= self.sam_start_step:
+            raise ValueError(
+                f"sam_end_step={self.sam_end_step} must be > sam_start_step={self.sam_start_step} (or -1 for the end "
+                "of training)."
+            )
+        if (self.sam_rho_schedule == "linear_warmup") != (self.sam_rho_warmup_steps > 0):
+            raise ValueError(
+                f"sam_rho_schedule={self.sam_rho_schedule!r} with sam_rho_warmup_steps={self.sam_rho_warmup_steps}: "
+                "'linear_warmup' needs sam_rho_warmup_steps >= 1 and 'constant' needs 0."
+            )
+        if not isinstance(self.sam_parameters, str) or not self.sam_parameters.strip():
+            raise ValueError(
+                f"sam_parameters must be 'all', 'output_layer' or name patterns (got {self.sam_parameters!r})."
+            )
+        reads = SAM_STEP_OPTIONS.get(self.flatness_method, ())
+        for name in SAM_STEP_OPTION_NAMES:
+            if name not in reads and getattr(self, name) != _FIELD_DEFAULTS_ALL[name]:
+                users = [method for method, options in SAM_STEP_OPTIONS.items() if name in options]
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} applies to flatness_method in {users}, not "
+                    f"{self.flatness_method!r}; leave {name} at its default {_FIELD_DEFAULTS_ALL[name]!r}."
+                )
+        if self.sam_preconditioner == "adam":
+            optim = str(getattr(self.optim, "value", self.optim))
+            if optim not in ADAM_OPTIMIZERS:
+                raise ValueError(
+                    f"sam_preconditioner='adam' reads Adam's second moment from the optimizer state, but optim={optim!r}; "
+                    f"use optim in {list(ADAM_OPTIMIZERS)} or sam_preconditioner='none'."
+                )
 
     def _warn_about_unread_hyperparameters(self) -> None:
         # penalty_lambda=0.1 with flatness_method="sam" is almost always a forgotten method, not a wish
@@ -206,11 +323,16 @@ _NUMERIC_FIELDS = {
     "sam_rho": float,
     "asam_eta": float,
     "sam_every_k": int,
+    "sam_ascent_fraction": float,
+    "sam_start_step": int,
+    "sam_end_step": int,
+    "sam_rho_warmup_steps": int,
     "looksam_alpha": float,
     "penalty_lambda": float,
     "penalty_fd_step": float,
 }
-_FIELD_DEFAULTS = {name: FlatnessArguments.__dataclass_fields__[name].default for name in _NUMERIC_FIELDS}
+_FIELD_DEFAULTS_ALL = {name: f.default for name, f in FlatnessArguments.__dataclass_fields__.items()}
+_FIELD_DEFAULTS = {name: _FIELD_DEFAULTS_ALL[name] for name in _NUMERIC_FIELDS}
 
 
 @dataclass

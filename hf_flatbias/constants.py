@@ -1,7 +1,7 @@
 """Names every part of hf_flatbias shares: one definition each."""
 
 # Here, not in config.py, so that reading a model card needs neither torch nor transformers.
-SAM_METHODS = ("sam", "asam", "looksam")
+SAM_METHODS = ("sam", "asam", "functional_sam", "looksam")
 PENALTY_METHODS = ("fisher_penalty", "grad_norm_penalty")
 FLATNESS_METHODS = ("none", *SAM_METHODS, *PENALTY_METHODS)
 # The fields below that each method reads: a model card records these and no others (no sam_rho on a penalty run).
@@ -9,9 +9,28 @@ FLATNESS_METHOD_HYPERPARAMETERS: dict[str, tuple[str, ...]] = {
     "none": (),
     "sam": ("sam_rho", "sam_every_k"),
     "asam": ("sam_rho", "asam_eta", "sam_every_k"),
+    "functional_sam": ("sam_rho", "sam_every_k"),
     "looksam": ("sam_rho", "sam_every_k", "looksam_alpha"),
     "fisher_penalty": ("penalty_lambda", "penalty_fd_step"),
     "grad_norm_penalty": ("penalty_lambda", "penalty_fd_step"),
+}
+# The options of the SAM step itself (the perturbation's geometry, rows, parameters, window and radius schedule) and
+# the methods that read them; the card records them with the training settings of a run whose method reads them.
+SAM_STEP_OPTION_NAMES = (
+    "sam_preconditioner",
+    "sam_ascent_fraction",
+    "sam_parameters",
+    "sam_start_step",
+    "sam_end_step",
+    "sam_rho_schedule",
+    "sam_rho_warmup_steps",
+)
+SAM_STEP_OPTIONS: dict[str, tuple[str, ...]] = {
+    "sam": SAM_STEP_OPTION_NAMES,
+    # ASAM's |w| scaling is its own geometry: no second preconditioner on top of it
+    "asam": tuple(name for name in SAM_STEP_OPTION_NAMES if name != "sam_preconditioner"),
+    # Functional-SAM needs dL/dF at w on every row, so its first pass cannot be cut to a share of them
+    "functional_sam": tuple(name for name in SAM_STEP_OPTION_NAMES if name != "sam_ascent_fraction"),
 }
 
 IGNORE_INDEX = -100

@@ -37,7 +37,14 @@ import jinja2
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from .constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS, MEASURES, TRACE_METRIC, TRACE_STDERR_METRIC
+from .constants import (
+    FLATNESS_METHOD_HYPERPARAMETERS,
+    FLATNESS_METHODS,
+    MEASURES,
+    SAM_STEP_OPTIONS,
+    TRACE_METRIC,
+    TRACE_STDERR_METRIC,
+)
 
 HESSIAN_TRACE_METRIC = "hessian_trace"
 PRETRAINING_LOSS_METRIC = "loss"
@@ -54,6 +61,7 @@ METHOD_TITLES = {
     "none": "none (plain optimizer steps)",
     "sam": "SAM",
     "asam": "ASAM",
+    "functional_sam": "Functional-SAM",
     "looksam": "LookSAM",
     "fisher_penalty": "Fisher-trace penalty",
     "grad_norm_penalty": "gradient-norm penalty",
@@ -767,6 +775,9 @@ def _training_hyperparameters(args: Any) -> dict[str, Any]:
         "seed",
         "sam_scope",
         "sam_perturbation",
+        # the SAM step's own options (geometry, ascent rows, parameters, window, rho schedule), for the methods that
+        # read them only
+        *SAM_STEP_OPTIONS.get(getattr(args, "flatness_method", "none"), ()),
     )
     # max_steps > 0 overrides num_train_epochs: record the one that decided how long training ran
     max_steps = getattr(args, "max_steps", None)

@@ -31,6 +31,7 @@ from transformers.utils import logging
 
 from .checkpoints import output_dir_lock
 from .config import FlatBiasConfig, FlatnessArguments
+from .constants import SAM_STEP_OPTION_NAMES
 from .flatness.lm import is_causal_lm
 from .modelcard import FlatnessCard, flatness_card_from_trainer
 from .sharpness.engines import (
@@ -56,7 +57,16 @@ from .sharpness.penalties import (
     sample_model_labels,
     sampled_label_loss,
 )
-from .sharpness.sam import Perturbation, perturb_weights, squared_norm
+from .sharpness.functional_sam import functional_surrogate, logit_cotangent
+from .sharpness.sam import (
+    Perturbation,
+    adam_preconditioner,
+    ascent_rows,
+    perturb_weights,
+    scheduled_rho,
+    select_parameters,
+    squared_norm,
+)
 from .utils import forward_normalizes_by_num_items, token_weighted_loss
 
 logger = logging.get_logger(__name__)
@@ -100,6 +110,8 @@ class FlatnessTrainerMixin:
         # Seeded per process: ranks draw different labels for their different rows, reproducibly.
         self._sampled_labels = _SampledLabelSource(seed=self.args.seed + 7919 * self.args.process_index)
         self._check_fsdp_supports_flatness()
+        if self.args.uses_sam:
+            self._sam_parameters(self.model)  # a selection that matches nothing fails here, before any compute
         for callback in self.callback_handler.callbacks:
             self._bind_callback(callback)
 
@@ -201,6 +213,27 @@ class FlatnessTrainerMixin:
                 self.args.sam_perturbation,
                 fsdp_version=self.accelerator.state.fsdp_plugin.fsdp_version,
             )
+            _check_fsdp_supports_sam_options(self.args)
+
+    def _sam_parameters(self, module: nn.Module) -> list[nn.Parameter]:
+        """The trainable parameters the SAM step perturbs (``sam_parameters``), in ``module``'s order."""
+        cached = getattr(self, "_sam_parameter_cache", None)
+        if cached is not None and cached[0] is module:
+            return cached[1]
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        output_layer = ()
+        if self.args.sam_parameters.strip() == "output_layer":
+            get_output = getattr(unwrap_peft_model(module), "get_output_embeddings", None)
+            head = get_output() if callable(get_output) else None
+            if head is None:
+                raise ValueError(
+                    f"sam_parameters='output_layer' but {type(module).__name__}.get_output_embeddings() returns no "
+                    "layer; name the parameters with fnmatch patterns instead (e.g. 'classifier.*')."
+                )
+            output_layer = tuple(head.parameters())
+        params = select_parameters(named, self.args.sam_parameters, output_layer=output_layer)
+        self._sam_parameter_cache = (module, params)
+        return params
 
     def _deepspeed_engine(self):
         """The DeepSpeed engine once accelerate has prepared the model, else ``None``."""
@@ -210,8 +243,21 @@ class FlatnessTrainerMixin:
     # ------------------------------------------------------------------ training step
 
     def _is_sam_update(self) -> bool:
-        """Whether this optimizer update takes the SAM second pass (every ``sam_every_k``-th, starting with 0)."""
-        return self.state.global_step % self.args.sam_every_k == 0
+        """Whether this optimizer update takes the SAM second pass (every ``sam_every_k``-th, starting with 0,
+        inside the window ``[sam_start_step, sam_end_step)``)."""
+        return self.state.global_step % self.args.sam_every_k == 0 and self._sam_rho() is not None
+
+    def _sam_rho(self) -> float | None:
+        """The radius of this update's perturbation (``sam_rho_schedule``), ``None`` outside the SAM window."""
+        args = self.args
+        return scheduled_rho(
+            args.sam_rho,
+            self.state.global_step,
+            start=args.sam_start_step,
+            end=args.sam_end_step,
+            schedule=args.sam_rho_schedule,
+            warmup_steps=args.sam_rho_warmup_steps,
+        )
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -283,18 +329,26 @@ class FlatnessTrainerMixin:
                     for batch in batch_sam.micro_batches
                 ]
                 batch_sam.micro_batches = None
-                batch_sam.perturbation, batch_sam.clean_losses = self._perturb(model, micro_batches, num_items_in_batch)
+                batch_sam.perturbation, batch_sam.clean_losses, batch_sam.cotangents = self._perturb(
+                    model, micro_batches, num_items_in_batch
+                )
             perturbation = batch_sam.perturbation
             clean_loss = batch_sam.clean_losses.pop(0)
+            cotangent = batch_sam.cotangents.pop(0) if batch_sam.cotangents else None
             restore_now = self.accelerator.sync_gradients
         else:
-            perturbation, (clean_loss,) = self._perturb(model, [inputs], num_items_in_batch)
+            perturbation, (clean_loss,), cotangents = self._perturb(model, [inputs], num_items_in_batch)
+            cotangent = cotangents[0] if cotangents else None
             restore_now = True
 
         try:
             with self._host_metrics_suspended():
-                loss = self._scaled_loss(model, inputs, num_items_in_batch)
-            self._backward(loss)
+                if cotangent is None:
+                    loss = self._scaled_loss(model, inputs, num_items_in_batch)
+                else:
+                    # Functional-SAM: the Jacobian at w + e against dL/dF at w; the loss at w + e is only logged
+                    loss, logits = self._scaled_loss_and_logits(model, inputs, num_items_in_batch)
+            self._backward(loss if cotangent is None else functional_surrogate(logits, cotangent))
         except BaseException:
             restore_now = True
             raise
@@ -304,7 +358,8 @@ class FlatnessTrainerMixin:
                 self._batch_sam.perturbation = None
         self._step_deepspeed_after_restore()
         self._record_perturbed_loss(loss)
-        self._count_flos_of_extra_pass(inputs)
+        fraction = self.args.sam_ascent_fraction
+        self._count_flos_of_extra_pass(inputs if fraction == 1 else ascent_rows(inputs, fraction))
         return clean_loss
 
     def _scaled_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
@@ -312,6 +367,22 @@ class FlatnessTrainerMixin:
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         return self._scale_for_accumulation(loss, num_items_in_batch)
+
+    def _scaled_loss_and_logits(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_scaled_loss` and the logits it was computed from (Functional-SAM differentiates through them)."""
+        with self.compute_loss_context_manager():
+            loss, outputs = self.compute_loss(
+                model, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch
+            )
+        logits = outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
+        if logits is None:
+            raise ValueError(
+                "flatness_method='functional_sam' needs the model output to carry 'logits' (a ModelOutput or dict): "
+                "its update differentiates the logits against dL/dF."
+            )
+        return self._scale_for_accumulation(loss, num_items_in_batch), logits
 
     def _scale_for_accumulation(self, loss: torch.Tensor, num_items_in_batch) -> torch.Tensor:
         if self.args.n_gpu > 1:
@@ -351,31 +422,71 @@ class FlatnessTrainerMixin:
 
     def _perturb(
         self, model: nn.Module, micro_batches: list[dict[str, Any]], num_items_in_batch
-    ) -> tuple[Perturbation | None, list[torch.Tensor]]:
+    ) -> tuple[Perturbation | None, list[torch.Tensor], list[torch.Tensor]]:
         """Compute the first gradient over ``micro_batches`` and move the weights to ``w + e``.
 
-        Returns the perturbation (``None`` when skipped) and each micro-batch's loss at ``w``, scaled as
-        `Trainer.training_step` scales the loss it returns.
+        Returns the perturbation (``None`` when skipped), each micro-batch's loss at ``w``, scaled as
+        `Trainer.training_step` scales the loss it returns, and (Functional-SAM only, else empty) each micro-batch's
+        ``dL/dF`` at ``w`` of that same scaled loss.
         """
         module = self.accelerator.unwrap_model(model)
-        perturbable = perturbable_parameters(module, self._deepspeed_engine())
+        params = self._sam_parameters(module)
+        perturbable = perturbable_parameters(module, self._deepspeed_engine(), params=params)
+        functional = self.args.flatness_method == "functional_sam"
+        fraction = self.args.sam_ascent_fraction
         clean_losses: list[torch.Tensor] = []
+        cotangents: list[torch.Tensor] = []
 
         def losses() -> Iterable[torch.Tensor]:
             for batch in micro_batches:
-                loss = self._scaled_loss(module, batch, num_items_in_batch)
+                if functional:
+                    loss, logits = self._scaled_loss_and_logits(module, batch, num_items_in_batch)
+                    cotangents.append(logit_cotangent(loss, logits))
+                elif fraction < 1:
+                    rows = ascent_rows(batch, fraction)
+                    loss = self._scaled_loss(module, rows, num_items_in_batch)
+                    clean_losses.append(loss.detach() * self._ascent_loss_scale(batch, rows, num_items_in_batch))
+                    yield loss
+                    continue
+                else:
+                    loss = self._scaled_loss(module, batch, num_items_in_batch)
                 clean_losses.append(loss.detach())
                 yield loss
 
         grads = self._first_gradient(losses(), perturbable)
+        rho = self._sam_rho()
+        preconditioner = None
+        if self.args.sam_preconditioner == "adam":
+            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds the state
+            # at the scale of a whole update's gradient, the scale Adam's second moment was built from
+            share = len(micro_batches) / self.current_gradient_accumulation_steps
+            preconditioner = adam_preconditioner(optimizer, perturbable.params, torch._foreach_div(grads, share))
         perturbation = perturbable.perturb(
-            grads, self.args.sam_rho, adaptive=self.args.flatness_method == "asam", eta=self.args.asam_eta
+            grads,
+            rho,
+            adaptive=self.args.flatness_method == "asam",
+            eta=self.args.asam_eta,
+            preconditioner=preconditioner,
         )
         if perturbation is None:
             self._warn_skipped_perturbation("this step is taken without perturbation")
         else:
             self._record_perturbation(perturbation, len(micro_batches))
-        return perturbation, clean_losses
+            self._flatness_log.record("sam/rho", rho)
+        return perturbation, clean_losses, cotangents
+
+    def _ascent_loss_scale(self, batch: dict[str, Any], rows: dict[str, Any], num_items_in_batch) -> float:
+        """What turns the ascent rows' scaled loss into an estimate of the whole micro-batch's: a loss summed over
+        the update's labelled tokens (``num_items_in_batch``) scales with the labels counted, a mean does not."""
+        if num_items_in_batch is None or not self.model_accepts_loss_kwargs or "labels" not in batch:
+            return 1.0
+        shift = is_causal_lm(self.accelerator.unwrap_model(self.model))
+
+        def count(labels: torch.Tensor) -> int:
+            return int(((labels[..., 1:] if shift else labels) != -100).sum())
+
+        in_rows = count(rows["labels"])
+        return count(batch["labels"]) / in_rows if in_rows else 1.0
 
     def _record_perturbation(self, perturbation: Perturbation, n_micro_batches: int) -> None:
         # The first gradient is of the micro-batches' share of the update's loss: scaled back to a whole update, the
@@ -814,6 +925,8 @@ class _BatchScopeSam:
     perturbation: Perturbation | None = None
     #: The loss at ``w`` of each micro-batch not yet stepped (the first pass computed them all).
     clean_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    #: Functional-SAM: each of those micro-batches' ``dL/dF`` at ``w``.
+    cotangents: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -870,6 +983,33 @@ def _check_deepspeed_supports_method(deepspeed_config: dict, args: FlatnessArgum
         )
     if args.uses_penalty:
         check_deepspeed_supports_penalty(deepspeed_config, args.flatness_method)
+    if args.sam_preconditioner != "none":
+        raise ValueError(
+            "sam_preconditioner='adam' is not supported with DeepSpeed: ZeRO keeps Adam's moments in its own flat "
+            "partitions, not in a torch optimizer's per-parameter state. Use DDP (accelerate launch --multi_gpu) or "
+            "a single process, or sam_preconditioner='none'."
+        )
+
+
+def _check_fsdp_supports_sam_options(args: FlatnessArguments) -> None:
+    # Not yet checked under FSDP2 against a reference: refused rather than risked (issue 25)
+    if args.flatness_method == "functional_sam":
+        raise ValueError(
+            "flatness_method='functional_sam' is not supported under FSDP2 yet (its first pass differentiates the "
+            "logits of the sharded model, which has no exact test there); use DDP (accelerate launch --multi_gpu) or "
+            "DeepSpeed ZeRO-2/3."
+        )
+    changed = [
+        name
+        for name in SAM_STEP_OPTION_NAMES
+        if getattr(args, name) != type(args).__dataclass_fields__[name].default
+    ]
+    if changed:
+        raise ValueError(
+            f"{', '.join(changed)} not supported under FSDP2 yet: the step edits local shards, and these options "
+            "(Adam state per shard, row subsets, parameter selection, window) have no exact test there. Use DDP or "
+            "leave them at their defaults."
+        )
 
 
 def _compute_loss_owner(trainer_class: type) -> type:

@@ -558,3 +558,11 @@ def test_trace_rows_of_a_packed_row_are_its_documents(tmp_path, tokenizer):
     assert [len(d["input_ids"]) for d in documents] == list(packed["seq_lengths"]) and len(documents) > 1
     assert sum((d["input_ids"] for d in documents), []) == list(packed["input_ids"])
     assert all(len(d["completion_mask"]) == len(d["input_ids"]) for d in documents)
+
+
+def test_functional_sam_is_refused_in_trl_before_training(tmp_path):
+    from hf_flatbias import FlatBiasSFTConfig, FlatBiasSFTTrainer
+
+    args = FlatBiasSFTConfig(str(tmp_path), flatness_method="functional_sam", use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match="functional_sam.*not supported in trl"):
+        FlatBiasSFTTrainer(model=None, args=args)

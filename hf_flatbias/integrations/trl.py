@@ -54,6 +54,13 @@ class _TrlTrainerMixin:
                 "two-pass step runs outside trl's offloading context. Set activation_offloading=False (or use "
                 "gradient_checkpointing to save activation memory)."
             )
+        if getattr(args, "flatness_method", "none") == "functional_sam":
+            # trl's losses reach the logits through their own log-probability paths (SFT's fused head returns no
+            # logits), so dL/dF is not available as Functional-SAM needs it; no exact test exists inside trl yet
+            raise ValueError(
+                "flatness_method='functional_sam' is not supported in trl's trainers yet (their loss does not expose "
+                "the logits it is computed from); use 'sam' or 'asam' here, or FlatBiasTrainer for Functional-SAM."
+            )
         super().__init__(model=model, args=args, **kwargs)
 
     def flatness_card(self, **card_kwargs: Any):

@@ -142,9 +142,18 @@ class PerturbableParameters:
         """Drop any gathered copy that would hide an edit of ``tensors`` from the next forward."""
 
     def perturb(
-        self, full_gradients: list[torch.Tensor], rho: float, *, adaptive: bool = False, eta: float = 0.01
+        self,
+        full_gradients: list[torch.Tensor],
+        rho: float,
+        *,
+        adaptive: bool = False,
+        eta: float = 0.01,
+        preconditioner: list[torch.Tensor] | None = None,
     ) -> Perturbation | None:
-        """Move the parameters to ``w + e`` along ``full_gradients``; see `perturb_weights`."""
+        """Move the parameters to ``w + e`` along ``full_gradients``; see `perturb_weights` (``preconditioner`` is
+        per whole parameter, so only for engines that keep whole parameters)."""
+        if preconditioner is not None and self.has_gathered_copies:
+            raise ValueError("A preconditioned perturbation needs whole parameters; ZeRO-3 keeps partitions.")
         self.release_gathered()
         perturbation = perturb_weights(
             self.tensors,
@@ -153,6 +162,7 @@ class PerturbableParameters:
             adaptive=adaptive,
             eta=eta,
             sq_norm_reducer=self.sq_norm_reducer,
+            preconditioner=preconditioner,
         )
         if perturbation is None or not self.has_gathered_copies:
             return perturbation
@@ -322,13 +332,16 @@ class _ReleasingPerturbation(Perturbation):
         super().restore()
 
 
-def perturbable_parameters(model: torch.nn.Module, engine: object | None = None) -> PerturbableParameters:
-    """The trainable parameters of ``model`` (the unwrapped module) in the layout ``engine`` keeps them.
+def perturbable_parameters(
+    model: torch.nn.Module, engine: object | None = None, params: Sequence[torch.nn.Parameter] | None = None
+) -> PerturbableParameters:
+    """The trainable parameters of ``model`` (the unwrapped module), or the subset ``params`` of them, in the layout
+    ``engine`` keeps them.
 
     ``engine`` is the DeepSpeed engine wrapping ``model``, or ``None`` for plain PyTorch, DDP and FSDP2 (which is
     recognised from the module).
     """
-    params = trainable_parameters(model)
+    params = trainable_parameters(model) if params is None else list(params)
     if is_fully_sharded(model):
         return FullyShardedParameters(params)
     if deepspeed_zero_stage(engine) == 3:

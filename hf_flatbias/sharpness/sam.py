@@ -2,7 +2,8 @@
 
 SAM (Foret et al., 2021) steps with the gradient taken at ``w + e`` where ``e = rho * g / ||g||``.
 ASAM (Kwon et al., 2021) measures the neighbourhood relative to the weights: with ``T = |w| + eta``,
-``e = rho * T^2 g / ||T g||``.
+``e = rho * T^2 g / ||T g||``. A preconditioned perturbation (Singh et al., ICML 2025) takes the step in the base
+optimizer's geometry: ``e = rho * (g / P) / ||g / P||`` with ``P`` Adam's denominator ``sqrt(v_hat) + eps``.
 
 The functions take parallel lists of parameters and gradients so that callers decide which tensors take part
 (trainable parameters only, a ZeRO shard, ...). ``sq_norm_reducer`` lets a caller whose parameters are sharded
@@ -13,6 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import fnmatch
+import math
 
 import torch
 
@@ -88,14 +92,21 @@ def perturb_weights(
     adaptive: bool = False,
     eta: float = 0.01,
     sq_norm_reducer: SquaredNormReducer | None = None,
+    preconditioner: Sequence[torch.Tensor] | None = None,
 ) -> Perturbation | None:
     """Move ``params`` in place to ``w + e`` and return what is needed to restore them.
 
     ``grads`` is consumed: its buffers are reused to hold the saved weights, so the whole step needs at most one
     extra copy of the parameters. Returns ``None``, leaving the parameters untouched, when the gradient norm is zero
     or not finite (an fp16 overflow, a diverged batch): a perturbation along such a direction is meaningless.
+    ``preconditioner`` (one positive tensor per parameter, e.g. `adam_preconditioner`) divides the gradient before
+    it is normalised; ``grad_norm`` then reports ``||g / P||``. It excludes ``adaptive``.
     """
     params = list(params)
+    if preconditioner is not None:
+        if adaptive:
+            raise ValueError("perturb_weights takes either adaptive=True or a preconditioner, not both.")
+        torch._foreach_div_(grads, list(preconditioner))
     norm = scaled_grad_norm(params, grads, adaptive=adaptive, eta=eta, sq_norm_reducer=sq_norm_reducer)
     norm_value = float(norm)
     if not torch.isfinite(norm) or norm_value == 0.0:
@@ -112,3 +123,102 @@ def perturb_weights(
     if sq_norm_reducer is not None:
         perturbation_sq = sq_norm_reducer(perturbation_sq)
     return Perturbation(params, grads, grad_norm=norm_value, norm=float(perturbation_sq.sqrt()))
+
+
+def adam_preconditioner(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """Adam's per-coordinate denominator for this step's gradient ``g``, ``P = sqrt(v_hat) + eps``, with
+    ``v = beta2 * v_prev + (1 - beta2) * g^2`` and ``v_hat = v / (1 - beta2^(t + 1))``: the second moment torch's
+    Adam/AdamW would hold after taking ``g`` at its step ``t + 1``, from ``v_prev``, ``t``, ``betas`` and ``eps`` in
+    ``optimizer``'s state and param groups.
+
+    Including ``g`` defines the first step (no state: ``v_prev = 0``, ``t = 0``, so ``P = |g| + eps``) and keeps
+    ``|g| / P <= sqrt((1 - beta2^(t+1)) / (1 - beta2))``: with ``v_prev`` alone a coordinate that never had a
+    gradient before (the embedding row of a token not yet seen) gets ``P = eps`` and takes the whole perturbation.
+
+    Raises:
+        ValueError: when a parameter's state exists but holds no ``exp_avg_sq`` (not an Adam-family optimizer).
+    """
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    denominators = []
+    for param, grad in zip(params, grads, strict=True):
+        state = optimizer.state.get(param) or {}
+        if state and "exp_avg_sq" not in state:
+            raise ValueError(
+                f"sam_preconditioner='adam' needs Adam's second moment, but {type(optimizer).__name__}'s state holds "
+                f"{sorted(state)}; use an AdamW optimizer or sam_preconditioner='none'."
+            )
+        group = group_of.get(id(param))
+        if group is None:
+            raise ValueError("sam_preconditioner='adam': a perturbed parameter is not in the optimizer's param groups.")
+        beta2, eps = group["betas"][1], group["eps"]
+        step = float(state["step"]) if state else 0.0
+        second_moment = grad.detach().square().mul_(1 - beta2)
+        if state:
+            second_moment.add_(state["exp_avg_sq"], alpha=beta2)
+        bias_correction = math.sqrt(1 - beta2 ** (step + 1))
+        denominators.append(second_moment.sqrt_().div_(bias_correction).add_(eps))
+    return denominators
+
+
+def scheduled_rho(
+    rho: float, step: int, *, start: int = 0, end: int = -1, schedule: str = "constant", warmup_steps: int = 0
+) -> float | None:
+    """The SAM radius at optimizer update ``step``, or ``None`` outside the window ``[start, end)`` (``end=-1``: no
+    end). ``"linear_warmup"`` grows it as ``rho * min(1, (step - start + 1) / warmup_steps)``."""
+    if step < start or (end != -1 and step >= end):
+        return None
+    if schedule == "linear_warmup":
+        return rho * min(1.0, (step - start + 1) / warmup_steps)
+    if schedule != "constant":
+        raise ValueError(f"Unknown rho schedule {schedule!r}; use 'constant' or 'linear_warmup'.")
+    return rho
+
+
+def select_parameters(
+    named_parameters: Sequence[tuple[str, torch.nn.Parameter]],
+    spec: str,
+    *,
+    output_layer: Sequence[torch.nn.Parameter] = (),
+) -> list[torch.nn.Parameter]:
+    """The parameters a SAM step perturbs: ``"all"`` of ``named_parameters``, those among them that belong to
+    ``output_layer`` (``"output_layer"``), or those whose name matches one of the comma-separated fnmatch patterns.
+
+    Raises:
+        ValueError: when the selection is empty (the message lists a few names to match against).
+    """
+    spec = spec.strip()
+    if spec == "all":
+        return [p for _, p in named_parameters]
+    if spec == "output_layer":
+        wanted = {id(p) for p in output_layer}
+        selected = [p for _, p in named_parameters if id(p) in wanted]
+        what = "the output layer (model.get_output_embeddings())"
+    else:
+        patterns = [pattern.strip() for pattern in spec.split(",") if pattern.strip()]
+        selected = [p for name, p in named_parameters if any(fnmatch.fnmatchcase(name, pat) for pat in patterns)]
+        what = f"the patterns {patterns}"
+    if not selected:
+        names = [name for name, _ in named_parameters][:6]
+        raise ValueError(
+            f"sam_parameters={spec!r} selects no trainable parameter: {what} matched none of them (names look like "
+            f"{names}); use 'all', 'output_layer' or fnmatch patterns of these names."
+        )
+    return selected
+
+
+def ascent_rows(inputs: dict, fraction: float) -> dict:
+    """The first ``ceil(fraction * rows)`` rows of a batch (every tensor whose first dimension is the batch's),
+    the rows whose gradient defines a sub-batch SAM perturbation (Bahri et al., ACL 2022)."""
+    sizes = {value.shape[0] for value in inputs.values() if isinstance(value, torch.Tensor) and value.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"sam_ascent_fraction < 1 needs every batch tensor to share its first (row) dimension; got sizes {sizes}."
+        )
+    (rows,) = sizes
+    keep = max(1, math.ceil(fraction * rows))
+    return {
+        name: value[:keep] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+        for name, value in inputs.items()
+    }

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from .constants import (
-    SAM_STEP_OPTION_NAMES,
     FLATNESS_METHOD_HYPERPARAMETERS,
     FLATNESS_METHODS,
     PENALTY_METHODS,
     SAM_METHODS,
+    SAM_STEP_OPTION_NAMES,
     SAM_STEP_OPTIONS,
 )
 from .utils import quiet_deepspeed_without_accelerator
@@ -44,8 +44,8 @@ class FlatnessArguments:
             "(Kwon et al., 2021), the neighbourhood scaled elementwise by |w| + asam_eta for every trainable "
             "parameter, biases and LayerNorms included (the official ASAM code scales only weights; asam_eta=0 "
             "reproduces davda54/sam's adaptive mode); 'functional_sam': Functional-SAM (Singh et al., ICML 2025), "
-            "SAM's perturbation but the update is the backward of <F(w + e), dL/dF at w> with F the logits, which keeps "
-            "the Jacobian's change and drops the logit path of SAM's gradient; 'looksam': LookSAM "
+            "SAM's perturbation but the update is the backward of <F(w + e), dL/dF at w> with F the logits, which "
+            "keeps the Jacobian's change and drops the logit path of SAM's gradient; 'looksam': LookSAM "
             "(Liu et al., CVPR 2022), a SAM update every sam_every_k updates and one-pass updates in between that "
             "reuse the stored SAM direction; 'fisher_penalty': adds penalty_lambda x the sampled-label Fisher trace "
             "of the micro-batch to the loss; 'grad_norm_penalty': adds penalty_lambda x ||grad L|| (Zhao et al., "
@@ -283,7 +283,8 @@ class FlatnessArguments:
             optim = str(getattr(self.optim, "value", self.optim))
             if optim not in ADAM_OPTIMIZERS:
                 raise ValueError(
-                    f"sam_preconditioner='adam' reads Adam's second moment from the optimizer state, but optim={optim!r}; "
+                    "sam_preconditioner='adam' reads Adam's second moment from the optimizer state, but "
+                    f"optim={optim!r}; "
                     f"use optim in {list(ADAM_OPTIMIZERS)} or sam_preconditioner='none'."
                 )
 

@@ -46,6 +46,7 @@ from .sharpness.engines import (
     sync_gradients_every_backward,
     trainable_parameters,
 )
+from .sharpness.functional_sam import functional_surrogate, logit_cotangent
 from .sharpness.penalties import (
     add_looksam_component,
     fisher_penalty_coefficient,
@@ -57,7 +58,6 @@ from .sharpness.penalties import (
     sample_model_labels,
     sampled_label_loss,
 )
-from .sharpness.functional_sam import functional_surrogate, logit_cotangent
 from .sharpness.sam import (
     Perturbation,
     adam_preconditioner,

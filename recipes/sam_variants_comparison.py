@@ -171,7 +171,11 @@ class Setting:
             {k: masked[i][k] for k in ("input_ids", "attention_mask", "labels")} for i in range(n_trace)
         ]
         self.causal_trace_rows = [
-            {"input_ids": r["input_ids"], "attention_mask": [1] * len(r["input_ids"]), "labels": [-100, *r["input_ids"][1:]]}
+            {
+                "input_ids": r["input_ids"],
+                "attention_mask": [1] * len(r["input_ids"]),
+                "labels": [-100, *r["input_ids"][1:]],
+            }
             for r in self.causal_rows[:n_trace]
         ]
 
@@ -256,7 +260,7 @@ def summarize(runs: list[dict]) -> dict:
             for method, seeds in by.items()
         }
 
-        def difference(a: str, b: str) -> dict | None:
+        def difference(a: str, b: str, by: dict = by) -> dict | None:
             if a not in by or b not in by:
                 return None
             common = sorted(set(by[a]) & set(by[b]))
@@ -267,7 +271,11 @@ def summarize(runs: list[dict]) -> dict:
             result["verdict"] = (
                 "inconclusive"
                 if low is None
-                else "paper's way" if high < 0 else "against" if low > 0 else "inconclusive"
+                else "paper's way"
+                if high < 0
+                else "against"
+                if low > 0
+                else "inconclusive"
             )
             return result
 

@@ -103,7 +103,7 @@ def reference_sam_lm(
         micro = [stack(rows[start + i * batch_size : start + (i + 1) * batch_size]) for i in range(accumulation)]
         n_items = sum(label_count(b, causal=causal) for b in micro)
 
-        def loss_and_logits(batch):
+        def loss_and_logits(batch, n_items=n_items):
             logits = model(input_ids=batch["input_ids"]).logits
             return summed_cross_entropy(logits, batch["labels"], causal=causal) / n_items, logits
 
@@ -121,7 +121,7 @@ def reference_sam_lm(
                 total = [t + (torch.zeros_like(t) if g is None else g) for t, g in zip(total, grads[:-1], strict=True)]
             return total, cotangents
 
-        def perturbation(grads, radius):
+        def perturbation(grads, radius, micro=micro):
             if precondition:  # the denominator of a whole update's gradient: the micro-batches' share scaled up
                 share = accumulation / (len(micro) if scope == "batch" else 1)
                 grads = [g / adam_denominator(optimizer, p, g * share) for p, g in zip(moving, grads, strict=True)]
@@ -196,7 +196,7 @@ def test_functional_sam_matches_reference(tmp_path, kind, scope, accumulation):
     assert max_param_diff(trainer.model, sam) > 1e-5
     # the logged loss is the clean one, L(w) of the update's rows, and the loss at w + e is beside it
     logged = next(e for e in trainer.state.log_history if "loss" in e)
-    first = stack(rows[: 4])
+    first = stack(rows[:4])
     clean = summed_cross_entropy(build()(input_ids=first["input_ids"]).logits, first["labels"], causal=causal)
     assert logged["loss"] == pytest.approx(float(clean) / label_count(first, causal=causal), rel=1e-5)
     assert logged["sam/perturbed_loss"] > logged["loss"]
@@ -266,9 +266,7 @@ def test_preconditioned_perturbation_matches_reference(tmp_path, method):
 def test_ascent_fraction_takes_the_first_gradient_from_the_first_rows(tmp_path, scope, accumulation):
     rows = randomly_masked_rows()
     batch_size = 8 // accumulation
-    common = dict(
-        steps=2, batch_size=batch_size, accumulation=accumulation, lr=0.1, rho=RHO, scope=scope, causal=False
-    )
+    common = dict(steps=2, batch_size=batch_size, accumulation=accumulation, lr=0.1, rho=RHO, scope=scope, causal=False)
     reference = reference_sam_lm(tiny_mlm(), rows, functional=False, ascent_fraction=0.5, **common)
     args = config(
         tmp_path,
@@ -327,8 +325,16 @@ def test_window_and_linear_warmup(tmp_path):
     logged = [e.get("sam/rho") for e in trainer.state.log_history if "loss" in e]
     assert logged == [None, pytest.approx(RHO / 2), pytest.approx(RHO), None]
     constant = reference_sam_lm(
-        tiny_mlm(), rows, steps=4, batch_size=4, accumulation=1, lr=0.1, rho=RHO, scope="micro_batch",
-        causal=False, functional=False,
+        tiny_mlm(),
+        rows,
+        steps=4,
+        batch_size=4,
+        accumulation=1,
+        lr=0.1,
+        rho=RHO,
+        scope="micro_batch",
+        causal=False,
+        functional=False,
     )
     assert max_param_diff(trainer.model, constant) > 1e-5
 
@@ -384,7 +390,9 @@ def test_name_patterns_select_parameters(tmp_path):
 def test_a_selection_matching_nothing_fails_before_training(tmp_path):
     with pytest.raises(ValueError, match="sam_parameters='decoder.\\*' selects no trainable parameter"):
         FlatBiasTrainer(
-            model=tiny_classifier(), args=config(tmp_path, sam_parameters="decoder.*"), train_dataset=classification_rows()
+            model=tiny_classifier(),
+            args=config(tmp_path, sam_parameters="decoder.*"),
+            train_dataset=classification_rows(),
         )
 
 
@@ -443,7 +451,9 @@ def test_card_records_the_sam_step_options_of_the_method(tmp_path):
     }
     assert (training["sam_start_step"], training["sam_end_step"], training["sam_rho_warmup_steps"]) == (1, -1, 2)
     assert "sam_ascent_fraction" not in training, "Functional-SAM does not read it"
-    plain = flatness_card_from_trainer(train(tiny_llama(), config(tmp_path / "p", flatness_method="none"), causal_rows()))
+    plain = flatness_card_from_trainer(
+        train(tiny_llama(), config(tmp_path / "p", flatness_method="none"), causal_rows())
+    )
     assert "sam_preconditioner" not in plain.training_hyperparameters
 
 
@@ -453,7 +463,9 @@ def test_engines_that_cannot_run_an_option_refuse_it_before_compute(tmp_path):
     preconditioned = config(tmp_path, sam_preconditioner="adam", optim="adamw_torch")
     with pytest.raises(ValueError, match="^sam_preconditioner='adam' is not supported with DeepSpeed"):
         _check_deepspeed_supports_method({"zero_optimization": {"stage": 2}}, preconditioned)
-    _check_deepspeed_supports_method({"zero_optimization": {"stage": 3}}, config(tmp_path, flatness_method="functional_sam"))
+    _check_deepspeed_supports_method(
+        {"zero_optimization": {"stage": 3}}, config(tmp_path, flatness_method="functional_sam")
+    )
     with pytest.raises(ValueError, match="^flatness_method='functional_sam' is not supported under FSDP2"):
         _check_fsdp_supports_sam_options(config(tmp_path, flatness_method="functional_sam"))
     with pytest.raises(ValueError, match="^sam_preconditioner not supported under FSDP2"):

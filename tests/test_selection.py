@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM, Trainer, TrainingArguments
 
-from hf_flatbias.cli import main as cli_main
 from hf_flatbias.callbacks import FlatnessCheckpointSelector
+from hf_flatbias.cli import main as cli_main
 from hf_flatbias.selection import (
     CheckpointRecord,
     records_from_log_history,

@@ -12,11 +12,10 @@ across processes sum the squared norm over the shards before it is used.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-
 import fnmatch
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 

@@ -1,0 +1,517 @@
+"""`FlatnessCard`, the typed content of a flatness model card: its fields (with their schema), checks, rendering
+through ``flatness_card.md`` beside this module, and reading back from a README, a folder or the Hub."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import yaml
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS
+from . import schema
+from .schema import (
+    CARD_DATA,
+    EXTRA_MEASURES,
+    FLATNESS,
+    FLATNESS_TAG,
+    GLUE_DATASET,
+    MODEL_INDEX,
+    card_field,
+    check_finite,
+    check_glue,
+    check_groups,
+    check_measures,
+    check_positive_integer,
+    check_step,
+    mapping_reader,
+    read_base_model,
+    read_float,
+    read_glue,
+    read_groups,
+    read_integer,
+    read_list,
+    read_measures,
+    read_method,
+    read_model_name,
+    read_own_tags,
+    write_groups,
+    write_list,
+    write_mapping,
+    write_measures,
+)
+
+HESSIAN_TRACE_METRIC = "hessian_trace"
+PRETRAINING_LOSS_METRIC = "loss"
+CARD_FILENAME = "README.md"
+TEMPLATE_NAME = "flatness_card.md"
+PRETRAINING_TASK = "fill-mask"
+GLUE_TASK_TYPE = "text-classification"
+# How the card names each method of `FlatBiasConfig.flatness_method`; its hyperparameters follow in parentheses.
+METHOD_TITLES = {
+    "none": "none (plain optimizer steps)",
+    "sam": "SAM",
+    "asam": "ASAM",
+    "functional_sam": "Functional-SAM",
+    "looksam": "LookSAM",
+    "fisher_penalty": "Fisher-trace penalty",
+    "grad_norm_penalty": "gradient-norm penalty",
+}
+# Every hyperparameter any method reads, in a stable order; each is a field of FlatnessCard.
+METHOD_HYPERPARAMETERS = tuple(
+    dict.fromkeys(name for names in FLATNESS_METHOD_HYPERPARAMETERS.values() for name in names)
+)
+_YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+PAPER_CITATION = """@inproceedings{liu2023same,
+  title     = {Same Pre-training Loss, Better Downstream: Implicit Bias Matters for Language Models},
+  author    = {Liu, Hong and Xie, Sang Michael and Li, Zhiyuan and Ma, Tengyu},
+  booktitle = {Proceedings of the 40th International Conference on Machine Learning},
+  series    = {Proceedings of Machine Learning Research},
+  volume    = {202},
+  year      = {2023},
+  url       = {https://arxiv.org/abs/2210.14199}
+}"""
+
+
+def _hyperparameter(read=read_float, check=check_finite) -> Any:
+    return card_field(read=read, check=check, hyperparameter=True)
+
+
+@dataclass
+class FlatnessCard:
+    """The machine-readable content of a flatness model card.
+
+    Every number is optional except the model name: a card written before the first trace estimate simply has no
+    trace. Non-finite numbers are refused (see [`FlatnessCard.validate`]): a card is a published claim. The fields
+    are declared in the order of the ``flatness:`` block; each one's `card_field` says where it is written and how
+    it is read back and checked.
+
+    Attributes:
+        model_name: name in the ``model-index`` (the repo name by default).
+        hessian_trace, hessian_trace_stderr: the trace of the pre-training loss's curvature and its standard error:
+            the Fisher trace for the sampled-label estimators, the data-label Hessian's for ``hutchinson`` (see
+            `hf_flatbias.constants.TRACE_QUANTITIES`).
+        trace_step: the training step whose weights the trace was measured on.
+        estimator, n_contexts, n_draws: how the trace was estimated.
+        method: how training sought flatness, one of `FlatBiasConfig.flatness_method`'s choices.
+        sam_rho, asam_eta, sam_every_k, looksam_alpha, penalty_lambda, penalty_fd_step: the method's
+            hyperparameters, set for the ones the method reads and ``None`` for the others.
+        pretraining_loss: the pre-training (masked-LM) loss; ``pretraining_loss_source`` says ``"eval"`` or
+            ``"train"``.
+        trace_seconds: how long the trace estimate took.
+        hessian_trace_by_group: the trace split by parameter group, ``{group: {"mean": ..., "stderr": ...}}``
+            (`hf_flatbias.flatness.TraceEstimate.by_group`), when it was measured.
+        measures: the measures beyond the trace that were taken, by name (``"top_eigenvalue"``,
+            ``"sam_sharpness"``): ``{"value": ..., "step": ..., settings...}`` (see `measure_record`).
+        global_step, epoch: where in training the card was written.
+        model_type, num_parameters: the architecture (``config.model_type``) and its size.
+        training_hyperparameters: learning rate, batch sizes, schedule, seed... as recorded from the arguments.
+        pretraining_corpus: the pre-training text and its held-out split, as the recipe that trained the model
+            recorded them (e.g. ``{"dataset": "bbc_news", "text_column": "text", "validation_texts": 3000,
+            "split_seed": 0}``), so that a later comparison measures the loss on text the model never saw.
+        glue: GLUE validation results, ``{task: {metric: value}}``.
+        base_model, datasets, language, license, tags: the Hub's usual card metadata (``tags`` beyond the
+            automatic ``hf_flatbias``/method tags).
+    """
+
+    model_name: str = card_field(CARD_DATA, read=read_model_name, default=dataclasses.MISSING)
+    _: KW_ONLY
+    hessian_trace: float | None = card_field(read=read_float, check=check_finite)
+    hessian_trace_stderr: float | None = card_field(read=read_float, check=check_finite, requires="hessian_trace")
+    trace_step: int | None = card_field(read=read_integer, check=check_step, requires="hessian_trace")
+    estimator: str | None = card_field()
+    n_contexts: int | None = card_field(read=read_integer, check=check_positive_integer)
+    n_draws: int | None = card_field(read=read_integer, check=check_positive_integer)
+    method: str = card_field(read=read_method, default="none")
+    sam_rho: float | None = _hyperparameter()
+    asam_eta: float | None = _hyperparameter()
+    sam_every_k: int | None = _hyperparameter(read=read_integer, check=check_positive_integer)
+    looksam_alpha: float | None = _hyperparameter()
+    penalty_lambda: float | None = _hyperparameter()
+    penalty_fd_step: float | None = _hyperparameter()
+    pretraining_loss: float | None = card_field(read=read_float, check=check_finite)
+    pretraining_loss_source: str | None = card_field()
+    trace_seconds: float | None = card_field(read=read_float)
+    hessian_trace_by_group: dict[str, dict[str, float]] | None = card_field(
+        read=read_groups, write=write_groups, check=check_groups
+    )
+    # one key per measure taken (top_eigenvalue, sam_sharpness)
+    measures: dict[str, dict[str, Any]] = card_field(
+        key=None, read=read_measures, write=write_measures, check=check_measures, default_factory=dict
+    )
+    global_step: int | None = card_field(read=read_integer)
+    epoch: float | None = card_field(read=read_float)
+    model_type: str | None = card_field()
+    num_parameters: int | None = card_field(read=read_integer)
+    training_hyperparameters: dict[str, Any] = card_field(
+        key="training",
+        read=mapping_reader("a mapping of hyperparameters"),
+        write=write_mapping,
+        default_factory=dict,
+    )
+    pretraining_corpus: dict[str, Any] | None = card_field(
+        read=lambda value, where, reading: mapping_reader("a mapping")(value, where, reading) or None,
+        write=write_mapping,
+    )
+    # written by eval_results with the pre-training loss and the trace
+    glue: dict[str, dict[str, float]] = card_field(
+        MODEL_INDEX, key=None, read=read_glue, check=check_glue, default_factory=dict
+    )
+    base_model: str | None = card_field(CARD_DATA, read=read_base_model)
+    datasets: list[str] = card_field(CARD_DATA, read=read_list, write=write_list, default_factory=list)
+    language: str | list[str] | None = card_field(CARD_DATA)
+    license: str | None = card_field(CARD_DATA)
+    tags: list[str] = card_field(
+        CARD_DATA, read=read_own_tags, write=lambda card, tags: card.all_tags(), default_factory=list
+    )
+
+    # ---------------------------------------------------------------- checks
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` if the card would publish a non-finite or inconsistent number."""
+        if not self.model_name:
+            raise ValueError("FlatnessCard.model_name is empty: pass the repository or model name.")
+        if self.method not in FLATNESS_METHODS:
+            raise ValueError(f"FlatnessCard.method={self.method!r} is unknown; use one of {list(FLATNESS_METHODS)}.")
+        used = FLATNESS_METHOD_HYPERPARAMETERS[self.method]
+        for name in METHOD_HYPERPARAMETERS:
+            if name not in used and getattr(self, name) is not None:
+                raise ValueError(
+                    f"FlatnessCard.{name} is set but method {self.method!r} does not use it (it reads "
+                    f"{list(used) or 'no hyperparameter'}); set {name}=None."
+                )
+        schema.check_fields(self)
+        if self.hessian_trace_stderr is not None and self.hessian_trace_stderr < 0:
+            raise ValueError(f"hessian_trace_stderr must be >= 0 (got {self.hessian_trace_stderr}).")
+        for name in ("hessian_trace_stderr", "trace_step"):
+            if getattr(self, name) is not None and self.hessian_trace is None:
+                raise ValueError(f"{name} is set but hessian_trace is None: set both or neither.")
+
+    # ---------------------------------------------------------------- metadata
+
+    def method_hyperparameters(self) -> dict[str, float | int]:
+        """The hyperparameters of the card's method that are known, in the config's order."""
+        names = FLATNESS_METHOD_HYPERPARAMETERS.get(self.method, ())
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def flatness_metadata(self) -> dict[str, Any]:
+        """The ``flatness:`` block of the README's front matter; keys without a value are left out."""
+        return schema.write_block(self, FLATNESS)
+
+    def eval_results(self) -> list[EvalResult]:
+        """The card's results as ``model-index`` entries: pre-training loss and trace, then GLUE."""
+        results: list[EvalResult] = []
+        pretraining = {
+            "task_type": PRETRAINING_TASK,
+            "task_name": "Masked language modeling (pre-training loss)",
+            "dataset_type": self.datasets[0] if self.datasets else "pretraining-corpus",
+            "dataset_name": self.datasets[0] if self.datasets else "pre-training corpus",
+        }
+        if self.pretraining_loss is not None:
+            results.append(
+                EvalResult(
+                    **pretraining,
+                    metric_type=PRETRAINING_LOSS_METRIC,
+                    metric_value=float(self.pretraining_loss),
+                    metric_name=f"Pre-training loss ({self.pretraining_loss_source or 'unknown split'})",
+                )
+            )
+        if self.hessian_trace is not None:
+            trace_args = {
+                "stderr": self.hessian_trace_stderr,
+                "step": self.trace_step,
+                "estimator": self.estimator,
+                "n_contexts": self.n_contexts,
+                "n_draws": self.n_draws,
+            }
+            results.append(
+                EvalResult(
+                    **pretraining,
+                    metric_type=HESSIAN_TRACE_METRIC,
+                    metric_value=float(self.hessian_trace),
+                    metric_name="Hessian trace of the pre-training loss (Fisher trace, Liu et al. 2023)",
+                    metric_args={k: v for k, v in trace_args.items() if v is not None} or None,
+                )
+            )
+        for task in sorted(self.glue):
+            for metric in sorted(self.glue[task]):
+                results.append(
+                    EvalResult(
+                        task_type=GLUE_TASK_TYPE,
+                        task_name="GLUE fine-tuning",
+                        dataset_type=GLUE_DATASET,
+                        dataset_name=f"GLUE {task.upper()}",
+                        dataset_config=task,
+                        dataset_split="validation",
+                        metric_type=metric,
+                        metric_value=float(self.glue[task][metric]),
+                    )
+                )
+        return results
+
+    def all_tags(self) -> list[str]:
+        tags = [FLATNESS_TAG]
+        if self.method != "none":
+            tags.append(self.method)
+        tags.append("flatness")
+        return list(dict.fromkeys([*tags, *self.tags]))
+
+    def to_card_data(self) -> ModelCardData:
+        return ModelCardData(
+            **schema.write_block(self, CARD_DATA),
+            library_name="transformers",
+            eval_results=self.eval_results() or None,
+            flatness=self.flatness_metadata(),
+        )
+
+    # ---------------------------------------------------------------- rendering and files
+
+    def render(self) -> str:
+        """The README text, rendered from the package's template (after [`validate`])."""
+        self.validate()
+        # libyaml's dumper when present: the pure-Python one dominated the cost of writing a card.
+        metadata = yaml.dump(
+            self.to_card_data().to_dict(), Dumper=_YAML_DUMPER, sort_keys=False, allow_unicode=True
+        ).strip()
+        return _card_template().render(
+            card_data=metadata,
+            card=self,
+            trace_text=format_trace(self.hessian_trace, self.hessian_trace_stderr),
+            loss_text=format_number(self.pretraining_loss),
+            method_text=format_method(self),
+            glue_rows=_glue_rows(self.glue),
+            measure_rows=measure_summaries(self),
+            hyperparameters=self.training_hyperparameters,
+            citation=PAPER_CITATION,
+        )
+
+    def to_model_card(self) -> ModelCard:
+        """The rendered card as a `huggingface_hub.ModelCard` (to validate or push it with that API)."""
+        return ModelCard(self.render())
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write the card as ``README.md`` in ``directory`` (created if missing); returns the file's path."""
+        text = self.render()
+        path = Path(directory) / CARD_FILENAME
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        return path
+
+    @classmethod
+    def from_model_card(cls, card: ModelCard, source: str = "README.md") -> FlatnessCard:
+        """Read the card back from a parsed README, field by field as the schema declares.
+
+        A number that is not finite (``.nan``, ``.inf``) is read as unknown, with a warning naming the file and the
+        field, since a card must not rank or compare on it.
+
+        Raises:
+            ValueError: without a ``flatness:`` block, or with a field that is not a number where one is expected
+                (the message names the file and the field).
+        """
+        flatness = card.data.get("flatness")
+        if not isinstance(flatness, Mapping):
+            raise ValueError(
+                f"{source} has no `flatness:` metadata block, so it was not written by hf_flatbias. Save a card with "
+                "FlatnessCard(...).save(directory), or train with FlatBiasTrainer, which writes one on every save."
+            )
+        return cls(**schema.read_fields(cls, card.data, flatness, source))
+
+
+# -------------------------------------------------------------------- loading
+
+
+def load_flatness_card(
+    repo_id_or_path: str | os.PathLike,
+    *,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> FlatnessCard:
+    """Read the flatness card of a local checkpoint folder, a README file, or a Hub repository.
+
+    Args:
+        repo_id_or_path: a folder holding ``README.md``, the path of a card file, or a Hub repo id
+            (``"user/model"``), downloaded with `huggingface_hub.hf_hub_download` (honours ``HF_ENDPOINT``).
+        revision: branch, tag or commit of the Hub repository (ignored for local paths).
+        token: Hub token, as for `hf_hub_download`.
+        cache_dir: Hub cache folder, as for `hf_hub_download`.
+
+    Raises:
+        ValueError: the README has no ``flatness:`` block, its YAML front matter cannot be parsed, a field is not a
+            number where one is expected, or a local-looking path does not exist. Non-finite numbers are read as
+            unknown, with a warning.
+    """
+    local = Path(repo_id_or_path)
+    if local.is_dir():
+        card_path = local / CARD_FILENAME
+        if not card_path.is_file():
+            raise ValueError(
+                f"{local} has no {CARD_FILENAME}: save the checkpoint with FlatBiasTrainer (it writes the card) or "
+                "write one with FlatnessCard(...).save(folder)."
+            )
+    elif local.is_file():
+        card_path = local
+    else:
+        name = str(repo_id_or_path)
+        if not _looks_like_repo_id(name):
+            raise ValueError(f"{name!r} is neither an existing file or folder nor a Hub repo id like 'user/model'.")
+        from huggingface_hub import hf_hub_download
+
+        card_path = Path(hf_hub_download(name, CARD_FILENAME, revision=revision, token=token, cache_dir=cache_dir))
+    source = str(card_path) if local.exists() else f"{repo_id_or_path} ({CARD_FILENAME})"
+    try:
+        card = ModelCard(card_path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, ValueError, KeyError, TypeError) as error:
+        # yaml's messages span several lines with a caret; the first line says what is wrong
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(
+            f"{source}: the card's YAML metadata cannot be read ({reason}). Fix the front matter between the two "
+            "'---' lines, or write the card again with FlatnessCard(...).save(folder)."
+        ) from error
+    return FlatnessCard.from_model_card(card, source=source)
+
+
+def add_glue_results(path: str | os.PathLike, glue_results: Mapping[str, Mapping[str, float]]) -> FlatnessCard:
+    """Merge GLUE results (``{"sst2": {"accuracy": 0.91}}``) into the card of a local checkpoint and rewrite it.
+
+    For results measured after pre-training, e.g. by fine-tuning the checkpoint; push the folder again to publish.
+    """
+    card = load_flatness_card(path)
+    glue = {task: dict(metrics) for task, metrics in card.glue.items()}
+    for task, metrics in glue_results.items():
+        glue.setdefault(task, {}).update({metric: float(value) for metric, value in metrics.items()})
+    card.glue = glue
+    card_path = Path(path) / CARD_FILENAME if Path(path).is_dir() else Path(path)
+    card_path.write_text(card.render(), encoding="utf-8")
+    return card
+
+
+def _looks_like_repo_id(name: str) -> bool:
+    return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name) is not None and not name.startswith(".")
+
+
+# -------------------------------------------------------------------- formatting
+
+
+@functools.cache
+def _card_template() -> jinja2.Template:
+    # Compiling the template costs more than rendering it; cards are written at every checkpoint.
+    source = resources.files(__package__).joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
+    return jinja2.Template(source, keep_trailing_newline=True)
+
+
+def format_number(value: float | None, digits: int = 4) -> str:
+    if value is None:
+        return "not measured"
+    return f"{value:.{digits}g}"
+
+
+def format_trace(trace: float | None, stderr: float | None) -> str:
+    if trace is None:
+        return "not measured"
+    return format_number(trace) if stderr is None else f"{format_number(trace)} ± {format_number(stderr, 2)}"
+
+
+def format_method(card: FlatnessCard, *, short: bool = False) -> str:
+    if card.method == "none":
+        return "none" if short else METHOD_TITLES["none"]
+    settings = ", ".join(f"{name} = {value:g}" for name, value in card.method_hyperparameters().items())
+    title = METHOD_TITLES[card.method]
+    return f"{title} ({settings})" if settings else title
+
+
+def _glue_rows(glue: Mapping[str, Mapping[str, float]]) -> list[tuple[str, str, str]]:
+    return [(task, metric, f"{glue[task][metric]:.4f}") for task in sorted(glue) for metric in sorted(glue[task])]
+
+
+def measure_summaries(card: FlatnessCard) -> list[tuple[str, str]]:
+    """``(label, text)`` for each measure beyond the trace on the card, as the card, ``card`` and ``compare`` show
+    them."""
+    rows = []
+    eigenvalue = card.measures.get("top_eigenvalue")
+    if eigenvalue is not None:
+        matrix = eigenvalue.get("matrix", "?")
+        text = format_number(eigenvalue["value"])
+        if "residual" in eigenvalue:
+            text += f" (residual {format_number(eigenvalue['residual'], 2)})"
+        rows.append((f"Largest {matrix} eigenvalue", text + _step_text(eigenvalue)))
+    sharpness = card.measures.get("sam_sharpness")
+    if sharpness is not None:
+        text = format_trace(sharpness["value"], sharpness.get("stderr"))
+        settings = [f"rho = {sharpness['rho']:g}" if "rho" in sharpness else None]
+        settings.append("adaptive" if sharpness.get("adaptive") else None)
+        settings.append(f"batches of {sharpness['batch_size']}" if "batch_size" in sharpness else None)
+        text += " (" + ", ".join(s for s in settings if s) + ")" if any(settings) else ""
+        rows.append(("SAM sharpness L(w+e) - L(w) ± standard error", text + _step_text(sharpness)))
+    return rows
+
+
+def _step_text(record: Mapping[str, Any]) -> str:
+    return f", step {record['step']}" if record.get("step") is not None else ""
+
+
+_MEASURE_COLUMNS = {"top_eigenvalue": "top eigenvalue", "sam_sharpness": "SAM sharpness ± stderr"}
+
+
+def format_comparison_table(cards: Sequence[tuple[str, FlatnessCard]]) -> str:
+    """A markdown table comparing checkpoints: loss, trace ± stderr, method, estimator and GLUE metrics.
+
+    Args:
+        cards: ``(label, card)`` pairs in the order of the rows (the label is usually the repo id or path).
+    """
+    glue_columns = sorted({(task, metric) for _, card in cards for task in card.glue for metric in card.glue[task]})
+    measure_columns = [name for name in EXTRA_MEASURES if any(name in card.measures for _, card in cards)]
+    header = ["model", "pre-training loss", "Hessian trace ± stderr", "method", "estimator"]
+    header += [_MEASURE_COLUMNS[name] for name in measure_columns]
+    header += [f"{task}/{metric}" for task, metric in glue_columns]
+    rows = [header, ["---"] * len(header)]
+    for label, card in cards:
+        estimator = "-"
+        if card.estimator or card.n_contexts:
+            estimator = f"{card.estimator or '?'} ({card.n_contexts or '?'}×{card.n_draws or '?'})"
+        row = [
+            label,
+            format_number(card.pretraining_loss) if card.pretraining_loss is not None else "-",
+            format_trace(card.hessian_trace, card.hessian_trace_stderr) if card.hessian_trace is not None else "-",
+            format_method(card, short=True),
+            estimator,
+        ]
+        for name in measure_columns:
+            row.append(_measure_cell(name, card.measures.get(name)))
+        for task, metric in glue_columns:
+            value = card.glue.get(task, {}).get(metric)
+            row.append(f"{value:.4f}" if value is not None else "-")
+        rows.append(row)
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in rows)
+
+
+def _measure_cell(name: str, record: Mapping[str, Any] | None) -> str:
+    if record is None:
+        return "-"
+    if name == "top_eigenvalue":
+        return f"{format_number(record['value'])} ({record.get('matrix', '?')})"
+    return f"{format_trace(record['value'], record.get('stderr'))} (ρ={record.get('rho', float('nan')):g})"
+
+
+__all__ = [
+    "CARD_FILENAME",
+    "HESSIAN_TRACE_METRIC",
+    "METHOD_HYPERPARAMETERS",
+    "METHOD_TITLES",
+    "PAPER_CITATION",
+    "FlatnessCard",
+    "add_glue_results",
+    "format_comparison_table",
+    "load_flatness_card",
+    "measure_summaries",
+]

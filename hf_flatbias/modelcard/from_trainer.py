@@ -1,0 +1,242 @@
+"""The card of a trainer: `flatness_card_from_trainer` reads a FlatBiasTrainer (or Trainer)'s arguments, state, model
+and callbacks duck-typed, so nothing here imports the Trainer and the card can be built and tested on its own."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, SAM_STEP_OPTIONS, TRACE_METRIC, TRACE_STDERR_METRIC
+from .card import FlatnessCard
+from .schema import read_integer, schema
+
+# GLUE results in the trainer's log history: "glue/<task>/<metric>", optionally with the Trainer's "eval_" prefix.
+GLUE_LOG_KEY = re.compile(r"^(?:eval_)?glue/(?P<task>[a-z0-9_-]+)/(?P<metric>[a-z0-9_]+)$")
+
+
+# -------------------------------------------------------------------- from a trainer
+
+
+def flatness_card_from_trainer(
+    trainer: Any,
+    *,
+    model_name: str | None = None,
+    language: str | list[str] | None = None,
+    license: str | None = None,  # noqa: A002 - the Hub's metadata key
+    tags: str | Iterable[str] | None = None,
+    finetuned_from: str | None = None,
+    dataset: str | Iterable[str] | None = None,
+    glue_results: Mapping[str, Mapping[str, float]] | None = None,
+    pretraining_corpus: Mapping[str, Any] | None = None,
+) -> FlatnessCard:
+    """Build the card from a FlatBiasTrainer (or Trainer)'s arguments, state, model and callbacks, read duck-typed.
+
+    - trace: the ``last_estimate`` (``mean``, ``stderr``, ``n_contexts``, ``n_draws``, ``estimator``, ``seconds``)
+      of any callback that has one, else the last ``flatness/hessian_trace`` (and ``..._stderr``) in the log history;
+    - pre-training loss: the last ``eval_loss`` in the log history, else the last training ``loss``;
+    - trace step: the callback's ``last_estimate_step``, else the ``step`` of the log entry the trace came from;
+    - method and its hyperparameters: the arguments' ``flatness_method`` (``"none"`` for a plain
+      ``TrainingArguments``) and the arguments that method reads (``FLATNESS_METHOD_HYPERPARAMETERS``);
+    - GLUE: ``glue_results`` (``{"sst2": {"accuracy": 0.91}}``) merged over ``glue/<task>/<metric>`` log entries;
+    - other measures: the ``last_top_eigenvalues`` / ``last_sam_sharpness`` of any callback that has them, with
+      their steps (``last_top_eigenvalues_step`` / ``last_sam_sharpness_step``).
+    """
+    args = trainer.args
+    state = trainer.state
+    history: list[dict[str, Any]] = list(getattr(state, "log_history", None) or [])
+    method = getattr(args, "flatness_method", "none") or "none"
+
+    trace = _trace_from_callbacks(getattr(getattr(trainer, "callback_handler", None), "callbacks", []))
+    if trace is None:
+        trace = _trace_from_history(history)
+    loss, loss_source = _pretraining_loss_from_history(history)
+
+    glue = _glue_from_history(history)
+    for task, metrics in (glue_results or {}).items():
+        glue.setdefault(task, {}).update({m: float(v) for m, v in metrics.items()})
+
+    model = getattr(trainer, "model", None)
+    config = getattr(model, "config", None)
+    if model_name is None:
+        hub_model_id = getattr(args, "hub_model_id", None)
+        model_name = hub_model_id.split("/")[-1] if hub_model_id else Path(args.output_dir).name
+    num_parameters = None
+    if hasattr(model, "parameters"):
+        # Under DeepSpeed ZeRO-3 a parameter's numel() is its local shard (often 0); ds_numel is the full size.
+        num_parameters = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+
+    integers = {name for name, declared in schema(FlatnessCard) if declared.read is read_integer}
+    hyperparameters = {}
+    for name in FLATNESS_METHOD_HYPERPARAMETERS.get(method, ()):
+        value = getattr(args, name, None)
+        if value is not None:
+            hyperparameters[name] = int(value) if name in integers else float(value)
+
+    return FlatnessCard(
+        model_name=model_name,
+        method=method,
+        **hyperparameters,
+        pretraining_loss=loss,
+        pretraining_loss_source=loss_source,
+        glue=glue,
+        global_step=int(state.global_step) if getattr(state, "global_step", None) is not None else None,
+        epoch=float(state.epoch) if getattr(state, "epoch", None) is not None else None,
+        model_type=getattr(config, "model_type", None),
+        num_parameters=num_parameters,
+        base_model=finetuned_from,
+        datasets=_as_list(dataset),
+        language=language,
+        license=license,
+        tags=_as_list(tags),
+        training_hyperparameters=_training_hyperparameters(args),
+        pretraining_corpus=dict(pretraining_corpus) if pretraining_corpus else None,
+        measures=_measures_from_callbacks(getattr(getattr(trainer, "callback_handler", None), "callbacks", [])),
+        **(trace or {}),
+    )
+
+
+def _trace_from_callbacks(callbacks: Iterable[Any]) -> dict[str, Any] | None:
+    for callback in callbacks:
+        estimate = getattr(callback, "last_estimate", None)
+        if estimate is None:
+            continue
+        stderr = getattr(estimate, "stderr", None)
+        seconds = getattr(estimate, "seconds", None)
+        n_contexts = getattr(estimate, "n_contexts", None)
+        n_draws = getattr(estimate, "n_draws", None)
+        step = getattr(callback, "last_estimate_step", None)
+        by_group = getattr(estimate, "by_group", None)
+        return {
+            "hessian_trace": float(estimate.mean),
+            "hessian_trace_stderr": float(stderr) if stderr is not None else None,
+            "trace_step": int(step) if step is not None else None,
+            "estimator": getattr(estimate, "estimator", None),
+            "n_contexts": int(n_contexts) if n_contexts is not None else None,
+            "n_draws": int(n_draws) if n_draws is not None else None,
+            "trace_seconds": float(seconds) if seconds is not None else None,
+            "hessian_trace_by_group": (
+                {group: {"mean": float(part.mean), "stderr": float(part.stderr)} for group, part in by_group.items()}
+                if by_group
+                else None
+            ),
+        }
+    return None
+
+
+def measure_record(result: Any, step: int | None = None) -> dict[str, Any]:
+    """A card's record of a measure beyond the trace, from its result (read duck-typed): a `TopEigenvalues`
+    (``eigenvalues``...) or a `SharpnessEstimate` (``rho``...), and the training step of the weights measured."""
+    if hasattr(result, "eigenvalues"):
+        record = {
+            "value": float(result.eigenvalues[0]),
+            "residual": float(result.residuals[0]),
+            "matrix": result.matrix,
+            "k": len(result.eigenvalues),
+            "eigenvalues": [float(v) for v in result.eigenvalues] if len(result.eigenvalues) > 1 else None,
+            "n_contexts": int(result.n_contexts),
+            "n_matvecs": int(result.n_matvecs),
+            "seconds": float(result.seconds),
+        }
+    elif hasattr(result, "rho"):
+        record = {
+            "value": float(result.mean),
+            "stderr": float(result.stderr) if math.isfinite(result.stderr) else None,
+            "rho": float(result.rho),
+            "adaptive": bool(result.adaptive),
+            "batch_size": int(result.batch_size),
+            "n_contexts": int(result.n_contexts),
+            "seconds": float(result.seconds),
+        }
+    else:
+        raise TypeError(f"measure_record takes a TopEigenvalues or a SharpnessEstimate, not {type(result).__name__}.")
+    record["step"] = int(step) if step is not None else None
+    return {key: value for key, value in record.items() if value is not None}
+
+
+def _measures_from_callbacks(callbacks: Iterable[Any]) -> dict[str, dict[str, Any]]:
+    measures: dict[str, dict[str, Any]] = {}
+    for callback in callbacks:
+        for name, attribute in (("top_eigenvalue", "last_top_eigenvalues"), ("sam_sharpness", "last_sam_sharpness")):
+            result = getattr(callback, attribute, None)
+            if result is not None and name not in measures:
+                measures[name] = measure_record(result, getattr(callback, f"{attribute}_step", None))
+    return measures
+
+
+def _trace_from_history(history: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    for entry in reversed(history):
+        if TRACE_METRIC in entry:
+            stderr = entry.get(TRACE_STDERR_METRIC)
+            step = entry.get("step")
+            return {
+                "hessian_trace": float(entry[TRACE_METRIC]),
+                "hessian_trace_stderr": float(stderr) if stderr is not None else None,
+                "trace_step": int(step) if step is not None else None,
+            }
+    return None
+
+
+def _pretraining_loss_from_history(history: Sequence[Mapping[str, Any]]) -> tuple[float | None, str | None]:
+    # The held-out loss is what the paper compares models on; the training loss is only a fallback.
+    for key, source in (("eval_loss", "eval"), ("loss", "train")):
+        for entry in reversed(history):
+            if key in entry:
+                return float(entry[key]), source
+    return None, None
+
+
+def _glue_from_history(history: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    glue: dict[str, dict[str, float]] = {}
+    for entry in history:  # later entries overwrite earlier ones
+        for key, value in entry.items():
+            match = GLUE_LOG_KEY.match(key)
+            if match and isinstance(value, (int, float)):
+                glue.setdefault(match["task"], {})[match["metric"]] = float(value)
+    return glue
+
+
+def _training_hyperparameters(args: Any) -> dict[str, Any]:
+    names = (
+        "learning_rate",
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "num_train_epochs",
+        "max_steps",
+        "weight_decay",
+        "lr_scheduler_type",
+        "warmup_steps",
+        "optim",
+        "seed",
+        "sam_scope",
+        "sam_perturbation",
+        # the SAM step's own options (geometry, ascent rows, parameters, window, rho schedule), for the methods that
+        # read them only
+        *SAM_STEP_OPTIONS.get(getattr(args, "flatness_method", "none"), ()),
+    )
+    # max_steps > 0 overrides num_train_epochs: record the one that decided how long training ran
+    max_steps = getattr(args, "max_steps", None)
+    skipped = {"num_train_epochs"} if isinstance(max_steps, int) and max_steps > 0 else {"max_steps"}
+    values: dict[str, Any] = {}
+    for name in names:
+        value = getattr(args, name, None)
+        if value is None or name in skipped:
+            continue
+        value = getattr(value, "value", value)  # transformers' str enums (SchedulerType, OptimizerNames)
+        values[name] = value if type(value) in (int, float, str, bool) else str(value)
+    world_size = getattr(args, "world_size", None)
+    if world_size is not None and "per_device_train_batch_size" in values:
+        values["total_train_batch_size"] = (
+            values["per_device_train_batch_size"] * values.get("gradient_accumulation_steps", 1) * int(world_size)
+        )
+    return values
+
+
+def _as_list(value: str | Iterable[str] | None) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return list(value)

@@ -40,6 +40,16 @@ IGNORE_INDEX = -100
 ESTIMATORS = ("per_sample", "summed", "hutchinson", "naive")
 """The Hessian-trace estimators of ``estimate_hessian_trace``; ``per_sample`` is the default."""
 
+TRACE_QUANTITIES = {
+    "per_sample": "Fisher trace Tr(F)",
+    "summed": "Fisher trace Tr(F)",
+    "naive": "Fisher trace Tr(F)",
+    "hutchinson": "Hessian trace Tr(H)",
+}
+"""What each estimator measures, as cards and tables name it: the sampled-label estimators measure the Fisher trace
+(the paper's measure), Hutchinson's probes the Hessian trace of the data-label loss; the two agree only where the
+model's conditionals are the true ones."""
+
 HUTCHINSON_PROBES = ("rademacher", "gaussian")
 """Probe distributions of the ``hutchinson`` estimator; Rademacher (the default) has the smaller variance."""
 

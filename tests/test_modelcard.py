@@ -193,7 +193,7 @@ def test_comparison_table_has_one_row_per_model_and_the_union_of_glue_columns():
     )
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()]
     header, a, b = rows[0], rows[2], rows[3]
-    assert header[:3] == ["model", "pre-training loss", "Hessian trace ± stderr"]
+    assert header[:3] == ["model", "pre-training loss", "Fisher trace Tr(F) ± stderr"]
     assert header[5:] == ["rte/accuracy", "sst2/accuracy", "stsb/pearson", "stsb/spearmanr"]
     assert a[:3] == ["a", "2.5", "123.2 ± 4.5"] and a[5:] == ["-", "0.8750", "0.5000", "0.2500"]
     assert b[2] == "-" and b[5:] == ["0.5000", "-", "-", "-"]
@@ -260,6 +260,28 @@ def test_trainer_card_falls_back_to_the_log_history_and_train_loss():
 # ----------------------------------------------------------------------------- CLI
 
 
+@pytest.mark.parametrize(
+    "estimator, quantity",
+    [("per_sample", "Fisher trace Tr(F)"), ("naive", "Fisher trace Tr(F)"), ("hutchinson", "Hessian trace Tr(H)")],
+)
+def test_the_trace_is_named_by_what_its_estimator_measured(tmp_path, estimator, quantity):
+    card = full_card(estimator=estimator)
+    text = card.save(tmp_path).read_text(encoding="utf-8")
+    assert f"| {quantity} ± standard error | 123.2 ± 4.5 |" in text
+    assert ("Hutchinson's estimate" in text) == (estimator == "hutchinson")
+    other = "Hessian trace Tr(H)" if quantity.startswith("Fisher") else "Fisher trace Tr(F)"
+    assert other not in text
+    results = front_matter(tmp_path / "README.md")["model-index"][0]["results"]
+    [trace] = [metric for result in results for metric in result["metrics"] if metric["type"] == "hessian_trace"]
+    assert trace["name"] == f"{quantity} of the pre-training loss"
+    assert f"| {quantity} ± stderr |" in format_comparison_table([("a", card)])
+
+
+def test_a_table_mixing_fisher_and_hessian_traces_names_neither():
+    table = format_comparison_table([("a", full_card()), ("b", full_card(estimator="hutchinson"))])
+    assert "| trace ± stderr |" in table.splitlines()[0]
+
+
 def test_cli_card_and_compare(tmp_path, capsys):
     flat, sharp = tmp_path / "flat", tmp_path / "sharp"
     full_card(hessian_trace=50.0).save(flat)
@@ -271,7 +293,7 @@ def test_cli_card_and_compare(tmp_path, capsys):
 
     assert cli_main(["card", str(flat)]) == 0
     summary = capsys.readouterr().out
-    assert "| Hessian trace ± stderr | 50 ± 4.5 |" in summary
+    assert "| Fisher trace Tr(F) ± stderr | 50 ± 4.5 |" in summary
     assert "| estimator | per_sample, 64 contexts × 2 draws |" in summary
     assert "| GLUE stsb/spearmanr | 0.2500 |" in summary
 

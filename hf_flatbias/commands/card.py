@@ -69,7 +69,7 @@ def format_card_summary(label: str, card) -> str:
         ("method", card.method),
         *card.method_hyperparameters().items(),
         ("pre-training loss", loss),
-        ("Hessian trace ± stderr", trace),
+        (f"{card.trace_quantity} ± stderr", trace),
         ("trace measured at step", card.trace_step),
         ("estimator", estimator),
         *measure_summaries(card),

@@ -17,7 +17,7 @@ import jinja2
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS
+from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS, TRACE_QUANTITIES
 from . import schema
 from .schema import (
     CARD_DATA,
@@ -175,6 +175,11 @@ class FlatnessCard:
         CARD_DATA, read=read_own_tags, write=lambda card, tags: card.all_tags(), default_factory=list
     )
 
+    @property
+    def trace_quantity(self) -> str:
+        """What the card's trace is, named by what its estimator measured (``"Fisher trace Tr(F)"``...)."""
+        return TRACE_QUANTITIES.get(self.estimator, "Curvature trace")
+
     # ---------------------------------------------------------------- checks
 
     def validate(self) -> None:
@@ -239,7 +244,7 @@ class FlatnessCard:
                     **pretraining,
                     metric_type=HESSIAN_TRACE_METRIC,
                     metric_value=float(self.hessian_trace),
-                    metric_name="Hessian trace of the pre-training loss (Fisher trace, Liu et al. 2023)",
+                    metric_name=f"{self.trace_quantity} of the pre-training loss",
                     metric_args={k: v for k, v in trace_args.items() if v is not None} or None,
                 )
             )
@@ -471,7 +476,10 @@ def format_comparison_table(cards: Sequence[tuple[str, FlatnessCard]]) -> str:
     """
     glue_columns = sorted({(task, metric) for _, card in cards for task in card.glue for metric in card.glue[task]})
     measure_columns = [name for name in EXTRA_MEASURES if any(name in card.measures for _, card in cards)]
-    header = ["model", "pre-training loss", "Hessian trace ± stderr", "method", "estimator"]
+    # one column, one quantity: named by the estimators when they all measured the same one
+    quantities = {card.trace_quantity for _, card in cards if card.hessian_trace is not None}
+    trace_header = f"{quantities.pop() if len(quantities) == 1 else 'trace'} ± stderr"
+    header = ["model", "pre-training loss", trace_header, "method", "estimator"]
     header += [_MEASURE_COLUMNS[name] for name in measure_columns]
     header += [f"{task}/{metric}" for task, metric in glue_columns]
     rows = [header, ["---"] * len(header)]

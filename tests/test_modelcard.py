@@ -1,5 +1,6 @@
 """Flatness model cards: rendering, reading back, building from a trainer, the CLI, and FlatBiasTrainer's saves."""
 
+import dataclasses
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from hf_flatbias.modelcard import (
     format_comparison_table,
     load_flatness_card,
 )
+from hf_flatbias.modelcard.schema import schema
 from hf_flatbias.trainer import FlatBiasTrainer
 
 
@@ -118,6 +120,29 @@ def test_card_reads_back_as_the_same_typed_object(tmp_path):
             "tags",
         ):
             assert getattr(loaded, name) == getattr(card, name), name
+
+
+def test_every_field_is_declared_in_the_schema_and_round_trips_when_set(tmp_path):
+    """A field added to FlatnessCard without its card_field would be neither written nor read: this fails then."""
+    assert [name for name, _ in schema(FlatnessCard)] == [item.name for item in dataclasses.fields(FlatnessCard)]
+    card = full_card(
+        method="asam",
+        asam_eta=0.01,
+        sam_every_k=2,
+        trace_seconds=1.5,
+        hessian_trace_by_group={"embeddings": {"mean": 1.0, "stderr": 0.5}},
+        measures={"top_eigenvalue": {"value": 3.0, "matrix": "fisher", "k": 1, "step": 40}},
+        pretraining_corpus={"dataset": "bbc_news", "validation_texts": 30},
+        base_model="user/base",
+        language=["en", "fr"],
+    )
+    unused = set(METHOD_HYPERPARAMETERS) - set(FLATNESS_METHOD_HYPERPARAMETERS["asam"])
+    for item in dataclasses.fields(FlatnessCard):
+        if item.name in unused:
+            continue
+        assert getattr(card, item.name) not in (None, {}, []), f"set {item.name} in this test"
+    card.save(tmp_path)
+    assert load_flatness_card(tmp_path) == card
 
 
 def test_glue_results_added_later_are_merged_into_the_card(tmp_path):

@@ -1,0 +1,148 @@
+"""What `HessianTraceCallback` at its defaults adds to a training run, measured in one run.
+
+A BERT masked LM (hidden 256, 8 layers, vocabulary 30,522: 14.2M parameters, "15M") trains ``--steps`` steps of 16
+sequences of 128 tokens with an evaluation every ``--eval-every`` steps, once without and once with the callback,
+the two runs interleaved ``--repeats`` times so that load on a shared machine hits both alike. Times are the
+process's CPU seconds of ``trainer.train()`` (one torch thread; wall time on a shared machine mostly measures the
+neighbours); the ratio of each repeat is (with callback) / (without), and the median is reported.
+
+``--model bert-base`` runs the same at 110M (BERT-base) where a full run is too slow for this machine: then it is
+meant with few steps, and the script also prints one estimate's cost against one training step, so the ratio of a
+long run can be projected from them.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/callback_overhead.py [--repeats 2]
+        [--callback '{"max_overhead": null}']
+
+Last lines: ``callback_overhead_ratio=X`` and the callback's own share of the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertForMaskedLM,
+    DataCollatorForLanguageModeling,
+    Trainer,
+    TrainingArguments,
+)
+
+from hf_flatbias.callbacks import HessianTraceCallback  # noqa: E402
+from hf_flatbias.synthetic import make_tokenizer  # noqa: E402
+
+SEQ_LEN, BATCH = 128, 16
+MODELS = {
+    "bert-15m": dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, intermediate_size=1024),
+    "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+}
+
+
+def build_tokenizer():
+    # 30,522 ids like BERT's vocabulary: 5 special tokens and 30,517 words
+    return make_tokenizer([f"w{i}" for i in range(30_517)], model_max_length=SEQ_LEN)
+
+
+def rows(tokenizer, n: int, seed: int) -> Dataset:
+    """Zipf-distributed words, so that frequent and rare embedding rows both occur."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, len(tokenizer) - 4, dtype=torch.float64)
+    ids = torch.multinomial(weights, n * (SEQ_LEN - 2), replacement=True, generator=generator).reshape(n, -1) + 5
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    input_ids = [[cls, *row.tolist(), sep] for row in ids]
+    return Dataset.from_dict({"input_ids": input_ids, "attention_mask": [[1] * SEQ_LEN for _ in input_ids]})
+
+
+def build_model(name: str, vocab: int) -> BertForMaskedLM:
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(vocab_size=vocab, max_position_embeddings=SEQ_LEN, **MODELS[name]))
+
+
+def train(name: str, tokenizer, train_rows, eval_rows, steps: int, eval_every: int, callback) -> float:
+    """CPU seconds of one ``trainer.train()``."""
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            out,
+            max_steps=steps,
+            per_device_train_batch_size=BATCH,
+            per_device_eval_batch_size=BATCH,
+            eval_strategy="steps",
+            eval_steps=eval_every,
+            logging_steps=eval_every,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=True,
+            dataloader_num_workers=0,
+            seed=0,
+        )
+        trainer = Trainer(
+            model=build_model(name, len(tokenizer)),
+            args=args,
+            train_dataset=train_rows,
+            eval_dataset=eval_rows,
+            data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15),
+            processing_class=tokenizer,
+            callbacks=[] if callback is None else [callback],
+        )
+        if callback is not None:
+            callback.bind_trainer(trainer)
+        start = time.process_time()
+        trainer.train()
+        return time.process_time() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="bert-15m")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--callback", default="{}", help="HessianTraceCallback keyword arguments, as JSON")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    options = json.loads(args.callback)
+    tokenizer = build_tokenizer()
+    train_rows = rows(tokenizer, args.steps * BATCH, seed=0)
+    eval_rows = rows(tokenizer, 4 * BATCH, seed=1)
+    n_params = build_model(args.model, len(tokenizer)).num_parameters()
+    print(
+        f"BERT MLM {n_params / 1e6:.1f}M parameters, {args.steps} steps of {BATCH} x {SEQ_LEN} tokens, evaluation "
+        f"every {args.eval_every} steps on {len(eval_rows)} rows, {torch.get_num_threads()} thread(s), "
+        f"callback {options or 'at its defaults'}, load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    ratios, shares = [], []
+    for repeat in range(args.repeats):
+        plain = train(args.model, tokenizer, train_rows, eval_rows, args.steps, args.eval_every, None)
+        callback = HessianTraceCallback(**options)
+        measured = train(args.model, tokenizer, train_rows, eval_rows, args.steps, args.eval_every, callback)
+        ratios.append(measured / plain)
+        history = callback.measurement_history
+        measuring = sum(entry["seconds"] for entry in history)
+        shares.append(measuring / measured)
+        steps = ", ".join(
+            f"step {e['step']}: {e['n_contexts']} contexts in {e['seconds']:.1f} s, "
+            f"{e['trace']:.1f} +- {e['stderr']:.1f}"
+            for e in history
+        )
+        print(
+            f"repeat {repeat}: without {plain:.1f} CPU s, with {measured:.1f} CPU s, ratio {ratios[-1]:.3f}; "
+            f"callback wall seconds {measuring:.1f}; measurements: {steps}",
+            flush=True,
+        )
+    print(f"callback_overhead_ratio={statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})")
+    print(f"callback_share_of_time={statistics.median(shares):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -4,11 +4,12 @@ IGNORE_INDEX = -100
 """The label of positions that are not predicted (the default ``ignore_index`` of PyTorch's cross-entropy)."""
 
 # The trace's names are here, not in flatness/, so that the command line can offer them without importing torch.
-ESTIMATORS = ("per_sample", "summed", "hutchinson", "naive")
+ESTIMATORS = ("per_sample", "summed", "hutchinson", "hutchpp", "naive")
 """The Hessian-trace estimators of ``estimate_hessian_trace``; ``per_sample`` is the default."""
 
 HUTCHINSON_PROBES = ("rademacher", "gaussian")
-"""Probe distributions of the ``hutchinson`` estimator; Rademacher (the default) has the smaller variance."""
+"""Probe distributions of the ``hutchinson`` and ``hutchpp`` estimators; Rademacher (the default) has the smaller
+variance."""
 
 DEFAULT_BATCH_SIZE = 32
 """Contexts per forward pass of a trace estimate."""

@@ -400,6 +400,7 @@ def thick_restart_lanczos(
     basis = torch.empty(max_vectors, dimension, dtype=start.dtype, device=start.device)
     projected = torch.zeros(max_vectors, max_vectors, dtype=torch.float64)
     basis[0] = start / start.norm()
+    del start  # the caller may hand over its only reference: one vector less for the whole run
     size, n_matvecs = 1, 0
     invariant_tolerance = 1e3 * (torch.finfo(start.dtype).eps if rounding is None else rounding)
     while True:
@@ -407,9 +408,9 @@ def thick_restart_lanczos(
         w = matvec(basis[size - 1])
         n_matvecs += 1
         coefficients = column @ w
-        w -= column.T @ coefficients
+        w.addmv_(column.T, coefficients, alpha=-1)  # in place: no temporary vector
         again = column @ w
-        w -= column.T @ again
+        w.addmv_(column.T, again, alpha=-1)
         h = (coefficients + again).double().cpu()
         projected[:size, size - 1] = h
         projected[size - 1, :size] = h
@@ -543,19 +544,17 @@ def estimate_top_eigenvalues(
         operator = CurvatureOperator(
             model, contexts, n_used, params, matrix=matrix, batch_size=batch_size, vector_dtype=vector_dtype
         )
-        start = _random_start(dimension, seed, operator.dtype, operator.device)
         pairs = thick_restart_lanczos(
             operator,
-            start,
+            _random_start(dimension, seed, operator.dtype, operator.device),
             k,
             max_vectors=max_vectors,
             max_matvecs=max_iterations,
             tol=tol,
             rounding=operator.rounding,
         )
-        del start
         residuals = [
-            float((operator(vector) - value * vector).norm())
+            float(operator(vector).sub_(vector, alpha=value).norm())
             for value, vector in zip(pairs.values, pairs.vectors, strict=True)
         ]
         eigenvalues, n_matvecs = pairs.values, pairs.n_matvecs + len(residuals)

@@ -41,6 +41,8 @@ class HessianTraceCallback(TrainerCallback):
     By default the callback also measures at the last step of training when its latest measurement is older, so
     the final checkpoint and ``trainer.train(); trainer.push_to_hub()`` publish the trace of the weights they carry.
 
+    The trace covers the model's trainable parameters (``requires_grad``): with LoRA, the adapters only.
+
     Measuring costs about what training on the same number of sequences does: one estimate of 256 contexts of 128
     tokens at 2 draws took 24 CPU seconds on a 15M-parameter BERT, as long as 10 training steps of 16 sequences
     (`benchmarks/callback_overhead.py`). So that adding the callback costs little, ``max_overhead`` (5% by default)
@@ -51,7 +53,6 @@ class HessianTraceCallback(TrainerCallback):
     logged standard error is that of the contexts actually used, which are always the first ones of the same fixed
     set, with the same draws: a smaller measurement is noisier, never biased. `measurement_history` records each
     measurement's step, contexts and seconds.
-    The trace covers the model's trainable parameters (``requires_grad``): with LoRA, the adapters only.
 
     Measuring does not change training: the model is put in ``eval()`` and every module back in its own mode after,
     draws use their own generators and the global random streams are restored, no ``.grad`` is written

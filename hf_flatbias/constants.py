@@ -37,7 +37,7 @@ IGNORE_INDEX = -100
 """The label of positions that are not predicted (the default ``ignore_index`` of PyTorch's cross-entropy)."""
 
 # The trace's names are here, not in flatness/, so that the command line can offer them without importing torch.
-ESTIMATORS = ("per_sample", "summed", "hutchinson", "naive")
+ESTIMATORS = ("per_sample", "summed", "hutchinson", "hutchpp", "naive")
 """The Hessian-trace estimators of ``estimate_hessian_trace``; ``per_sample`` is the default."""
 
 TRACE_QUANTITIES = {
@@ -45,13 +45,15 @@ TRACE_QUANTITIES = {
     "summed": "Fisher trace Tr(F)",
     "naive": "Fisher trace Tr(F)",
     "hutchinson": "Hessian trace Tr(H)",
+    "hutchpp": "Hessian trace Tr(H)",
 }
 """What each estimator measures, as cards and tables name it: the sampled-label estimators measure the Fisher trace
 (the paper's measure), Hutchinson's probes the Hessian trace of the data-label loss; the two agree only where the
 model's conditionals are the true ones."""
 
 HUTCHINSON_PROBES = ("rademacher", "gaussian")
-"""Probe distributions of the ``hutchinson`` estimator; Rademacher (the default) has the smaller variance."""
+"""Probe distributions of the ``hutchinson`` and ``hutchpp`` estimators; Rademacher (the default) has the smaller
+variance."""
 
 DEFAULT_BATCH_SIZE = 32
 """Contexts per forward pass of a trace estimate."""

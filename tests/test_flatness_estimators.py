@@ -226,7 +226,7 @@ def test_gaussian_probes_differ_from_rademacher_ones_and_only_hutchinson_takes_t
         for probe in ("rademacher", "gaussian")
     }
     assert not torch.equal(draws["rademacher"], draws["gaussian"])
-    with pytest.raises(ValueError, match="applies to estimator='hutchinson' only"):
+    with pytest.raises(ValueError, match="applies to estimator='hutchinson' or 'hutchpp' only"):
         estimate_hessian_trace(model, rows, probe="gaussian")
     with pytest.raises(ValueError, match="probe='normal' is not supported"):
         estimate_hessian_trace(model, rows, estimator="hutchinson", probe="normal")
@@ -299,7 +299,7 @@ def test_bad_input_raises_clear_errors(bert_case):
         estimate_hessian_trace(model, rows, estimator="exact")
     with pytest.raises(ValueError, match="n_contexts=99"):
         estimate_hessian_trace(model, rows, n_contexts=99)
-    assert set(ESTIMATORS) == {"per_sample", "summed", "hutchinson", "naive"}
+    assert set(ESTIMATORS) == {"per_sample", "summed", "hutchinson", "hutchpp", "naive"}
 
 
 def test_one_causal_lm_test_for_models_configs_decoders_and_peft_wrappers():

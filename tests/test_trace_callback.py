@@ -12,8 +12,8 @@ from transformers import (
     TrainingArguments,
 )
 
-from hf_flatbias.callbacks import TRACE_METRIC, TRACE_STDERR_METRIC, HessianTraceCallback
-from hf_flatbias.flatness import TraceEstimate
+from hf_flatbias.callbacks import TRACE_METRIC, TRACE_STDERR_METRIC, HessianTraceCallback, contexts_within_budget
+from hf_flatbias.flatness import TraceEstimate, estimate_hessian_trace
 from hf_flatbias.synthetic import make_tokenizer
 from hf_flatbias.trainer import FlatBiasTrainer
 
@@ -89,7 +89,7 @@ def _train(tmp_path, tokenizer, callbacks, trainer_class=Trainer, bind=True):
 
 def test_logged_values_reach_log_history_and_reporters_without_changing_training(tmp_path, tokenizer):
     plain = _train(tmp_path / "plain", tokenizer, [])
-    trace = HessianTraceCallback(n_contexts=6, n_draws=2, every_n_steps=2)
+    trace = HessianTraceCallback(n_contexts=6, n_draws=2, every_n_steps=2, max_overhead=None)
     reporter = _LogRecorder()
     measured = _train(tmp_path / "measured", tokenizer, [trace, reporter])
 
@@ -122,6 +122,53 @@ def test_the_same_contexts_give_the_same_value_on_the_same_weights(tmp_path, tok
     assert logged == [first.mean, first.mean, second.mean]
 
 
+def test_the_budget_sizes_each_measurement_from_the_cost_of_the_previous_one():
+    budget = dict(max_overhead=0.05, n_contexts=256, min_contexts=32)
+    # the first measurement has no cost to go by: one batch, which measures it
+    assert (
+        contexts_within_budget(
+            **budget, train_seconds=1.0, measuring_seconds=0.0, seconds_per_context=None, required=False
+        )
+        == 32
+    )
+    # 5% of 1000 s, less the 10 s spent, at 0.5 s per context
+    assert (
+        contexts_within_budget(
+            **budget, train_seconds=1000.0, measuring_seconds=10.0, seconds_per_context=0.5, required=False
+        )
+        == 80
+    )
+    assert (
+        contexts_within_budget(
+            **budget, train_seconds=1e6, measuring_seconds=10.0, seconds_per_context=0.5, required=False
+        )
+        == 256
+    )
+    # 20 contexts fit, fewer than one batch: an optional measurement is skipped, a required one takes one batch
+    tight = dict(train_seconds=400.0, measuring_seconds=10.0, seconds_per_context=0.5)
+    assert contexts_within_budget(**budget, **tight, required=False) == 0
+    assert contexts_within_budget(**budget, **tight, required=True) == 32
+    over = dict(train_seconds=100.0, measuring_seconds=50.0, seconds_per_context=0.5)
+    assert contexts_within_budget(**budget, **over, required=True) == 32
+
+
+def test_a_spent_budget_skips_evaluation_measurements_but_not_the_last(tmp_path, tokenizer):
+    trace = HessianTraceCallback(n_contexts=6, n_draws=2, batch_size=2, max_overhead=1e-9)
+    trainer = _train(tmp_path, tokenizer, [trace])
+    # evaluations at steps 3 and 6: the first measures one batch (the cost is unknown), the second finds the budget
+    # spent, the last step is measured anyway, on one batch
+    assert [(e["step"], e["n_contexts"]) for e in trace.measurement_history] == [(3, 2), (6, 2)]
+    logged = [e for e in trainer.state.log_history if TRACE_METRIC in e]
+    assert [e["step"] for e in logged] == [3, 6]
+    reference = estimate_hessian_trace(trainer.model, trace._contexts, n_contexts=2, n_draws=2, batch_size=2)
+    assert logged[-1][TRACE_METRIC] == reference.mean and logged[-1][TRACE_STDERR_METRIC] == reference.stderr
+    assert trace.last_estimate.n_contexts == 2
+
+    generous = HessianTraceCallback(n_contexts=6, n_draws=2, batch_size=2, max_overhead=1e9)
+    _train(tmp_path / "generous", tokenizer, [generous])
+    assert [e["n_contexts"] for e in generous.measurement_history] == [2, 6]
+
+
 def test_flatbias_trainer_binds_the_callback_itself(tmp_path, tokenizer):
     trace = HessianTraceCallback(n_contexts=4, n_draws=1, on_evaluate=False, every_n_steps=6)
     trainer = _train(tmp_path, tokenizer, [trace], trainer_class=FlatBiasTrainer, bind=False)
@@ -138,6 +185,8 @@ def test_bad_arguments_fail_before_training(tmp_path, tokenizer):
         HessianTraceCallback(n_draws=0)
     with pytest.raises(ValueError, match="every_n_steps"):
         HessianTraceCallback(every_n_steps=0)
+    with pytest.raises(ValueError, match="max_overhead"):
+        HessianTraceCallback(max_overhead=0)
     small = make_tokenizer(WORDS[:3], model_max_length=16)
     callback = HessianTraceCallback(n_contexts=2)
     with pytest.raises(ValueError, match="do not belong together"):

@@ -5,8 +5,9 @@ the contexts they run on; and the measures beyond it, the top eigenvalues, the s
 from ..constants import ESTIMATORS
 from .api import estimate_hessian_trace
 from .contexts import TraceContexts, build_masked_contexts
+from .diagonal import FisherDiagonal, estimate_fisher_diagonal
 from .estimators import compute_trace_samples
-from .exact import exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
+from .exact import exact_fisher_diagonal, exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
 from .groups import default_group_of, parameter_groups
 from .results import GroupTrace, TraceEstimate, TraceSamples, summarize_trace_samples
 from .spectrum import (
@@ -20,6 +21,7 @@ from .spectrum import (
 
 __all__ = [
     "ESTIMATORS",
+    "FisherDiagonal",
     "GroupTrace",
     "SharpnessEstimate",
     "SpectralDensity",
@@ -30,10 +32,12 @@ __all__ = [
     "build_masked_contexts",
     "compute_trace_samples",
     "default_group_of",
+    "estimate_fisher_diagonal",
     "estimate_hessian_trace",
     "estimate_sam_sharpness",
     "estimate_spectral_density",
     "estimate_top_eigenvalues",
+    "exact_fisher_diagonal",
     "exact_fisher_trace",
     "exact_hessian_trace",
     "parameter_groups",

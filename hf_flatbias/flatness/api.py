@@ -57,12 +57,12 @@ def estimate_hessian_trace(
             each labelled position is one context), a list or a `datasets.Dataset`.
             `hf_flatbias.flatness.contexts.build_masked_contexts` makes such rows from tokenized text.
         n_contexts: use the first ``n_contexts`` contexts; all by default.
-        n_draws: draws of ``y`` per context (probes for ``hutchinson``). The default, 2
-            (`hf_flatbias.constants.RECOMMENDED_N_DRAWS`), measured a better error per second with ``per_sample``
-            than 50 (the paper's number as a secondary summary gives it, unverified); `TraceEstimate`'s
-            ``suggested_n_draws`` reports the best value on your model.
-        estimator: ``"per_sample"`` (default, fastest), ``"summed"``, ``"hutchinson"`` or ``"naive"`` (see
-            `hf_flatbias.flatness.estimators`).
+        n_draws: draws of ``y`` per context (probes for ``hutchinson``, Hessian products per batch for
+            ``hutchpp``). The default, 2 (`hf_flatbias.constants.RECOMMENDED_N_DRAWS`), measured a better error per
+            second with ``per_sample`` than 50 (the paper's number as a secondary summary gives it, unverified);
+            `TraceEstimate`'s ``suggested_n_draws`` reports the best value on your model.
+        estimator: ``"per_sample"`` (default, fastest), ``"summed"``, ``"hutchinson"``, ``"hutchpp"`` or
+            ``"naive"`` (see `hf_flatbias.flatness.estimators`).
         seed: the draws of context ``i`` depend only on ``(seed, i)``.
         batch_size: contexts per forward, or ``"auto"``: as many as keep the measurement's working memory under
             80% of the free GPU memory (half the available RAM on CPU), measured on the longest context
@@ -71,7 +71,7 @@ def estimate_hessian_trace(
             over ``y`` (unbiased, less noise). ``False`` gives the plain sampled norms, draw for draw equal to
             ``naive``.
         causal: whether the model is a causal LM; detected from the model class by default.
-        probe: the probe distribution of ``hutchinson``, ``"rademacher"`` (default) or ``"gaussian"``.
+        probe: the probe distribution of ``hutchinson`` and ``hutchpp``, ``"rademacher"`` (default) or ``"gaussian"``.
         by_group: also split the trace by parameter group (`TraceEstimate.by_group`): ``True`` for embeddings,
             each block, final norm, LM head and the decoder's own output-layer term
             (`hf_flatbias.flatness.groups`), or a function from parameter name to group name. ``per_sample`` and

@@ -17,6 +17,10 @@ Estimators (``estimator=``):
   data loss, which equals the Fisher trace only when the model's conditionals are the true ones. The paper's released
   code measures a related quantity with one Gaussian probe per batch of multi-mask sequences, over every parameter but
   the output layer's bias and the pooler: `hf_flatbias.flatness.released_code` implements exactly that one.
+- ``"hutchpp"``: Hutch++ (`hf_flatbias.flatness.hutchpp`) on the same Hessian, ``n_draws`` products per batch: a
+  third sketch the dominant eigenvectors, whose part of the trace is then taken exactly, and Hutchinson's estimator
+  covers the rest; less error than ``hutchinson`` at equal products when a few eigenvalues dominate, one value per
+  batch, and ``n_draws // 3`` parameter-sized vectors held per batch.
 - ``"naive"``: one forward and backward per draw; the reference loop, exact for any architecture.
 
 Every estimator first produces `TraceSamples`: values per sampling unit (a context, or a batch of contexts for
@@ -39,8 +43,9 @@ from tqdm.auto import tqdm
 from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, HUTCHINSON_PROBES, RECOMMENDED_N_DRAWS
 from ..sharpness.sam import squared_norm
 from .contexts import TraceContexts, context_generator
-from .ghost import GhostNormRecorder
+from .ghost import GhostNormRecorder, add_squared_gradients
 from .groups import GroupOf, ParameterGroups, parameter_groups
+from .hutchpp import hutchpp_trace
 from .lm import check_lm_model, logits_at_positions, measured_parameters, output_vocab_size
 from .memory import auto_batch_size
 from .results import TraceSamples
@@ -80,6 +85,7 @@ def _per_sample_batch(
     exact_output_expectation: bool,
     validate: bool,
     groups: ParameterGroups | None = None,
+    diagonal: dict[int, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, float, float]:
     start = time.perf_counter()
     batch = contexts.model_inputs(indices, model)
@@ -103,6 +109,8 @@ def _per_sample_batch(
         if getattr(decoder, "bias", None) is not None and id(decoder.bias) in trainable:
             multiplier += 1.0
         expected_output_term = (1.0 - probs.square().sum(dim=1)) * multiplier
+        if diagonal is not None:
+            _add_expected_output_diagonal(diagonal, decoder, decoder_call, probs, trainable)
     forward_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -123,6 +131,13 @@ def _per_sample_batch(
             else []
         )
         recorder.set_grad_outputs(grads)
+        if diagonal is not None:
+            add_squared_gradients(
+                recorder,
+                diagonal,
+                weight=1.0 / n_draws,
+                exclude_self_terms_of=decoder_call if use_expectation else None,
+            )
         if groups is not None:
             by_parameter, own = recorder.squared_norm_terms(decoder_call, own_terms=not use_expectation)
             split = _sum_by_group(by_parameter, groups, len(indices), own.device)
@@ -139,6 +154,29 @@ def _per_sample_batch(
     for call in recorder.calls:  # drop references to the graph
         call.grad_output = None
     return values, group_values, forward_seconds, time.perf_counter() - start
+
+
+def _add_expected_output_diagonal(
+    diagonal: dict[int, torch.Tensor],
+    decoder: nn.Module,
+    decoder_call,
+    probs: torch.Tensor,
+    trainable: set[int],
+) -> None:
+    """The decoder's own terms of the diagonal in expectation over ``y``: ``E_y (e_y - p)_v^2 = p_v (1 - p_v)``, times
+    ``h_i^2`` for the weight (its input ``h`` at the one predicted position) and 1 for the bias, summed over the
+    batch."""
+    variance = probs * (1.0 - probs)  # (B, V)
+    parts = []
+    if id(decoder.weight) in trainable:
+        inputs = decoder_call.inputs.double().reshape(len(probs), -1)
+        parts.append((decoder.weight, variance.T @ inputs.square()))
+    if getattr(decoder, "bias", None) is not None and id(decoder.bias) in trainable:
+        parts.append((decoder.bias, variance.sum(dim=0)))
+    for param, value in parts:
+        if id(param) not in diagonal:
+            diagonal[id(param)] = torch.zeros(param.shape, dtype=torch.float64, device=value.device)
+        diagonal[id(param)] += value
 
 
 def _are_the_logits(output: torch.Tensor, logits: torch.Tensor) -> bool:
@@ -189,6 +227,7 @@ def _naive_squared_norms(
     params: Sequence[nn.Parameter],
     labels: torch.Tensor,
     groups: ParameterGroups | None = None,
+    diagonal: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One stock forward (logits everywhere) and one backward per label: squared norms (K,), or with ``groups``
     their split (K, G), the decoder's own term formed from its input and the gradient at its output."""
@@ -211,6 +250,11 @@ def _naive_squared_norms(
         if groups is None:
             grads = torch.autograd.grad(log_prob, params, allow_unused=True)
             values[k] = squared_norm(grads, dtype=torch.float64).cpu()
+            if diagonal is not None:
+                for param, grad in zip(params, grads, strict=True):
+                    if grad is not None:
+                        squared = grad.double().square() / len(labels)
+                        diagonal[id(param)] = diagonal[id(param)] + squared if id(param) in diagonal else squared
             continue
         *grads, grad_output = torch.autograd.grad(log_prob, [*params, seen["output"]], allow_unused=True)
         values[k] = _naive_group_split(decoder, params, grads, seen["input"], grad_output, groups)
@@ -252,12 +296,17 @@ def _naive_context(
     n_draws: int,
     seed: int,
     groups: ParameterGroups | None = None,
+    diagonal: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     with torch.no_grad():
         logits = model(**contexts.model_inputs([index], model)).logits[0, contexts.positions[index]]
     probs = torch.softmax(logits.double(), dim=-1).unsqueeze(0)
     labels = sample_labels(probs, [index], n_draws, seed)[0]
-    return _naive_squared_norms(model, contexts, index, params, labels, groups)
+    if diagonal is not None and groups is not None:
+        # the split and the diagonal come from two passes over the same labels (a reference, not a fast path)
+        _naive_squared_norms(model, contexts, index, params, labels, None, diagonal)
+        diagonal = None
+    return _naive_squared_norms(model, contexts, index, params, labels, groups, diagonal)
 
 
 def _summed_batch(
@@ -280,6 +329,20 @@ def _summed_batch(
     return (squared_norm(grads, dtype=torch.float64) / (len(indices) * n_draws)).reshape(1, 1).cpu()
 
 
+def _data_loss_gradients(
+    model: nn.Module, contexts: TraceContexts, indices: Sequence[int], params: Sequence[nn.Parameter]
+) -> tuple[torch.Tensor, ...]:
+    """Gradients of the summed data-label loss of ``indices`` with their graph, for Hessian-vector products."""
+    batch = contexts.model_inputs(indices, model)
+    positions = torch.tensor([contexts.positions[i] for i in indices], device=batch["input_ids"].device)
+    targets = torch.tensor([contexts.targets[i] for i in indices], device=positions.device)
+    # The fused CPU attention kernels have no double backward; the math kernel computes the same function.
+    with sdpa_kernel(SDPBackend.MATH):
+        logits = logits_at_positions(model, batch, positions)[:, 0]
+    loss = torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
+    return torch.autograd.grad(loss, params, create_graph=True)
+
+
 def _hutchinson_batch(
     model: nn.Module,
     contexts: TraceContexts,
@@ -289,14 +352,7 @@ def _hutchinson_batch(
     seed: int,
     probe: str,
 ) -> torch.Tensor:
-    batch = contexts.model_inputs(indices, model)
-    positions = torch.tensor([contexts.positions[i] for i in indices], device=batch["input_ids"].device)
-    targets = torch.tensor([contexts.targets[i] for i in indices], device=positions.device)
-    # The fused CPU attention kernels have no double backward; the math kernel computes the same function.
-    with sdpa_kernel(SDPBackend.MATH):
-        logits = logits_at_positions(model, batch, positions)[:, 0]
-    loss = torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
-    grads = torch.autograd.grad(loss, params, create_graph=True)
+    grads = _data_loss_gradients(model, contexts, indices, params)
     generator = context_generator(seed, indices[0])
     values = torch.empty(1, n_draws, dtype=torch.float64)
     for k in range(n_draws):
@@ -307,6 +363,39 @@ def _hutchinson_batch(
         )
         values[0, k] = quadratic / len(indices)
     return values
+
+
+def _hutchpp_batch(
+    model: nn.Module,
+    contexts: TraceContexts,
+    indices: Sequence[int],
+    params: Sequence[nn.Parameter],
+    n_draws: int,
+    seed: int,
+    probe: str,
+) -> torch.Tensor:
+    """Hutch++ on the batch's data-label Hessian with ``n_draws`` products: one value per batch."""
+    grads = _data_loss_gradients(model, contexts, indices, params)
+    sizes = [p.numel() for p in params]
+
+    def hessian_times(vector: torch.Tensor) -> torch.Tensor:
+        tangents = [piece.reshape(p.shape) for piece, p in zip(vector.split(sizes), params, strict=True)]
+        hvp = torch.autograd.grad(grads, params, grad_outputs=tangents, retain_graph=True, allow_unused=True)
+        return torch.cat(
+            [torch.zeros(p.numel(), dtype=vector.dtype, device=vector.device) if h is None else h.reshape(-1)
+             for p, h in zip(params, hvp, strict=True)]
+        )  # fmt: skip
+
+    value = hutchpp_trace(
+        hessian_times,
+        sum(sizes),
+        n_draws,
+        generator=context_generator(seed, indices[0]),
+        probe=probe,
+        dtype=params[0].dtype,
+        device=params[0].device,
+    )
+    return torch.tensor([[value / len(indices)]], dtype=torch.float64)
 
 
 def _probe(param: nn.Parameter, kind: str, generator: torch.Generator) -> torch.Tensor:
@@ -328,8 +417,10 @@ def check_estimator_arguments(estimator: str, n_draws: int, batch_size: int | st
         raise ValueError(f"estimator={estimator!r} is not supported; choose one of {list(ESTIMATORS)}.")
     if probe not in HUTCHINSON_PROBES:
         raise ValueError(f"probe={probe!r} is not supported; choose one of {list(HUTCHINSON_PROBES)}.")
-    if probe != "rademacher" and estimator != "hutchinson":
-        raise ValueError(f"probe={probe!r} applies to estimator='hutchinson' only (got estimator={estimator!r}).")
+    if probe != "rademacher" and estimator not in ("hutchinson", "hutchpp"):
+        raise ValueError(
+            f"probe={probe!r} applies to estimator='hutchinson' or 'hutchpp' only (got estimator={estimator!r})."
+        )
     if not isinstance(n_draws, int) or n_draws < 1:
         raise ValueError(f"n_draws must be an integer >= 1 (got {n_draws!r}); {RECOMMENDED_N_DRAWS} is usually best.")
     if batch_size != "auto" and (not isinstance(batch_size, int) or batch_size < 1):
@@ -349,12 +440,16 @@ def compute_trace_samples(
     probe: str = "rademacher",
     by_group: bool | GroupOf = False,
     progress: bool = False,
+    diagonal: dict[int, torch.Tensor] | None = None,
 ) -> TraceSamples:
     """Estimator values for the contexts ``indices`` (all by default), to be concatenated and summarized.
 
     The model must already be in the mode it is measured in (see `estimate_hessian_trace`). A process measuring a
     share of the contexts passes its own ``indices``; draws depend only on ``(seed, index)``. ``progress`` shows a
-    bar over these contexts, with its time left, on stderr.
+    bar over these contexts, with its time left, on stderr. ``diagonal`` (``per_sample`` and ``naive``), a dict to
+    fill: ``diagonal[id(p)]`` accumulates, for every measured parameter ``p``, the sum over these contexts of the
+    mean over draws of the squared sampled-label gradient, elementwise (float64), from the same draws as the values
+    (`hf_flatbias.flatness.diagonal`).
     """
     check_estimator_arguments(estimator, n_draws, batch_size, probe)
     indices = list(range(len(contexts))) if indices is None else list(indices)
@@ -362,6 +457,8 @@ def compute_trace_samples(
         raise ValueError("compute_trace_samples got no context indices.")
     check_lm_model(model)
     _check_vocabulary(model, contexts, indices)
+    if diagonal is not None and estimator not in ("per_sample", "naive"):
+        raise ValueError(f"The Fisher diagonal needs estimator='per_sample' or 'naive' (got {estimator!r}).")
     params = measured_parameters(model)
     groups = _groups(model, params, estimator, by_group)
     forward_seconds = draw_seconds = 0.0
@@ -370,7 +467,7 @@ def compute_trace_samples(
     with torch.enable_grad(), bar:
         if estimator == "naive":
             for i in indices:
-                drawn = _naive_context(model, contexts, i, params, n_draws, seed, groups).unsqueeze(0)
+                drawn = _naive_context(model, contexts, i, params, n_draws, seed, groups, diagonal).unsqueeze(0)
                 parts.append(drawn if groups is None else drawn.sum(dim=2))
                 group_parts.append(drawn)
                 bar.update(1)
@@ -392,6 +489,7 @@ def compute_trace_samples(
                         exact_output_expectation,
                         validate=number == 0,
                         groups=groups,
+                        diagonal=diagonal,
                     )
                     parts.append(values)
                     group_parts.append(group_values)
@@ -399,6 +497,8 @@ def compute_trace_samples(
                     draw_seconds += draw_s
                 elif estimator == "summed":
                     parts.append(_summed_batch(model, contexts, group, params, n_draws, seed))
+                elif estimator == "hutchpp":
+                    parts.append(_hutchpp_batch(model, contexts, group, params, n_draws, seed, probe))
                 else:
                     parts.append(_hutchinson_batch(model, contexts, group, params, n_draws, seed, probe))
                 bar.update(len(group))

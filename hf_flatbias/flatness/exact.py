@@ -109,3 +109,25 @@ def _hessian_diagonal_sum(param: nn.Parameter, grad: torch.Tensor) -> float:
                 if row is not None:
                     total += float(row.reshape(-1)[entry])
     return total
+
+
+def exact_fisher_diagonal(
+    model: nn.Module, dataset: Iterable[Mapping[str, Any]], *, causal: bool | None = None
+) -> dict[str, torch.Tensor]:
+    """The Fisher diagonal without sampling, ``mean over contexts of sum_y p_y (grad log p_y)^2`` elementwise, per
+    trainable parameter name (float64): one backward per vocabulary entry and context, small models only."""
+    contexts = _contexts(model, dataset, causal)
+    params = measured_parameters(model)
+    names = {id(p): name for name, p in model.named_parameters()}
+    diagonal = {names[id(p)]: torch.zeros(p.shape, dtype=torch.float64) for p in params}
+    with evaluation_mode(model), preserved_global_rng(), torch.enable_grad():
+        for index in range(len(contexts)):
+            logits = model(**contexts.model_inputs([index], model)).logits[0, contexts.positions[index]]
+            log_probs = torch.log_softmax(logits.double(), dim=-1)
+            probs = log_probs.detach().exp()
+            for label in range(log_probs.shape[0]):
+                grads = torch.autograd.grad(log_probs[label], params, retain_graph=True, allow_unused=True)
+                for param, grad in zip(params, grads, strict=True):
+                    if grad is not None:
+                        diagonal[names[id(param)]] += probs[label].cpu() * grad.double().cpu().square() / len(contexts)
+    return diagonal

@@ -170,7 +170,12 @@ class _LogitsAtPositions(nn.Module):
 
 class CurvatureOperator:
     """``v -> A v`` for the Hessian or Fisher of the mean pre-training loss over the first ``n_contexts`` contexts, on
-    flat vectors over ``params``. The graphs of every batch are kept between products (one forward per batch)."""
+    flat vectors over ``params``.
+
+    With the contexts in one batch its graph is built once and kept between products; with several, each product
+    builds and frees one batch's graph at a time (one more forward per batch and product): memory stays that of one
+    batch, whatever the number of contexts.
+    """
 
     def __init__(
         self,
@@ -192,28 +197,32 @@ class CurvatureOperator:
         self.device = self.params[0].device
         self.dimension = sum(p.numel() for p in self.params)
         self.n_matvecs = 0
-        n = n_contexts
-        self._batches: list[dict[str, Any]] = []
+        self._n = n_contexts
         names = {id(p): name for name, p in model.named_parameters()}
         self._names = [f"model.{names[id(p)]}" for p in self.params]
         self._function = _LogitsAtPositions(model)
-        for start in range(0, n, batch_size):
-            indices = list(range(start, min(start + batch_size, n)))
+        self._inputs = []
+        for start in range(0, n_contexts, batch_size):
+            indices = list(range(start, min(start + batch_size, n_contexts)))
             batch = contexts.model_inputs(indices, model)
             positions = torch.tensor([contexts.positions[i] for i in indices], device=batch["input_ids"].device)
             targets = torch.tensor([contexts.targets[i] for i in indices], device=positions.device)
-            # the fused attention kernels have neither a double backward nor forward-mode derivatives
-            with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
-                logits = self._function(batch, positions)
-                if matrix == "hessian":
-                    loss = torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum") / n
-                    grads = torch.autograd.grad(loss, self.params, create_graph=True, allow_unused=True)
-                    used = _used(grads)
-                    self._batches.append({"grads": [grads[i] for i in used], "used": used})
-                else:
-                    probs = torch.softmax(logits.detach().double(), dim=-1)
-                    self._batches.append({"batch": batch, "positions": positions, "logits": logits, "probs": probs})
-        self._n = n
+            self._inputs.append({"batch": batch, "positions": positions, "targets": targets})
+        self._kept = self._graph(self._inputs[0]) if len(self._inputs) == 1 else None
+
+    def _graph(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """What the products of one batch differentiate: the loss gradients with their graph (Hessian), or the
+        logits with theirs and the softmax (Fisher)."""
+        # the fused attention kernels have neither a double backward nor forward-mode derivatives
+        with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
+            logits = self._function(inputs["batch"], inputs["positions"])
+            if self.matrix == "hessian":
+                loss = torch.nn.functional.cross_entropy(logits.float(), inputs["targets"], reduction="sum") / self._n
+                grads = torch.autograd.grad(loss, self.params, create_graph=True, allow_unused=True)
+                used = _used(grads)
+                return {"grads": [grads[i] for i in used], "used": used}
+            probs = torch.softmax(logits.detach().double(), dim=-1)
+            return {**inputs, "logits": logits, "probs": probs}
 
     def _unflatten(self, vector: torch.Tensor) -> list[torch.Tensor]:
         pieces, offset = [], 0
@@ -222,38 +231,34 @@ class CurvatureOperator:
             offset += p.numel()
         return pieces
 
-    def _flatten(self, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        return torch.cat(
-            [
-                (torch.zeros(p.numel(), dtype=self.dtype, device=self.device) if t is None else t.reshape(-1)).to(
-                    self.dtype
-                )
-                for p, t in zip(self.params, tensors, strict=True)
-            ]
-        )
-
     def __call__(self, vector: torch.Tensor) -> torch.Tensor:
         self.n_matvecs += 1
         tangents = self._unflatten(vector)
         total = torch.zeros(self.dimension, dtype=self.dtype, device=self.device)
-        for part in self._batches:
+        for inputs in self._inputs:
+            keep = self._kept is not None
+            part = self._kept if keep else self._graph(inputs)
             if self.matrix == "hessian":
                 used = part["used"]
                 if not used:
                     continue
                 products = torch.autograd.grad(
-                    part["grads"],
-                    self.params,
-                    grad_outputs=[tangents[i] for i in used],
-                    retain_graph=True,
+                    part["grads"], self.params, grad_outputs=[tangents[i] for i in used], retain_graph=keep,
                     allow_unused=True,
-                )
+                )  # fmt: skip
             else:
-                products = self._fisher_product(part, tangents)
-            total += self._flatten(products)
+                products = self._fisher_product(part, tangents, keep)
+            del part
+            offset = 0
+            for p, product in zip(self.params, products, strict=True):
+                if product is not None:
+                    total[offset : offset + p.numel()] += product.reshape(-1).to(self.dtype)
+                offset += p.numel()
         return total
 
-    def _fisher_product(self, part: dict[str, Any], tangents: list[torch.Tensor]) -> Sequence[torch.Tensor | None]:
+    def _fisher_product(
+        self, part: dict[str, Any], tangents: list[torch.Tensor], keep: bool
+    ) -> Sequence[torch.Tensor | None]:
         primals = {name: p.detach() for name, p in zip(self._names, self.params, strict=True)}
         directions = dict(zip(self._names, tangents, strict=True))
 
@@ -268,7 +273,7 @@ class CurvatureOperator:
         weighted = (probs * jv - probs * (probs * jv).sum(dim=-1, keepdim=True)) / self._n
         logits = part["logits"]
         return torch.autograd.grad(
-            logits, self.params, grad_outputs=weighted.to(logits.dtype), retain_graph=True, allow_unused=True
+            logits, self.params, grad_outputs=weighted.to(logits.dtype), retain_graph=keep, allow_unused=True
         )
 
 
@@ -345,6 +350,96 @@ def lanczos(
     raise AssertionError("unreachable")
 
 
+@dataclass
+class RitzPairs:
+    """The largest Ritz values of a restarted Lanczos run, with their vectors and residual bounds."""
+
+    values: list[float]  # largest first
+    vectors: torch.Tensor  # (len(values), dimension), unit rows
+    residual_bounds: list[float]  # ||A x - theta x|| from the recurrence, without another product
+    n_matvecs: int
+
+
+# In-place changes of basis go this many entries per vector at a time, so a restart needs no second basis.
+_COLUMN_CHUNK = 2**20
+
+
+def _rotate_in_place(basis: torch.Tensor, size: int, rotation: torch.Tensor) -> None:
+    """``basis[:r] = rotation^T basis[:size]`` for a (size, r) ``rotation``, a column block at a time."""
+    kept = rotation.shape[1]
+    rotation = rotation.to(basis.dtype)
+    for start in range(0, basis.shape[1], _COLUMN_CHUNK):
+        block = slice(start, start + _COLUMN_CHUNK)
+        basis[:kept, block] = rotation.T @ basis[:size, block]
+
+
+def thick_restart_lanczos(
+    matvec: Callable[[torch.Tensor], torch.Tensor],
+    start: torch.Tensor,
+    k: int,
+    *,
+    max_vectors: int,
+    max_matvecs: int,
+    tol: float,
+    rounding: float | None = None,
+) -> RitzPairs:
+    """The ``k`` largest eigenpairs of a symmetric operator by thick-restart Lanczos, holding at most
+    ``max_vectors`` basis vectors of ``start``'s dtype and device.
+
+    Each step orthogonalises the new product against the whole basis (twice) and records its projections, so the
+    projected matrix is ``V^T A V`` entry by entry; when the basis is full it restarts from its largest Ritz vectors
+    (``k`` plus half of the room left, rotated in place) and the last residual (Wu & Simon's thick restart), which keeps
+    the Krylov relation ``A V = V H + f e^T``: each Ritz pair's residual is ``||f|| |last component|``. Stops when
+    every one of the ``k`` residuals is at most ``tol x |value|``, at an invariant subspace (a residual within
+    ``1000 x rounding`` of the matrix's scale), or after ``max_matvecs`` products.
+    """
+    dimension = start.numel()
+    max_vectors = min(max_vectors, dimension)
+    if max_vectors < min(k + 1, dimension):
+        raise ValueError(f"max_vectors={max_vectors} must be at least k + 1 = {k + 1}.")
+    basis = torch.empty(max_vectors, dimension, dtype=start.dtype, device=start.device)
+    projected = torch.zeros(max_vectors, max_vectors, dtype=torch.float64)
+    basis[0] = start / start.norm()
+    invariant_tolerance = 1e3 * (torch.finfo(start.dtype).eps if rounding is None else rounding)
+    del start  # the caller may hand over its only reference: one vector less for the whole run
+    size, n_matvecs = 1, 0
+    while True:
+        column = basis[:size]
+        w = matvec(basis[size - 1])
+        n_matvecs += 1
+        coefficients = column @ w
+        w.addmv_(column.T, coefficients, alpha=-1)  # in place: no temporary vector
+        again = column @ w
+        w.addmv_(column.T, again, alpha=-1)
+        h = (coefficients + again).double().cpu()
+        projected[:size, size - 1] = h
+        projected[size - 1, :size] = h
+        residual_norm = float(w.norm())
+        values, vectors = torch.linalg.eigh(projected[:size, :size])
+        top = torch.arange(size - 1, max(size - 1 - k, -1), -1)  # largest first
+        bounds = residual_norm * vectors[-1, top].abs()
+        scale = float(values.abs().max())
+        done = len(top) == k and bool((bounds <= tol * values[top].abs()).all())
+        invariant = residual_norm <= invariant_tolerance * max(scale, 1e-30)
+        if done or invariant or n_matvecs >= max_matvecs or size == dimension:
+            _rotate_in_place(basis, size, vectors[:, top])
+            return RitzPairs(
+                values=values[top].tolist(),
+                vectors=basis[: len(top)],
+                residual_bounds=bounds.tolist(),
+                n_matvecs=n_matvecs,
+            )
+        if size == max_vectors:
+            kept = min(max_vectors - 1, k + (max_vectors - k) // 2)
+            order = torch.arange(size - 1, size - 1 - kept, -1)
+            _rotate_in_place(basis, size, vectors[:, order])
+            projected.zero_()
+            projected[:kept, :kept] = torch.diag(values[order])
+            size = kept
+        basis[size] = w / residual_norm
+        size += 1
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # public entry points
 
@@ -379,6 +474,11 @@ def _random_start(dimension: int, seed: int, dtype: torch.dtype, device: torch.d
     return torch.randn(dimension, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
 
 
+def default_max_vectors(k: int) -> int:
+    """Lanczos vectors `estimate_top_eigenvalues` holds by default for the ``k`` largest eigenvalues: ``2k + 6``."""
+    return 2 * k + 6
+
+
 def estimate_top_eigenvalues(
     model: nn.Module,
     dataset: Iterable[Mapping[str, Any]],
@@ -392,6 +492,7 @@ def estimate_top_eigenvalues(
     batch_size: int = DEFAULT_BATCH_SIZE,
     causal: bool | None = None,
     vector_dtype: torch.dtype = torch.float64,
+    max_vectors: int | None = None,
 ) -> TopEigenvalues:
     """The ``k`` largest eigenvalues of the Fisher or the Hessian of the pre-training loss, by Lanczos.
 
@@ -404,16 +505,20 @@ def estimate_top_eigenvalues(
         matrix: ``"fisher"`` (the matrix whose trace is the paper's measure; positive semi-definite) or ``"hessian"``
             (of the data-label loss; may have negative eigenvalues).
         n_contexts: use the first ``n_contexts`` contexts; all by default.
-        max_iterations: Lanczos steps at most (each one matrix-vector product).
+        max_iterations: matrix-vector products at most (Lanczos steps, restarts included).
         tol: stop once every one of the ``k`` values has a residual ``<= tol * |value|``: each is then within that
             relative distance of an eigenvalue.
         seed: of the random start vector.
-        batch_size: contexts per forward; the graphs of all batches are kept during the run.
+        batch_size: contexts per forward. With all contexts in one batch its graph is kept through the run; with
+            several, each product rebuilds one batch's graph at a time (one more forward per batch and product).
         causal: whether the model is a causal LM; detected by default.
-        vector_dtype: of the Lanczos vectors, kept on the model's device (``max_iterations x parameters`` of them at
-            most). In float32 the values of a 0.94M-parameter BERT stopped at about 1e-4 relative error (true
-            residual, `benchmarks/RESULTS.md`); float64, the default, reaches the products' own precision for twice
-            the memory.
+        vector_dtype: of the Lanczos vectors, kept on the model's device. In float32 the values of a 0.94M-parameter
+            BERT stopped at about 1e-4 relative error (true residual, `benchmarks/RESULTS.md`); float64, the default,
+            reaches the products' own precision for twice the memory.
+        max_vectors: Lanczos vectors held at most (`default_max_vectors` of ``k`` by default): thick restarts keep
+            the basis to that size. Peak memory is the model, one batch's graph and about ``max_vectors + 4``
+            vectors of ``parameters x vector_dtype`` bytes (the basis, the product being formed, its pieces in the
+            parameters' dtype and the residual); fewer vectors cost more products.
 
     Returns:
         A `TopEigenvalues`.
@@ -432,37 +537,35 @@ def estimate_top_eigenvalues(
     if max_iterations < k:
         raise ValueError(f"max_iterations={max_iterations} must be at least k={k}.")
 
-    def converged(run: LanczosRun) -> bool:
-        if len(run.alphas) < k:
-            return False
-        values, vectors = run.ritz()
-        top_values, top_last = values[-k:], vectors[-1, -k:]
-        # |beta * last component| is the residual of each Ritz pair
-        return bool((run.residual_norm * top_last.abs() <= tol * top_values.abs()).all())
-
+    if max_vectors is None:
+        max_vectors = default_max_vectors(k)
+    _check_positive_int("max_vectors", max_vectors)
     with evaluation_mode(model), preserved_global_rng():
         operator = CurvatureOperator(
             model, contexts, n_used, params, matrix=matrix, batch_size=batch_size, vector_dtype=vector_dtype
         )
-        start = _random_start(dimension, seed, operator.dtype, operator.device)
-        run = lanczos(operator, start, max_iterations, stop=converged, rounding=operator.rounding)
-        values, vectors = run.ritz()
-        order = torch.argsort(values, descending=True)[:k]
-        eigenvalues, residuals = [], []
-        for i in order.tolist():
-            ritz_vector = run.basis.T @ vectors[:, i].to(run.basis.dtype)
-            ritz_vector = ritz_vector / ritz_vector.norm()
-            value = float(values[i])
-            eigenvalues.append(value)
-            residuals.append(float((operator(ritz_vector) - value * ritz_vector).norm()))
-        del operator  # the kept graphs
+        pairs = thick_restart_lanczos(
+            operator,
+            _random_start(dimension, seed, operator.dtype, operator.device),
+            k,
+            max_vectors=max_vectors,
+            max_matvecs=max_iterations,
+            tol=tol,
+            rounding=operator.rounding,
+        )
+        residuals = [
+            float(operator(vector).sub_(vector, alpha=value).norm())
+            for value, vector in zip(pairs.values, pairs.vectors, strict=True)
+        ]
+        eigenvalues, n_matvecs = pairs.values, pairs.n_matvecs + len(residuals)
+        del operator, pairs  # the kept graph and the basis
     return TopEigenvalues(
         eigenvalues=eigenvalues,
         residuals=residuals,
         matrix=matrix,
         n_contexts=n_used,
         n_parameters=dimension,
-        n_matvecs=len(run.alphas) + len(eigenvalues),
+        n_matvecs=n_matvecs,
         seconds=time.perf_counter() - start_time,
         converged=all(r <= tol * max(abs(v), 1e-30) for v, r in zip(eigenvalues, residuals, strict=True)),
     )

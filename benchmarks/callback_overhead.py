@@ -1,0 +1,239 @@
+"""What `HessianTraceCallback` at its defaults adds to a training run, measured in one run.
+
+A BERT masked LM (hidden 256, 8 layers, vocabulary 30,522: 14.2M parameters, "15M") trains ``--steps`` steps of 16
+sequences of 128 tokens with an evaluation every ``--eval-every`` steps, once without and once with the callback,
+the two runs interleaved ``--repeats`` times so that load on a shared machine hits both alike. Times are the
+process's CPU seconds of ``trainer.train()`` (one torch thread; wall time on a shared machine mostly measures the
+neighbours); the ratio of each repeat is (with callback) / (without), and the median is reported. On a machine
+whose load changes between runs that ratio is noisy (two threads of one core slow each other's CPU time), so the
+script also prints the in-run ratio: the run with the callback over the same run less the CPU seconds of the
+callback's own measurements, both taken under the same load.
+
+``--model bert-base`` runs the same at 110M (BERT-base). Where a full run is too slow for the machine, ``--project``
+times two training steps and the callback's first measurement instead and replays the run's budget on those costs:
+a projected ratio, printed as such.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/callback_overhead.py [--repeats 2]
+        [--callback '{"max_overhead": null}'] [--model bert-base --project]
+
+Last lines: ``callback_overhead_ratio=X`` and ``callback_in_run_ratio=X``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import (  # noqa: E402
+    BertConfig,
+    BertForMaskedLM,
+    DataCollatorForLanguageModeling,
+    Trainer,
+    TrainingArguments,
+)
+
+from hf_flatbias.callbacks import HessianTraceCallback  # noqa: E402
+from hf_flatbias.synthetic import make_tokenizer  # noqa: E402
+
+SEQ_LEN, BATCH = 128, 16
+
+
+class TimedTraceCallback(HessianTraceCallback):
+    """The callback, with the CPU seconds of its own measurements counted in the run: a share measured under the
+    same load as the training it is compared with."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.cpu_seconds = 0.0
+
+    def measure(self, *args, **kwargs):
+        start = time.process_time()
+        try:
+            return super().measure(*args, **kwargs)
+        finally:
+            self.cpu_seconds += time.process_time() - start
+
+
+MODELS = {
+    "bert-15m": dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4, intermediate_size=1024),
+    "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+}
+
+
+def build_tokenizer():
+    # 30,522 ids like BERT's vocabulary: 5 special tokens and 30,517 words
+    return make_tokenizer([f"w{i}" for i in range(30_517)], model_max_length=SEQ_LEN)
+
+
+def rows(tokenizer, n: int, seed: int) -> Dataset:
+    """Zipf-distributed words, so that frequent and rare embedding rows both occur."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, len(tokenizer) - 4, dtype=torch.float64)
+    ids = torch.multinomial(weights, n * (SEQ_LEN - 2), replacement=True, generator=generator).reshape(n, -1) + 5
+    cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+    input_ids = [[cls, *row.tolist(), sep] for row in ids]
+    return Dataset.from_dict({"input_ids": input_ids, "attention_mask": [[1] * SEQ_LEN for _ in input_ids]})
+
+
+def build_model(name: str, vocab: int) -> BertForMaskedLM:
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(vocab_size=vocab, max_position_embeddings=SEQ_LEN, **MODELS[name]))
+
+
+def train(name: str, tokenizer, train_rows, eval_rows, steps: int, eval_every: int, callback) -> float:
+    """CPU seconds of one ``trainer.train()``."""
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(
+            out,
+            max_steps=steps,
+            per_device_train_batch_size=BATCH,
+            per_device_eval_batch_size=BATCH,
+            eval_strategy="steps",
+            eval_steps=eval_every,
+            logging_steps=eval_every,
+            save_strategy="no",
+            report_to=[],
+            disable_tqdm=True,
+            use_cpu=True,
+            dataloader_num_workers=0,
+            seed=0,
+        )
+        trainer = Trainer(
+            model=build_model(name, len(tokenizer)),
+            args=args,
+            train_dataset=train_rows,
+            eval_dataset=eval_rows,
+            data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15),
+            processing_class=tokenizer,
+            callbacks=[] if callback is None else [callback],
+        )
+        if callback is not None:
+            callback.bind_trainer(trainer)
+        start = time.process_time()
+        trainer.train()
+        return time.process_time() - start
+
+
+def project(name: str, tokenizer, steps: int, eval_every: int, options: dict) -> None:
+    """One estimate's cost against one training step, and the ratio of a ``steps``-step run they predict.
+
+    Times three AdamW steps of 16 sequences (the median of the last two counts) and a first measurement as the
+    callback takes it (one batch of contexts), in CPU seconds; the run is then replayed with the callback's own
+    sizing rule (`contexts_within_budget`) on those costs. Evaluations are left out of the training time (they would
+    only lower the ratio), and every measurement is costed at the first one's seconds per context."""
+    from transformers import DataCollatorForLanguageModeling
+
+    from hf_flatbias.callbacks import contexts_within_budget
+    from hf_flatbias.constants import DEFAULT_BATCH_SIZE
+    from hf_flatbias.flatness import build_masked_contexts, estimate_hessian_trace
+
+    model = build_model(name, len(tokenizer))
+    collate = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
+    train_rows = rows(tokenizer, 3 * BATCH, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step_seconds = []
+    for i in range(3):
+        batch = collate([train_rows[j] for j in range(i * BATCH, (i + 1) * BATCH)])
+        start = time.process_time()
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        step_seconds.append(time.process_time() - start)
+    step = statistics.median(step_seconds[1:])  # the first pays for lazy initialisation
+    eval_rows = rows(tokenizer, 4 * BATCH, seed=1)
+    n_contexts = options.get("n_contexts", 256)
+    contexts = build_masked_contexts(
+        [{"input_ids": r["input_ids"]} for r in eval_rows],
+        mask_token_id=tokenizer.mask_token_id,
+        n_contexts=n_contexts,
+        seed=0,
+        special_token_ids=tokenizer.all_special_ids,
+    )
+    first = options.get("batch_size", DEFAULT_BATCH_SIZE)
+    start = time.process_time()
+    estimate = estimate_hessian_trace(model, contexts, n_contexts=first, n_draws=options.get("n_draws", 2))
+    per_context = (time.process_time() - start) / first
+    print(
+        f"{name}: {model.num_parameters() / 1e6:.0f}M parameters, training step {step:.1f} CPU s "
+        f"(steps {[round(t, 1) for t in step_seconds]}), "
+        f"first measurement ({first} contexts) {per_context * first:.1f} CPU s = {per_context * first / step:.2f} "
+        f"steps, trace {estimate.mean:.1f} +- {estimate.stderr:.1f}",
+        flush=True,
+    )
+    spent, previous, sizes = 0.0, None, []
+    for at in range(eval_every, steps + 1, eval_every):
+        n = contexts_within_budget(
+            max_overhead=options.get("max_overhead", 0.05),
+            train_seconds=at * step,
+            measuring_seconds=spent,
+            seconds_per_context=previous,
+            n_contexts=n_contexts,
+            min_contexts=first,
+            required=at == steps,
+        )
+        spent += n * per_context
+        previous = per_context
+        sizes.append((at, n))
+    print(f"projected measurements (step, contexts): {sizes}; {spent:.0f} CPU s over {steps * step:.0f} s of training")
+    print(f"projected_callback_overhead_ratio={1 + spent / (steps * step):.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="bert-15m")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--callback", default="{}", help="HessianTraceCallback keyword arguments, as JSON")
+    parser.add_argument("--project", action="store_true", help="time one step and one estimate, project the ratio")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    options = json.loads(args.callback)
+    tokenizer = build_tokenizer()
+    if args.project:
+        project(args.model, tokenizer, args.steps, args.eval_every, options)
+        return
+    train_rows = rows(tokenizer, args.steps * BATCH, seed=0)
+    eval_rows = rows(tokenizer, 4 * BATCH, seed=1)
+    n_params = build_model(args.model, len(tokenizer)).num_parameters()
+    print(
+        f"BERT MLM {n_params / 1e6:.1f}M parameters, {args.steps} steps of {BATCH} x {SEQ_LEN} tokens, evaluation "
+        f"every {args.eval_every} steps on {len(eval_rows)} rows, {torch.get_num_threads()} thread(s), "
+        f"callback {options or 'at its defaults'}, load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
+    ratios, in_run = [], []
+    for repeat in range(args.repeats):
+        plain = train(args.model, tokenizer, train_rows, eval_rows, args.steps, args.eval_every, None)
+        callback = TimedTraceCallback(**options)
+        measured = train(args.model, tokenizer, train_rows, eval_rows, args.steps, args.eval_every, callback)
+        ratios.append(measured / plain)
+        history = callback.measurement_history
+        measuring = sum(entry["seconds"] for entry in history)
+        # the same run's training without the callback's measurements
+        in_run.append(measured / (measured - callback.cpu_seconds))
+        steps = ", ".join(
+            f"step {e['step']}: {e['n_contexts']} contexts in {e['seconds']:.1f} s, "
+            f"{e['trace']:.1f} +- {e['stderr']:.1f}"
+            for e in history
+        )
+        print(
+            f"repeat {repeat}: without {plain:.1f} CPU s, with {measured:.1f} CPU s, ratio {ratios[-1]:.3f}; "
+            f"callback CPU s {callback.cpu_seconds:.1f} (in-run ratio {in_run[-1]:.3f}), wall s {measuring:.1f}; "
+            f"measurements: {steps}",
+            flush=True,
+        )
+    print(f"callback_overhead_ratio={statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})")
+    print(f"callback_in_run_ratio={statistics.median(in_run):.3f} (range {min(in_run):.3f}-{max(in_run):.3f})")
+
+
+if __name__ == "__main__":
+    main()

@@ -217,3 +217,16 @@ def test_bad_arguments_are_refused_before_any_compute():
     model.requires_grad_(False)
     with pytest.raises(ValueError, match="requires_grad"):
         estimate_top_eigenvalues(model, rows)
+
+
+def test_thick_restart_lanczos_restarts_to_the_exact_top_eigenvalues_with_default_rounding():
+    """A basis far smaller than the matrix forces restarts; ``rounding`` left to the vectors' dtype."""
+    from hf_flatbias.flatness.spectrum import thick_restart_lanczos
+
+    generator = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(60, 60, dtype=torch.float64, generator=generator))
+    matrix = q @ torch.diag(1.0 / torch.arange(1, 61, dtype=torch.float64) ** 2) @ q.T
+    start = torch.randn(60, dtype=torch.float64, generator=generator)
+    pairs = thick_restart_lanczos(lambda v: matrix @ v, start, k=3, max_vectors=9, tol=1e-10, max_matvecs=2000)
+    exact = torch.linalg.eigvalsh(matrix).flip(0)[:3]
+    assert torch.allclose(torch.as_tensor(pairs.values, dtype=torch.float64), exact, rtol=1e-8)

@@ -41,10 +41,8 @@ from .sharpness.engines import (
     check_deepspeed_supports_sam,
     check_fsdp_supports,
     deepspeed_backward,
-    is_fully_sharded,
     perturbable_parameters,
     sync_gradients_every_backward,
-    trainable_parameters,
 )
 from .sharpness.functional_sam import functional_surrogate, logit_cotangent
 from .sharpness.penalties import (
@@ -58,15 +56,8 @@ from .sharpness.penalties import (
     sample_model_labels,
     sampled_label_loss,
 )
-from .sharpness.sam import (
-    Perturbation,
-    adam_preconditioner,
-    ascent_rows,
-    perturb_weights,
-    scheduled_rho,
-    select_parameters,
-    squared_norm,
-)
+from .sharpness.sam import adam_preconditioner, ascent_rows, scheduled_rho, select_parameters
+from .tensors import Perturbation, is_fully_sharded, perturb_weights, squared_norm, trainable_parameters
 from .utils import forward_normalizes_by_num_items, token_weighted_loss
 
 logger = logging.get_logger(__name__)

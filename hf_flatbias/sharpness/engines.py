@@ -18,9 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..flatness.distributed import is_fully_sharded
-from ..flatness.lm import trainable_parameters
-from .sam import Perturbation, SquaredNormReducer, perturb_weights
+from ..tensors import Perturbation, SquaredNormReducer, is_fully_sharded, perturb_weights, trainable_parameters
 
 
 def gradients_of(loss: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:

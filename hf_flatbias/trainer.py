@@ -1,7 +1,9 @@
 """`FlatnessTrainerMixin`, the flatness-seeking steps for any `Trainer` subclass, and `FlatBiasTrainer` = the mixin on
 the transformers `Trainer`.
 
-This module orchestrates; the numbers come from `hf_flatbias.sharpness`. A SAM step inside the Trainer loop:
+This module orchestrates: ``training_step`` dispatches to the method's step in `hf_flatbias.sharpness.steps`, and
+the mixin keeps what the host trainer's loop needs around it (the passes' loss scaling and backward, logging,
+checkpointed step state, cards on every save, the hooks trl's trainers fill in). A SAM step inside the Trainer loop:
 
 1. first gradient ``g`` on the *unwrapped* model with ``torch.autograd.grad`` (no DDP/DeepSpeed hook fires, no
    ``.grad`` is written, the optimizer is not involved), averaged over processes when ``sam_perturbation="global"``;
@@ -31,14 +33,10 @@ from transformers.utils import logging
 
 from .checkpoints import output_dir_lock
 from .config import FlatBiasConfig, FlatnessArguments
-from .constants import SAM_STEP_OPTION_NAMES
 from .flatness.lm import is_causal_lm
 from .modelcard import FlatnessCard, flatness_card_from_trainer
 from .sharpness.engines import (
     PerturbableParameters,
-    check_deepspeed_supports_penalty,
-    check_deepspeed_supports_sam,
-    check_fsdp_supports,
     deepspeed_backward,
     sync_gradients_every_backward,
 )
@@ -51,6 +49,11 @@ from .sharpness.steps import (
     grad_norm_penalty_step,
     looksam_step,
     sam_step,
+)
+from .sharpness.support import (
+    check_deepspeed_supports_method,
+    check_fsdp_supports,
+    check_fsdp_supports_sam_options,
 )
 from .tensors import Perturbation, is_fully_sharded
 from .utils import forward_normalizes_by_num_items, token_weighted_loss
@@ -92,10 +95,10 @@ class FlatnessTrainerMixin:
         # On the arguments, before Trainer.__init__ builds the Accelerator: refused after it, accelerate's DeepSpeed
         # state (ACCELERATE_USE_DEEPSPEED=true in os.environ) would make every later trainer of the process DeepSpeed.
         if args.deepspeed_plugin is not None:
-            _check_deepspeed_supports_method(args.deepspeed_plugin.deepspeed_config, args)
+            check_deepspeed_supports_method(args.deepspeed_plugin.deepspeed_config, args)
         super().__init__(model=model, args=args, **kwargs)
         if self.accelerator.state.deepspeed_plugin is not None:  # again, with what accelerate filled in
-            _check_deepspeed_supports_method(self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args)
+            check_deepspeed_supports_method(self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args)
         self._fix_loss_scaling_for_models_ignoring_num_items()
         self._flatness_log = _FlatnessLog()
         self._batch_sam = BatchScopeSam()
@@ -206,7 +209,7 @@ class FlatnessTrainerMixin:
                 self.args.sam_perturbation,
                 fsdp_version=self.accelerator.state.fsdp_plugin.fsdp_version,
             )
-            _check_fsdp_supports_sam_options(self.args)
+            check_fsdp_supports_sam_options(self.args)
 
     def _sam_parameters(self, module: nn.Module) -> list[nn.Parameter]:
         """The trainable parameters the SAM step perturbs (``sam_parameters``), in ``module``'s order."""
@@ -635,46 +638,6 @@ class _FlatnessLog:
         for key, values in self.metrics.items():
             logs[key] = sum(values) / len(values)
         self.metrics.clear()
-
-
-def _check_deepspeed_supports_method(deepspeed_config: dict, args: FlatnessArguments) -> None:
-    if args.uses_sam:
-        check_deepspeed_supports_sam(deepspeed_config, args.sam_perturbation)
-    if args.flatness_method == "looksam":
-        raise ValueError(
-            "flatness_method='looksam' is not supported with DeepSpeed (it reads and edits param.grad, which "
-            "ZeRO keeps in its own buffers); use 'sam' with sam_every_k=1, or run LookSAM with DDP "
-            "(accelerate launch --multi_gpu) or a single process."
-        )
-    if args.uses_penalty:
-        check_deepspeed_supports_penalty(deepspeed_config, args.flatness_method)
-    if args.sam_preconditioner != "none":
-        raise ValueError(
-            "sam_preconditioner='adam' is not supported with DeepSpeed: ZeRO keeps Adam's moments in its own flat "
-            "partitions, not in a torch optimizer's per-parameter state. Use DDP (accelerate launch --multi_gpu) or "
-            "a single process, or sam_preconditioner='none'."
-        )
-
-
-def _check_fsdp_supports_sam_options(args: FlatnessArguments) -> None:
-    # Not yet checked under FSDP2 against a reference: refused rather than risked (issue 25)
-    if args.flatness_method == "functional_sam":
-        raise ValueError(
-            "flatness_method='functional_sam' is not supported under FSDP2 yet (its first pass differentiates the "
-            "logits of the sharded model, which has no exact test there); use DDP (accelerate launch --multi_gpu) or "
-            "DeepSpeed ZeRO-2/3."
-        )
-    changed = [
-        name
-        for name in SAM_STEP_OPTION_NAMES
-        if getattr(args, name) != type(args).__dataclass_fields__[name].default
-    ]
-    if changed:
-        raise ValueError(
-            f"{', '.join(changed)} not supported under FSDP2 yet: the step edits local shards, and these options "
-            "(Adam state per shard, row subsets, parameter selection, window) have no exact test there. Use DDP or "
-            "leave them at their defaults."
-        )
 
 
 def _compute_loss_owner(trainer_class: type) -> type:

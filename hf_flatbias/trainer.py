@@ -292,7 +292,7 @@ class FlatnessTrainerMixin:
             sync_gradients_every_backward(model)
         return self._prepare_inputs(self._add_values_shared_by_passes(model, inputs))
 
-    # Hooks for host trainers whose loss does more than a forward (trl's): both default to doing nothing.
+    # Hooks for host trainers whose loss does more than a forward (trl's): each defaults to the plain Trainer's.
 
     def _add_values_shared_by_passes(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         """Add to the micro-batch, in place, what both passes of a flatness step must share rather than recompute
@@ -311,6 +311,8 @@ class FlatnessTrainerMixin:
     ) -> tuple[torch.Tensor, Any]:
         """The loss and the model outputs with differentiable ``logits`` (the Fisher penalty samples from them)."""
         return self.compute_loss(model, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch)
+
+    # ------------------------------------------------------------------ what the steps' passes call
 
     def _scaled_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
         """The loss exactly as `Trainer.training_step` scales it before backward."""

@@ -107,7 +107,9 @@ class FlatnessTrainerMixin:
         self._sampled_labels = SampledLabelSource(seed=self.args.seed + 7919 * self.args.process_index)
         self._check_fsdp_supports_flatness()
         if self.args.uses_sam:
-            self._sam_parameters(self.model)  # a selection that matches nothing fails here, before any compute
+            # A selection that matches nothing fails here, before any compute. Not cached: preparing the model
+            # (FSDP2's fully_shard) replaces its parameters with sharded ones.
+            self._select_sam_parameters(self.model)
         for callback in self.callback_handler.callbacks:
             self._bind_callback(callback)
 
@@ -214,8 +216,11 @@ class FlatnessTrainerMixin:
     def _sam_parameters(self, module: nn.Module) -> list[nn.Parameter]:
         """The trainable parameters the SAM step perturbs (``sam_parameters``), in ``module``'s order."""
         cached = getattr(self, "_sam_parameter_cache", None)
-        if cached is not None and cached[0] is module:
-            return cached[1]
+        if cached is None or cached[0] is not module:
+            self._sam_parameter_cache = (module, self._select_sam_parameters(module))
+        return self._sam_parameter_cache[1]
+
+    def _select_sam_parameters(self, module: nn.Module) -> list[nn.Parameter]:
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         output_layer = ()
         if self.args.sam_parameters.strip() == "output_layer":
@@ -227,9 +232,7 @@ class FlatnessTrainerMixin:
                     "layer; name the parameters with fnmatch patterns instead (e.g. 'classifier.*')."
                 )
             output_layer = tuple(head.parameters())
-        params = select_parameters(named, self.args.sam_parameters, output_layer=output_layer)
-        self._sam_parameter_cache = (module, params)
-        return params
+        return select_parameters(named, self.args.sam_parameters, output_layer=output_layer)
 
     def _deepspeed_engine(self):
         """The DeepSpeed engine once accelerate has prepared the model, else ``None``."""

@@ -1,7 +1,9 @@
 """`FlatnessTrainerMixin`, the flatness-seeking steps for any `Trainer` subclass, and `FlatBiasTrainer` = the mixin on
 the transformers `Trainer`.
 
-This module orchestrates; the numbers come from `hf_flatbias.sharpness`. A SAM step inside the Trainer loop:
+This module orchestrates: ``training_step`` dispatches to the method's step in `hf_flatbias.sharpness.steps`, and
+the mixin keeps what the host trainer's loop needs around it (the passes' loss scaling and backward, logging,
+checkpointed step state, cards on every save, the hooks trl's trainers fill in). A SAM step inside the Trainer loop:
 
 1. first gradient ``g`` on the *unwrapped* model with ``torch.autograd.grad`` (no DDP/DeepSpeed hook fires, no
    ``.grad`` is written, the optimizer is not involved), averaged over processes when ``sam_perturbation="global"``;
@@ -31,48 +33,42 @@ from transformers.utils import logging
 
 from .checkpoints import output_dir_lock
 from .config import FlatBiasConfig, FlatnessArguments
-from .constants import SAM_STEP_OPTION_NAMES
 from .flatness.lm import is_causal_lm
 from .modelcard import FlatnessCard, flatness_card_from_trainer
 from .sharpness.engines import (
     PerturbableParameters,
-    average_across_processes,
-    check_deepspeed_supports_penalty,
-    check_deepspeed_supports_sam,
-    check_fsdp_supports,
     deepspeed_backward,
-    is_fully_sharded,
-    perturbable_parameters,
     sync_gradients_every_backward,
-    trainable_parameters,
 )
-from .sharpness.functional_sam import functional_surrogate, logit_cotangent
-from .sharpness.penalties import (
-    add_looksam_component,
-    fisher_penalty_coefficient,
-    fisher_trace_from_mean_gradient,
-    grad_norm_penalty_weights,
-    labelled_logits,
-    linear_term,
-    orthogonal_direction,
-    sample_model_labels,
-    sampled_label_loss,
+from .sharpness.sam import scheduled_rho, select_parameters
+from .sharpness.steps import (
+    BatchScopeSam,
+    LookSamState,
+    SampledLabelSource,
+    fisher_penalty_step,
+    grad_norm_penalty_step,
+    looksam_step,
+    sam_step,
 )
-from .sharpness.sam import (
-    Perturbation,
-    adam_preconditioner,
-    ascent_rows,
-    perturb_weights,
-    scheduled_rho,
-    select_parameters,
-    squared_norm,
+from .sharpness.support import (
+    check_deepspeed_supports_method,
+    check_fsdp_supports,
+    check_fsdp_supports_sam_options,
 )
+from .tensors import Perturbation, is_fully_sharded
 from .utils import forward_normalizes_by_num_items, token_weighted_loss
 
 logger = logging.get_logger(__name__)
 
 #: The loss at ``w + e`` of the SAM-family steps, logged beside the clean ``loss``.
 PERTURBED_LOSS = "sam/perturbed_loss"
+
+#: The methods whose every micro-batch takes their own step; the SAM family steps only on SAM updates.
+_METHOD_STEPS = {
+    "fisher_penalty": fisher_penalty_step,
+    "grad_norm_penalty": grad_norm_penalty_step,
+    "looksam": looksam_step,
+}
 
 
 class FlatnessTrainerMixin:
@@ -99,19 +95,21 @@ class FlatnessTrainerMixin:
         # On the arguments, before Trainer.__init__ builds the Accelerator: refused after it, accelerate's DeepSpeed
         # state (ACCELERATE_USE_DEEPSPEED=true in os.environ) would make every later trainer of the process DeepSpeed.
         if args.deepspeed_plugin is not None:
-            _check_deepspeed_supports_method(args.deepspeed_plugin.deepspeed_config, args)
+            check_deepspeed_supports_method(args.deepspeed_plugin.deepspeed_config, args)
         super().__init__(model=model, args=args, **kwargs)
         if self.accelerator.state.deepspeed_plugin is not None:  # again, with what accelerate filled in
-            _check_deepspeed_supports_method(self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args)
+            check_deepspeed_supports_method(self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args)
         self._fix_loss_scaling_for_models_ignoring_num_items()
         self._flatness_log = _FlatnessLog()
-        self._batch_sam = _BatchScopeSam()
-        self._looksam = _LookSamState()
+        self._batch_sam = BatchScopeSam()
+        self._looksam = LookSamState()
         # Seeded per process: ranks draw different labels for their different rows, reproducibly.
-        self._sampled_labels = _SampledLabelSource(seed=self.args.seed + 7919 * self.args.process_index)
+        self._sampled_labels = SampledLabelSource(seed=self.args.seed + 7919 * self.args.process_index)
         self._check_fsdp_supports_flatness()
         if self.args.uses_sam:
-            self._sam_parameters(self.model)  # a selection that matches nothing fails here, before any compute
+            # A selection that matches nothing fails here, before any compute. Not cached: preparing the model
+            # (FSDP2's fully_shard) replaces its parameters with sharded ones.
+            self._select_sam_parameters(self.model)
         for callback in self.callback_handler.callbacks:
             self._bind_callback(callback)
 
@@ -213,13 +211,16 @@ class FlatnessTrainerMixin:
                 self.args.sam_perturbation,
                 fsdp_version=self.accelerator.state.fsdp_plugin.fsdp_version,
             )
-            _check_fsdp_supports_sam_options(self.args)
+            check_fsdp_supports_sam_options(self.args)
 
     def _sam_parameters(self, module: nn.Module) -> list[nn.Parameter]:
         """The trainable parameters the SAM step perturbs (``sam_parameters``), in ``module``'s order."""
         cached = getattr(self, "_sam_parameter_cache", None)
-        if cached is not None and cached[0] is module:
-            return cached[1]
+        if cached is None or cached[0] is not module:
+            self._sam_parameter_cache = (module, self._select_sam_parameters(module))
+        return self._sam_parameter_cache[1]
+
+    def _select_sam_parameters(self, module: nn.Module) -> list[nn.Parameter]:
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         output_layer = ()
         if self.args.sam_parameters.strip() == "output_layer":
@@ -231,9 +232,7 @@ class FlatnessTrainerMixin:
                     "layer; name the parameters with fnmatch patterns instead (e.g. 'classifier.*')."
                 )
             output_layer = tuple(head.parameters())
-        params = select_parameters(named, self.args.sam_parameters, output_layer=output_layer)
-        self._sam_parameter_cache = (module, params)
-        return params
+        return select_parameters(named, self.args.sam_parameters, output_layer=output_layer)
 
     def _deepspeed_engine(self):
         """The DeepSpeed engine once accelerate has prepared the model, else ``None``."""
@@ -273,15 +272,17 @@ class FlatnessTrainerMixin:
         inputs: dict[str, torch.Tensor | Any],
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
-        method = self.args.flatness_method
-        if method == "fisher_penalty":
-            return self._fisher_penalty_step(model, inputs, num_items_in_batch)
-        if method == "grad_norm_penalty":
-            return self._grad_norm_penalty_step(model, inputs, num_items_in_batch)
-        if method == "looksam":
-            return self._looksam_step(model, inputs, num_items_in_batch)
+        step = _METHOD_STEPS.get(self.args.flatness_method)
+        if step is not None:
+            return step(self, model, inputs, num_items_in_batch)
         if self.args.uses_sam and self._is_sam_update():
-            return self._sam_step(model, inputs, num_items_in_batch)
+            return sam_step(self, model, inputs, num_items_in_batch)
+        return self._plain_training_step(model, inputs, num_items_in_batch)
+
+    def _plain_training_step(
+        self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], num_items_in_batch
+    ) -> torch.Tensor:
+        """The host trainer's own step: one forward/backward at ``w`` and no flatness pass."""
         return super().training_step(model, inputs, num_items_in_batch)
 
     def _start_step(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
@@ -294,7 +295,7 @@ class FlatnessTrainerMixin:
             sync_gradients_every_backward(model)
         return self._prepare_inputs(self._add_values_shared_by_passes(model, inputs))
 
-    # Hooks for host trainers whose loss does more than a forward (trl's): both default to doing nothing.
+    # Hooks for host trainers whose loss does more than a forward (trl's): each defaults to the plain Trainer's.
 
     def _add_values_shared_by_passes(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         """Add to the micro-batch, in place, what both passes of a flatness step must share rather than recompute
@@ -314,53 +315,7 @@ class FlatnessTrainerMixin:
         """The loss and the model outputs with differentiable ``logits`` (the Fisher penalty samples from them)."""
         return self.compute_loss(model, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch)
 
-    def _sam_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
-        """One micro-batch of a SAM/ASAM update: the first gradient, the step to ``w + e``, backward there, ``w``.
-
-        Returns the loss at ``w`` (the first pass), so that ``loss`` means the same for every method; the loss at
-        ``w + e`` is logged as ``sam/perturbed_loss``.
-        """
-        inputs = self._start_step(model, inputs)
-        if self.args.sam_scope == "batch":
-            batch_sam = self._batch_sam
-            if batch_sam.micro_batches is not None:
-                micro_batches = [
-                    self._prepare_inputs(self._add_values_shared_by_passes(model, batch))
-                    for batch in batch_sam.micro_batches
-                ]
-                batch_sam.micro_batches = None
-                batch_sam.perturbation, batch_sam.clean_losses, batch_sam.cotangents = self._perturb(
-                    model, micro_batches, num_items_in_batch
-                )
-            perturbation = batch_sam.perturbation
-            clean_loss = batch_sam.clean_losses.pop(0)
-            cotangent = batch_sam.cotangents.pop(0) if batch_sam.cotangents else None
-            restore_now = self.accelerator.sync_gradients
-        else:
-            perturbation, (clean_loss,), cotangents = self._perturb(model, [inputs], num_items_in_batch)
-            cotangent = cotangents[0] if cotangents else None
-            restore_now = True
-
-        try:
-            with self._host_metrics_suspended():
-                if cotangent is None:
-                    loss = self._scaled_loss(model, inputs, num_items_in_batch)
-                else:
-                    # Functional-SAM: the Jacobian at w + e against dL/dF at w; the loss at w + e is only logged
-                    loss, logits = self._scaled_loss_and_logits(model, inputs, num_items_in_batch)
-            self._backward(loss if cotangent is None else functional_surrogate(logits, cotangent))
-        except BaseException:
-            restore_now = True
-            raise
-        finally:
-            if perturbation is not None and restore_now:
-                perturbation.restore()
-                self._batch_sam.perturbation = None
-        self._step_deepspeed_after_restore()
-        self._record_perturbed_loss(loss)
-        fraction = self.args.sam_ascent_fraction
-        self._count_flos_of_extra_pass(inputs if fraction == 1 else ascent_rows(inputs, fraction))
-        return clean_loss
+    # ------------------------------------------------------------------ what the steps' passes call
 
     def _scaled_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
         """The loss exactly as `Trainer.training_step` scales it before backward."""
@@ -420,74 +375,6 @@ class FlatnessTrainerMixin:
             average_over_processes=self.args.sam_perturbation == "global",
         )
 
-    def _perturb(
-        self, model: nn.Module, micro_batches: list[dict[str, Any]], num_items_in_batch
-    ) -> tuple[Perturbation | None, list[torch.Tensor], list[torch.Tensor]]:
-        """Compute the first gradient over ``micro_batches`` and move the weights to ``w + e``.
-
-        Returns the perturbation (``None`` when skipped), each micro-batch's loss at ``w``, scaled as
-        `Trainer.training_step` scales the loss it returns, and (Functional-SAM only, else empty) each micro-batch's
-        ``dL/dF`` at ``w`` of that same scaled loss.
-        """
-        module = self.accelerator.unwrap_model(model)
-        params = self._sam_parameters(module)
-        perturbable = perturbable_parameters(module, self._deepspeed_engine(), params=params)
-        functional = self.args.flatness_method == "functional_sam"
-        fraction = self.args.sam_ascent_fraction
-        clean_losses: list[torch.Tensor] = []
-        cotangents: list[torch.Tensor] = []
-
-        def losses() -> Iterable[torch.Tensor]:
-            for batch in micro_batches:
-                if functional:
-                    loss, logits = self._scaled_loss_and_logits(module, batch, num_items_in_batch)
-                    cotangents.append(logit_cotangent(loss, logits))
-                elif fraction < 1:
-                    rows = ascent_rows(batch, fraction)
-                    loss = self._scaled_loss(module, rows, num_items_in_batch)
-                    clean_losses.append(loss.detach() * self._ascent_loss_scale(batch, rows, num_items_in_batch))
-                    yield loss
-                    continue
-                else:
-                    loss = self._scaled_loss(module, batch, num_items_in_batch)
-                clean_losses.append(loss.detach())
-                yield loss
-
-        grads = self._first_gradient(losses(), perturbable)
-        rho = self._sam_rho()
-        preconditioner = None
-        if self.args.sam_preconditioner == "adam":
-            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds the state
-            # at the scale of a whole update's gradient, the scale Adam's second moment was built from
-            share = len(micro_batches) / self.current_gradient_accumulation_steps
-            preconditioner = adam_preconditioner(optimizer, perturbable.params, torch._foreach_div(grads, share))
-        perturbation = perturbable.perturb(
-            grads,
-            rho,
-            adaptive=self.args.flatness_method == "asam",
-            eta=self.args.asam_eta,
-            preconditioner=preconditioner,
-        )
-        if perturbation is None:
-            self._warn_skipped_perturbation("this step is taken without perturbation")
-        else:
-            self._record_perturbation(perturbation, len(micro_batches))
-            self._flatness_log.record("sam/rho", rho)
-        return perturbation, clean_losses, cotangents
-
-    def _ascent_loss_scale(self, batch: dict[str, Any], rows: dict[str, Any], num_items_in_batch) -> float:
-        """What turns the ascent rows' scaled loss into an estimate of the whole micro-batch's: a loss summed over
-        the update's labelled tokens (``num_items_in_batch``) scales with the labels counted, a mean does not."""
-        if num_items_in_batch is None or not self.model_accepts_loss_kwargs or "labels" not in batch:
-            return 1.0
-        shift = is_causal_lm(self.accelerator.unwrap_model(self.model))
-
-        def count(labels: torch.Tensor) -> int:
-            return int(((labels[..., 1:] if shift else labels) != -100).sum())
-
-        in_rows = count(rows["labels"])
-        return count(batch["labels"]) / in_rows if in_rows else 1.0
-
     def _record_perturbation(self, perturbation: Perturbation, n_micro_batches: int) -> None:
         # The first gradient is of the micro-batches' share of the update's loss: scaled back to a whole update, the
         # norm does not depend on how many micro-batches the update is cut into.
@@ -514,164 +401,6 @@ class FlatnessTrainerMixin:
             consequence,
             self._flatness_log.skipped_perturbations,
         )
-
-    # ------------------------------------------------------------------ explicit penalties and LookSAM
-
-    def _labelled_logits(self, module: nn.Module, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
-        logits = outputs.get("logits") if isinstance(outputs, dict) else None
-        if logits is None:
-            raise ValueError(
-                "flatness_method='fisher_penalty' needs the model output to carry 'logits' (a ModelOutput or dict)."
-            )
-        return labelled_logits(logits, labels, shift=is_causal_lm(module))
-
-    def _fisher_penalty_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
-        """One micro-batch of ``fisher_penalty``: ``g`` is the gradient of the loss of labels sampled from the model
-        at ``w``; the second pass adds ``c * (sampled-label loss - <w, g>)`` to the data loss at ``w + h u``."""
-        inputs = self._start_step(model, inputs)
-        labels = inputs.get("labels")
-        if labels is None:
-            raise ValueError(
-                "flatness_method='fisher_penalty' needs 'labels' in every batch (-100 where nothing is predicted), "
-                "e.g. from DataCollatorForLanguageModeling."
-            )
-        module = self.accelerator.unwrap_model(model)
-        perturbable = perturbable_parameters(module, self._deepspeed_engine())
-        with self.compute_loss_context_manager():
-            data_loss, outputs = self._loss_and_outputs(module, inputs, num_items_in_batch)
-        clean_loss = self._scale_for_accumulation(data_loss.detach(), num_items_in_batch)
-        logits = self._labelled_logits(module, outputs, labels)
-        sampled = self._sampled_labels.draw(logits)
-        n_labels = sampled.numel()
-        if self.args.sam_perturbation == "global":
-            # g is averaged over ranks, so the trace estimate counts every rank's labels.
-            n_labels = int(self.accelerator.reduce(torch.tensor(n_labels, device=logits.device), "sum"))
-        direction_loss = sampled_label_loss(logits, sampled)
-        del outputs, logits, data_loss
-        grads = self._first_gradient(direction_loss, perturbable)
-        del direction_loss
-
-        def loss_at_shifted_weights(first_gradient: list[torch.Tensor], grad_norm: float) -> torch.Tensor:
-            step = self.args.penalty_fd_step
-            coefficient = fisher_penalty_coefficient(self.args.penalty_lambda, n_labels, grad_norm, step)
-            with self.compute_loss_context_manager():
-                shifted_loss, outputs = self._loss_and_outputs(model, inputs, num_items_in_batch)
-                shifted_direction_loss = sampled_label_loss(self._labelled_logits(module, outputs, labels), sampled)
-            penalty_part = coefficient * (
-                shifted_direction_loss - linear_term(perturbable.differentiable_tensors, first_gradient)
-            )
-            self._flatness_log.record("fisher_penalty/trace", fisher_trace_from_mean_gradient(grad_norm**2, n_labels))
-            accumulation = self.current_gradient_accumulation_steps
-            return self._scale_for_accumulation(shifted_loss, num_items_in_batch) + penalty_part / accumulation
-
-        return self._finite_difference_pass(
-            model, inputs, num_items_in_batch, perturbable, grads, loss_at_shifted_weights, clean_loss
-        )
-
-    def _grad_norm_penalty_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
-        """One micro-batch of ``grad_norm_penalty``: ``g`` is the data-loss gradient at ``w``; the second pass
-        weighs the data loss at ``w + h u`` and ``<w, g>`` so that the step is ``a g(w) + b g(w + h u)``."""
-        inputs = self._start_step(model, inputs)
-        module = self.accelerator.unwrap_model(model)
-        perturbable = perturbable_parameters(module, self._deepspeed_engine())
-        with self.compute_loss_context_manager():
-            data_loss = self.compute_loss(module, dict(inputs), num_items_in_batch=num_items_in_batch)
-        clean_loss = self._scale_for_accumulation(data_loss.detach(), num_items_in_batch)
-        grads = self._first_gradient(data_loss, perturbable)
-        del data_loss
-
-        def loss_at_shifted_weights(first_gradient: list[torch.Tensor], grad_norm: float) -> torch.Tensor:
-            at_w, at_shifted = grad_norm_penalty_weights(self.args.penalty_lambda, self.args.penalty_fd_step)
-            with self.compute_loss_context_manager():
-                shifted_loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
-            linear = linear_term(perturbable.differentiable_tensors, first_gradient)
-            combined = at_shifted * shifted_loss + at_w * linear
-            self._flatness_log.record("grad_norm_penalty/grad_norm", grad_norm)
-            return self._scale_for_accumulation(combined, num_items_in_batch)
-
-        return self._finite_difference_pass(
-            model, inputs, num_items_in_batch, perturbable, grads, loss_at_shifted_weights, clean_loss
-        )
-
-    def _finite_difference_pass(
-        self,
-        model: nn.Module,
-        inputs: dict[str, Any],
-        num_items_in_batch,
-        perturbable: PerturbableParameters,
-        grads: list[torch.Tensor],
-        loss_at_shifted_weights: Callable[[list[torch.Tensor], float], torch.Tensor],
-        clean_loss: torch.Tensor,
-    ) -> torch.Tensor:
-        """A penalty's second pass: move to ``w + h g / ||g||``, backward ``loss_at_shifted_weights``, restore ``w``.
-
-        A zero or non-finite ``g`` gives no direction: the micro-batch then takes a plain step.
-        """
-        first_gradient = [g.clone() for g in grads]  # perturb() consumes grads
-        perturbation = perturbable.perturb(grads, self.args.penalty_fd_step)
-        if perturbation is None:
-            self._warn_skipped_perturbation("this micro-batch takes a plain step")
-            with self._host_metrics_suspended():  # the first pass recorded them
-                loss = self._scaled_loss(model, inputs, num_items_in_batch)
-            self._backward(loss)
-            self._step_deepspeed_after_restore()
-            self._count_flos_of_extra_pass(inputs)
-            return loss.detach()
-        try:
-            # the norm over every rank's shards when the parameters are sharded
-            with self._host_metrics_suspended():
-                shifted_loss = loss_at_shifted_weights(first_gradient, perturbation.grad_norm)
-            self._backward(shifted_loss)
-        finally:
-            perturbation.restore()
-        self._step_deepspeed_after_restore()
-        self._count_flos_of_extra_pass(inputs)
-        return clean_loss
-
-    def _looksam_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
-        """LookSAM: a SAM micro-batch on SAM updates (keeping the first gradient), else a plain one plus reuse."""
-        looksam = self._looksam
-        if not self._is_sam_update():
-            loss = super().training_step(model, inputs, num_items_in_batch)
-            if self.accelerator.sync_gradients and looksam.direction is not None:
-                grads = _grads_materialized(trainable_parameters(self.accelerator.unwrap_model(model)))
-                add_looksam_component(grads, looksam.direction, self.args.looksam_alpha)
-            return loss
-
-        inputs = self._start_step(model, inputs)
-        module = self.accelerator.unwrap_model(model)
-        params = trainable_parameters(module)
-        clean_loss = self._scaled_loss(module, inputs, num_items_in_batch)
-        grads = self._first_gradient(clean_loss, PerturbableParameters(params))
-        clean_loss = clean_loss.detach()
-        if looksam.plain_gradient is None:
-            looksam.plain_gradient = [g.clone() for g in grads]
-        else:
-            torch._foreach_add_(looksam.plain_gradient, grads)
-        perturbation = perturb_weights(params, grads, self.args.sam_rho)
-        if perturbation is not None:
-            self._record_perturbation(perturbation, 1)
-        try:
-            with self._host_metrics_suspended():
-                loss = self._scaled_loss(model, inputs, num_items_in_batch)
-            self._backward(loss)
-        finally:
-            if perturbation is not None:
-                perturbation.restore()
-        if self.accelerator.sync_gradients:
-            sam_gradient = _grads_materialized(params)
-            direction = orthogonal_direction(sam_gradient, looksam.plain_gradient)
-            looksam.plain_gradient = None
-            if direction is not None:
-                if self.args.sam_perturbation != "global":
-                    # Ranks saw different first gradients; one shared direction keeps their later steps identical.
-                    average_across_processes(direction)
-                    norm = squared_norm(direction).sqrt()
-                    torch._foreach_div_(direction, norm)
-                looksam.direction = direction
-        self._record_perturbed_loss(loss)
-        self._count_flos_of_extra_pass(inputs)
-        return clean_loss
 
     # ------------------------------------------------------------------ checkpoints
     # The flatness steps carry state from one update to the next (LookSAM's direction, the Fisher penalty's label
@@ -914,102 +643,6 @@ class _FlatnessLog:
         for key, values in self.metrics.items():
             logs[key] = sum(values) / len(values)
         self.metrics.clear()
-
-
-@dataclasses.dataclass
-class _BatchScopeSam:
-    """``sam_scope="batch"``: the update's micro-batches until its first step perturbs, then that perturbation,
-    held across the update's micro-batches until the last one restores ``w``."""
-
-    micro_batches: list[dict[str, Any]] | None = None
-    perturbation: Perturbation | None = None
-    #: The loss at ``w`` of each micro-batch not yet stepped (the first pass computed them all).
-    clean_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    #: Functional-SAM: each of those micro-batches' ``dL/dF`` at ``w``.
-    cotangents: list[torch.Tensor] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class _LookSamState:
-    """LookSAM's memory: the plain gradient summed over the current SAM update's micro-batches, and the unit
-    direction ``g_v / ||g_v||`` the last SAM update left for the updates in between."""
-
-    plain_gradient: list[torch.Tensor] | None = None
-    direction: list[torch.Tensor] | None = None
-
-
-@dataclasses.dataclass
-class _SampledLabelSource:
-    """The Fisher penalty's label draws, from a generator of its own so that they are reproducible whatever else
-    consumes the global RNG (dropout)."""
-
-    seed: int
-    generator: torch.Generator | None = None
-    #: A checkpoint's generator state, applied when the generator is next created on the logits' device.
-    restored_state: torch.Tensor | None = None
-
-    def draw(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.generator is None or self.generator.device != logits.device:
-            self.generator = torch.Generator(device=logits.device).manual_seed(self.seed)
-            if self.restored_state is not None:
-                self.generator.set_state(self.restored_state)
-                self.restored_state = None
-        return sample_model_labels(logits, self.generator)
-
-    def state(self) -> torch.Tensor | None:
-        return self.generator.get_state() if self.generator is not None else self.restored_state
-
-    def restore(self, state: torch.Tensor | None) -> None:
-        self.generator = None
-        self.restored_state = state
-
-
-def _grads_materialized(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
-    """The parameters' ``.grad`` tensors, zero-filled where a parameter got no gradient."""
-    for param in params:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-    return [param.grad for param in params]
-
-
-def _check_deepspeed_supports_method(deepspeed_config: dict, args: FlatnessArguments) -> None:
-    if args.uses_sam:
-        check_deepspeed_supports_sam(deepspeed_config, args.sam_perturbation)
-    if args.flatness_method == "looksam":
-        raise ValueError(
-            "flatness_method='looksam' is not supported with DeepSpeed (it reads and edits param.grad, which "
-            "ZeRO keeps in its own buffers); use 'sam' with sam_every_k=1, or run LookSAM with DDP "
-            "(accelerate launch --multi_gpu) or a single process."
-        )
-    if args.uses_penalty:
-        check_deepspeed_supports_penalty(deepspeed_config, args.flatness_method)
-    if args.sam_preconditioner != "none":
-        raise ValueError(
-            "sam_preconditioner='adam' is not supported with DeepSpeed: ZeRO keeps Adam's moments in its own flat "
-            "partitions, not in a torch optimizer's per-parameter state. Use DDP (accelerate launch --multi_gpu) or "
-            "a single process, or sam_preconditioner='none'."
-        )
-
-
-def _check_fsdp_supports_sam_options(args: FlatnessArguments) -> None:
-    # Not yet checked under FSDP2 against a reference: refused rather than risked (issue 25)
-    if args.flatness_method == "functional_sam":
-        raise ValueError(
-            "flatness_method='functional_sam' is not supported under FSDP2 yet (its first pass differentiates the "
-            "logits of the sharded model, which has no exact test there); use DDP (accelerate launch --multi_gpu) or "
-            "DeepSpeed ZeRO-2/3."
-        )
-    changed = [
-        name
-        for name in SAM_STEP_OPTION_NAMES
-        if getattr(args, name) != type(args).__dataclass_fields__[name].default
-    ]
-    if changed:
-        raise ValueError(
-            f"{', '.join(changed)} not supported under FSDP2 yet: the step edits local shards, and these options "
-            "(Adam state per shard, row subsets, parameter selection, window) have no exact test there. Use DDP or "
-            "leave them at their defaults."
-        )
 
 
 def _compute_loss_owner(trainer_class: type) -> type:

@@ -19,7 +19,8 @@ from hf_flatbias.flatness import (
     summarize_trace_samples,
 )
 from hf_flatbias.flatness.exact import exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
-from hf_flatbias.flatness.lm import is_causal_lm, trainable_parameters
+from hf_flatbias.flatness.lm import is_causal_lm
+from hf_flatbias.tensors import trainable_parameters
 from tests.helpers.tiny_models import wide_masked_lm
 
 VOCAB, MASK = 14, 1

@@ -22,7 +22,7 @@ from hf_flatbias.sharpness.penalties import (
     sample_model_labels,
     sampled_label_loss,
 )
-from hf_flatbias.sharpness.sam import squared_norm
+from hf_flatbias.tensors import squared_norm
 from tests.helpers.tiny_models import flatbias_config as config
 from tests.helpers.tiny_models import stack
 

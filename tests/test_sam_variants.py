@@ -458,16 +458,16 @@ def test_card_records_the_sam_step_options_of_the_method(tmp_path):
 
 
 def test_engines_that_cannot_run_an_option_refuse_it_before_compute(tmp_path):
-    from hf_flatbias.trainer import _check_deepspeed_supports_method, _check_fsdp_supports_sam_options
+    from hf_flatbias.sharpness.support import check_deepspeed_supports_method, check_fsdp_supports_sam_options
 
     preconditioned = config(tmp_path, sam_preconditioner="adam", optim="adamw_torch")
     with pytest.raises(ValueError, match="^sam_preconditioner='adam' is not supported with DeepSpeed"):
-        _check_deepspeed_supports_method({"zero_optimization": {"stage": 2}}, preconditioned)
-    _check_deepspeed_supports_method(
+        check_deepspeed_supports_method({"zero_optimization": {"stage": 2}}, preconditioned)
+    check_deepspeed_supports_method(
         {"zero_optimization": {"stage": 3}}, config(tmp_path, flatness_method="functional_sam")
     )
     with pytest.raises(ValueError, match="^flatness_method='functional_sam' is not supported under FSDP2"):
-        _check_fsdp_supports_sam_options(config(tmp_path, flatness_method="functional_sam"))
+        check_fsdp_supports_sam_options(config(tmp_path, flatness_method="functional_sam"))
     with pytest.raises(ValueError, match="^sam_preconditioner not supported under FSDP2"):
-        _check_fsdp_supports_sam_options(preconditioned)
-    _check_fsdp_supports_sam_options(config(tmp_path))  # plain SAM runs under FSDP2
+        check_fsdp_supports_sam_options(preconditioned)
+    check_fsdp_supports_sam_options(config(tmp_path))  # plain SAM runs under FSDP2

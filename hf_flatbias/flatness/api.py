@@ -11,11 +11,11 @@ from torch import nn
 from transformers.utils.logging import is_progress_bar_enabled
 
 from ..constants import DEFAULT_BATCH_SIZE, RECOMMENDED_N_DRAWS
+from ..tensors import is_fully_sharded
 from .contexts import TraceContexts
 from .distributed import (
     gather_trace_samples,
     gathered_parameters,
-    is_fully_sharded,
     is_zero3_partitioned,
     needs_lockstep,
     share_of_contexts,

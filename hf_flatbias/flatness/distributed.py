@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..tensors import is_fully_sharded
 from .results import TraceSamples
 
 
@@ -111,13 +112,6 @@ def unsharded_parameters(model: nn.Module) -> Iterator[None]:
             for group, post_forward_mesh_info, reshard_after_backward in groups:
                 group.post_forward_mesh_info = post_forward_mesh_info
                 group.reshard_after_backward = reshard_after_backward
-
-
-def is_fully_sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 (``fully_shard``) shards the model or one of its submodules."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 _MEASUREMENT_HOLDER = -1

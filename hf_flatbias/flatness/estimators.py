@@ -41,7 +41,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
 from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, HUTCHINSON_PROBES, RECOMMENDED_N_DRAWS
-from ..sharpness.sam import squared_norm
+from ..tensors import squared_norm
 from .contexts import TraceContexts, context_generator
 from .ghost import GhostNormRecorder, add_squared_gradients
 from .groups import GroupOf, ParameterGroups, parameter_groups

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..sharpness.sam import squared_norm
+from ..tensors import squared_norm
 from .contexts import TraceContexts
 from .lm import check_lm_model, evaluation_mode, is_causal_lm, measured_parameters, preserved_global_rng
 

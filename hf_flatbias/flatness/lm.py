@@ -13,6 +13,8 @@ from transformers import PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.trainer_utils import unwrap_peft_model
 
+from ..tensors import trainable_parameters
+
 
 def is_causal_lm(model: nn.Module | PretrainedConfig) -> bool:
     """Whether the model predicts the next token, its labels shifted inside the forward.
@@ -164,12 +166,6 @@ def preserved_global_rng() -> Iterator[None]:
         torch.random.set_rng_state(cpu_state)
         if cuda_states is not None:
             torch.cuda.set_rng_state_all(cuda_states)
-
-
-def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters a flatness step perturbs and the trace is taken over: those with ``requires_grad=True`` (the
-    adapters only under PEFT). Empty for a frozen model; a caller that needs some raises its own error."""
-    return [p for p in model.parameters() if p.requires_grad]
 
 
 def measured_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -15,9 +15,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..tensors import trainable_parameters
 from .contexts import TraceContexts
 from .ghost import GhostNormRecorder
-from .lm import logits_at_positions, model_device, trainable_parameters
+from .lm import logits_at_positions, model_device
 
 # Margin for what the count leaves out: transient tensors inside one draw (a materialised per-sample gradient of a
 # small layer, the softmax) and the allocator's rounding.

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..constants import DEFAULT_BATCH_SIZE, SPECTRUM_MATRICES
-from ..sharpness.sam import perturb_weights
+from ..tensors import perturb_weights
 from .contexts import TraceContexts
 from .lm import (
     check_lm_model,

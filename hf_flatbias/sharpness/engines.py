@@ -18,9 +18,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..flatness.distributed import is_fully_sharded
-from ..flatness.lm import trainable_parameters
-from .sam import Perturbation, SquaredNormReducer, perturb_weights
+from ..tensors import Perturbation, SquaredNormReducer, is_fully_sharded, perturb_weights, trainable_parameters
 
 
 def gradients_of(loss: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -282,7 +280,7 @@ class FullyShardedParameters(PerturbableParameters):
         """The rank-averaged first gradient, one local shard per parameter, through FSDP's backward.
 
         ``average_over_processes=False`` cannot be honoured: FSDP's reduce-scatter always averages (see
-        `check_fsdp_supports`, which refuses ``sam_perturbation='per_rank'``).
+        `support.check_fsdp_supports`, which refuses ``sam_perturbation='per_rank'``).
         """
         if not average_over_processes:
             raise ValueError("Under FSDP2 the first gradient is always the average over ranks (reduce-scatter).")
@@ -358,92 +356,3 @@ def deepspeed_backward(engine: object, loss: torch.Tensor, *, is_boundary: bool)
     """
     engine.set_gradient_accumulation_boundary(is_boundary=is_boundary)
     engine.backward(loss, scale_wrt_gas=False)
-
-
-def _config_value(config: dict, dotted: str, default: object = None) -> object:
-    node: object = config
-    for key in dotted.split("."):
-        if not isinstance(node, dict) or key not in node:
-            return default
-        node = node[key]
-    return node
-
-
-def check_deepspeed_supports_sam(config: dict, sam_perturbation: str = "global") -> None:
-    """Raise a ``ValueError`` naming the fix when a DeepSpeed ``config`` cannot run an exact SAM/ASAM step.
-
-    Checked before training so that no compute is spent on a run that would be silently wrong.
-    """
-    half = [name for name in ("fp16", "bf16") if _config_value(config, f"{name}.enabled") in (True, "true")]
-    if half:
-        raise ValueError(
-            f"SAM/ASAM under DeepSpeed supports fp32 weights only, but {half[0]} is enabled: a {half[0]} weight "
-            "cannot hold a perturbation of rho/sqrt(#parameters) per coordinate, and DeepSpeed's fp32 master "
-            f"copies are not what the forward reads. Set '{half[0]}': {{'enabled': false}} in the DeepSpeed config "
-            f"and {half[0]}=False in the arguments, or use DDP (accelerate launch --multi_gpu), where {half[0]} "
-            "autocast keeps fp32 weights."
-        )
-    stage = int(_config_value(config, "zero_optimization.stage", 0) or 0)
-    if stage != 3:
-        return
-    if sam_perturbation == "per_rank":
-        raise ValueError(
-            "sam_perturbation='per_rank' cannot be exact under ZeRO-3: every forward gathers each parameter from "
-            "all ranks' partitions, so rank-specific perturbations would be mixed. Use sam_perturbation='global' "
-            "or ZeRO stage 0-2."
-        )
-    if _config_value(config, "zero_optimization.offload_param.device") == "nvme":
-        raise ValueError(
-            "SAM/ASAM under ZeRO-3 edits each rank's parameter partition in place, which NVMe offload swaps out of "
-            "memory. Use 'offload_param': {'device': 'cpu'} or 'none'."
-        )
-    if int(_config_value(config, "zero_optimization.zero_hpz_partition_size", 1) or 1) > 1:
-        raise ValueError(
-            "SAM/ASAM under ZeRO-3 does not support hierarchical partitioning (zero_hpz_partition_size > 1): "
-            "forwards gather from a secondary copy that an in-place perturbation would not reach. Set it to 1."
-        )
-    if _config_value(config, "zero_optimization.zero_quantized_weights") in (True, "true"):
-        raise ValueError(
-            "SAM/ASAM under ZeRO-3 cannot perturb quantized weights (zero_quantized_weights); set it to false."
-        )
-
-
-def check_deepspeed_supports_penalty(config: dict, flatness_method: str) -> None:
-    """Raise a ``ValueError`` naming the fix when a DeepSpeed ``config`` cannot run a penalty step exactly.
-
-    The penalty steps perturb like SAM (so SAM's precision limits apply) and add a linear term in the parameters
-    to the loss, which needs whole parameters outside the forward: ZeRO 0-2 only.
-    """
-    check_deepspeed_supports_sam(config, "global")
-    if int(_config_value(config, "zero_optimization.stage", 0) or 0) == 3:
-        raise ValueError(
-            f"flatness_method={flatness_method!r} is not supported under ZeRO-3: its step adds a term linear in the "
-            "whole parameters, which ZeRO-3 only holds inside a forward. Use ZeRO stage 0-2, or 'sam' (which "
-            "supports ZeRO-3)."
-        )
-
-
-def check_fsdp_supports(flatness_method: str, sam_perturbation: str, *, fsdp_version: int) -> None:
-    """Raise a ``ValueError`` naming the fix when a flatness method cannot run exactly under FSDP.
-
-    Checked at trainer construction, before any compute is spent.
-    """
-    if flatness_method == "none":
-        return
-    if fsdp_version != 2:
-        raise ValueError(
-            f"flatness_method={flatness_method!r} supports FSDP2 only (fully_shard), but the run uses FSDP version "
-            f"{fsdp_version}. Set fsdp_version: 2 in the accelerate config (or fsdp_config={{'version': 2}})."
-        )
-    if flatness_method == "looksam":
-        raise ValueError(
-            "flatness_method='looksam' is not supported under FSDP2: its reuse updates edit param.grad between the "
-            "backward and the optimizer step and keep a direction over the whole parameters. Use 'sam' (with "
-            "sam_every_k for a cheaper schedule), or run LookSAM with DDP (accelerate launch --multi_gpu)."
-        )
-    if sam_perturbation == "per_rank":
-        raise ValueError(
-            "sam_perturbation='per_rank' cannot be exact under FSDP2: every forward all-gathers each parameter from "
-            "all ranks' shards, so rank-specific perturbations would be mixed, and its reduce-scatter only yields "
-            "the rank-averaged gradient. Use sam_perturbation='global' or DDP."
-        )

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ..constants import IGNORE_INDEX
-from .sam import squared_norm
+from ..tensors import squared_norm
 
 
 def _at_least_float32(tensor: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
 
-from hf_flatbias.sharpness.engines import check_deepspeed_supports_sam
+from hf_flatbias.sharpness.support import check_deepspeed_supports_sam
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = REPO_ROOT / "recipes" / "configs"

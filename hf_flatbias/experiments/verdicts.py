@@ -106,3 +106,29 @@ def c1_verdict(seeds: dict[str, Sequence[dict[str, Any]]]) -> dict[str, Any]:
         "pooled_spearman_kl_accuracy": spearman([r["kl"] for r in pooled], accuracy),
         "per_seed": per_seed,
     }
+
+
+def in_progress(verdict: dict[str, Any], finished: int, planned: int) -> dict[str, Any]:
+    """``verdict`` as it must be reported while runs are missing: "undecided (runs in progress: k of n seeds)".
+
+    The statistics of the finished seeds stay beside it; the stated rule's answer is only given with every seed in.
+    """
+    if finished >= planned:
+        return verdict
+    return {**verdict, "verdict": f"undecided (runs in progress: {finished} of {planned} seeds)"}
+
+
+def saturated_start_c1(seeds: dict[str, Sequence[dict[str, Any]]], planned: int) -> dict[str, Any]:
+    """C1 from a saturated start (issue 23): `c1_verdict` of the finished seeds, `in_progress` until all are in,
+    with how many branches of each seed stay saturated and the seed-level interval of the trace's change."""
+    verdict = in_progress(c1_verdict(seeds), len(seeds), planned)
+    change = [records[-1]["fisher_trace"] - records[0]["fisher_trace"] for records in seeds.values() if records]
+    mean, low, high = t_interval(change)
+    verdict["branches_saturated"] = {
+        seed: f"{sum(bool(r['saturated']) for r in records)} of {len(records)}" for seed, records in seeds.items()
+    }
+    verdict["fisher_trace_change_last_minus_first"] = {
+        "mean": None if math.isnan(mean) else mean,
+        "ci": None if math.isnan(low) else [low, high],
+    }
+    return verdict

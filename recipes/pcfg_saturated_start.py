@@ -120,7 +120,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         args.hidden, args.layers, args.batch_size = 32, 1, 16
         args.n_pool, args.n_stop, args.n_kl, args.n_trace, args.n_probe, args.n_train = 300, 40, 30, 16, 60, 400
         args.distil_steps, args.distil_warmup, args.extensions = 40, 5, ["10:5e-4"]
-        args.continue_lrs = args.continue_lrs if "--continue-lrs" in given else [4e-4, 2e-4]
+        args.continue_lrs = args.continue_lrs if "--continue-lrs" in given else [2e-4]
         args.continue_steps, args.branch_every, args.anneal_steps, args.continue_warmup = 40, 20, 10, 5
         args.trace_draws, args.hutchinson_draws = 1, 1
     try:

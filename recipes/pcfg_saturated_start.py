@@ -48,6 +48,7 @@ from hf_flatbias.experiments import (
     RunSpec,
     build_model,
     mcnemar,
+    trains_on_cpu,
     measure_branch,
     reference_rows,
     saturated_start_c1,
@@ -60,8 +61,12 @@ from hf_flatbias.experiments.distillation import ConditionalPool, distil_to_satu
 from hf_flatbias.experiments.plots import plot_branches
 from hf_flatbias.synthetic.conditionals import cached_conditionals
 
-#: the language the distillation pilot saturated (NOTES.md, "Distillation pilot, final")
-SHAPE = {"n_levels": 3, "symbols_per_level": 5, "n_words": 50, "binary_rules_per_symbol": 10}
+#: grammars by name: the one the CPU distillation pilot saturated (NOTES.md, "Distillation pilot, final"), and the
+#: released grammar's shape (`PCFG.paper_shaped`'s defaults) for a GPU
+SHAPES = {
+    "three_level": {"n_levels": 3, "symbols_per_level": 5, "n_words": 50, "binary_rules_per_symbol": 10},
+    "paper": {},
+}
 ROUTE = (
     "Saturated start reached by distilling the exact conditionals (soft targets; our route, not the paper's "
     "training), then continued training with the paper's objective (sampled data token, one [MASK] per row); every "
@@ -86,7 +91,12 @@ C3_RULE = (
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
-    add("--grammar-seed", type=int, default=0, help="seed of PCFG.paper_shaped (with the 3-level SHAPE)")
+    add("--grammar-seed", type=int, default=0, help="seed of PCFG.paper_shaped")
+    add("--shape", choices=sorted(SHAPES), default="three_level", help="PCFG.paper_shaped arguments (see SHAPES)")
+    add("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="where models train (probes fit on CPU)")
+    add("--stop-after", choices=["start", "rate"], default=None,
+        help="stop once the seeds' starts (or also the rate pilot) are on disk: phases of a concurrent GPU run")
+    add("--merge", action="store_true", help="only write the results of the seeds finished on disk")
     add("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="model seeds, run in this order")
     add("--hidden", type=int, default=64, help="BERT hidden size")
     add("--layers", type=int, default=3, help="BERT layers")
@@ -129,6 +139,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         parser.error(f"--extensions takes STEPS:PEAK pairs, e.g. 4000:5e-4; got {args.extensions}.")
     if args.continue_steps < args.branch_every or args.branch_every < 1:
         parser.error("need 1 <= --branch-every <= --continue-steps.")
+    args.use_cpu = trains_on_cpu(args.device)  # --device cuda without one fails here, before any compute
     return args
 
 
@@ -142,7 +153,7 @@ def material(args: argparse.Namespace):
     """The language's fixed material (`setup_paper_language`), the distillation pool and the stop set."""
     language = setup_paper_language(
         args.grammar_seed, n_train=args.n_train, n_kl=args.n_kl, n_trace=args.n_trace, n_probe=args.n_probe,
-        shape=SHAPE,
+        shape=SHAPES[args.shape],
     )
     pools = []
     for n, seed in zip((args.n_pool, args.n_stop), _seeds(args.grammar_seed), strict=True):
@@ -170,8 +181,10 @@ def distilled_start(args, language, pool, stop_set, seed: int) -> tuple[BertForM
     start_dir = args.work_dir / f"seed{seed}" / "start"
     record_path = start_dir / "start.json"
     if record_path.exists():
-        return BertForMaskedLM.from_pretrained(start_dir).eval(), json.loads(record_path.read_text())
+        model = BertForMaskedLM.from_pretrained(start_dir).to("cpu" if args.use_cpu else "cuda")
+        return model.eval(), json.loads(record_path.read_text())
     model = build_model(len(language.tokenizer), hidden=args.hidden, layers=args.layers, seed=seed)
+    model.to("cpu" if args.use_cpu else "cuda")
     print(f"[seed {seed}] distilling ({sum(p.numel() for p in model.parameters()):,} parameters)", flush=True)
     distillation = distil_to_saturation(
         model, pool, stop_set, steps=args.distil_steps, learning_rate=args.distil_lr,
@@ -196,7 +209,7 @@ def continue_spec(args, seed: int, learning_rate: float, steps: int) -> RunSpec:
     return RunSpec(
         label=f"seed{seed}", steps=steps, eval_every=args.branch_every, batch_size=args.batch_size,
         learning_rate=learning_rate, warmup_steps=args.continue_warmup, lr_scheduler_type="constant_with_warmup",
-        adam_beta2=0.98, weight_decay=0.01, hidden=args.hidden, layers=args.layers, seed=seed,
+        adam_beta2=0.98, weight_decay=0.01, hidden=args.hidden, layers=args.layers, seed=seed, use_cpu=args.use_cpu,
     )
 
 
@@ -242,8 +255,9 @@ def run_c1_seed(args, language, start: BertForMaskedLM, seed: int, rate: float) 
 
 
 def design(args) -> dict[str, Any]:
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    return {"route": ROUTE, "shape": SHAPE, "config": config}
+    skip = {"stop_after", "merge", "use_cpu"}
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in skip}
+    return {"route": ROUTE, "shape": SHAPES[config["shape"]], "config": config}
 
 
 def paired_comparisons(records: list[dict[str, Any]], start: dict[str, Any]) -> dict[str, Any]:
@@ -308,6 +322,18 @@ def commit_checkpoints(args, language, seed: int, result: dict[str, Any]) -> Non
         language.tokenizer.save_pretrained(target)
 
 
+def finished_from_disk(args) -> tuple[dict[int, dict], dict[int, dict], float | None]:
+    """Every planned seed whose start and continued training are on disk (also those of other processes)."""
+    results, starts = {}, {}
+    for seed in args.seeds:
+        done = args.work_dir / f"seed{seed}" / "c1" / "result.json"
+        start = args.work_dir / f"seed{seed}" / "start" / "start.json"
+        if done.exists() and start.exists():
+            results[seed], starts[seed] = json.loads(done.read_text()), json.loads(start.read_text())
+    pilot = args.work_dir / "rate_pilot.json"
+    return results, starts, json.loads(pilot.read_text())["chosen"] if pilot.exists() else None
+
+
 def main(argv=None) -> dict:
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
@@ -322,16 +348,27 @@ def main(argv=None) -> dict:
         rows = reference_rows(language, continue_spec(args, args.seeds[0], 0.0, args.branch_every))
         references = {name: without_predictions(row) for name, row in rows.items()}
         write_json(references_path, references)
-    starts, results, rate = {}, {}, None
-    for seed in args.seeds:
-        start, starts[seed] = distilled_start(args, language, pool, stop_set, seed)
-        if rate is None:
-            rate = choose_rate(args, language, start)["chosen"]
-        results[seed] = run_c1_seed(args, language, start, seed, rate)
-        if seed == args.seeds[0]:
-            commit_checkpoints(args, language, seed, results[seed])
-        payload = write_results(args, language, results, starts, rate, references)
-        print(f"[seed {seed}] done; C1: {payload['verdict']['verdict']}", flush=True)
+    if not args.merge:
+        rate = None
+        for seed in args.seeds:
+            start, _ = distilled_start(args, language, pool, stop_set, seed)
+            if args.stop_after == "start":
+                continue
+            if rate is None:
+                rate = choose_rate(args, language, start)["chosen"]
+            if args.stop_after == "rate":
+                break
+            result = run_c1_seed(args, language, start, seed, rate)
+            if seed == 0:
+                commit_checkpoints(args, language, seed, result)
+            results, starts, _ = finished_from_disk(args)
+            payload = write_results(args, language, results, starts, rate, references)
+            print(f"[seed {seed}] done; C1: {payload['verdict']['verdict']}", flush=True)
+        if args.stop_after is not None:
+            return {}
+    results, starts, rate = finished_from_disk(args)
+    payload = write_results(args, language, results, starts, rate, references)
+    print(f"C1 ({len(results)} of {len(args.seeds)} seeds): {payload['verdict']['verdict']}", flush=True)
     return payload
 
 

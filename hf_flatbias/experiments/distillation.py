@@ -152,6 +152,7 @@ def distil_to_saturation(
         betas=(0.9, adam_beta2),
     )
     batches = distillation_batches(pool, batch_size=batch_size, vocab_size=vocab_size, seed=seed)
+    device = next(model.parameters()).device
     segments = [(distillation_rates(learning_rate, warmup_steps, steps), check_from)]
     segments += [(distillation_rates(peak, 0, n), 0) for n, peak in extensions]
     history: list[dict[str, Any]] = []
@@ -159,11 +160,11 @@ def distil_to_saturation(
     model.train()
     for rates, first_check in segments:
         for i, rate in enumerate(rates):
-            batch = next(batches)
+            batch = {name: tensor.to(device) for name, tensor in next(batches).items()}
             for group in optimizer.param_groups:
                 group["lr"] = float(rate)
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            picked = logits[torch.arange(len(logits)), batch["mask_index"]]
+            picked = logits[torch.arange(len(logits), device=device), batch["mask_index"]]
             loss = soft_masked_lm_loss(picked, batch["targets"])
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)

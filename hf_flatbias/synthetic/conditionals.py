@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -72,7 +73,7 @@ def cached_conditionals(
         return np.load(path)
     conditionals = all_position_conditionals(language, word_ids, lengths_array).astype(np.float32)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial.npy")
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.npy")  # concurrent processes never share one
     np.save(partial, conditionals)
     partial.replace(path)  # a killed run leaves no truncated cache behind
     return conditionals

@@ -28,13 +28,7 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path, title: str, mat
     axes[1].set(xlabel="step", ylabel="Tr(H) (Fisher)", title="trace vs step")
     axes[2].set(xlabel="step", ylabel="mean probe accuracy", title="probe accuracy vs step")
     axes[3].set(xlabel="Tr(H) (Fisher)", ylabel="mean probe accuracy", title="accuracy vs trace (matched loss)")
-    for ax in axes:
-        ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, axes, title, path)
 
 
 def plot_branches(
@@ -64,6 +58,13 @@ def plot_branches(
     axes[1].set(xlabel="step", ylabel="Fisher trace (dashed: without output layer)", title="Fisher trace")
     axes[2].set(xlabel="step", ylabel="v^T H v, data-label loss", title="Hutchinson trace (released code's)")
     axes[3].set(xlabel="step", ylabel="mean probe accuracy (A/B/C)", title="primary probe (last layer)")
+    _save(fig, axes, title, path)
+
+
+def _save(fig, axes, title: str, path: Path) -> None:
+    """Legends, title and layout of a row of panels, written to ``path`` and closed."""
+    import matplotlib.pyplot as plt
+
     for ax in axes:
         ax.legend(fontsize=7)
     fig.suptitle(title)

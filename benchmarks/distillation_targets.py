@@ -25,10 +25,11 @@ from hf_flatbias.synthetic.tokenizer import MASKED_WORD  # noqa: E402
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-def rate(fn, n: int) -> float:
-    """Sentences per CPU-second of this process (one thread), so a loaded shared machine does not skew it."""
+def rate(fn, n: int, *args) -> float:
+    """Sentences per CPU-second of ``fn(*args)`` in this process (one thread), so a loaded shared machine does not
+    skew it."""
     start = time.process_time()
-    fn()
+    fn(*args)
     return n / (time.process_time() - start)
 
 
@@ -50,17 +51,19 @@ def main() -> None:
     for name, grammar in languages.items():
         n = 5000 if "3-level" in name else 1000
         sample = grammar.sample(n, seed=1)
-        all_positions = rate(lambda: cached_conditionals(grammar, sample.word_ids, sample.lengths), n)
+        all_positions = rate(cached_conditionals, n, grammar, sample.word_ids, sample.lengths)
         k = n // 5
-        single = rate(lambda: one_position_at_a_time(grammar, sample.word_ids[:k], sample.lengths[:k]), k)
+        single = rate(one_position_at_a_time, k, grammar, sample.word_ids[:k], sample.lengths[:k])
         print(
             f"{name:44s} {all_positions:8.0f} sentences/s all positions; one position at a time {single:7.0f}/s "
             f"(x{all_positions / single:.1f}); mean length {sample.lengths.mean():.1f}"
         )
     hmm = HMM.from_seed(0, n_states=20, n_words=40)
     words = hmm.sample(20_000, 12, seed=1).word_ids
-    print(f"{'20-state HMM (40 words, length 12)':44s} {rate(lambda: cached_conditionals(hmm, words), 20_000):8.0f} "
-          "sentences/s all positions (forward-backward)")
+    print(
+        f"{'20-state HMM (40 words, length 12)':44s} {rate(cached_conditionals, 20_000, hmm, words):8.0f} "
+        "sentences/s all positions (forward-backward)"
+    )
 
 
 if __name__ == "__main__":

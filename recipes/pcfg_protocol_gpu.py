@@ -166,14 +166,14 @@ def main(argv=None) -> dict:
     if (work / "rate_pilot.json").exists():
         phase(
             "c1",
-            {f"c1_seed{s}": recipe_command(args, "--seeds", s) for s in seeds},
+            {f"c1_seed{s}": recipe_command(args, "--seeds", s, "--claims", "c1") for s in seeds},
             deadline - MERGE_RESERVE_SECONDS * (not args.dry_run),
         )
     else:
         print("rate pilot not finished within the budget: C1 not started", flush=True)
     summary["c1_finished_seeds"] = [s for s in args.seeds if (work / f"seed{s}" / "c1" / "result.json").exists()]
     subprocess.run(
-        recipe_command(args, "--seeds", *seeds, "--merge"), check=True, env=merge_environment(),
+        recipe_command(args, "--seeds", *seeds, "--claims", "c1", "--merge"), check=True, env=merge_environment(),
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
     results = json.loads((out / "results" / "continued_training.json").read_text())

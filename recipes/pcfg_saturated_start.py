@@ -20,6 +20,10 @@ C1 RULE (fixed before the runs, `hf_flatbias.experiments.verdicts.C1_RULE`): PAS
 among the saturated branches in >= 4 of 5 seeds AND last-minus-first primary probe accuracy has a 95% seed-level t
 interval above 0; a verdict is "undecided (runs in progress: k of 5 seeds)" until every seed has finished.
 
+C3 RULE (fixed before its runs, `hf_flatbias.experiments.verdicts.C3_RULE`): after C1's seeds, four arms per seed from
+the same start (AdamW with dropout 0.1 and weight decay 0.01, with neither, each with SAM), one branch at the C1
+length; the sharpest arm must transfer worst, with a seed-level interval; ``RESULTS/optimizer.json``.
+
 Resumable: a finished distillation (``WORK/seedS/start``), rate pilot, seed (``WORK/seedS/c1/result.json``) or branch
 (the trunk's checkpoint) is never recomputed; ``RESULTS/continued_training.json`` is rewritten after every seed.
 
@@ -48,17 +52,18 @@ from hf_flatbias.experiments import (
     RunSpec,
     build_model,
     mcnemar,
-    trains_on_cpu,
     measure_branch,
     reference_rows,
     saturated_start_c1,
     setup_paper_language,
     train_with_branches,
+    trains_on_cpu,
     without_predictions,
     write_json,
 )
 from hf_flatbias.experiments.distillation import ConditionalPool, distil_to_saturation
 from hf_flatbias.experiments.plots import plot_branches
+from hf_flatbias.experiments.verdicts import C3_ARMS, C3_RULE, c3_verdict
 from hf_flatbias.synthetic.conditionals import cached_conditionals
 
 #: grammars by name: the one the CPU distillation pilot saturated (NOTES.md, "Distillation pilot, final"), and the
@@ -77,15 +82,6 @@ RATE_RULE = (
     "branch interval at that rate, annealed) is saturated (KL <= 0.010, upper <= 0.015); the smallest if none is. "
     "Chosen on the KL alone, before any trace or probe of the campaign is seen."
 )
-C3_RULE = (
-    "C3 (not yet run; rule fixed now): from each seed's saturated start, equal continued training in four arms: "
-    "adamw (dropout 0.1, weight decay 0.01), adamw_plain (dropout 0, weight decay 0), and each with SAM (rho 0.05, "
-    "every step). Compared per seed: each arm's last branch, all saturated and within 0.003 nats of each other "
-    "(matched KL), else the seed is excluded. PASS if, over >= 4 compared seeds, the arm with the largest seed-mean "
-    "Fisher trace has the lowest seed-mean primary probe accuracy AND the flattest arm's accuracy minus the "
-    "sharpest arm's has a 95% seed-level t interval above 0; FAIL if >= 4 seeds are compared and this does not "
-    "hold; else undecided."
-)
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
@@ -94,9 +90,20 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     add("--grammar-seed", type=int, default=0, help="seed of PCFG.paper_shaped")
     add("--shape", choices=sorted(SHAPES), default="three_level", help="PCFG.paper_shaped arguments (see SHAPES)")
     add("--device", choices=["cpu", "cuda", "auto"], default="cpu", help="where models train (probes fit on CPU)")
-    add("--stop-after", choices=["start", "rate"], default=None,
-        help="stop once the seeds' starts (or also the rate pilot) are on disk: phases of a concurrent GPU run")
+    add(
+        "--stop-after",
+        choices=["start", "rate"],
+        default=None,
+        help="stop once the seeds' starts (or also the rate pilot) are on disk: phases of a concurrent GPU run",
+    )
     add("--merge", action="store_true", help="only write the results of the seeds finished on disk")
+    add(
+        "--claims",
+        nargs="+",
+        choices=["c1", "c3"],
+        default=["c1", "c3"],
+        help="claims in order: C1 for every seed first, then C3's arms for every seed",
+    )
     add("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="model seeds, run in this order")
     add("--hidden", type=int, default=64, help="BERT hidden size")
     add("--layers", type=int, default=3, help="BERT layers")
@@ -106,10 +113,20 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     add("--distil-steps", type=int, default=8000, help="steps of the first distillation decay")
     add("--distil-lr", type=float, default=2e-3, help="peak rate of the first distillation decay")
     add("--distil-warmup", type=int, default=200, help="warm-up steps of the first distillation decay")
-    add("--extensions", type=str, nargs="*", default=["4000:5e-4", "4000:2.5e-4"],
-        help="further decays STEPS:PEAK, each used only while the stop set is not saturated")
-    add("--continue-lrs", type=float, nargs="+", default=[4e-4, 2e-4, 1e-4],
-        help="candidate constant rates of the continued training (see RATE)")
+    add(
+        "--extensions",
+        type=str,
+        nargs="*",
+        default=["4000:5e-4", "4000:2.5e-4"],
+        help="further decays STEPS:PEAK, each used only while the stop set is not saturated",
+    )
+    add(
+        "--continue-lrs",
+        type=float,
+        nargs="+",
+        default=[4e-4, 2e-4, 1e-4],
+        help="candidate constant rates of the continued training (see RATE)",
+    )
     add("--continue-steps", type=int, default=5000, help="trunk steps of the continued training")
     add("--branch-every", type=int, default=1000, help="trunk steps between annealed branches")
     add("--anneal-steps", type=int, default=500, help="steps of each branch's linear anneal to lr 0")
@@ -152,7 +169,11 @@ def _seeds(grammar_seed: int) -> tuple[int, int]:
 def material(args: argparse.Namespace):
     """The language's fixed material (`setup_paper_language`), the distillation pool and the stop set."""
     language = setup_paper_language(
-        args.grammar_seed, n_train=args.n_train, n_kl=args.n_kl, n_trace=args.n_trace, n_probe=args.n_probe,
+        args.grammar_seed,
+        n_train=args.n_train,
+        n_kl=args.n_kl,
+        n_trace=args.n_trace,
+        n_probe=args.n_probe,
         shape=SHAPES[args.shape],
     )
     pools = []
@@ -187,8 +208,15 @@ def distilled_start(args, language, pool, stop_set, seed: int) -> tuple[BertForM
     model.to("cpu" if args.use_cpu else "cuda")
     print(f"[seed {seed}] distilling ({sum(p.numel() for p in model.parameters()):,} parameters)", flush=True)
     distillation = distil_to_saturation(
-        model, pool, stop_set, steps=args.distil_steps, learning_rate=args.distil_lr,
-        warmup_steps=args.distil_warmup, batch_size=args.batch_size, extensions=args.extensions, seed=seed,
+        model,
+        pool,
+        stop_set,
+        steps=args.distil_steps,
+        learning_rate=args.distil_lr,
+        warmup_steps=args.distil_warmup,
+        batch_size=args.batch_size,
+        extensions=args.extensions,
+        seed=seed,
     )
     start = time.perf_counter()
     measured = measure_branch(model, language, seed=0, **measure_kwargs(args))
@@ -196,7 +224,8 @@ def distilled_start(args, language, pool, stop_set, seed: int) -> tuple[BertForM
     print(
         f"[seed {seed}] start: {distillation['steps']} steps in {distillation['seconds']:.0f} s, KL "
         f"{measured['kl']:.4f} [{measured['saturation']['ci_low']:.4f}, {measured['saturation']['ci_high']:.4f}] "
-        f"saturated={measured['saturated']} Fisher {measured['fisher_trace']:.1f} probe {measured['probe_accuracy']:.3f}",
+        f"saturated={measured['saturated']} Fisher {measured['fisher_trace']:.1f} "
+        f"probe {measured['probe_accuracy']:.3f}",
         flush=True,
     )
     model.save_pretrained(start_dir)
@@ -204,12 +233,35 @@ def distilled_start(args, language, pool, stop_set, seed: int) -> tuple[BertForM
     return model, record
 
 
-def continue_spec(args, seed: int, learning_rate: float, steps: int) -> RunSpec:
-    """The continued training: AdamW (beta2 0.98, weight decay 0.01), constant rate after a short warm-up."""
+def continue_spec(
+    args,
+    seed: int,
+    learning_rate: float,
+    steps: int,
+    *,
+    dropout: float = 0.0,
+    weight_decay: float = 0.01,
+    sam: bool = False,
+) -> RunSpec:
+    """The continued training: AdamW (beta2 0.98, weight decay 0.01), constant rate after a short warm-up; C3's arms
+    change dropout, weight decay and SAM (rho 0.05 every step; the branches anneal with plain AdamW steps)."""
     return RunSpec(
-        label=f"seed{seed}", steps=steps, eval_every=args.branch_every, batch_size=args.batch_size,
-        learning_rate=learning_rate, warmup_steps=args.continue_warmup, lr_scheduler_type="constant_with_warmup",
-        adam_beta2=0.98, weight_decay=0.01, hidden=args.hidden, layers=args.layers, seed=seed, use_cpu=args.use_cpu,
+        label=f"seed{seed}",
+        steps=steps,
+        eval_every=args.branch_every,
+        batch_size=args.batch_size,
+        learning_rate=learning_rate,
+        warmup_steps=args.continue_warmup,
+        lr_scheduler_type="constant_with_warmup",
+        adam_beta2=0.98,
+        weight_decay=weight_decay,
+        dropout=dropout,
+        flatness_method="sam" if sam else "none",
+        sam_rho=0.05,
+        hidden=args.hidden,
+        layers=args.layers,
+        seed=seed,
+        use_cpu=args.use_cpu,
     )
 
 
@@ -223,9 +275,12 @@ def choose_rate(args, language, start: BertForMaskedLM) -> dict[str, Any]:
     chosen = candidates[-1]
     for rate in candidates:
         records = train_with_branches(
-            language, continue_spec(args, args.seeds[0], rate, args.branch_every),
-            args.work_dir / "rate_pilot" / f"lr{rate:g}", branch_every=args.branch_every,
-            anneal_steps=args.anneal_steps, start_model=start,
+            language,
+            continue_spec(args, args.seeds[0], rate, args.branch_every),
+            args.work_dir / "rate_pilot" / f"lr{rate:g}",
+            branch_every=args.branch_every,
+            anneal_steps=args.anneal_steps,
+            start_model=start,
             measure_kwargs=dict(trace_contexts=0, trace_draws=1, hutchinson_draws=1),
         )
         pilots.append({"learning_rate": rate, "kl": records[0]["kl"], "saturation": records[0]["saturation"]})
@@ -246,11 +301,57 @@ def run_c1_seed(args, language, start: BertForMaskedLM, seed: int, rate: float) 
         return json.loads(done.read_text())
     began = time.perf_counter()
     records = train_with_branches(
-        language, continue_spec(args, seed, rate, args.continue_steps), seed_dir, branch_every=args.branch_every,
-        anneal_steps=args.anneal_steps, measure_kwargs=measure_kwargs(args), start_model=start, keep_branches=True,
+        language,
+        continue_spec(args, seed, rate, args.continue_steps),
+        seed_dir,
+        branch_every=args.branch_every,
+        anneal_steps=args.anneal_steps,
+        measure_kwargs=measure_kwargs(args),
+        start_model=start,
+        keep_branches=True,
     )
     payload = {"seed": seed, "records": records, "seconds_this_run": time.perf_counter() - began}
     write_json(done, payload)
+    return payload
+
+
+def run_c3_arm(args, language, start: BertForMaskedLM, seed: int, rate: float, arm: str) -> dict[str, Any]:
+    """One C3 arm of one seed from its saturated start: the C1 length, one branch at the end; read back if done."""
+    arm_dir = args.work_dir / f"seed{seed}" / "c3" / arm
+    done = arm_dir / "result.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    dropout, weight_decay, sam = C3_ARMS[arm]
+    spec = continue_spec(args, seed, rate, args.continue_steps, dropout=dropout, weight_decay=weight_decay, sam=sam)
+    began = time.perf_counter()
+    records = train_with_branches(
+        language,
+        spec,
+        arm_dir,
+        branch_every=args.continue_steps,
+        anneal_steps=args.anneal_steps,
+        measure_kwargs=measure_kwargs(args),
+        start_model=start,
+    )
+    payload = {"seed": seed, "arm": arm, "record": records[-1], "seconds_this_run": time.perf_counter() - began}
+    write_json(done, payload)
+    return payload
+
+
+def write_c3(args) -> dict[str, Any]:
+    """``optimizer.json``: the rule, every finished arm of every seed, the verdict (in progress until all are in)."""
+    seeds: dict[str, dict[str, Any]] = {}
+    for seed in args.seeds:
+        for arm in C3_ARMS:
+            done = args.work_dir / f"seed{seed}" / "c3" / arm / "result.json"
+            if done.exists():
+                seeds.setdefault(str(seed), {})[arm] = json.loads(done.read_text())["record"]
+    payload = {
+        "claim": "C3 training algorithm (from a saturated start)", "rule": C3_RULE, "rule_fixed_before_runs": True,
+        "arms": {arm: dict(zip(("dropout", "weight_decay", "sam"), v, strict=True)) for arm, v in C3_ARMS.items()},
+        **design(args), "planned_seeds": args.seeds, "verdict": c3_verdict(seeds, len(args.seeds)), "seeds": seeds,
+    }  # fmt: skip
+    write_json(args.results_dir / "optimizer.json", payload)
     return payload
 
 
@@ -264,8 +365,10 @@ def paired_comparisons(records: list[dict[str, Any]], start: dict[str, Any]) -> 
     """McNemar of the primary probe, every pair of branches (and the start against each), per task."""
     named = {"start": start, **{f"step{r['step']}": r for r in records}}
     return {
-        f"{a}_vs_{b}": {task: mcnemar(named[a]["probe"][task]["correct"], named[b]["probe"][task]["correct"])
-                        for task in named[b]["probe"]}
+        f"{a}_vs_{b}": {
+            task: mcnemar(named[a]["probe"][task]["correct"], named[b]["probe"][task]["correct"])
+            for task in named[b]["probe"]
+        }
         for a, b in itertools.combinations(named, 2)
     }
 
@@ -348,9 +451,11 @@ def main(argv=None) -> dict:
         rows = reference_rows(language, continue_spec(args, args.seeds[0], 0.0, args.branch_every))
         references = {name: without_predictions(row) for name, row in rows.items()}
         write_json(references_path, references)
+    if "c3" in args.claims and not (args.results_dir / "optimizer.json").exists():
+        write_c3(args)  # C3's rule on disk before any of its runs
     if not args.merge:
         rate = None
-        for seed in args.seeds:
+        for seed in args.seeds if "c1" in args.claims or args.stop_after else []:
             start, _ = distilled_start(args, language, pool, stop_set, seed)
             if args.stop_after == "start":
                 continue
@@ -366,6 +471,14 @@ def main(argv=None) -> dict:
             print(f"[seed {seed}] done; C1: {payload['verdict']['verdict']}", flush=True)
         if args.stop_after is not None:
             return {}
+        for seed in args.seeds if "c3" in args.claims else []:
+            start, _ = distilled_start(args, language, pool, stop_set, seed)
+            rate = rate or choose_rate(args, language, start)["chosen"]
+            for arm in C3_ARMS:
+                run_c3_arm(args, language, start, seed, rate, arm)
+                print(f"[seed {seed}] C3 {arm} done; C3: {write_c3(args)['verdict']['verdict']}", flush=True)
+    if "c3" in args.claims:
+        write_c3(args)
     results, starts, rate = finished_from_disk(args)
     payload = write_results(args, language, results, starts, rate, references)
     print(f"C1 ({len(results)} of {len(args.seeds)} seeds): {payload['verdict']['verdict']}", flush=True)

@@ -24,6 +24,7 @@ from hf_flatbias.experiments import (
     train_with_branches,
 )
 from hf_flatbias.experiments.distillation import distillation_rates, masked_rows
+from hf_flatbias.experiments.verdicts import c3_verdict
 from hf_flatbias.synthetic import HMM, PCFG
 from hf_flatbias.synthetic.conditionals import cached_conditionals, language_fingerprint
 from hf_flatbias.synthetic.tokenizer import CLS_ID, MASK_ID, N_SPECIAL, PAD_ID, SEP_ID
@@ -55,7 +56,9 @@ def brute_force_hmm_conditionals(hmm: HMM, word_ids) -> np.ndarray:
     n, length = word_ids.shape
     out = np.zeros((n, length, hmm.n_words))
     for states in itertools.product(range(hmm.n_states), repeat=length):
-        path = hmm.initial[states[0]] * np.prod([hmm.transition[a, b] for a, b in zip(states, states[1:])])
+        path = hmm.initial[states[0]] * np.prod(
+            [hmm.transition[a, b] for a, b in zip(states, states[1:], strict=False)]
+        )
         emit = hmm.emission[list(states)]  # (T, V)
         per_position = emit[np.arange(length), word_ids]  # (n, T)
         for t in range(length):
@@ -147,8 +150,16 @@ def test_distilled_tiny_model_kl_is_its_exact_loss_minus_the_entropy_floor(tiny_
     model = build_model(N_SPECIAL + tiny_grammar.n_words, hidden=16, layers=1, seed=0)
     before = measure_saturation(model, stop.word_ids, stop.conditionals, stop.lengths).kl
     result = distil_to_saturation(
-        model, pool, stop, steps=60, learning_rate=3e-3, warmup_steps=5, batch_size=32, check_every=20,
-        extensions=(), log=False,
+        model,
+        pool,
+        stop,
+        steps=60,
+        learning_rate=3e-3,
+        warmup_steps=5,
+        batch_size=32,
+        check_every=20,
+        extensions=(),
+        log=False,
     )
     assert [h["step"] for h in result["history"]] == [60] and result["steps"] == 60
     assert result["stop_kl"]["kl"] < 0.5 * before  # distillation moved the model towards the conditionals
@@ -174,14 +185,33 @@ def test_continued_training_starts_from_the_model_given_and_leaves_it_untouched(
     language = setup_paper_language(0, n_train=200, n_kl=10, n_trace=8, n_probe=40, shape=shape)
     start = build_model(len(language.tokenizer), hidden=16, layers=1, seed=7)
     frozen = {k: v.clone() for k, v in start.state_dict().items()}
-    spec = RunSpec(label="s", steps=20, eval_every=10, batch_size=8, learning_rate=1e-3, warmup_steps=0, seed=0,
-                   hidden=16, layers=1, adam_beta2=0.98, weight_decay=0.01)
+    spec = RunSpec(
+        label="s",
+        steps=20,
+        eval_every=10,
+        batch_size=8,
+        learning_rate=1e-3,
+        warmup_steps=0,
+        seed=0,
+        hidden=16,
+        layers=1,
+        adam_beta2=0.98,
+        weight_decay=0.01,
+    )
     kwargs = dict(trace_contexts=0, trace_draws=1, hutchinson_draws=1)
     runs = {}
     for every in (10, 20):  # two branches, or one at the end
         out = tmp_path / f"every{every}"
-        records = train_with_branches(language, spec, out, branch_every=every, anneal_steps=5, measure_kwargs=kwargs,
-                                      start_model=start, keep_branches=True)
+        records = train_with_branches(
+            language,
+            spec,
+            out,
+            branch_every=every,
+            anneal_steps=5,
+            measure_kwargs=kwargs,
+            start_model=start,
+            keep_branches=True,
+        )
         runs[every] = (records, BertForMaskedLM.from_pretrained(out / "trunk" / "checkpoint-20").state_dict())
     for name, value in start.state_dict().items():
         torch.testing.assert_close(value, frozen[name], rtol=0, atol=0)
@@ -190,16 +220,23 @@ def test_continued_training_starts_from_the_model_given_and_leaves_it_untouched(
         torch.testing.assert_close(value, runs[10][1][name], rtol=0, atol=0)
     assert runs[10][0][-1]["kl"] == pytest.approx(runs[20][0][-1]["kl"], abs=1e-12)
     # the trunk started from the given weights: a fresh initialisation of the seed's spec gives another first branch
-    fresh = train_with_branches(language, spec, tmp_path / "fresh", branch_every=20, anneal_steps=5,
-                                measure_kwargs=kwargs)
+    fresh = train_with_branches(
+        language, spec, tmp_path / "fresh", branch_every=20, anneal_steps=5, measure_kwargs=kwargs
+    )
     assert fresh[-1]["kl"] != pytest.approx(runs[20][0][-1]["kl"], abs=1e-6)
     assert (tmp_path / "every10" / "branches" / "step-10" / "model.safetensors").exists()
 
 
 def _records(steps, traces, accuracies, kl=0.005):
     return [
-        {"step": s, "kl": kl, "saturated": kl <= 0.01, "saturation": {"ci_high": kl + 0.002}, "fisher_trace": f,
-         "probe_accuracy": a}
+        {
+            "step": s,
+            "kl": kl,
+            "saturated": kl <= 0.01,
+            "saturation": {"ci_high": kl + 0.002},
+            "fisher_trace": f,
+            "probe_accuracy": a,
+        }
         for s, f, a in zip(steps, traces, accuracies, strict=True)
     ]
 
@@ -218,10 +255,37 @@ def test_c1_from_the_saturated_start_stays_undecided_until_every_seed_is_in():
     assert saturated_start_c1(seeds, planned=5)["branches_saturated"]["4"] == "0 of 3"
 
 
+def _arm(trace, accuracy, kl=0.006):
+    return {"kl": kl, "saturated": kl <= 0.01, "fisher_trace": trace, "probe_accuracy": accuracy}
+
+
+def test_c3_verdict_by_its_rule():
+    arms = {
+        "adamw": (40.0, 0.60),
+        "adamw_plain": (60.0, 0.55),
+        "adamw_sam": (30.0, 0.62),
+        "adamw_plain_sam": (35.0, 0.6),
+    }
+    seeds = {str(s): {a: _arm(t, acc + s / 1000) for a, (t, acc) in arms.items()} for s in range(5)}
+    verdict = c3_verdict(seeds, planned=5)
+    assert verdict["verdict"] == "PASS" and verdict["sharpest"] == "adamw_plain" and verdict["flattest"] == "adamw_sam"
+    assert verdict["flattest_minus_sharpest_accuracy"]["mean"] == pytest.approx(0.07)
+    assert (
+        c3_verdict(dict(list(seeds.items())[:4]), planned=5)["verdict"] == "undecided (runs in progress: 4 of 5 seeds)"
+    )
+    # the sharpest arm transferring best fails the rule
+    reversed_seeds = {s: {**a, "adamw_plain": _arm(60.0, 0.70)} for s, a in seeds.items()}
+    assert c3_verdict(reversed_seeds, planned=5)["verdict"] == "FAIL"
+    # KL not matched within 0.003 nats: those seeds are excluded, too few remain
+    unmatched = {s: {**a, "adamw": _arm(40.0, 0.6, kl=0.0095)} for s, a in seeds.items()}
+    unmatched = {s: {**a, "adamw_sam": _arm(30.0, 0.6, kl=0.001)} for s, a in unmatched.items()}
+    assert c3_verdict(unmatched, planned=5)["verdict"] == "undecided (not saturated)"
+
+
 def test_recipe_smoke_writes_the_rule_first_and_resumes_from_disk(recipes, tmp_path, capsys):
     campaign = recipes.load("pcfg_saturated_start")
     out = ["--smoke", "--seeds", "0", "--work-dir", str(tmp_path / "w"), "--results-dir", str(tmp_path / "r")]
-    payload = campaign.main(out)
+    payload = campaign.main([*out, "--claims", "c1", "c3"])
     assert payload["rule"] == json.loads((tmp_path / "r" / "continued_training.json").read_text())["rule"]
     assert payload["verdict"]["verdict"] == "undecided (not saturated)"  # smoke sizes never saturate
     record = payload["seeds"]["0"]["branches"][-1]
@@ -231,6 +295,10 @@ def test_recipe_smoke_writes_the_rule_first_and_resumes_from_disk(recipes, tmp_p
     assert set(record["probe_by_layer"]) == {"0"}  # hidden_states 0 beside the last layer (1) of a 1-layer model
     assert set(payload["seeds"]["0"]["mcnemar"]) == {"start_vs_step20", "start_vs_step40", "step20_vs_step40"}
     assert (tmp_path / "r" / "checkpoints" / "seed0_last_branch" / "tokenizer.json").exists()
+    optimizer = json.loads((tmp_path / "r" / "optimizer.json").read_text())
+    assert set(optimizer["seeds"]["0"]) == {"adamw", "adamw_plain", "adamw_sam", "adamw_plain_sam"}
+    assert optimizer["verdict"]["verdict"] == "undecided (not saturated)"  # every arm in, none saturated
+    assert all(r["step"] == 40 for r in optimizer["seeds"]["0"].values())  # one branch, at the C1 length
     capsys.readouterr()
     again = campaign.main(out)
     assert "distilling" not in capsys.readouterr().out  # the start, the pilot and the seed were read from disk
@@ -278,7 +346,10 @@ def test_committed_start_kl_re_measured_by_brute_force_conditionals():
     assert independent == pytest.approx(project, abs=1e-6)
     assert (batch["input_ids"] == PAD_ID).sum() > 0  # rows of different lengths were padded, as the project's are
     # and the full-set KL the campaign recorded for this start is the project's own measurement of these weights
-    full = measure_saturation(model, kl_sentences.word_ids, grammar.masked_conditionals(kl_sentences.word_ids,
-                                                                                          kl_sentences.lengths),
-                              kl_sentences.lengths).kl
+    full = measure_saturation(
+        model,
+        kl_sentences.word_ids,
+        grammar.masked_conditionals(kl_sentences.word_ids, kl_sentences.lengths),
+        kl_sentences.lengths,
+    ).kl
     assert full == pytest.approx(payload["seeds"]["0"]["start"]["measured"]["kl"], rel=1e-9)

@@ -177,9 +177,7 @@ def distil_to_saturation(
                     model, stop_set.word_ids, stop_set.conditionals, stop_set.lengths, seed=step
                 )
                 model.train()
-                history.append(
-                    {"step": step, "kl": result.kl, "ci_high": result.ci_high, "learning_rate": float(rate)}
-                )
+                history.append({"step": step, "kl": result.kl, "ci_high": result.ci_high, "learning_rate": float(rate)})
                 if log:
                     print(
                         f"  distil step {step}: stop-set KL {result.kl:.4f} (upper {result.ci_high:.4f}) "

@@ -97,6 +97,7 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         help="stop once the seeds' starts (or also the rate pilot) are on disk: phases of a concurrent GPU run",
     )
     add("--merge", action="store_true", help="only write the results of the seeds finished on disk")
+    add("--markdown", action="store_true", help="only print the committed C1 results as the docs' tables")
     add(
         "--claims",
         nargs="+",
@@ -425,6 +426,78 @@ def commit_checkpoints(args, language, seed: int, result: dict[str, Any]) -> Non
         language.tokenizer.save_pretrained(target)
 
 
+def markdown_summary(args) -> str:
+    """The C1 results as docs/reproduction/synthetic.md shows them: verdict line, rate pilot, references, per seed a
+    table of the start and its branches and the seed's rule statistics."""
+    payload = json.loads((args.results_dir / "continued_training.json").read_text())
+    verdict, lines = payload["verdict"], []
+    lines += [
+        f"C1 (saturated start): **{verdict['verdict']}** (regime of the compared branches: {verdict['regime']})",
+        "",
+    ]
+    pilot_path = args.work_dir / "rate_pilot.json"
+    if pilot_path.exists():
+        pilot = json.loads(pilot_path.read_text())
+        pilots = "; ".join(
+            f"{p['learning_rate']:g}: KL {p['kl']:.4f} [{p['saturation']['ci_low']:.4f}, "
+            f"{p['saturation']['ci_high']:.4f}]"
+            for p in pilot["pilots"]
+        )
+        lines += [
+            f"**Rate pilot** (seed 0, one branch interval then the anneal): {pilots}; chosen **{pilot['chosen']:g}**.",
+            "",
+        ]
+
+    def tasks(row):
+        return " / ".join(f"{t['accuracy']:.3f}" for t in row["probe"].values())
+
+    references = payload.get("references") or {}
+    lines += [
+        "**Reference rows** (the fixed test set; A / B / C, mean): "
+        + "; ".join(
+            f"{name.replace('_', ' ')} {tasks(r)} ({r['probe_accuracy']:.3f})" for name, r in references.items()
+        )
+        + ".",
+        "",
+    ]
+    header = (
+        "| point | KL [95% CI] | saturated | Fisher trace (output layer + rest) | Hutchinson, data-label loss "
+        "| primary probe A / B / C (mean) | layers 0 / 1 / 2 (mean) |"
+    )
+    for seed, row in payload["seeds"].items():
+        start = row["start"]
+        lines += [
+            f"**Seed {seed}**: distilled in {start['steps']:,} steps ({start['seconds']:.0f} s wall), stop-set KL "
+            f"{start['stop_kl']['kl']:.4f} (upper {start['stop_kl']['ci_high']:.4f}).",
+            "",
+            header,
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, r in [("start", start["measured"])] + [(f"branch {b['step']}", b) for b in row["branches"]]:
+            layers = " / ".join(f"{x['probe_accuracy']:.3f}" for x in r.get("probe_by_layer", {}).values())
+            lines.append(
+                f"| {name} | {r['kl']:.4f} [{r['saturation']['ci_low']:.4f}, {r['saturation']['ci_high']:.4f}] "
+                f"| {'yes' if r['saturated'] else 'no'} | {r['fisher_trace']:.1f} ± {r['fisher_trace_stderr']:.1f} "
+                f"({r['fisher_trace_output_layer']:.1f} + {r['fisher_trace_rest']:.1f}) "
+                f"| {r['hutchinson_trace_data_loss']:.1f} ± {r['hutchinson_trace_data_loss_stderr']:.1f} "
+                f"| {tasks(r)} ({r['probe_accuracy']:.3f}) | {layers} |"
+            )
+        per_seed = verdict["per_seed"][seed]
+        first, last = row["branches"][0]["step"], row["branches"][-1]["step"]
+        paired = row["mcnemar"][f"step{first}_vs_step{last}"]
+        rho, gain = per_seed.get("spearman_step_trace"), per_seed.get("accuracy_gain")
+        lines += [
+            "",
+            f"Seed {seed}: compared branches {per_seed['regime']} ({verdict['branches_saturated'][seed]} saturated); "
+            f"Spearman(step, Fisher trace) {'n/a' if rho is None else f'{rho:+.2f}'}; last-minus-first primary "
+            f"accuracy {'n/a' if gain is None else f'{gain:+.4f}'}; McNemar last vs first branch: "
+            + ", ".join(f"{t} {x['difference']:+.3f} (p {x['p_value']:.2f})" for t, x in paired.items())
+            + ".",
+            "",
+        ]
+    return "\n".join(lines)
+
+
 def finished_from_disk(args) -> tuple[dict[int, dict], dict[int, dict], float | None]:
     """Every planned seed whose start and continued training are on disk (also those of other processes)."""
     results, starts = {}, {}
@@ -441,6 +514,9 @@ def main(argv=None) -> dict:
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     args = parse_arguments(argv)
+    if args.markdown:
+        print(markdown_summary(args))
+        return {}
     if not (args.results_dir / "continued_training.json").exists():
         write_results(args, None, {}, {}, None, None)  # the rule on disk before any run
     language, pool, stop_set = material(args)

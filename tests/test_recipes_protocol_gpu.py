@@ -1,33 +1,26 @@
-"""recipes/pcfg_protocol_gpu.py: its CPU dry run end to end, and the budget that kills what runs past the deadline."""
+"""recipes/pcfg_protocol_gpu.py: its CPU dry run end to end (starts, rate pilot, C1, merge) and the deadline
+that kills what runs past it."""
 
 import json
 import sys
 import time
 
 
-def test_protocol_gpu_dry_run_writes_gate_and_c1(recipes, tmp_path):
+def test_protocol_gpu_dry_run_writes_starts_rate_and_c1(recipes, tmp_path):
     completed = recipes.run(
-        "pcfg_protocol_gpu.py",
-        "--dry-run",
-        "--candidates",
-        "0:1",
-        "--seeds",
-        "0",
-        "--output-dir",
-        str(tmp_path / "out"),
-        tmp_path=tmp_path,
+        "pcfg_protocol_gpu.py", "--dry-run", "--seeds", "0", "--output-dir", str(tmp_path / "out"), tmp_path=tmp_path
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     summary = json.loads((tmp_path / "out" / "protocol_gpu.json").read_text())
     assert summary["device"] == "cpu"
-    # only what was asked ran: one candidate in the gate table, one seed in C1 (--smoke used to widen both)
-    assert [(r["grammar_seed"], r["concentration"]) for r in summary["gate"]["table"]] == [(0, 1.0)]
+    # only what was asked ran: one seed's start, the pilot, one seed's continued training
+    assert list(summary["starts_runs"]) == ["start_seed0"] and list(summary["c1_runs"]) == ["c1_seed0"]
     assert summary["c1_finished_seeds"] == [0]
-    assert summary["c1_grammar"]["gated"] == (summary["gate"]["chosen"] is not None)
-    results = json.loads((tmp_path / "out" / "c1" / "c1_results.json").read_text())
-    assert list(results["seeds"]) == ["0"]
+    results = json.loads((tmp_path / "out" / "results" / "continued_training.json").read_text())
+    assert list(results["seeds"]) == ["0"] and results["planned_seeds"] == [0]
     assert summary["c1_verdict"] == results["verdict"]
-    assert "grammar   lexical" in completed.stdout and "C1 (1 seeds: [0])" in completed.stdout
+    assert summary["continued_training_rate"] == results["continued_training_rate"] is not None
+    assert "C1 (1 seeds finished)" in completed.stdout and "seed 0: start KL" in completed.stdout
 
 
 def test_run_concurrently_kills_at_the_deadline_and_keeps_finished_runs(recipes, tmp_path):

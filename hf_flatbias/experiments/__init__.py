@@ -5,7 +5,8 @@ A recipe is a parser and a ``main()`` that put these together (as trl's ``trl/sc
 utils.py``); a new experiment adds a recipe, and a module here only for what a second recipe will share. One module
 per job: `language` (the language, its contexts, probe tasks and entropy floor), `models` (small BERTs from a config),
 `runs` (`RunSpec`, training through `FlatBiasTrainer`), `branches` (anneal-to-evaluate copies of a constant-rate
-trunk), `saturation` (KL to the exact conditionals over every position), `paper_language` / `paper_probes` /
+trunk), `saturation` (KL to the exact conditionals over every position),
+`distillation` (reaching the optimum on soft targets), `paper_language` / `paper_probes` /
 `protocol` / `verdicts` (the paper-shaped protocol: its fixed material, fixed-width probes, branch measurements and
 claim verdicts), `evaluation` (one record per checkpoint:
 one-mask loss, Fisher trace, probes), `analysis` (correlations, matched loss, selection by flatness), `results` (JSON
@@ -29,6 +30,7 @@ from .arguments import (
 )
 from .branches import BranchEvaluator, anneal_branch, branch_batches, linear_anneal_rates
 from .dataclass_args import load_yaml_config, parse_dataclass_args
+from .distillation import ConditionalPool, distil_to_saturation, distillation_batches, soft_masked_lm_loss
 from .evaluation import (
     CheckpointEvaluator,
     context_batch,
@@ -53,13 +55,13 @@ from .paper_probes import (
     selected_probe,
     without_predictions,
 )
-from .plots import plot_runs
+from .plots import plot_branches, plot_runs
 from .protocol import measure_branch, reference_rows, train_annealed, train_with_branches
 from .results import config_of, final_row, is_main_process, markdown_table, task_accuracies, write_json, write_results
 from .runs import RunSpec, train_and_evaluate
 from .saturation import SaturationResult, measure_saturation, model_masked_log_probs, saturation
 from .summary import summarize
-from .verdicts import C1_RULE, c1_verdict, compared_branches, t_interval
+from .verdicts import C1_RULE, c1_verdict, compared_branches, in_progress, saturated_start_c1, t_interval
 
 __all__ = [
     "BranchEvaluator",
@@ -84,6 +86,13 @@ __all__ = [
     "build_model",
     "c1_verdict",
     "compared_branches",
+    "ConditionalPool",
+    "distil_to_saturation",
+    "distillation_batches",
+    "in_progress",
+    "plot_branches",
+    "saturated_start_c1",
+    "soft_masked_lm_loss",
     "config_of",
     "context_batch",
     "correlations",

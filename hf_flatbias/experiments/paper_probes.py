@@ -38,10 +38,15 @@ def onehot_position_word(word_ids: np.ndarray, lengths: np.ndarray, width: int, 
     return out.reshape(len(lengths), -1)
 
 
-def encoder_features(model, language: PaperLanguage) -> dict[str, np.ndarray]:
-    """Last-layer states of every token position up to the fixed width, concatenated, for each probe split."""
+def encoder_features(model, language: PaperLanguage, layer: int = -1) -> dict[str, np.ndarray]:
+    """States of every token position up to the fixed width, concatenated, for each probe split.
+
+    ``layer`` indexes ``hidden_states`` (``-1``: the last layer, the released code's read-out; ``0``: embeddings).
+    """
     return {
-        split: extract_features(model, token_rows(language.probes[split]), pooling="concat", width=language.width + 2)
+        split: extract_features(
+            model, token_rows(language.probes[split]), pooling="concat", width=language.width + 2, layer=layer
+        )
         for split in PROBE_SPLITS
     }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -24,11 +25,15 @@ from ..trainer import FlatBiasTrainer
 from .branches import BranchEvaluator
 from .models import build_model
 from .paper_language import PaperLanguage
-from .paper_probes import encoder_features, exact_conditional_features, lexical_features, probe_all_tasks
+from .paper_probes import (
+    encoder_features,
+    exact_conditional_features,
+    lexical_features,
+    probe_all_tasks,
+    without_predictions,
+)
 from .runs import RunSpec, trainer_settings
 from .saturation import measure_saturation
-
-#: the Fisher trace is reported whole: hf_flatbias.flatness offers no split into output-layer and other terms yet
 
 
 def measure_branch(
@@ -39,10 +44,13 @@ def measure_branch(
     trace_draws: int,
     hutchinson_draws: int,
     seed: int = 0,
+    probe_layers: Sequence[int] = (),
 ) -> dict[str, Any]:
     """KL saturation, Fisher trace, Hutchinson trace of the data-label loss and probes of one (annealed) model.
 
-    ``trace_contexts=0`` skips both traces (reference rows). ``seed`` seeds the bootstrap and the trace draws.
+    ``trace_contexts=0`` skips both traces (reference rows). ``seed`` seeds the bootstrap and the trace draws. The
+    primary probe reads the last layer (the released code's read-out); ``probe_layers`` (``hidden_states`` indices,
+    e.g. ``0, 1, 2`` of a 3-layer BERT) are probed beside it into ``probe_by_layer``, without per-row predictions.
     """
     start = time.perf_counter()
     kl = measure_saturation(
@@ -81,6 +89,11 @@ def measure_branch(
             trace_contexts=n,
         )
     record.update(probe_all_tasks(encoder_features(model, language), language))
+    if probe_layers:
+        record["probe_by_layer"] = {
+            str(layer): without_predictions(probe_all_tasks(encoder_features(model, language, layer), language))
+            for layer in probe_layers
+        }
     record["measure_seconds"] = time.perf_counter() - start
     return record
 
@@ -105,8 +118,14 @@ def train_with_branches(
     branch_every: int,
     anneal_steps: int,
     measure_kwargs: dict[str, Any],
+    start_model: torch.nn.Module | None = None,
+    keep_branches: bool = False,
 ) -> list[dict[str, Any]]:
     """Train ``spec``'s trunk and measure an annealed branch every ``branch_every`` steps; resumes where it stopped.
+
+    ``start_model``: the trunk starts from a copy of these weights (e.g. a distilled, saturated model) instead of
+    ``spec``'s fresh initialisation; the model passed is left untouched. A resumed run reads its checkpoint instead.
+    ``keep_branches``: save each annealed branch (weights and config) under ``output_dir/branches/step-N``.
 
     ``output_dir/branches.json`` is rewritten after every branch and the trunk (weights, optimizer, scheduler, random
     states) is saved right after it, so a rerun continues from the last measured branch: the records up to that
@@ -125,9 +144,13 @@ def train_with_branches(
     elif last is not None:
         last = None  # a checkpoint without its records: start again rather than lose branches silently
     model = _model_for(spec, language)
+    if start_model is not None:
+        model.load_state_dict(start_model.state_dict())  # a copy: the trunk's steps never write into start_model
 
     def measure(branch, step):
         record = measure_branch(branch, language, seed=step, **measure_kwargs)
+        if keep_branches:
+            branch.save_pretrained(output_dir / "branches" / f"step-{step}")
         print(
             f"[seed {spec.seed}] branch {step}: KL {record['kl']:.4f} "
             f"[{record['saturation']['ci_low']:.4f}, {record['saturation']['ci_high']:.4f}] "

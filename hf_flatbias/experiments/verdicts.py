@@ -106,3 +106,79 @@ def c1_verdict(seeds: dict[str, Sequence[dict[str, Any]]]) -> dict[str, Any]:
         "pooled_spearman_kl_accuracy": spearman([r["kl"] for r in pooled], accuracy),
         "per_seed": per_seed,
     }
+
+
+def in_progress(verdict: dict[str, Any], finished: int, planned: int) -> dict[str, Any]:
+    """``verdict`` as it must be reported while runs are missing: "undecided (runs in progress: k of n seeds)".
+
+    The statistics of the finished seeds stay beside it; the stated rule's answer is only given with every seed in.
+    """
+    if finished >= planned:
+        return verdict
+    return {**verdict, "verdict": f"undecided (runs in progress: {finished} of {planned} seeds)"}
+
+
+def saturated_start_c1(seeds: dict[str, Sequence[dict[str, Any]]], planned: int) -> dict[str, Any]:
+    """C1 from a saturated start (issue 23): `c1_verdict` of the finished seeds, `in_progress` until all are in,
+    with how many branches of each seed stay saturated and the seed-level interval of the trace's change."""
+    verdict = in_progress(c1_verdict(seeds), len(seeds), planned)
+    change = [records[-1]["fisher_trace"] - records[0]["fisher_trace"] for records in seeds.values() if records]
+    mean, low, high = t_interval(change)
+    verdict["branches_saturated"] = {
+        seed: f"{sum(bool(r['saturated']) for r in records)} of {len(records)}" for seed, records in seeds.items()
+    }
+    verdict["fisher_trace_change_last_minus_first"] = {
+        "mean": None if math.isnan(mean) else mean,
+        "ci": None if math.isnan(low) else [low, high],
+    }
+    return verdict
+
+
+#: C3's arms from the saturated start: (dropout, weight decay, SAM)
+C3_ARMS = {
+    "adamw": (0.1, 0.01, False),
+    "adamw_plain": (0.0, 0.0, False),
+    "adamw_sam": (0.1, 0.01, True),
+    "adamw_plain_sam": (0.0, 0.0, True),
+}
+C3_RULE = (
+    "From each seed's saturated start, equal continued training in four arms: adamw (dropout 0.1, weight decay "
+    "0.01), adamw_plain (dropout 0, weight decay 0), and each with SAM (rho 0.05, every step). Compared per seed: "
+    "each arm's last branch, all saturated (KL <= 0.010, upper <= 0.015) and within 0.003 nats of each other "
+    "(matched KL), else the seed is excluded. PASS if, over >= 4 compared seeds, the arm with the largest seed-mean "
+    "Fisher trace has the lowest seed-mean primary probe accuracy AND the flattest arm's accuracy minus the "
+    "sharpest arm's has a 95% seed-level t interval above 0; FAIL if >= 4 seeds are compared and this does not "
+    "hold; else undecided (not saturated). Undecided (runs in progress) until every seed has every arm."
+)
+
+
+def c3_verdict(seeds: dict[str, dict[str, dict[str, Any]]], planned: int) -> dict[str, Any]:
+    """C3 by `C3_RULE` from ``{seed: {arm: last branch record}}`` (seeds missing an arm count as not finished)."""
+    finished = {s: arms for s, arms in seeds.items() if set(C3_ARMS) <= set(arms)}
+    compared = {}
+    for seed, arms in finished.items():
+        kls = [arms[a]["kl"] for a in C3_ARMS]
+        if all(arms[a]["saturated"] for a in C3_ARMS) and max(kls) - min(kls) <= MATCHED_KL_TOLERANCE:
+            compared[seed] = arms
+    mean_of = {
+        key: {a: float(np.mean([arms[a][key] for arms in compared.values()])) for a in C3_ARMS} if compared else None
+        for key in ("fisher_trace", "probe_accuracy")
+    }
+    trace, accuracy = mean_of["fisher_trace"], mean_of["probe_accuracy"]
+    row: dict[str, Any] = {"rule": C3_RULE, "seeds_compared": sorted(compared), "seeds_finished": len(finished)}
+    if len(compared) < SEEDS_REQUIRED:
+        row["verdict"] = "undecided (not saturated)"
+    else:
+        sharpest, flattest = max(trace, key=trace.get), min(trace, key=trace.get)
+        gains = [arms[flattest]["probe_accuracy"] - arms[sharpest]["probe_accuracy"] for arms in compared.values()]
+        mean, low, high = t_interval(gains)
+        worst = min(accuracy, key=accuracy.get)
+        row.update(
+            sharpest=sharpest,
+            flattest=flattest,
+            lowest_accuracy=worst,
+            flattest_minus_sharpest_accuracy={"mean": mean, "ci": [low, high]},
+            verdict="PASS" if worst == sharpest and low > 0 else "FAIL",
+        )
+    row.update(seed_mean_fisher_trace=trace, seed_mean_probe_accuracy=accuracy)
+    return in_progress(row, len(finished), planned)

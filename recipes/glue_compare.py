@@ -28,11 +28,12 @@ from hf_flatbias.experiments import parse_dataclass_args
 from hf_flatbias.glue import GlueArguments, GlueConfig
 from hf_flatbias.glue.compare import (
     MeasurementArguments,
+    check_checkpoints,
     held_out_corpus,
     load_masked_lm,
     load_task_data,
+    measure_checkpoints,
     pairwise_comparisons,
-    pretraining_measurements,
 )
 from hf_flatbias.glue.report import write_outputs
 
@@ -104,11 +105,8 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     from hf_flatbias.glue import (
-        check_task_text_fits_tokenizer,
         finetune_glue,
-        get_glue_task,
         hub_is_reachable,
-        load_classifier,
         parse_glue_tasks,
         resolve_finetune_mode,
     )
@@ -134,30 +132,8 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     # Where each checkpoint's loss and trace are measured: its own pre-training held-out split, unless told.
     corpora = {model: measuring.corpus_for(model) for model in args.models}
     # Every check that can fail runs before the first training step: tokenizers, heads, vocabularies, data.
-    tokenizers = {}
-    for model in args.models:
-        tokenizers[model] = load_masked_lm(model)[1]
-        if args.update_cards:
-            from hf_flatbias.modelcard import load_flatness_card
-
-            if not Path(model).is_dir():
-                raise ValueError(f"--update_cards edits local checkpoint folders; {model!r} is not one.")
-            load_flatness_card(model)  # fails now, not after fine-tuning, if the folder has no card
-        for task in tasks:
-            load_classifier(model, get_glue_task(task))
-    vocabularies = {model: tokenizer.get_vocab() for model, tokenizer in tokenizers.items()}
-    differing = [m for m in args.models if vocabularies[m] != vocabularies[args.models[0]]]
-    if differing:
-        raise ValueError(
-            f"{differing} use another vocabulary than {args.models[0]!r}: their losses are per token of different "
-            "vocabularies and cannot be compared. Compare checkpoints pre-trained with one tokenizer."
-        )
-    datasets_by_task = load_task_data(tasks, args.data_dir)
-    tasks = [task for task in tasks if task in datasets_by_task]
-    for task in tasks:  # the one rule `hf-flatbias trace` applies: text the vocabulary reads as [UNK] is refused
-        check_task_text_fits_tokenizer(
-            tokenizers[args.models[0]], get_glue_task(task), datasets_by_task[task]["train"], source=args.models[0]
-        )
+    datasets_by_task = check_checkpoints(args.models, tasks, args.data_dir, update_cards=args.update_cards)
+    tasks = list(datasets_by_task)
     standin_tasks = [task for task in standin_tasks if task in tasks]
 
     output_dir = Path(config.output_dir)
@@ -166,19 +142,9 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
         print(f"glue_compare: results go to {output_dir.resolve()}", file=sys.stderr)
     # Loss and trace of every checkpoint come first, so a checkpoint that cannot be measured stops the run before
     # any fine-tuning. Measuring and writing are done once, by the main process.
-    measured: dict[str, dict] = {model: {} for model in args.models}
-    losses: dict[str, tuple] = {}
-    if is_main_process:
-        texts = {}
-        for model in args.models:
-            if corpora[model] not in texts:
-                texts[corpora[model]] = corpora[model].held_out(max_texts=measuring.loss_texts)
-            fields, sums, counts = pretraining_measurements(
-                model, texts[corpora[model]], measuring, seed=config.seed, device=config.device
-            )
-            measured[model] = {**fields, "corpus": corpora[model].label}
-            losses[model] = (sums, counts)
-            logger.info("%s: %s", model, measured[model])
+    measured, losses = (
+        measure_checkpoints(corpora, measuring, config) if is_main_process else (dict.fromkeys(args.models, {}), {})
+    )
 
     rows: list[dict] = []
     scores: dict[tuple[str, str], list[float]] = {}

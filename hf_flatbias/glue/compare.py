@@ -5,6 +5,7 @@ differences over the same seeds."""
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,8 @@ from ..corpus import CorpusSpec
 from ..stats import paired_difference
 from .data import load_glue_dataset
 from .models import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -228,3 +231,52 @@ def load_task_data(tasks: Sequence[str], data_dir: str | None) -> dict:
             "--tasks sst2 (offline, a Rotten Tomatoes stand-in)."
         )
     return found
+
+
+def check_checkpoints(models: Sequence[str], tasks: Sequence[str], data_dir: str | None, *, update_cards: bool) -> dict:
+    """Every check that can fail, run before the first training step: tokenizers, heads, cards, one vocabulary for
+    all, and each task's data read by that vocabulary. Returns each task's data (tasks without data left out)."""
+    from ..modelcard import load_flatness_card
+    from .data import check_task_text_fits_tokenizer
+    from .models import load_classifier
+    from .tasks import get_glue_task
+
+    tokenizers = {}
+    for model in models:
+        tokenizers[model] = load_masked_lm(model)[1]
+        if update_cards:
+            if not Path(model).is_dir():
+                raise ValueError(f"--update_cards edits local checkpoint folders; {model!r} is not one.")
+            load_flatness_card(model)  # fails now, not after fine-tuning, if the folder has no card
+        for task in tasks:
+            load_classifier(model, get_glue_task(task))
+    vocabularies = {model: tokenizer.get_vocab() for model, tokenizer in tokenizers.items()}
+    differing = [m for m in models if vocabularies[m] != vocabularies[models[0]]]
+    if differing:
+        raise ValueError(
+            f"{differing} use another vocabulary than {models[0]!r}: their losses are per token of different "
+            "vocabularies and cannot be compared. Compare checkpoints pre-trained with one tokenizer."
+        )
+    datasets_by_task = load_task_data(tasks, data_dir)
+    tasks = [task for task in tasks if task in datasets_by_task]
+    for task in tasks:  # the one rule `hf-flatbias trace` applies: text the vocabulary reads as [UNK] is refused
+        check_task_text_fits_tokenizer(
+            tokenizers[models[0]], get_glue_task(task), datasets_by_task[task]["train"], source=models[0]
+        )
+    return {task: datasets_by_task[task] for task in tasks}
+
+
+def measure_checkpoints(corpora: dict[str, CorpusSpec], measuring: MeasurementArguments, config) -> tuple[dict, dict]:
+    """Loss and trace of every checkpoint on its held-out text (each corpus read once): ``(row fields by model,
+    (per-block loss sums, counts) by model)``."""
+    measured, losses, texts = {}, {}, {}
+    for model, corpus in corpora.items():
+        if corpus not in texts:
+            texts[corpus] = corpus.held_out(max_texts=measuring.loss_texts)
+        fields, sums, counts = pretraining_measurements(
+            model, texts[corpus], measuring, seed=config.seed, device=config.device
+        )
+        measured[model] = {**fields, "corpus": corpus.label}
+        losses[model] = (sums, counts)
+        logger.info("%s: %s", model, measured[model])
+    return measured, losses

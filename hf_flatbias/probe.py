@@ -7,13 +7,13 @@ regression on one split and scores the other, with a Wilson confidence interval 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from scipy.stats import norm
+
+from .stats import wilson_interval
 
 POOLINGS = ("cls", "mean", "position", "concat")
 
@@ -42,18 +42,6 @@ class ProbeResult:
 
     def to_dict(self) -> dict[str, float | int]:
         return dict(self.__dict__)
-
-
-def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
-    """Wilson score interval of a binomial proportion (stays inside [0, 1] and behaves near 0 and 1)."""
-    if trials <= 0:
-        raise ValueError("wilson_interval needs trials >= 1.")
-    z = float(norm.ppf(0.5 + confidence / 2))
-    p = successes / trials
-    denominator = 1 + z * z / trials
-    centre = (p + z * z / (2 * trials)) / denominator
-    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def probe_accuracy(

@@ -26,12 +26,11 @@ from pathlib import Path
 
 from hf_flatbias.cli import run_recipe
 from hf_flatbias.config import FlatBiasConfig
+from hf_flatbias.corpus import OFFLINE_CORPUS, CorpusSpec, resolve_dataset
 from hf_flatbias.experiments import parse_dataclass_args
 
 logger = logging.getLogger("bert_bookcorpus")
 
-HELD_OUT_SPLIT_SEED = 0
-BOOKCORPUS_PARQUET = "hf://datasets/bookcorpus/bookcorpus@refs%2Fconvert%2Fparquet/plain_text/train/*.parquet"
 # (layers, hidden size, attention heads) of Google's BERT miniatures (Turc et al., 2019) and BERT-base.
 MODEL_SIZES = {
     "nano": (2, 32, 2),  # smoke tests on CPU
@@ -168,82 +167,26 @@ def masking_collator(tokenizer, mlm_probability: float):
     return collate
 
 
+def corpus_spec(data: DataArguments) -> CorpusSpec:
+    """The corpus ``--dataset`` names, ``auto`` resolved; the arguments are updated to what the card records."""
+    data.dataset = resolve_dataset(data.dataset)
+    if data.dataset == OFFLINE_CORPUS:
+        data.text_column = "text"
+    return CorpusSpec(data.dataset, text_column=data.text_column, validation_texts=data.validation_texts)
+
+
 def load_text(data: DataArguments):
     """A ``DatasetDict`` with ``train`` and ``validation`` text, from the source named by ``--dataset``."""
-    import datasets
-
-    from hf_flatbias.glue import hub_is_reachable
-    from hf_flatbias.text_data import bbc_news_paragraphs
-
-    spec = data.dataset
-    if spec == "auto":
-        spec = "bookcorpus" if hub_is_reachable() else "bbc_news"
-        logger.info("--dataset auto: using %s", spec)
-        data.dataset = spec  # what the card records: the corpus actually used
-    if spec == "bbc_news":
-        # Some paragraphs recur across articles: kept once, so no held-out text is also a training text.
-        paragraphs = list(dict.fromkeys(bbc_news_paragraphs()))
-        raw = datasets.DatasetDict(train=datasets.Dataset.from_dict({"text": paragraphs}))
-        data.text_column = "text"
-    else:
-        if spec == "bookcorpus":
-            raw = datasets.load_dataset("parquet", data_files={"train": BOOKCORPUS_PARQUET})
-        elif spec.startswith("parquet:"):
-            raw = datasets.load_dataset("parquet", data_files={"train": spec.removeprefix("parquet:")})
-        elif os.path.exists(spec):
-            path = Path(spec)
-            suffix = path.suffix.lower() if path.is_file() else ""
-            builder = {".txt": "text", ".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-            if path.is_file() and suffix not in builder:
-                raise ValueError(f"--dataset {spec}: unsupported file type {suffix!r}; use one of {sorted(builder)}.")
-            raw = (
-                datasets.load_dataset(builder[suffix], data_files=str(path))
-                if path.is_file()
-                else (datasets.load_dataset(str(path)))
-            )
-        else:
-            name, _, config = spec.partition(":")
-            raw = datasets.load_dataset(name, config or None)
-    if "validation" not in raw:
-        held_out = min(data.validation_texts, max(1, len(raw["train"]) // 3))
-        split = raw["train"].train_test_split(test_size=held_out, seed=HELD_OUT_SPLIT_SEED)
-        raw = datasets.DatasetDict(train=split["train"], validation=split["test"])
-    if data.text_column not in raw["train"].column_names:
-        raise ValueError(
-            f"The dataset has no {data.text_column!r} column (it has {raw['train'].column_names}): set --text_column."
-        )
-    if data.max_train_texts is not None:
-        raw["train"] = raw["train"].select(range(min(data.max_train_texts, len(raw["train"]))))
-    raw["validation"] = raw["validation"].select(range(min(data.validation_texts, len(raw["validation"]))))
-    return raw
+    requested = data.dataset
+    spec = corpus_spec(data)
+    if requested != spec.dataset:
+        logger.info("--dataset %s: using %s", requested, spec.dataset)
+    return spec.load(max_train_texts=data.max_train_texts)
 
 
 def corpus_record(data: DataArguments) -> dict:
-    """What a card records about the pre-training text, after `load_text` resolved it: enough for `held_out_text`
-    to rebuild the very same held-out split."""
-    dataset = data.dataset
-    if os.path.exists(dataset):
-        dataset = str(Path(dataset).resolve())
-    return {
-        "dataset": dataset,
-        "text_column": data.text_column,
-        "validation_texts": data.validation_texts,
-        "split_seed": HELD_OUT_SPLIT_SEED,
-    }
-
-
-def held_out_text(corpus: dict, *, max_texts: int | None = None):
-    """The held-out split that a checkpoint's card records (see `corpus_record`), optionally its first ``max_texts``."""
-    missing = {"dataset", "text_column", "validation_texts"} - set(corpus)
-    if missing:
-        raise ValueError(f"The card's pretraining_corpus lacks {sorted(missing)}; pass --text_dataset explicitly.")
-    if corpus.get("split_seed", HELD_OUT_SPLIT_SEED) != HELD_OUT_SPLIT_SEED:
-        raise ValueError(f"The card's held-out split used seed {corpus['split_seed']}; this recipe rebuilds seed 0.")
-    data = DataArguments(
-        dataset=corpus["dataset"], text_column=corpus["text_column"], validation_texts=int(corpus["validation_texts"])
-    )
-    validation = load_text(data)["validation"]
-    return validation.select(range(min(max_texts, len(validation)))) if max_texts is not None else validation
+    """What a card records about the pre-training text, after `load_text` resolved it (see `CorpusSpec`)."""
+    return corpus_spec(data).to_record()
 
 
 def _offline_bert_uncased_folder() -> str | None:

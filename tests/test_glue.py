@@ -339,7 +339,7 @@ def test_hub_metric_failure_falls_back_to_the_local_module(monkeypatch):
         return real_load(path, *args, **kwargs)
 
     monkeypatch.setattr(evaluate, "load", fake_load)
-    monkeypatch.setattr(glue, "hub_is_reachable", lambda: True)
+    monkeypatch.setattr(glue.data, "hub_is_reachable", lambda: True)
     metric = glue.load_glue_metric("cola")
     assert asked[0] == "glue" and asked[1].endswith("metrics/glue")
     assert metric.compute(predictions=[0, 1, 1, 0], references=[0, 1, 1, 0]) == {"matthews_correlation": 1.0}

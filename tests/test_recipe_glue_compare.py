@@ -16,6 +16,7 @@ from hf_flatbias import glue
 from hf_flatbias.config import FlatBiasConfig
 from hf_flatbias.experiments import parse_dataclass_args
 from hf_flatbias.text_data import train_wordpiece_tokenizer
+from hf_flatbias.trainer import FlatBiasTrainer
 
 SENTENCES = ["the film was wonderful and moving", "a dull and tired story", "great acting, weak script"] * 5
 
@@ -165,15 +166,15 @@ def test_the_corpus_recorded_in_a_card_is_the_one_measured_on(glue_compare, reci
 
     bert_bookcorpus = recipes.load("bert_bookcorpus")
     DataArguments, corpus_record = bert_bookcorpus.DataArguments, bert_bookcorpus.corpus_record
-    held_out_text, load_text = bert_bookcorpus.held_out_text, bert_bookcorpus.load_text
+    load_text = bert_bookcorpus.load_text
     data = DataArguments(dataset="bbc_news", validation_texts=50)
     pretraining_split = load_text(data)["validation"]
     FlatnessCard(model_name="ckpt", pretraining_corpus=corpus_record(data)).save(tmp_path)
 
     corpus = glue_compare.held_out_corpus(str(tmp_path))
-    assert corpus == {"dataset": "bbc_news", "text_column": "text", "validation_texts": 50, "split_seed": 0}
-    assert held_out_text(corpus)["text"] == pretraining_split["text"]  # the very texts held out from pre-training
-    assert held_out_text(corpus, max_texts=7)["text"] == pretraining_split["text"][:7]
+    assert corpus.to_record() == {"dataset": "bbc_news", "text_column": "text", "validation_texts": 50, "split_seed": 0}
+    assert corpus.held_out()["text"] == pretraining_split["text"]  # the very texts held out from pre-training
+    assert corpus.held_out(max_texts=7)["text"] == pretraining_split["text"][:7]
     train = set(load_text(DataArguments(dataset="bbc_news", validation_texts=50))["train"]["text"])
     assert not train & set(pretraining_split["text"])
 
@@ -187,7 +188,7 @@ def test_unknown_corpus_without_text_dataset_is_refused_before_any_compute(glue_
 
 
 def test_offline_tasks_without_data_are_skipped_with_one_line(glue_compare, monkeypatch, capsys):
-    monkeypatch.setattr(glue, "hub_is_reachable", lambda: False)
+    monkeypatch.setattr(glue.data, "hub_is_reachable", lambda: False)
     found = glue_compare.load_task_data(["sst2", "rte"], None)
     assert list(found) == ["sst2"]
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
@@ -233,7 +234,7 @@ def test_shipped_config_parses(glue_compare, recipes, tmp_path):
     argv = glue_compare.split_positional_models(
         ["runs/a", "runs/b", "--config", str(recipes.directory / "configs" / "glue_compare.yaml")]
     )
-    args, training = parse_dataclass_args((glue_compare.CompareArguments, FlatBiasConfig), argv)
+    args, _, training = parse_dataclass_args(glue_compare.ARGUMENT_TYPES, argv)
     assert args.models == ["runs/a", "runs/b"] and args.seeds == [0, 1, 2, 3, 4] and args.tasks == "sst2,qnli,rte"
     assert training.learning_rate == 2e-5 and training.num_train_epochs == 3
 
@@ -268,3 +269,80 @@ def test_checkpoints_of_different_vocabularies_are_refused_before_any_compute(gl
     with pytest.raises(ValueError, match="another vocabulary"):
         glue_compare.main([*argv, "--output_dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+class _OptimizerBuilt(Exception):
+    """Stops a run once its optimizer exists: the learning rate it holds is all these tests need."""
+
+
+@pytest.fixture
+def optimizer_learning_rates(monkeypatch):
+    """The learning rates in the param groups of each optimizer a FlatBiasTrainer builds (before any scheduler)."""
+    seen = []
+    build = FlatBiasTrainer.create_optimizer
+
+    def record(self, *args, **kwargs):
+        optimizer = build(self, *args, **kwargs)
+        seen.append({group["lr"] for group in optimizer.param_groups})
+        raise _OptimizerBuilt
+
+    monkeypatch.setattr(FlatBiasTrainer, "create_optimizer", record)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def english_checkpoint(tmp_path_factory, tokenizer):
+    """A masked-LM checkpoint, its held-out text and SST-2-shaped files, all in the tokenizer's vocabulary."""
+    folder = tmp_path_factory.mktemp("lr_checkpoint")
+    torch.manual_seed(0)
+    BertForMaskedLM(_config(len(tokenizer))).save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    (folder / "held_out.txt").write_text("\n".join(SENTENCES * 4) + "\n")
+    rows = "sentence,label\n" + "".join(f'"{s}",{int("great" in s or "wonderful" in s)}\n' for s in SENTENCES)
+    (folder / "sst2").mkdir()
+    (folder / "sst2" / "train.csv").write_text(rows)
+    (folder / "sst2" / "validation.csv").write_text(rows)
+    return folder
+
+
+EXPECTED_LEARNING_RATES = {"full": 2e-5, "linear_cls": 1e-3, "linear_tokens": 1e-3, "pooler_head": 1e-3}
+
+
+@pytest.mark.parametrize("mode", list(EXPECTED_LEARNING_RATES))
+@pytest.mark.parametrize("given", [None, 5e-5])  # 5e-5: TrainingArguments' default, given on purpose
+def test_the_learning_rate_reaching_the_optimizer_in_glue_compare(
+    glue_compare, english_checkpoint, optimizer_learning_rates, tmp_path, mode, given
+):
+    argv = [
+        str(english_checkpoint / "model"), "--tasks", "sst2", "--mode", mode, "--seeds", "0",
+        "--data_dir", str(english_checkpoint), "--text_dataset", str(english_checkpoint / "held_out.txt"),
+        "--loss_maskings", "1", "--max_seq_length", "16", "--trace_contexts", "2", "--released_trace_batches", "0",
+        "--probe_positions", "3", "--max_steps", "1", "--use_cpu", "--output_dir", str(tmp_path),
+    ]  # fmt: skip
+    if given is not None:
+        argv += ["--learning_rate", str(given)]
+    with pytest.raises(_OptimizerBuilt):
+        glue_compare.main(argv)
+    assert optimizer_learning_rates == [{EXPECTED_LEARNING_RATES[mode] if given is None else given}]
+
+
+@pytest.mark.parametrize("mode", list(EXPECTED_LEARNING_RATES))
+def test_the_learning_rate_reaching_the_optimizer_in_finetune_glue(
+    english_checkpoint, optimizer_learning_rates, tmp_path, mode
+):
+    data = glue.load_glue_dataset("sst2", data_dir=english_checkpoint)
+    model = str(english_checkpoint / "model")
+    arguments = glue.GlueArguments(mode=mode, seeds=[0], probe_positions=3)
+    calls = (
+        lambda: glue.finetune_glue(model, "sst2", arguments, glue.GlueConfig(max_steps=1, use_cpu=True), dataset=data),
+        lambda: glue.finetune_glue(model, "sst2", mode=mode, seeds=[0], max_steps=1, use_cpu=True, dataset=data),
+        lambda: glue.finetune_glue(  # options of the config given as training_kwargs keep the mode's default too
+            model, "sst2", mode=mode, seeds=[0], dataset=data, training_kwargs={"max_steps": 1, "use_cpu": True}
+        ),
+    )
+    for call in calls:
+        with pytest.raises(_OptimizerBuilt):
+            call()
+    assert optimizer_learning_rates == [{EXPECTED_LEARNING_RATES[mode]}] * len(calls)
+    with pytest.raises(TypeError, match="GlueConfig"):  # a plain config would bring TrainingArguments' 5e-5
+        glue.finetune_glue(model, "sst2", arguments, FlatBiasConfig(use_cpu=True), dataset=data)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..glue.tasks import FINETUNE_MODE_CHOICES
 from .paths import existing_local_path, local_path_or_hub_id
 
 
@@ -20,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--mode",
         default="full",
-        choices=["full", "linear_cls", "linear_tokens", "pooler_head", "linear_probe"],
+        choices=list(FINETUNE_MODE_CHOICES),
         help="full fine-tuning; one linear layer on frozen [CLS] / token states; a new pooler and classifier on the "
         "frozen encoder (linear_probe: its old, deprecated name).",
     )

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, IGNORE_INDEX, MEASURES, RECOMMENDED_N_DRAWS, SPECTRUM_MATRICES
+from ..corpus import DATA_FILE_BUILDERS, load_data_files
 from .paths import check_output_file, local_path_or_hub_id
 
-DATA_FILE_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text", ".parquet": "parquet"}
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 GROUPED_ESTIMATORS = ("per_sample", "naive")
 """The estimators that split the trace by parameter group (per-context ones)."""
@@ -125,7 +125,7 @@ def _measure_list(text: str) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     check_arguments(args)  # before torch and transformers load (seconds) and before any data is read
     args.model = local_path_or_hub_id(args.model, "MODEL")
-    args.data = local_path_or_hub_id(args.data, "--data", file_suffixes=tuple(DATA_FILE_FORMATS))
+    args.data = local_path_or_hub_id(args.data, "--data", file_suffixes=tuple(DATA_FILE_BUILDERS))
     check_output_file(args.output, "--output")
     if args.plot:
         check_output_file(args.plot, "--plot")
@@ -461,13 +461,13 @@ def _load_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     if path.is_dir():
         loaded = datasets.load_from_disk(str(path))
     elif path.is_file():
-        file_format = DATA_FILE_FORMATS.get(path.suffix.lower())
+        file_format = DATA_FILE_BUILDERS.get(path.suffix.lower())
         if file_format is None:
-            raise ValueError(f"--data {args.data}: unknown file type; use one of {sorted(DATA_FILE_FORMATS)}.")
+            raise ValueError(f"--data {args.data}: unknown file type; use one of {sorted(DATA_FILE_BUILDERS)}.")
         if not path.read_bytes().strip():
             raise ValueError(f"--data {args.data} is empty; give a file with one text (or row) per line.")
         try:
-            loaded = datasets.load_dataset(file_format, data_files=str(path))
+            loaded = load_data_files(str(path))
         except datasets.exceptions.DatasetGenerationError as error:
             cause = error.__cause__ or error
             raise ValueError(

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausa
 
 from hf_flatbias import FlatBiasConfig, FlatBiasTrainer, estimate_hessian_trace
 from hf_flatbias.experiments import measure_saturation, write_json
+from hf_flatbias.stats import mean_interval
 from hf_flatbias.synthetic import PCFG
 from hf_flatbias.synthetic.data import MaskedWordCollator, masked_contexts, sentences_to_dataset
 from hf_flatbias.synthetic.tokenizer import CLS_ID, N_SPECIAL, PAD_ID, SEP_ID
@@ -52,8 +52,6 @@ METHODS: dict[str, tuple[dict, float, float]] = {
     "subbatch_sam": ({"flatness_method": "sam", "sam_rho": RHO, "sam_ascent_fraction": 0.25}, 1.0, 1.25),
 }
 MODELS = ("bert", "llama")
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
 RULE = (
     "Stated before the runs. For each model and each of functional_sam and precond_functional_sam: the result 'goes "
     "the paper's way at equal steps' when its held-out KL is below both adamw's and sam's, each paired difference "
@@ -236,12 +234,14 @@ def run_one(setting: Setting, kind: str, method: str, seed: int, args) -> dict:
 
 
 def interval(values: list[float]) -> dict:
-    n = len(values)
-    mean = float(np.mean(values))
-    if n < 2:
-        return {"mean": mean, "low": None, "high": None, "n": n}
-    half = T_975.get(n - 1, 1.96) * float(np.std(values, ddof=1)) / math.sqrt(n)
-    return {"mean": mean, "low": mean - half, "high": mean + half, "n": n}
+    result = mean_interval(values)
+    bounded = result.n >= 2
+    return {
+        "mean": result.estimate,
+        "low": result.low if bounded else None,
+        "high": result.high if bounded else None,
+        "n": result.n,
+    }
 
 
 def summarize(runs: list[dict]) -> dict:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import scipy.stats
 import torch
 
 
@@ -54,7 +55,7 @@ def test_verdicts_follow_the_stated_rule(recipe):
     assert differences["functional_sam - adamw_2x"]["verdict"] == "against"
     assert differences["sam - adamw"]["verdict"] == "inconclusive"
     sam_minus = [0.001 * (-1) ** i for i in range(5)]
-    half = 2.776 * np.std(sam_minus, ddof=1) / math.sqrt(5)
+    half = scipy.stats.t.ppf(0.975, df=4) * np.std(sam_minus, ddof=1) / math.sqrt(5)
     assert differences["sam - adamw"]["high"] == pytest.approx(np.mean(sam_minus) + half)
 
 

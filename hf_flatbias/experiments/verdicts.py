@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from ..stats import mean_interval
 from .analysis import spearman
 from .saturation import SATURATED_KL, SATURATED_KL_UPPER
 
@@ -60,15 +61,11 @@ def compared_branches(records: Sequence[dict[str, Any]]) -> tuple[str, list[dict
 
 
 def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float, float]:
-    """``(mean, low, high)``: Student-t interval of the mean of ``values`` (nan bounds below 2 values)."""
-    from scipy.stats import t
-
-    x = np.asarray(values, dtype=np.float64)
-    mean = float(x.mean()) if len(x) else math.nan
-    if len(x) < 2:
-        return mean, math.nan, math.nan
-    half = float(t.ppf(0.5 + confidence / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x)))
-    return mean, mean - half, mean + half
+    """``(mean, low, high)``: `hf_flatbias.stats.mean_interval` as a tuple (all nan for no values)."""
+    if len(values) == 0:
+        return math.nan, math.nan, math.nan
+    result = mean_interval(values, confidence)
+    return result.estimate, result.low, result.high
 
 
 def c1_verdict(seeds: dict[str, Sequence[dict[str, Any]]]) -> dict[str, Any]:

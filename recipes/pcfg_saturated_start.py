@@ -420,6 +420,8 @@ def commit_checkpoints(args, language, seed: int, result: dict[str, Any]) -> Non
         "last_branch": args.work_dir / f"seed{seed}" / "c1" / "branches" / f"step-{last}",
     }.items():
         target = args.results_dir / "checkpoints" / f"seed{seed}_{name}"
+        if not source.exists() and (target / "model.safetensors").exists():
+            continue  # a resumed campaign: the committed state keeps this copy, not the branch folder it came from
         target.mkdir(parents=True, exist_ok=True)
         for file in ("config.json", "model.safetensors"):
             shutil.copy2(source / file, target / file)

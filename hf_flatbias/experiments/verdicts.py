@@ -12,6 +12,9 @@ Claim C1, continued training (issue 15), stated before any run:
 * Reported beside it, never part of it: pooled Spearman(trace, accuracy) and Spearman(KL, accuracy) over every
   compared branch of every seed (the KL ranks as the loss against exact conditionals does: same sentences).
 
+Claims C3-C6 from the saturated start (issue 23) have their rules beside their functions (`C3_RULE` ... `C6_RULE`),
+each committed before the comparison it decides was computed; C4 and C6 reuse C1's measurements and say so.
+
 The thresholds are module constants; the verdict is never tuned until it passes.
 """
 
@@ -179,3 +182,110 @@ def c3_verdict(seeds: dict[str, dict[str, dict[str, Any]]], planned: int) -> dic
         )
     row.update(seed_mean_fisher_trace=trace, seed_mean_probe_accuracy=accuracy)
     return in_progress(row, len(finished), planned)
+
+
+def _saturated(record: dict[str, Any]) -> bool:
+    return record["kl"] <= SATURATED_KL and record["saturation"]["ci_high"] <= SATURATED_KL_UPPER
+
+
+def _interval_verdict(differences: dict[str, float], *, above: bool) -> dict[str, Any]:
+    """Seed-level t interval of per-seed differences; PASS when it lies wholly above 0 (``above``) or below 0.
+
+    Fewer than `SEEDS_REQUIRED` compared seeds: undecided (not saturated); callers add `in_progress`.
+    """
+    row: dict[str, Any] = {"seeds_compared": sorted(differences), "per_seed_difference": differences}
+    if len(differences) < SEEDS_REQUIRED:
+        row.update(verdict="undecided (not saturated)", difference=None)
+        return row
+    mean, low, high = t_interval(list(differences.values()))
+    holds = low > 0 if above else high < 0
+    row.update(verdict="PASS" if holds else "FAIL", difference={"mean": mean, "ci": [low, high]})
+    return row
+
+
+C4_RULE = (
+    "Lookup table vs saturated models, on the fixed probe test set. Per seed, the saturated start (KL <= 0.010, "
+    "upper <= 0.015) against the lookup-table row (a probe of the same width on the exact conditionals "
+    "Pr(x_t | x_-t) at every position). PASS if model-minus-lookup primary probe accuracy (mean of tasks A/B/C) has "
+    "a 95% seed-level t interval above 0 over >= 4 saturated seeds; FAIL if >= 4 seeds are saturated and it does "
+    "not; else undecided (not saturated). Beside it, not part of it: the same difference for each seed's last C1 "
+    "branch where saturated. Written after C1's measurements were on disk and before they were compared with the "
+    "lookup row; no new run."
+)
+
+
+def c4_verdict(
+    starts: dict[str, dict[str, Any]], last_branches: dict[str, dict[str, Any]], lookup: dict[str, Any], planned: int
+) -> dict[str, Any]:
+    """C4 by `C4_RULE` from each seed's start record, last C1 branch record and the lookup row (``probe_accuracy``)."""
+    base = lookup["probe_accuracy"]
+    primary = {s: r["probe_accuracy"] - base for s, r in starts.items() if _saturated(r)}
+    row = _interval_verdict(primary, above=True)
+    beside = {s: r["probe_accuracy"] - base for s, r in last_branches.items() if _saturated(r)}
+    row["last_branch_minus_lookup"] = {
+        "per_seed_difference": beside,
+        **(dict(zip(("mean", "low", "high"), t_interval(list(beside.values())), strict=True)) if beside else {}),
+    }
+    row.update(rule=C4_RULE, lookup_accuracy=base)
+    return in_progress(row, len(starts), planned)
+
+
+C6_RULE = (
+    "Selection among a seed's compared C1 branches (C1's definition: its saturated branches if >= 3, else its "
+    "matched ones): the branch with the smallest Fisher trace against the branch with the lowest KL. PASS if "
+    "flattest-minus-lowest-KL primary probe accuracy has a 95% seed-level t interval above 0 over >= 4 seeds with "
+    "compared branches (a seed where both rules pick the same branch counts 0); FAIL if >= 4 seeds have compared "
+    "branches and it does not; else undecided (not saturated). Written after C1's measurements were on disk and "
+    "before this selection was computed; no new run."
+)
+
+
+def c6_verdict(seeds: dict[str, Sequence[dict[str, Any]]], planned: int) -> dict[str, Any]:
+    """C6 by `C6_RULE` from each seed's C1 branch records."""
+    differences, picks, regimes = {}, {}, set()
+    for seed, records in seeds.items():
+        regime, compared = compared_branches(records)
+        if not compared:
+            continue
+        regimes.add(regime)
+        flattest = min(compared, key=lambda r: r["fisher_trace"])
+        lowest_kl = min(compared, key=lambda r: r["kl"])
+        differences[seed] = flattest["probe_accuracy"] - lowest_kl["probe_accuracy"]
+        picks[seed] = {"flattest_step": flattest["step"], "lowest_kl_step": lowest_kl["step"], "regime": regime}
+    row = _interval_verdict(differences, above=True)
+    row.update(rule=C6_RULE, picks=picks, regime=" and ".join(sorted(regimes)) or "none")
+    return in_progress(row, len(seeds), planned)
+
+
+C5_RULE = (
+    "From each seed's saturated start, C1's continued training (same rate, steps, warm-up, batches) with an "
+    "adversary on the evaluated read-out: one linear head per task A/B/C on the last layer's states at the fixed "
+    "positions concatenated (the primary probe's features), trained on the data's task labels, while the encoder "
+    "minimises the paper's masked-LM loss plus 1.0 x the cross-entropy of the frozen heads' predictions to the "
+    "uniform distribution; the branch anneals with the same objective. Compared per seed: the adversarial last "
+    "branch and C1's last branch, both saturated (KL <= 0.010, upper <= 0.015) and within 0.003 nats. PASS if over "
+    ">= 4 compared seeds adversarial-minus-C1 primary probe accuracy has a 95% seed-level t interval below 0 AND "
+    "adversarial-minus-C1 Fisher trace has one above 0; FAIL if >= 4 seeds are compared and this does not hold; "
+    "else undecided (not saturated)."
+)
+
+
+def c5_verdict(adversarial: dict[str, dict[str, Any]], plain: dict[str, dict[str, Any]], planned: int) -> dict:
+    """C5 by `C5_RULE` from ``{seed: last branch record}`` of the adversarial and the plain (C1) runs."""
+    compared = [
+        s for s in adversarial
+        if s in plain and _saturated(adversarial[s]) and _saturated(plain[s])
+        and abs(adversarial[s]["kl"] - plain[s]["kl"]) <= MATCHED_KL_TOLERANCE
+    ]  # fmt: skip
+    accuracy = _interval_verdict(
+        {s: adversarial[s]["probe_accuracy"] - plain[s]["probe_accuracy"] for s in compared}, above=False
+    )
+    trace = _interval_verdict(
+        {s: adversarial[s]["fisher_trace"] - plain[s]["fisher_trace"] for s in compared}, above=True
+    )
+    verdict = accuracy["verdict"]
+    if verdict != "undecided (not saturated)":
+        verdict = "PASS" if accuracy["verdict"] == trace["verdict"] == "PASS" else "FAIL"
+    row = {"rule": C5_RULE, "verdict": verdict, "seeds_compared": sorted(compared),
+           "accuracy_difference": accuracy, "fisher_trace_difference": trace}  # fmt: skip
+    return in_progress(row, len(adversarial), planned)

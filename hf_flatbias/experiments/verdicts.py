@@ -289,3 +289,52 @@ def c5_verdict(adversarial: dict[str, dict[str, Any]], plain: dict[str, dict[str
     row = {"rule": C5_RULE, "verdict": verdict, "seeds_compared": sorted(compared),
            "accuracy_difference": accuracy, "fisher_trace_difference": trace}  # fmt: skip
     return in_progress(row, len(adversarial), planned)
+
+
+#: C2's widths (same depth as C1's H64-L3); H64's runs are C1's
+C2_SIZES = (32, 64, 128)
+C2_RULE = (
+    "Model size: BERTs of hidden size 32, 64 and 128 (3 layers; H64 is C1's run) are each distilled to saturation "
+    "and continued exactly as C1 (same rate, steps, batches); compared per seed: each size's last branch. Sizes "
+    "compared: those whose last branch is saturated (KL <= 0.010, upper <= 0.015) in >= 4 seeds; the claim is "
+    "decided between the largest and the smallest of them, over the seeds where both are saturated and within "
+    "0.003 nats. PASS if larger-minus-smaller primary probe accuracy has a 95% seed-level t interval above 0 AND "
+    "larger-minus-smaller Fisher trace measured in H128's parameter space (`hf_flatbias.enlarge`, function-"
+    "preserving) has one below 0; FAIL if >= 4 seeds are compared and this does not hold; else undecided (not "
+    "saturated). Traces in each model's own parameter space are reported beside."
+)
+
+
+def c2_verdict(sizes: dict[int, dict[str, dict[str, Any]]], planned: int) -> dict[str, Any]:
+    """C2 by `C2_RULE` from ``{hidden size: {seed: last branch record}}``; each record carries ``fisher_trace`` in
+    its own space and ``fisher_trace_enlarged`` in the largest size's space."""
+    usable = sorted(h for h, seeds in sizes.items() if sum(_saturated(r) for r in seeds.values()) >= SEEDS_REQUIRED)
+    finished = min((len(seeds) for seeds in sizes.values()), default=0)
+    row: dict[str, Any] = {"rule": C2_RULE, "sizes_saturated": usable}
+    if len(usable) < 2:
+        row.update(verdict="undecided (not saturated)", seeds_compared=[])
+        return in_progress(row, finished, planned)
+    small, large = sizes[usable[0]], sizes[usable[-1]]
+    compared = [
+        s for s in large
+        if s in small and _saturated(large[s]) and _saturated(small[s])
+        and abs(large[s]["kl"] - small[s]["kl"]) <= MATCHED_KL_TOLERANCE
+    ]  # fmt: skip
+    accuracy = _interval_verdict(
+        {s: large[s]["probe_accuracy"] - small[s]["probe_accuracy"] for s in compared}, above=True
+    )
+    trace = _interval_verdict(
+        {s: large[s]["fisher_trace_enlarged"] - small[s]["fisher_trace_enlarged"] for s in compared}, above=False
+    )
+    verdict = accuracy["verdict"]
+    if verdict != "undecided (not saturated)":
+        verdict = "PASS" if accuracy["verdict"] == trace["verdict"] == "PASS" else "FAIL"
+    row.update(
+        verdict=verdict,
+        smaller=usable[0],
+        larger=usable[-1],
+        seeds_compared=sorted(compared),
+        accuracy_difference=accuracy,
+        enlarged_fisher_trace_difference=trace,
+    )
+    return in_progress(row, finished, planned)

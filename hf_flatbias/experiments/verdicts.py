@@ -204,54 +204,80 @@ def _interval_verdict(differences: dict[str, float], *, above: bool) -> dict[str
 
 
 C4_RULE = (
-    "Lookup table vs saturated models, on the fixed probe test set. Per seed, the saturated start (KL <= 0.010, "
+    "Lookup table vs saturated models, on the fixed probe test set (the rule docs/REPRODUCTION.md stated in 774773a: "
+    "'the models win on >= 2 of 3 tasks with CI > 0', made precise). Per seed, the saturated start (KL <= 0.010, "
     "upper <= 0.015) against the lookup-table row (a probe of the same width on the exact conditionals "
-    "Pr(x_t | x_-t) at every position). PASS if model-minus-lookup primary probe accuracy (mean of tasks A/B/C) has "
-    "a 95% seed-level t interval above 0 over >= 4 saturated seeds; FAIL if >= 4 seeds are saturated and it does "
-    "not; else undecided (not saturated). Beside it, not part of it: the same difference for each seed's last C1 "
-    "branch where saturated. Written after C1's measurements were on disk and before they were compared with the "
-    "lookup row; no new run."
+    "Pr(x_t | x_-t) at every position). PASS if, over >= 4 saturated seeds, model-minus-lookup probe accuracy has a "
+    "95% seed-level t interval above 0 on >= 2 of the 3 tasks A/B/C; FAIL if >= 4 seeds are saturated and it does "
+    "not; else undecided (not saturated). Beside it, not part of it: the mean over tasks, and the same for each "
+    "seed's last C1 branch where saturated. Written after C1's measurements were on disk and before they were "
+    "compared with the lookup row; no new run."
 )
+
+#: C4: tasks (of 3) on which the saturated models must beat the lookup table
+C4_TASKS_REQUIRED = 2
 
 
 def c4_verdict(
     starts: dict[str, dict[str, Any]], last_branches: dict[str, dict[str, Any]], lookup: dict[str, Any], planned: int
 ) -> dict[str, Any]:
-    """C4 by `C4_RULE` from each seed's start record, last C1 branch record and the lookup row (``probe_accuracy``)."""
+    """C4 by `C4_RULE` from each seed's start record, last C1 branch record and the lookup row (``probe`` per task
+    with its ``accuracy``, and ``probe_accuracy``)."""
+    saturated = {s: r for s, r in starts.items() if _saturated(r)}
+    tasks = {
+        task: _interval_verdict(
+            {s: r["probe"][task]["accuracy"] - row["accuracy"] for s, r in saturated.items()}, above=True
+        )
+        for task, row in lookup["probe"].items()
+    }
+    row: dict[str, Any] = {"rule": C4_RULE, "seeds_compared": sorted(saturated), "per_task": tasks}
+    if len(saturated) < SEEDS_REQUIRED:
+        row["verdict"] = "undecided (not saturated)"
+    else:
+        won = sum(task["verdict"] == "PASS" for task in tasks.values())
+        row.update(tasks_won=won, verdict="PASS" if won >= C4_TASKS_REQUIRED else "FAIL")
     base = lookup["probe_accuracy"]
-    primary = {s: r["probe_accuracy"] - base for s, r in starts.items() if _saturated(r)}
-    row = _interval_verdict(primary, above=True)
+    row["mean_over_tasks"] = _interval_verdict(
+        {s: r["probe_accuracy"] - base for s, r in saturated.items()}, above=True
+    )
     beside = {s: r["probe_accuracy"] - base for s, r in last_branches.items() if _saturated(r)}
     row["last_branch_minus_lookup"] = {
         "per_seed_difference": beside,
         **(dict(zip(("mean", "low", "high"), t_interval(list(beside.values())), strict=True)) if beside else {}),
     }
-    row.update(rule=C4_RULE, lookup_accuracy=base)
+    row["lookup_accuracy"] = base
     return in_progress(row, len(starts), planned)
 
 
 C6_RULE = (
     "Selection among a seed's compared C1 branches (C1's definition: its saturated branches if >= 3, else its "
-    "matched ones): the branch with the smallest Fisher trace against the branch with the lowest KL. PASS if "
-    "flattest-minus-lowest-KL primary probe accuracy has a 95% seed-level t interval above 0 over >= 4 seeds with "
-    "compared branches (a seed where both rules pick the same branch counts 0); FAIL if >= 4 seeds have compared "
-    "branches and it does not; else undecided (not saturated). Written after C1's measurements were on disk and "
-    "before this selection was computed; no new run."
+    "matched ones), as docs/REPRODUCTION.md stated in 774773a ('FlatnessCheckpointSelector among saturated branches "
+    "vs the lowest KL: paired accuracy difference over seeds with its CI'), made precise: the branch "
+    "`select_flattest_checkpoint` chooses (the selector's defaults: within 0.01 nats of the lowest KL, smallest "
+    "Fisher trace, no margin) against the branch with the lowest KL. PASS if chosen-minus-lowest-KL primary probe "
+    "accuracy has a 95% seed-level t interval above 0 over >= 4 seeds with compared branches (a seed where both "
+    "pick the same branch counts 0); FAIL if >= 4 seeds have compared branches and it does not; else undecided (not "
+    "saturated). Written after C1's measurements were on disk and before this selection was computed; no new run."
 )
 
 
 def c6_verdict(seeds: dict[str, Sequence[dict[str, Any]]], planned: int) -> dict[str, Any]:
     """C6 by `C6_RULE` from each seed's C1 branch records."""
+    from ..selection import CheckpointRecord, select_flattest_checkpoint
+
     differences, picks, regimes = {}, {}, set()
     for seed, records in seeds.items():
         regime, compared = compared_branches(records)
         if not compared:
             continue
         regimes.add(regime)
-        flattest = min(compared, key=lambda r: r["fisher_trace"])
-        lowest_kl = min(compared, key=lambda r: r["kl"])
-        differences[seed] = flattest["probe_accuracy"] - lowest_kl["probe_accuracy"]
-        picks[seed] = {"flattest_step": flattest["step"], "lowest_kl_step": lowest_kl["step"], "regime": regime}
+        by_step = {r["step"]: r for r in compared}
+        selection = select_flattest_checkpoint(
+            CheckpointRecord(step=r["step"], eval_loss=r["kl"], hessian_trace=r["fisher_trace"]) for r in compared
+        )
+        chosen, lowest_kl = by_step[selection.chosen.step], by_step[selection.lowest_loss.step]
+        differences[seed] = chosen["probe_accuracy"] - lowest_kl["probe_accuracy"]
+        picks[seed] = {"chosen_step": chosen["step"], "lowest_kl_step": lowest_kl["step"], "regime": regime}
     row = _interval_verdict(differences, above=True)
     row.update(rule=C6_RULE, picks=picks, regime=" and ".join(sorted(regimes)) or "none")
     return in_progress(row, len(seeds), planned)
@@ -263,10 +289,11 @@ C5_RULE = (
     "positions concatenated (the primary probe's features), trained on the data's task labels, while the encoder "
     "minimises the paper's masked-LM loss plus 1.0 x the cross-entropy of the frozen heads' predictions to the "
     "uniform distribution; the branch anneals with the same objective. Compared per seed: the adversarial last "
-    "branch and C1's last branch, both saturated (KL <= 0.010, upper <= 0.015) and within 0.003 nats. PASS if over "
-    ">= 4 compared seeds adversarial-minus-C1 primary probe accuracy has a 95% seed-level t interval below 0 AND "
-    "adversarial-minus-C1 Fisher trace has one above 0; FAIL if >= 4 seeds are compared and this does not hold; "
-    "else undecided (not saturated)."
+    "branch and C1's last branch, both saturated (KL <= 0.010, upper <= 0.015) and within 0.003 nats (docs/"
+    "REPRODUCTION.md, 774773a: 'at matched KL transfer falls (CI)'). PASS if over >= 4 compared seeds "
+    "adversarial-minus-C1 primary probe accuracy has a 95% seed-level t interval below 0; FAIL if >= 4 seeds are "
+    "compared and it does not; else undecided (not saturated). Beside it, not part of it: adversarial-minus-C1 "
+    "Fisher trace with its interval (the paper's adversary also sharpened the model)."
 )
 
 
@@ -283,10 +310,7 @@ def c5_verdict(adversarial: dict[str, dict[str, Any]], plain: dict[str, dict[str
     trace = _interval_verdict(
         {s: adversarial[s]["fisher_trace"] - plain[s]["fisher_trace"] for s in compared}, above=True
     )
-    verdict = accuracy["verdict"]
-    if verdict != "undecided (not saturated)":
-        verdict = "PASS" if accuracy["verdict"] == trace["verdict"] == "PASS" else "FAIL"
-    row = {"rule": C5_RULE, "verdict": verdict, "seeds_compared": sorted(compared),
+    row = {"rule": C5_RULE, "verdict": accuracy["verdict"], "seeds_compared": sorted(compared),
            "accuracy_difference": accuracy, "fisher_trace_difference": trace}  # fmt: skip
     return in_progress(row, len(adversarial), planned)
 

@@ -18,7 +18,8 @@ RATE (rule fixed before the runs): the constant rate is the largest of ``--conti
 
 CLAIMS (rules in `hf_flatbias.experiments.verdicts`, each on disk before its runs): C1 continued training (every
 seed's trunk and branches); C3 four optimizer arms per seed, one branch at C1's length; C5 an adversary on the
-evaluated read-out, one branch at C1's length; C4 (lookup table) and C6 (selection by flatness) read C1's records.
+evaluated read-out, one branch at C1's length; C2 widths 32 / 64 / 128, each distilled and continued as C1; C4
+(lookup table) and C6 (selection by flatness) read C1's records.
 Each claim's JSON under ``RESULTS`` is rewritten after every finished seed; a verdict is "undecided (runs in
 progress: k of 5 seeds)" until every seed is in.
 
@@ -33,37 +34,38 @@ Resumable: a finished distillation (``WORK/seedS/start``), rate pilot, seed or a
 from __future__ import annotations
 
 import argparse
-import json
+import itertools
 import os
 import sys
 from pathlib import Path
 
 import torch
 
-from hf_flatbias.experiments import reference_rows, trains_on_cpu, without_predictions, write_json
+from hf_flatbias.experiments import trains_on_cpu
 from hf_flatbias.experiments.campaign import (
     SHAPES,
+    campaign_rate,
     choose_rate,
     commit_checkpoints,
-    continue_spec,
     distilled_start,
-    finished_from_disk,
     material,
     run_c1_seed,
+    run_c2_size,
     run_c3_arm,
     run_c5_seed,
 )
 from hf_flatbias.experiments.claims import (
     markdown_summary,
+    references_of,
     verdict_table,
+    write_c2,
     write_c3,
-    write_c4,
     write_c5,
-    write_c6,
-    write_results,
+    write_claims,
+    write_rules,
 )
 from hf_flatbias.experiments.paper_language import task_labelled_train
-from hf_flatbias.experiments.verdicts import C3_ARMS
+from hf_flatbias.experiments.verdicts import C2_SIZES, C3_ARMS
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
@@ -83,8 +85,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     add(
         "--claims",
         nargs="+",
-        choices=["c1", "c3", "c5"],
-        default=["c1", "c3", "c5"],
+        choices=["c1", "c3", "c5", "c2"],
+        default=["c1", "c3", "c5", "c2"],
         help="claims run in order, each for every seed (C4 and C6 need no run: they read C1's seeds)",
     )
     add("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="model seeds, run in this order")
@@ -144,27 +146,6 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     return args
 
 
-def references_of(args, language) -> dict:
-    """The probe rows without pre-training (lexical, untrained encoder, lookup table), measured once per work folder."""
-    path = args.work_dir / "references.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    rows = reference_rows(language, continue_spec(args, args.seeds[0], 0.0, args.branch_every))
-    references = {name: without_predictions(row) for name, row in rows.items()}
-    write_json(path, references)
-    return references
-
-
-def write_claims(args, references) -> dict:
-    """Every claim's JSON from what is on disk; returns C1's."""
-    write_c3(args)
-    write_c5(args)
-    write_c4(args, references)
-    write_c6(args)
-    results, starts, rate = finished_from_disk(args)
-    return write_results(args, None, results, starts, rate, references)
-
-
 def main(argv=None) -> dict:
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
@@ -172,21 +153,15 @@ def main(argv=None) -> dict:
     if args.markdown:
         print(markdown_summary(args) + "\n\n" + verdict_table(args.results_dir))
         return {}
-    if not (args.results_dir / "continued_training.json").exists():
-        write_results(args, None, {}, {}, None, None)  # the rule on disk before any run
-    for claim, path, write in (("c3", "optimizer.json", write_c3), ("c5", "adversarial.json", write_c5)):
-        if claim in args.claims and not (args.results_dir / path).exists():
-            write(args)  # the claim's rule on disk before any of its runs
+    write_rules(args)  # each claim's rule on disk before any of its runs
     language, pool, stop_set = material(args)
     references = references_of(args, language)
     if not args.merge:
-        rate = None
         for seed in args.seeds if "c1" in args.claims or args.stop_after else []:
             start, _ = distilled_start(args, language, pool, stop_set, seed)
             if args.stop_after == "start":
                 continue
-            if rate is None:
-                rate = choose_rate(args, language, start)["chosen"]
+            rate = choose_rate(args, language, start)["chosen"]  # the pilot runs once, on the first seed
             if args.stop_after == "rate":
                 break
             result = run_c1_seed(args, language, start, seed, rate)
@@ -195,18 +170,22 @@ def main(argv=None) -> dict:
             print(f"[seed {seed}] done; C1: {write_claims(args, references)['verdict']['verdict']}", flush=True)
         if args.stop_after is not None:
             return {}
-        for seed in args.seeds if "c3" in args.claims else []:
+        later = [claim for claim in args.claims if claim != "c1"]
+        rate = campaign_rate(args, language, pool, stop_set) if later else None
+        labelled = task_labelled_train(language, args.n_train) if "c5" in later else None
+        for claim, seed in itertools.product(later, args.seeds):
             start, _ = distilled_start(args, language, pool, stop_set, seed)
-            rate = rate or choose_rate(args, language, start)["chosen"]
-            for arm in C3_ARMS:
-                run_c3_arm(args, language, start, seed, rate, arm)
-                print(f"[seed {seed}] C3 {arm} done; C3: {write_c3(args)['verdict']['verdict']}", flush=True)
-        labelled = task_labelled_train(language, args.n_train) if "c5" in args.claims else None
-        for seed in args.seeds if "c5" in args.claims else []:
-            start, _ = distilled_start(args, language, pool, stop_set, seed)
-            rate = rate or choose_rate(args, language, start)["chosen"]
-            run_c5_seed(args, language, labelled, start, seed, rate)
-            print(f"[seed {seed}] C5 done; C5: {write_c5(args)['verdict']['verdict']}", flush=True)
+            if claim == "c3":
+                for arm in C3_ARMS:
+                    run_c3_arm(args, language, start, seed, rate, arm)
+                    print(f"[seed {seed}] C3 {arm}: {write_c3(args)['verdict']['verdict']}", flush=True)
+            elif claim == "c5":
+                run_c5_seed(args, language, labelled, start, seed, rate)
+                print(f"[seed {seed}] C5: {write_c5(args)['verdict']['verdict']}", flush=True)
+            else:
+                for hidden in C2_SIZES:
+                    run_c2_size(args, language, pool, stop_set, seed, rate, hidden)
+                    print(f"[seed {seed}] C2 H{hidden}: {write_c2(args)['verdict']['verdict']}", flush=True)
     payload = write_claims(args, references)
     print(verdict_table(args.results_dir), flush=True)
     return payload

@@ -367,7 +367,7 @@ def test_c2_decides_between_the_largest_and_smallest_saturated_sizes():
 def test_recipe_smoke_writes_the_rule_first_and_resumes_from_disk(recipes, tmp_path, capsys):
     campaign = recipes.load("pcfg_saturated_start")
     out = ["--smoke", "--seeds", "0", "--work-dir", str(tmp_path / "w"), "--results-dir", str(tmp_path / "r")]
-    payload = campaign.main([*out, "--claims", "c1", "c3", "c5"])
+    payload = campaign.main([*out, "--claims", "c1", "c3", "c5", "c2"])
     assert payload["rule"] == json.loads((tmp_path / "r" / "continued_training.json").read_text())["rule"]
     assert payload["verdict"]["verdict"] == "undecided (not saturated)"  # smoke sizes never saturate
     record = payload["seeds"]["0"]["branches"][-1]
@@ -387,7 +387,11 @@ def test_recipe_smoke_writes_the_rule_first_and_resumes_from_disk(recipes, tmp_p
     # the adversary trained its own heads and the encoder: the measured model is not C1's last branch
     assert adversarial["seeds"]["0"]["adversarial"]["kl"] != record["kl"]
     assert adversarial["verdict"]["verdict"] == "undecided (not saturated)"
-    for name in ("lookup_table.json", "selection.json"):
+    sizes = json.loads((tmp_path / "r" / "model_size.json").read_text())["seeds"]
+    assert sizes["128"]["0"]["fisher_trace_enlarged"] == sizes["128"]["0"]["fisher_trace"]  # its own space
+    assert sizes["32"]["0"]["fisher_trace_enlarged"] != sizes["32"]["0"]["fisher_trace"]  # embedded into H128
+    assert (tmp_path / "w" / "seed0" / "h128" / "start" / "start.json").exists()
+    for name in ("lookup_table.json", "selection.json", "model_size.json"):
         assert json.loads((tmp_path / "r" / name).read_text())["verdict"]["verdict"] == "undecided (not saturated)"
     capsys.readouterr()
     again = campaign.main(out)

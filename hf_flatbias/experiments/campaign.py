@@ -2,7 +2,7 @@
 
 Per model seed: a start distilled on the exact conditionals until saturated (`distilled_start`), the rate pilot
 (`choose_rate`, once), then the claims' continued trainings from that start (`run_c1_seed`, `run_c3_arm`,
-`run_c5_seed`). A phase whose ``result.json`` (or ``start.json``) exists is read back, never
+`run_c5_seed`, `run_c2_size`). A phase whose ``result.json`` (or ``start.json``) exists is read back, never
 recomputed; each writes that file last. ``args`` is the namespace of ``recipes/pcfg_saturated_start.py``'s parser.
 The result files and verdicts are `claims`' job.
 """
@@ -20,14 +20,16 @@ import numpy as np
 from transformers import BertForMaskedLM
 
 from ..adversarial import AdversarialPretrainingModel
+from ..enlarge import enlarge
+from ..flatness import estimate_hessian_trace
 from ..synthetic.conditionals import cached_conditionals
 from .distillation import ConditionalPool, distil_to_saturation
-from .models import build_model
+from .models import bert_config, build_model
 from .paper_language import PaperLanguage, setup_paper_language, task_classes
 from .protocol import measure_branch, train_with_branches
 from .results import write_json
 from .runs import RunSpec
-from .verdicts import C3_ARMS
+from .verdicts import C2_SIZES, C3_ARMS
 
 SHAPES = {
     "three_level": {"n_levels": 3, "symbols_per_level": 5, "n_words": 50, "binary_rules_per_symbol": 10},
@@ -82,14 +84,19 @@ def measure_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def distilled_start(args, language, pool, stop_set, seed: int) -> tuple[BertForMaskedLM, dict[str, Any]]:
-    """Seed ``seed``'s saturated start (distilled once, then read from disk) and its record."""
-    start_dir = args.work_dir / f"seed{seed}" / "start"
+def distilled_start(
+    args, language, pool, stop_set, seed: int, hidden: int | None = None
+) -> tuple[BertForMaskedLM, dict[str, Any]]:
+    """Seed ``seed``'s saturated start (distilled once, then read from disk) and its record; ``hidden``: another
+    width than the campaign's (C2), kept under ``seedS/hH/start``."""
+    hidden = args.hidden if hidden is None else hidden
+    seed_dir = args.work_dir / f"seed{seed}"
+    start_dir = (seed_dir if hidden == args.hidden else seed_dir / f"h{hidden}") / "start"
     record_path = start_dir / "start.json"
     if record_path.exists():
         model = BertForMaskedLM.from_pretrained(start_dir).to("cpu" if args.use_cpu else "cuda")
         return model.eval(), json.loads(record_path.read_text())
-    model = build_model(len(language.tokenizer), hidden=args.hidden, layers=args.layers, seed=seed)
+    model = build_model(len(language.tokenizer), hidden=hidden, layers=args.layers, seed=seed)
     model.to("cpu" if args.use_cpu else "cuda")
     print(f"[seed {seed}] distilling ({sum(p.numel() for p in model.parameters()):,} parameters)", flush=True)
     distillation = distil_to_saturation(
@@ -127,6 +134,7 @@ def continue_spec(
     dropout: float = 0.0,
     weight_decay: float = 0.01,
     sam: bool = False,
+    hidden: int | None = None,
 ) -> RunSpec:
     """The continued training: AdamW (beta2 0.98, weight decay 0.01), constant rate after a short warm-up; C3's arms
     change dropout, weight decay and SAM (rho 0.05 every step; the branches anneal with plain AdamW steps)."""
@@ -143,11 +151,18 @@ def continue_spec(
         dropout=dropout,
         flatness_method="sam" if sam else "none",
         sam_rho=0.05,
-        hidden=args.hidden,
+        hidden=args.hidden if hidden is None else hidden,
         layers=args.layers,
         seed=seed,
         use_cpu=args.use_cpu,
     )
+
+
+def campaign_rate(args, language, pool, stop_set) -> float:
+    """The continued-training rate every claim uses: `choose_rate` on the first seed's start (read from disk once
+    chosen)."""
+    start, _ = distilled_start(args, language, pool, stop_set, args.seeds[0])
+    return choose_rate(args, language, start)["chosen"]
 
 
 def choose_rate(args, language, start: BertForMaskedLM) -> dict[str, Any]:
@@ -264,6 +279,50 @@ def run_c5_seed(
         train_dataset=labelled_train,
     )
     payload = {"seed": seed, "record": records[-1], "seconds_this_run": time.perf_counter() - began}
+    write_json(done, payload)
+    return payload
+
+
+def run_c2_size(args, language, pool, stop_set, seed: int, rate: float, hidden: int) -> dict[str, Any]:
+    """C2 of one seed and width: a start distilled at that width, C1's continued training with one branch at its
+    length, and that branch's Fisher trace also in the largest width's parameter space (`enlarge`, function-
+    preserving; the same contexts and draws as its own trace, so the largest width's two traces are equal)."""
+    size_dir = args.work_dir / f"seed{seed}" / "c2" / f"h{hidden}"
+    done = size_dir / "result.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    began = time.perf_counter()
+    start, start_record = distilled_start(args, language, pool, stop_set, seed, hidden=hidden)
+    records = train_with_branches(
+        language,
+        continue_spec(args, seed, rate, args.continue_steps, hidden=hidden),
+        size_dir,
+        branch_every=args.continue_steps,
+        anneal_steps=args.anneal_steps,
+        measure_kwargs=measure_kwargs(args),
+        start_model=start,
+        keep_branches=True,
+    )
+    record = records[-1]
+    branch = BertForMaskedLM.from_pretrained(size_dir / "branches" / f"step-{record['step']}").eval()
+    largest = bert_config(len(language.tokenizer), hidden=max(C2_SIZES), layers=args.layers)
+    trace = estimate_hessian_trace(
+        enlarge(branch, largest) if hidden != max(C2_SIZES) else branch,
+        language.trace_contexts,
+        n_contexts=record["trace_contexts"],
+        n_draws=args.trace_draws,
+        seed=record["step"],  # measure_branch's seed for this branch
+        progress=False,
+    )
+    record.update(fisher_trace_enlarged=trace.mean, fisher_trace_enlarged_stderr=trace.stderr)
+    payload = {
+        "seed": seed,
+        "hidden": hidden,
+        "parameters": sum(p.numel() for p in branch.parameters()),
+        "start": {**start_record["distillation"], "measured": start_record["measured"]},
+        "record": record,
+        "seconds_this_run": time.perf_counter() - began,
+    }
     write_json(done, payload)
     return payload
 

@@ -10,17 +10,21 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .campaign import RATE_RULE, ROUTE, SHAPES, finished_from_disk
+from .campaign import RATE_RULE, ROUTE, SHAPES, continue_spec, finished_from_disk
 from .paper_probes import mcnemar, without_predictions
 from .plots import plot_branches
+from .protocol import reference_rows
 from .results import write_json
 from .verdicts import (
     C1_RULE,
+    C2_RULE,
+    C2_SIZES,
     C3_ARMS,
     C3_RULE,
     C4_RULE,
     C5_RULE,
     C6_RULE,
+    c2_verdict,
     c3_verdict,
     c4_verdict,
     c5_verdict,
@@ -206,6 +210,10 @@ def write_c4(args, references: dict[str, Any]) -> dict[str, Any]:
     return payload
 
 
+#: what C6's file keeps of each C1 branch: all that its rule reads
+SELECTION_KEYS = ("step", "kl", "saturated", "saturation", "fisher_trace", "probe_accuracy")
+
+
 def write_c6(args) -> dict[str, Any]:
     """``selection.json``: C6 from every finished seed's C1 branches."""
     results, _, _ = finished_from_disk(args)
@@ -214,8 +222,7 @@ def write_c6(args) -> dict[str, Any]:
         "claim": "C6 flatness-based selection vs the lowest KL (from a saturated start)", "rule": C6_RULE,
         "rule_fixed_before_runs": "before the selection; C1's measurements were already on disk",
         **design(args), "planned_seeds": args.seeds, "verdict": c6_verdict(seeds, len(args.seeds)),
-        "seeds": {s: [{k: r[k] for k in ("step", "kl", "saturated", "saturation", "fisher_trace", "probe_accuracy")} for r in rows]
-                  for s, rows in seeds.items()},
+        "seeds": {s: [{k: r[k] for k in SELECTION_KEYS} for r in rows] for s, rows in seeds.items()},
     }  # fmt: skip
     write_json(args.results_dir / "selection.json", payload)
     return payload
@@ -235,9 +242,30 @@ def write_c5(args) -> dict[str, Any]:
     return payload
 
 
+def write_c2(args) -> dict[str, Any]:
+    """``model_size.json``: C2 from every finished width of every seed."""
+    sizes: dict[int, dict[str, dict[str, Any]]] = {hidden: {} for hidden in C2_SIZES}
+    starts: dict[int, dict[str, dict[str, Any]]] = {hidden: {} for hidden in C2_SIZES}
+    for seed, hidden in itertools.product(args.seeds, C2_SIZES):
+        done = args.work_dir / f"seed{seed}" / "c2" / f"h{hidden}" / "result.json"
+        if done.exists():
+            payload = json.loads(done.read_text())
+            sizes[hidden][str(seed)] = without_predictions(payload["record"])
+            starts[hidden][str(seed)] = {k: v for k, v in payload["start"].items() if k != "measured"}
+    payload = {
+        "claim": "C2 model size (from saturated starts)", "rule": C2_RULE, "rule_fixed_before_runs": True,
+        **design(args), "planned_seeds": args.seeds, "sizes": list(C2_SIZES),
+        "verdict": c2_verdict(sizes, len(args.seeds)),
+        "seeds": {str(h): rows for h, rows in sizes.items()}, "distillation": {str(h): s for h, s in starts.items()},
+    }  # fmt: skip
+    write_json(args.results_dir / "model_size.json", payload)
+    return payload
+
+
 #: each claim's result file under the results folder
 CLAIM_FILES = {
     "C1": "continued_training.json",
+    "C2": "model_size.json",
     "C3": "optimizer.json",
     "C4": "lookup_table.json",
     "C5": "adversarial.json",
@@ -256,3 +284,35 @@ def verdict_table(results_dir: Path) -> str:
             shown = verdict["verdict"] + (f" (compared branches: {regime})" if regime else "")
             lines.append(f"| {claim} | {shown} | `{name}` |")
     return "\n".join(lines)
+
+
+def references_of(args, language) -> dict[str, Any]:
+    """The probe rows without pre-training (lexical, untrained encoder, lookup table), measured once per work folder."""
+    path = args.work_dir / "references.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    rows = reference_rows(language, continue_spec(args, args.seeds[0], 0.0, args.branch_every))
+    references = {name: without_predictions(row) for name, row in rows.items()}
+    write_json(path, references)
+    return references
+
+
+def write_rules(args) -> None:
+    """Each requested claim's file with its rule (and no seeds) unless it exists: the rule is on disk first."""
+    writers = {"c1": lambda: write_results(args, None, {}, {}, None, None), "c3": lambda: write_c3(args),
+               "c5": lambda: write_c5(args), "c2": lambda: write_c2(args)}  # fmt: skip
+    names = {"c1": "continued_training.json", "c3": "optimizer.json", "c5": "adversarial.json", "c2": "model_size.json"}
+    for claim in ["c1", *args.claims]:
+        if not (args.results_dir / names[claim]).exists():
+            writers[claim]()
+
+
+def write_claims(args, references: dict[str, Any]) -> dict[str, Any]:
+    """Every claim's JSON from what is on disk; returns C1's."""
+    write_c3(args)
+    write_c5(args)
+    write_c2(args)
+    write_c4(args, references)
+    write_c6(args)
+    results, starts, rate = finished_from_disk(args)
+    return write_results(args, None, results, starts, rate, references)

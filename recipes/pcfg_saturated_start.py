@@ -55,6 +55,7 @@ from hf_flatbias.experiments.campaign import (
     run_c5_seed,
 )
 from hf_flatbias.experiments.claims import (
+    claims_markdown,
     markdown_summary,
     references_of,
     verdict_table,
@@ -151,7 +152,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(1)
     args = parse_arguments(argv)
     if args.markdown:
-        print(markdown_summary(args) + "\n\n" + verdict_table(args.results_dir))
+        print("\n\n".join([markdown_summary(args), claims_markdown(args.results_dir), verdict_table(args.results_dir)]))
         return {}
     write_rules(args)  # each claim's rule on disk before any of its runs
     language, pool, stop_set = material(args)

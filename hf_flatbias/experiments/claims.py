@@ -286,6 +286,112 @@ def verdict_table(results_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def _interval(row: dict[str, Any] | None) -> str:
+    if not row or not row.get("difference"):
+        return "n/a"
+    low, high = row["difference"]["ci"]
+    return f"{row['difference']['mean']:+.4f} [{low:+.4f}, {high:+.4f}]"
+
+
+def claims_markdown(results_dir: Path) -> str:
+    """Tables of C3-C6 (those with a file on disk) as docs/reproduction/synthetic.md shows them."""
+    lines: list[str] = []
+
+    def load(name):
+        path = results_dir / name
+        return json.loads(path.read_text()) if path.exists() else None
+
+    if c4 := load(CLAIM_FILES["C4"]):
+        v = c4["verdict"]
+        tasks = list(c4["references"]["exact_conditionals"]["probe"])
+        lookup = c4["references"]["exact_conditionals"]["probe"]
+        lines += [
+            f"C4 (lookup table): **{v['verdict']}**",
+            "",
+            "| seed | start KL | start A / B / C | minus lookup A / B / C |",
+            "|---|---|---|---|",
+        ]
+        for seed, row in c4["seeds"].items():
+            start = row["start"]
+            accuracy = [start["probe"][t]["accuracy"] for t in tasks]
+            lines.append(
+                f"| {seed} | {start['kl']:.4f} | " + " / ".join(f"{a:.3f}" for a in accuracy) + " | "
+                + " / ".join(f"{a - lookup[t]['accuracy']:+.3f}" for a, t in zip(accuracy, tasks, strict=True)) + " |"
+            )  # fmt: skip
+        lines += [
+            "| lookup | - | " + " / ".join(f"{lookup[t]['accuracy']:.3f}" for t in tasks) + " | - |",
+            "",
+            "Seed-level 95% intervals of model minus lookup: "
+            + "; ".join(f"{t} {_interval(v['per_task'][t])}" for t in tasks)
+            + f"; mean over tasks {_interval(v['mean_over_tasks'])}.",
+            "",
+        ]
+    if c6 := load(CLAIM_FILES["C6"]):
+        v = c6["verdict"]
+        lines += [
+            f"C6 (selection by flatness): **{v['verdict']}** (compared branches: {v['regime']})",
+            "",
+            "| seed | regime | chosen (smallest trace within 0.01 nats) | lowest KL | accuracy, chosen minus lowest |",
+            "|---|---|---|---|---|",
+        ]
+        for seed, pick in v["picks"].items():
+            rows = {r["step"]: r for r in c6["seeds"][seed]}
+            chosen, low = rows[pick["chosen_step"]], rows[pick["lowest_kl_step"]]
+            lines.append(
+                f"| {seed} | {pick['regime']} | step {chosen['step']}: trace {chosen['fisher_trace']:.1f}, KL "
+                f"{chosen['kl']:.4f}, acc {chosen['probe_accuracy']:.3f} | step {low['step']}: trace "
+                f"{low['fisher_trace']:.1f}, KL {low['kl']:.4f}, acc {low['probe_accuracy']:.3f} | "
+                f"{v['per_seed_difference'][seed]:+.4f} |"
+            )
+        lines += ["", f"Seed-level 95% interval of the difference: {_interval(v)}.", ""]
+    if (c3 := load(CLAIM_FILES["C3"])) and c3["seeds"]:
+        lines += [f"C3 (optimizer arms): **{c3['verdict']['verdict']}**", "", "| seed | " + " | ".join(C3_ARMS) + " |"]
+        lines.append("|---|" + "---|" * len(C3_ARMS))
+        for seed, arms in c3["seeds"].items():
+            cells = [
+                f"KL {arms[a]['kl']:.4f}, trace {arms[a]['fisher_trace']:.1f}, acc {arms[a]['probe_accuracy']:.3f}"
+                if a in arms else "-"
+                for a in C3_ARMS
+            ]  # fmt: skip
+            lines.append(f"| {seed} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if (c5 := load(CLAIM_FILES["C5"])) and c5["seeds"]:
+        v = c5["verdict"]
+        lines += [
+            f"C5 (adversary on the read-out): **{v['verdict']}**",
+            "",
+            "| seed | adversarial: KL, trace, acc | C1 last branch: KL, trace, acc |",
+            "|---|---|---|",
+        ]
+        for seed, row in c5["seeds"].items():
+            cells = [
+                f"{r['kl']:.4f}, {r['fisher_trace']:.1f}, {r['probe_accuracy']:.3f}" if r else "-"
+                for r in (row["adversarial"], row["c1_last_branch"])
+            ]
+            lines.append(f"| {seed} | {cells[0]} | {cells[1]} |")
+        lines += [
+            "",
+            f"Adversarial minus C1, seed-level 95% intervals: accuracy {_interval(v['accuracy_difference'])}; "
+            f"Fisher trace {_interval(v['fisher_trace_difference'])}.",
+            "",
+        ]
+    if (c2 := load(CLAIM_FILES["C2"])) and any(c2["seeds"].values()):
+        lines += [
+            f"C2 (model size): **{c2['verdict']['verdict']}**",
+            "",
+            "| width | seed | KL | trace (own / H128 space) | acc |",
+        ]
+        lines.append("|---|---|---|---|---|")
+        for width, rows in c2["seeds"].items():
+            for seed, r in rows.items():
+                lines.append(
+                    f"| {width} | {seed} | {r['kl']:.4f} | {r['fisher_trace']:.1f} / {r['fisher_trace_enlarged']:.1f} "
+                    f"| {r['probe_accuracy']:.3f} |"
+                )
+        lines.append("")
+    return "\n".join(lines)
+
+
 def references_of(args, language) -> dict[str, Any]:
     """The probe rows without pre-training (lexical, untrained encoder, lookup table), measured once per work folder."""
     path = args.work_dir / "references.json"

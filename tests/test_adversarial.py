@@ -4,26 +4,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import BertConfig, BertForMaskedLM
 
 from hf_flatbias.adversarial import AdversarialPretrainingModel, confusion_loss
 from hf_flatbias.probe import extract_features
+from tests.helpers.tiny_models import tiny_mlm
 
 WIDTH = 9
-
-
-def tiny_bert(seed=0):
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=23,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return BertForMaskedLM(config)
 
 
 def masked_batch(seed=0):
@@ -42,7 +28,7 @@ def masked_batch(seed=0):
 
 
 def test_concat_features_are_the_probes_fixed_width_read_out():
-    model = tiny_bert()
+    model = tiny_mlm()
     clean, batch = masked_batch()
     wrapper = AdversarialPretrainingModel(model, [3, 2, 3], pooling="concat", width=WIDTH, read_unmasked=True)
     with torch.no_grad():
@@ -59,13 +45,13 @@ def test_each_task_head_and_the_encoder_get_their_own_objectives_on_unmasked_inp
     the tasks' confusion terms; rows with a negative label leave that task's terms."""
     weight = 0.5
     wrapper = AdversarialPretrainingModel(
-        tiny_bert(), [3, 2, 3], adversary_weight=weight, pooling="concat", width=WIDTH, read_unmasked=True
+        tiny_mlm(), [3, 2, 3], adversary_weight=weight, pooling="concat", width=WIDTH, read_unmasked=True
     )
     clean, batch = masked_batch()
     out = wrapper(**batch)
     out.loss.backward()
 
-    reference = tiny_bert()
+    reference = tiny_mlm()
     reference.load_state_dict(wrapper.model.state_dict())
     heads = [torch.nn.Linear(16 * WIDTH, n) for n in (3, 2, 3)]
     for head, theirs in zip(heads, wrapper.heads, strict=True):
@@ -94,8 +80,8 @@ def test_each_task_head_and_the_encoder_get_their_own_objectives_on_unmasked_inp
 
 
 def test_masked_input_is_read_without_read_unmasked():
-    wrapper = AdversarialPretrainingModel(tiny_bert(), [3, 2, 3], pooling="concat", width=WIDTH)
-    unmasked = AdversarialPretrainingModel(tiny_bert(), [3, 2, 3], pooling="concat", width=WIDTH, read_unmasked=True)
+    wrapper = AdversarialPretrainingModel(tiny_mlm(), [3, 2, 3], pooling="concat", width=WIDTH)
+    unmasked = AdversarialPretrainingModel(tiny_mlm(), [3, 2, 3], pooling="concat", width=WIDTH, read_unmasked=True)
     _, batch = masked_batch()
     assert wrapper(**batch).confusion_loss != unmasked(**batch).confusion_loss
 
@@ -111,12 +97,12 @@ def test_masked_input_is_read_without_read_unmasked():
 )
 def test_bad_settings_are_refused_before_training(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        AdversarialPretrainingModel(tiny_bert(), **kwargs)
+        AdversarialPretrainingModel(tiny_mlm(), **kwargs)
 
 
 def test_wrong_number_of_task_columns_and_too_wide_batches_are_refused():
     _, batch = masked_batch()
     with pytest.raises(ValueError, match="3 tasks but the adversary has 2 heads"):
-        AdversarialPretrainingModel(tiny_bert(), [3, 2])(**batch)
+        AdversarialPretrainingModel(tiny_mlm(), [3, 2])(**batch)
     with pytest.raises(ValueError, match="wider than the adversary's width 5"):
-        AdversarialPretrainingModel(tiny_bert(), [3, 2, 3], pooling="concat", width=5)(**batch)
+        AdversarialPretrainingModel(tiny_mlm(), [3, 2, 3], pooling="concat", width=5)(**batch)

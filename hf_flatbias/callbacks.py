@@ -20,6 +20,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from .constants import (
     DEFAULT_BATCH_SIZE,
+    DEFAULT_ESTIMATOR,
+    DEFAULT_SAM_RHO,
     ESTIMATORS,
     MEASURES,
     RECOMMENDED_N_DRAWS,
@@ -116,14 +118,14 @@ class HessianTraceCallback(TrainerCallback):
         every_n_steps: int | None = None,
         on_evaluate: bool = True,
         measure_at_end: bool = True,
-        estimator: str = "per_sample",
+        estimator: str = DEFAULT_ESTIMATOR,
         seed: int = 0,
         batch_size: int = DEFAULT_BATCH_SIZE,
         mask_token_id: int | None = None,
         by_group: bool = False,
         also_measure: Sequence[str] = (),
         eigenvalue_matrix: str = "fisher",
-        sam_rho: float = 0.05,
+        sam_rho: float = DEFAULT_SAM_RHO,
         max_overhead: float | None = 0.05,
     ) -> None:
         if n_contexts < 1:

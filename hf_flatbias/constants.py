@@ -38,7 +38,10 @@ IGNORE_INDEX = -100
 
 # The trace's names are here, not in flatness/, so that the command line can offer them without importing torch.
 ESTIMATORS = ("per_sample", "summed", "hutchinson", "hutchpp", "naive")
-"""The Hessian-trace estimators of ``estimate_hessian_trace``; ``per_sample`` is the default."""
+"""The Hessian-trace estimators of ``estimate_hessian_trace``."""
+
+DEFAULT_ESTIMATOR = "per_sample"
+"""The estimator used when none is named: the paper's sampled-label Fisher trace, one backward per draw."""
 
 TRACE_QUANTITIES = {
     "per_sample": "Fisher trace Tr(F)",
@@ -64,6 +67,13 @@ DEFAULT_BATCH_SIZE = 32
 # (unverified).
 RECOMMENDED_N_DRAWS = 2
 """Draws of the label per context recommended for a trace estimate."""
+
+DEFAULT_N_CONTEXTS = 1000
+"""Contexts of a one-off trace measurement (``hf-flatbias trace``, the recipes' final trace); the paper used 10,000.
+The callback, which measures again at every evaluation, takes fewer by default."""
+
+DEFAULT_SAM_RHO = 0.05
+"""SAM's neighbourhood radius when none is given: the value of Foret et al. (2021) and of every recipe here."""
 
 TRACE_METRIC = "flatness/hessian_trace"
 """The logged name of the Hessian trace (``log_history``, TensorBoard, checkpoint selection)."""

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from hf_flatbias.cli import run_recipe
 from hf_flatbias.config import FlatBiasConfig
+from hf_flatbias.constants import DEFAULT_ESTIMATOR, DEFAULT_N_CONTEXTS, RECOMMENDED_N_DRAWS
 from hf_flatbias.corpus import OFFLINE_CORPUS, CorpusSpec, resolve_dataset
 from hf_flatbias.experiments import parse_dataclass_args
 
@@ -114,11 +115,11 @@ class DataArguments:
 @dataclass
 class FlatnessArguments:
     trace_contexts: int = field(
-        default=1000,
+        default=DEFAULT_N_CONTEXTS,
         metadata={"help": "Masked contexts of the Hessian-trace estimate (paper: 10,000); 0: no trace at all."},
     )
     trace_draws: int = field(
-        default=2,
+        default=RECOMMENDED_N_DRAWS,
         metadata={"help": "Labels drawn per context (paper: 50; about 2 gives the same error for less compute)."},
     )
     trace_every_n_steps: int = field(
@@ -126,7 +127,7 @@ class FlatnessArguments:
         metadata={"help": "Estimate the trace every N optimizer steps; 0: only after evaluations and at the end."},
     )
     trace_estimator: str = field(
-        default="per_sample", metadata={"help": "Estimator of hf_flatbias.flatness.estimators."}
+        default=DEFAULT_ESTIMATOR, metadata={"help": "Estimator of hf_flatbias.flatness.estimators."}
     )
     smoke: bool = field(
         default=False, metadata={"help": "A tiny run (nano model, few steps) that finishes in minutes."}

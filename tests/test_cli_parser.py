@@ -104,3 +104,17 @@ def test_trace_defaults_to_the_recommended_number_of_draws():
     args = cli.build_parser().parse_args(["trace", "user/model", "--data", "data.jsonl"])
     assert args.n_draws == RECOMMENDED_N_DRAWS == 2
     assert args.batch_size == DEFAULT_BATCH_SIZE
+
+
+def test_sam_radius_has_one_spelling_and_one_default():
+    from hf_flatbias.config import FlatBiasConfig
+    from hf_flatbias.constants import DEFAULT_SAM_RHO
+
+    parser = cli.build_parser()
+    trace = parser.parse_args(["trace", "user/model", "--data", "data.jsonl"])
+    demo = parser.parse_args(["demo"])
+    assert trace.sam_rho == demo.sam_rho == FlatBiasConfig("out").sam_rho == DEFAULT_SAM_RHO
+    assert parser.parse_args(["demo", "--sam-rho", "0.2"]).sam_rho == 0.2
+    # demo's spelling before the rename still works, unlisted
+    assert parser.parse_args(["demo", "--rho", "0.3"]).sam_rho == 0.3
+    assert "--rho" not in subparsers_of(parser)["demo"].format_help()

@@ -8,7 +8,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, IGNORE_INDEX, MEASURES, RECOMMENDED_N_DRAWS, SPECTRUM_MATRICES
+from ..constants import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_ESTIMATOR,
+    DEFAULT_N_CONTEXTS,
+    DEFAULT_SAM_RHO,
+    ESTIMATORS,
+    IGNORE_INDEX,
+    MEASURES,
+    RECOMMENDED_N_DRAWS,
+    SPECTRUM_MATRICES,
+)
 from ..corpus import DATA_FILE_BUILDERS, load_data_files
 from .paths import check_output_file, local_path_or_hub_id
 
@@ -49,7 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config-name", default=None, help="Hub dataset configuration (e.g. wikitext-2-raw-v1).")
     parser.add_argument("--text-column", default="text", help="Column holding raw text (default: text).")
     parser.add_argument("--max-length", type=int, default=128, help="Truncate tokenized text to this many tokens.")
-    parser.add_argument("--n-contexts", type=int, default=1000, help="Contexts to average over (the paper: 10,000).")
+    parser.add_argument(
+        "--n-contexts", type=int, default=DEFAULT_N_CONTEXTS, help="Contexts to average over (the paper: 10,000)."
+    )
     parser.add_argument(
         "--n-draws",
         type=int,
@@ -57,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Draws of y per context (default: %(default)s, which reached the same error several times faster than "
         "the 50 draws a secondary summary gives for the paper (unverified), with the per_sample estimator).",
     )
-    parser.add_argument("--estimator", default="per_sample", choices=list(ESTIMATORS), help="Estimator to use.")
+    parser.add_argument("--estimator", default=DEFAULT_ESTIMATOR, choices=list(ESTIMATORS), help="Estimator to use.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the masked positions and the draws.")
     parser.add_argument(
         "--batch-size",
@@ -104,7 +116,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Matrix of top_eigenvalue (default: %(default)s, whose trace is the paper's measure).",
     )
     parser.add_argument("--top-k", type=int, default=1, help="How many of the largest eigenvalues (default: 1).")
-    parser.add_argument("--sam-rho", type=float, default=0.05, help="Radius of sam_sharpness (default: 0.05).")
+    parser.add_argument(
+        "--sam-rho", type=float, default=DEFAULT_SAM_RHO, help="Radius of sam_sharpness (default: %(default)s)."
+    )
     parser.add_argument(
         "--sam-batch-size",
         type=int,

@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 from transformers.utils.logging import is_progress_bar_enabled
 
-from ..constants import DEFAULT_BATCH_SIZE, RECOMMENDED_N_DRAWS
+from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, RECOMMENDED_N_DRAWS
 from ..tensors import is_fully_sharded
 from .contexts import TraceContexts
 from .distributed import (
@@ -37,7 +37,7 @@ def estimate_hessian_trace(
     *,
     n_contexts: int | None = None,
     n_draws: int = RECOMMENDED_N_DRAWS,
-    estimator: str = "per_sample",
+    estimator: str = DEFAULT_ESTIMATOR,
     seed: int = 0,
     batch_size: int | str = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,

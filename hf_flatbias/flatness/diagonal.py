@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..constants import DEFAULT_BATCH_SIZE, RECOMMENDED_N_DRAWS
+from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, RECOMMENDED_N_DRAWS
 from .contexts import TraceContexts
 from .estimators import compute_trace_samples
 from .groups import GroupOf
@@ -56,7 +56,7 @@ def estimate_fisher_diagonal(
     *,
     n_contexts: int | None = None,
     n_draws: int = RECOMMENDED_N_DRAWS,
-    estimator: str = "per_sample",
+    estimator: str = DEFAULT_ESTIMATOR,
     seed: int = 0,
     batch_size: int | str = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,

@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
-from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, HUTCHINSON_PROBES, RECOMMENDED_N_DRAWS
+from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, ESTIMATORS, HUTCHINSON_PROBES, RECOMMENDED_N_DRAWS
 from ..tensors import squared_norm
 from .contexts import TraceContexts, context_generator
 from .ghost import GhostNormRecorder, add_squared_gradients
@@ -433,7 +433,7 @@ def compute_trace_samples(
     *,
     indices: Sequence[int] | None = None,
     n_draws: int = RECOMMENDED_N_DRAWS,
-    estimator: str = "per_sample",
+    estimator: str = DEFAULT_ESTIMATOR,
     seed: int = 0,
     batch_size: int | str = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,

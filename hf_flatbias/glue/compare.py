@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..constants import DEFAULT_ESTIMATOR, DEFAULT_N_CONTEXTS, RECOMMENDED_N_DRAWS
 from ..corpus import CorpusSpec
 from ..stats import paired_difference
 from .data import load_glue_dataset
@@ -43,9 +44,11 @@ class MeasurementArguments:
         },
     )
     max_seq_length: int = field(default=128, metadata={"help": "Tokens per block of held-out text."})
-    trace_contexts: int = field(default=1000, metadata={"help": "Masked contexts for the trace (paper: 10,000)."})
-    trace_draws: int = field(default=2, metadata={"help": "Labels drawn per context (paper: 50)."})
-    trace_estimator: str = field(default="per_sample", metadata={"help": "Estimator of estimate_hessian_trace."})
+    trace_contexts: int = field(
+        default=DEFAULT_N_CONTEXTS, metadata={"help": "Masked contexts for the trace (paper: 10,000)."}
+    )
+    trace_draws: int = field(default=RECOMMENDED_N_DRAWS, metadata={"help": "Labels drawn per context (paper: 50)."})
+    trace_estimator: str = field(default=DEFAULT_ESTIMATOR, metadata={"help": "Estimator of estimate_hessian_trace."})
     released_trace_batches: int = field(
         default=50,
         metadata={

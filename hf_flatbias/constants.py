@@ -43,16 +43,22 @@ ESTIMATORS = ("per_sample", "summed", "hutchinson", "hutchpp", "naive")
 DEFAULT_ESTIMATOR = "per_sample"
 """The estimator used when none is named: the paper's sampled-label Fisher trace, one backward per draw."""
 
-TRACE_QUANTITIES = {
-    "per_sample": "Fisher trace Tr(F)",
-    "summed": "Fisher trace Tr(F)",
-    "naive": "Fisher trace Tr(F)",
-    "hutchinson": "Hessian trace Tr(H)",
-    "hutchpp": "Hessian trace Tr(H)",
+TRACE_SYMBOLS = {
+    "per_sample": "Tr(F)",
+    "summed": "Tr(F)",
+    "naive": "Tr(F)",
+    "hutchinson": "Tr(H)",
+    "hutchpp": "Tr(H)",
 }
-"""What each estimator measures, as cards and tables name it: the sampled-label estimators measure the Fisher trace
-(the paper's measure), Hutchinson's probes the Hessian trace of the data-label loss; the two agree only where the
-model's conditionals are the true ones."""
+"""What each estimator measures, in a plot's or a table's few characters: the sampled-label estimators measure the
+Fisher trace Tr(F) (the paper's measure), Hutchinson's probes the Hessian trace Tr(H) of the data-label loss; the two
+agree only where the model's conditionals are the true ones."""
+
+TRACE_QUANTITIES = {
+    estimator: f"{'Fisher' if symbol == 'Tr(F)' else 'Hessian'} trace {symbol}"
+    for estimator, symbol in TRACE_SYMBOLS.items()
+}
+"""What each estimator measures, as cards and printed lines name it: "Fisher trace Tr(F)" or "Hessian trace Tr(H)"."""
 
 HUTCHINSON_PROBES = ("rademacher", "gaussian")
 """Probe distributions of the ``hutchinson`` and ``hutchpp`` estimators; Rademacher (the default) has the smaller

@@ -172,7 +172,9 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     pairs = pairwise_comparisons(args.models, tasks, losses, scores, corpora)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "glue_compare.json").write_text(json.dumps({"rows": rows, "pairs": pairs}, indent=2))
-    paths = write_outputs(rows, tasks, output_dir, standin_tasks=standin_tasks, pairs=pairs)
+    paths = write_outputs(
+        rows, tasks, output_dir, standin_tasks=standin_tasks, pairs=pairs, trace_estimator=measuring.trace_estimator
+    )
     print((output_dir / "glue_compare.md").read_text())
     print(f"glue_compare: wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
     return paths

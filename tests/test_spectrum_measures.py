@@ -126,7 +126,8 @@ def test_trace_command_takes_every_measure(checkpoint, tmp_path, capsys):  # noq
     measures = ["--measures", "trace,top_eigenvalue,sam_sharpness", "--top-k", "2", "--eigenvalue-matrix", "hessian"]
     assert main([*arguments, *measures, "--sam-rho", "0.1", "--sam-batch-size", "4", "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    assert "Hessian trace of" in printed and "Largest hessian eigenvalue(s)" in printed and "SAM sharpness" in printed
+    assert "Fisher trace Tr(F) of" in printed  # the default estimator's quantity, not "Hessian trace"
+    assert "Largest hessian eigenvalue(s)" in printed and "SAM sharpness" in printed
     written = json.loads(output.read_text())
 
     model = BertForMaskedLM.from_pretrained(folder)

@@ -2,7 +2,7 @@
 
 Two tiny BERTs learn the same generated language (a random PCFG in the shape of the paper's) from the same
 initialisation and the same batches: one with AdamW, one with SAM (AdamW at a perturbed point, the flatness
-regulariser of Liu, Xie, Li & Ma, 2023). Every evaluation logs the validation loss and the Hessian trace; the two runs
+regulariser of Liu, Xie, Li & Ma, 2023). Every evaluation logs the validation loss and the Fisher trace; the two runs
 are then compared where they reach the same loss, with linear-probe accuracy on the grammar's downstream tasks (the
 paper's "downstream"). Everything is generated locally, nothing is downloaded.
 
@@ -305,7 +305,7 @@ def _plot(histories: dict[str, list[dict[str, Any]]], comparison: dict[str, Any]
             axis.plot(matched["step"], matched[key], "s", markersize=11, fillstyle="none", color=line.get_color())
     loss_axis.axhline(comparison["target_loss"], color="grey", linestyle=":", label="matched loss")
     loss_axis.set(xlabel="step", ylabel="validation loss (nats)", title="loss per step")
-    trace_axis.set(xlabel="step", ylabel="Tr(H) (Fisher) +- s.e.", title="Hessian trace per step")
+    trace_axis.set(xlabel="step", ylabel="Tr(F) +- s.e.", title="Fisher trace per step")
     for axis in (loss_axis, trace_axis):
         axis.legend(fontsize=8)
     fig.suptitle("AdamW vs SAM on a generated PCFG language (squares: the matched-loss checkpoints)", fontsize=10)

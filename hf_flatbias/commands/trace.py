@@ -18,6 +18,7 @@ from ..constants import (
     MEASURES,
     RECOMMENDED_N_DRAWS,
     SPECTRUM_MATRICES,
+    TRACE_QUANTITIES,
 )
 from ..corpus import DATA_FILE_BUILDERS, load_data_files
 from .paths import check_output_file, local_path_or_hub_id
@@ -43,9 +44,10 @@ def batch_size_argument(value: str) -> int | str:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "trace",
-        help="Estimate the trace of the Hessian of the pre-training loss (the paper's flatness measure).",
-        description="Estimate Tr(H) = E_x E_{y~f(x)} ||grad log f(x)_y||^2 on masked (or causal) LM contexts, print "
-        "it and write it as JSON.",
+        help="Estimate the Fisher trace of the pre-training loss (the paper's flatness measure) or its Hessian trace.",
+        description="Estimate Tr(F) = E_x E_{y~f(x)} ||grad log f(x)_y||^2 on masked (or causal) LM contexts (or, "
+        "with --estimator hutchinson/hutchpp, the Hessian trace Tr(H) of the data-label loss), print it and write it "
+        "as JSON.",
     )
     parser.add_argument("model", help="A local checkpoint folder or a Hub model id (masked or causal LM).")
     parser.add_argument(
@@ -148,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
     if estimate is not None:
         if estimate.get("by_group"):
             print(format_group_table(estimate))
+        quantity = TRACE_QUANTITIES[estimate["estimator"]]
         print(
-            f"Hessian trace of {args.model}: {estimate['mean']:.6g} +- {estimate['stderr']:.3g} (standard error; "
+            f"{quantity} of {args.model}: {estimate['mean']:.6g} +- {estimate['stderr']:.3g} (standard error; "
             f"{estimate['estimator']}, {estimate['n_contexts']} contexts x {estimate['n_draws']} draws, "
             f"{estimate['seconds']:.1f} s)"
         )
@@ -174,7 +177,9 @@ def run(args: argparse.Namespace) -> int:
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     print(f"Wrote {args.output}")
     if args.plot:
-        plot_groups(estimate, args.plot, title=f"Hessian trace by parameter group: {args.model}")
+        plot_groups(
+            estimate, args.plot, title=f"{TRACE_QUANTITIES[estimate['estimator']]} by parameter group: {args.model}"
+        )
         print(f"Wrote {args.plot}")
     return 0
 
@@ -234,7 +239,7 @@ def plot_groups(estimate: dict[str, Any], path: str, *, title: str) -> None:
     figure, axis = plt.subplots(figsize=(max(4.0, 0.6 * len(groups) + 2), 3.5))
     axis.bar(range(len(groups)), means, yerr=errors, capsize=3, color="tab:blue")
     axis.set_xticks(range(len(groups)), groups, rotation=45, ha="right")
-    axis.set_ylabel("Tr(H) (Fisher), per group")
+    axis.set_ylabel(f"{TRACE_QUANTITIES[estimate['estimator']]}, per group")
     axis.set_title(title, fontsize=9)
     figure.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

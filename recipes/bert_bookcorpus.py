@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
         callbacks=callbacks,
     )
     # Every card written from here on (checkpoints, final model) names the corpus and its held-out split.
-    trainer.create_model_card(pretraining_corpus=corpus_record(data_args))
+    trainer.create_model_card(pretraining_corpus=corpus_spec(data_args))
     resume = training_args.resume_from_checkpoint
     if resume is None and os.path.isdir(training_args.output_dir):
         resume = get_last_checkpoint(training_args.output_dir)

@@ -90,7 +90,9 @@ def test_callback_logs_the_measures_without_changing_training(tmp_path, tokenize
     sharpness = estimate_sam_sharpness(measured.model, callback._contexts, 0.1, batch_size=4)
     assert logged[-1][TOP_EIGENVALUE_METRIC] == pytest.approx(eigenvalues.top, rel=1e-5)
     assert logged[-1][SAM_SHARPNESS_METRIC] == pytest.approx(sharpness.mean, rel=1e-5)
-    assert callback.last_top_eigenvalues_step == 6 and callback.last_sam_sharpness.batch_size == 4
+    record = callback.flatness_record
+    assert record.top_eigenvalues_step == record.sam_sharpness_step == record.trace_step == 6
+    assert record.top_eigenvalues.matrix == "fisher" and record.sam_sharpness.batch_size == 4
 
     card = flatness_card_from_trainer(measured)
     assert card.measures["top_eigenvalue"]["step"] == 6 and card.measures["top_eigenvalue"]["matrix"] == "fisher"

@@ -99,17 +99,17 @@ def held_out_corpus(model_name_or_path: str) -> CorpusSpec | None:
     folder = Path(model_name_or_path)
     if not folder.is_dir():
         return None
-    record = None
     if (folder / "README.md").is_file():
         from ..modelcard import load_flatness_card
 
         try:
-            record = load_flatness_card(folder).pretraining_corpus
+            corpus = load_flatness_card(folder).pretraining_corpus
         except ValueError:  # a README that is not a flatness card
-            record = None
+            corpus = None
+        if corpus is not None:
+            return corpus
     summary = folder / "pretraining_summary.json"
-    if not record and summary.is_file():
-        record = json.loads(summary.read_text()).get("pretraining_corpus")
+    record = json.loads(summary.read_text()).get("pretraining_corpus") if summary.is_file() else None
     return CorpusSpec.from_record(record) if record else None
 
 

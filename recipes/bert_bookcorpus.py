@@ -27,7 +27,7 @@ from pathlib import Path
 from hf_flatbias.cli import run_recipe
 from hf_flatbias.config import FlatBiasConfig
 from hf_flatbias.constants import DEFAULT_ESTIMATOR, DEFAULT_N_CONTEXTS, RECOMMENDED_N_DRAWS
-from hf_flatbias.corpus import OFFLINE_CORPUS, CorpusSpec, resolve_dataset
+from hf_flatbias.corpus import DEFAULT_VALIDATION_TEXTS, OFFLINE_CORPUS, CorpusSpec, resolve_dataset
 from hf_flatbias.experiments import parse_dataclass_args
 
 logger = logging.getLogger("bert_bookcorpus")
@@ -102,7 +102,7 @@ class DataArguments:
     text_column: str = field(default="text", metadata={"help": "Column holding the raw text."})
     max_train_texts: int | None = field(default=None, metadata={"help": "Use at most this many training texts."})
     validation_texts: int = field(
-        default=3000,
+        default=DEFAULT_VALIDATION_TEXTS,
         metadata={
             "help": "Texts held out for loss and trace (at most a third of a source without a validation split; "
             "BBC news: 3,000 paragraphs, about 340k tokens, enough for a loss standard error near 0.005 nats)."

@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--learning-rate",
         type=float,
         default=None,
-        help=f"Default: {FULL_FINETUNE_LEARNING_RATE:g} full, {FROZEN_ENCODER_LEARNING_RATE:g} probe.",
+        help=f"Default: {_rate(FULL_FINETUNE_LEARNING_RATE)} full, {_rate(FROZEN_ENCODER_LEARNING_RATE)} probe.",
     )
     parser.add_argument("--num-train-epochs", type=float, default=3.0, help="Default: %(default)s.")
     parser.add_argument("--max-steps", type=int, default=-1, help="Stop after this many steps (default: epochs).")
@@ -53,6 +53,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--output-dir", default=None, help="Keep the runs here (default: a temporary folder).")
     parser.add_argument("--json", action="store_true", help="Print the result as JSON.")
     parser.set_defaults(func=run)
+
+
+def _rate(value: float) -> str:
+    """A learning rate as people write it, ``2e-5`` (Python's own forms are ``2e-05`` and ``0.001``)."""
+    return f"{value:.0e}".replace("e-0", "e-")
 
 
 def run(args: argparse.Namespace) -> int:

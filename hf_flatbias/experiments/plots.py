@@ -25,9 +25,9 @@ def plot_runs(runs: dict[str, list[dict[str, Any]]], path: Path, title: str, mat
         if any(r["hessian_trace"] is not None for r in chosen):
             axes[3].scatter([r["hessian_trace"] for r in chosen], [r["probe_accuracy"] for r in chosen], label=label)
     axes[0].set(xlabel="step", ylabel="loss - entropy floor (nats)", title="loss gap vs step")
-    axes[1].set(xlabel="step", ylabel="Tr(H) (Fisher)", title="trace vs step")
+    axes[1].set(xlabel="step", ylabel="Fisher trace Tr(F)", title="trace vs step")
     axes[2].set(xlabel="step", ylabel="mean probe accuracy", title="probe accuracy vs step")
-    axes[3].set(xlabel="Tr(H) (Fisher)", ylabel="mean probe accuracy", title="accuracy vs trace (matched loss)")
+    axes[3].set(xlabel="Fisher trace Tr(F)", ylabel="mean probe accuracy", title="accuracy vs trace (matched loss)")
     _save(fig, axes, title, path)
 
 

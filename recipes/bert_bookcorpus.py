@@ -27,7 +27,7 @@ from pathlib import Path
 from hf_flatbias.cli import run_recipe
 from hf_flatbias.config import FlatBiasConfig
 from hf_flatbias.corpus import OFFLINE_CORPUS, CorpusSpec, resolve_dataset
-from hf_flatbias.experiments import parse_dataclass_args
+from hf_flatbias.recipe_args import parse_dataclass_args
 
 logger = logging.getLogger("bert_bookcorpus")
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_flatbias.cli import run_recipe
-from hf_flatbias.experiments import parse_dataclass_args
 from hf_flatbias.glue import GlueArguments, GlueConfig
 from hf_flatbias.glue.compare import (
     MeasurementArguments,
@@ -36,6 +35,7 @@ from hf_flatbias.glue.compare import (
     pairwise_comparisons,
 )
 from hf_flatbias.glue.report import write_outputs
+from hf_flatbias.recipe_args import parse_dataclass_args
 
 __all__ = ["held_out_corpus", "load_masked_lm", "load_task_data", "pairwise_comparisons", "write_outputs"]
 

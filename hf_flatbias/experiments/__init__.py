@@ -10,8 +10,8 @@ trunk), `saturation` (KL to the exact conditionals over every position),
 `protocol` / `verdicts` (the paper-shaped protocol: its fixed material, fixed-width probes, branch measurements and
 claim verdicts), `evaluation` (one record per checkpoint:
 one-mask loss, Fisher trace, probes), `analysis` (correlations, matched loss, selection by flatness), `results` (JSON
-and tables), `plots`, `summary` (results as the markdown tables of docs/), `arguments` (the synthetic recipes'
-flags) and `dataclass_args` (``HfArgumentParser`` with a YAML ``--config``, for the BookCorpus and GLUE recipes).
+and tables), `plots`, `summary` (results as the markdown tables of docs/), and `arguments` (the synthetic recipes'
+flags).
 """
 
 from .analysis import at_common_loss, correlations, flatness_selection, matched_loss, partial_spearman, spearman
@@ -29,7 +29,6 @@ from .arguments import (
     trains_on_cpu,
 )
 from .branches import BranchEvaluator, anneal_branch, branch_batches, linear_anneal_rates
-from .dataclass_args import load_yaml_config, parse_dataclass_args
 from .distillation import ConditionalPool, distil_to_saturation, distillation_batches, soft_masked_lm_loss
 from .evaluation import (
     CheckpointEvaluator,
@@ -108,7 +107,6 @@ __all__ = [
     "is_main_process",
     "lexical_features",
     "linear_anneal_rates",
-    "load_yaml_config",
     "markdown_table",
     "matched_loss",
     "mcnemar",
@@ -117,7 +115,6 @@ __all__ = [
     "model_masked_log_probs",
     "one_mask_loss",
     "onehot_position_word",
-    "parse_dataclass_args",
     "parse_recipe_arguments",
     "partial_spearman",
     "plot_runs",

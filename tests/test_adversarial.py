@@ -1,6 +1,5 @@
-"""The adversarial pretraining objective, the recipes' MLM collator, and smoke runs of the paper-comparison recipes."""
+"""The adversarial pretraining objective of `hf_flatbias.adversarial`: its loss, each player's gradient, its checks."""
 
-import json
 import math
 
 import pytest
@@ -102,56 +101,3 @@ def test_bad_settings_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AdversarialPretrainingModel(tiny_bert(), **kwargs)
 
-
-def check_final_rows(rows, entropy):
-    for row in rows:
-        assert row["loss"] > entropy - 0.05  # nobody beats the language's entropy floor
-        assert row["loss_gap_to_entropy"] == pytest.approx(row["loss"] - entropy)
-        assert row["hessian_trace"] > 0
-        for key in ("probe_accuracy", "probe_accuracy_mean_pooled"):
-            assert 0 <= row[key] <= 1
-        assert set(row["probe"]) == {"A", "B", "C"}
-
-
-def test_model_size_recipe_smoke_run(recipes, tmp_path):
-    recipe = recipes.load("pcfg_model_size")
-    payload = recipe.main(["--smoke", "--output-dir", str(tmp_path)])
-    result = json.loads((tmp_path / "results.json").read_text())
-    assert [row["size"] for row in result["rows"]] == ["H16-L1-A1", "H32-L2-A2"]
-    assert result["embedded_into"] == "H32-L2-A2"
-    check_final_rows(result["rows"], payload["entropy_bound"])
-    small, large = result["rows"]
-    # the largest model is embedded into its own architecture: the embedding is the identity there
-    assert large["hessian_trace"] == pytest.approx(large["hessian_trace_own_architecture"])
-    assert small["parameters"] < large["parameters"]
-
-
-@pytest.mark.slow
-def test_adversarial_recipe_smoke_run(recipes, tmp_path):
-    payload = recipes.load("pcfg_adversarial").main(["--smoke", "--output-dir", str(tmp_path)])
-    assert [row["training"] for row in payload["rows"]] == ["standard", "adversarial_1"]
-    check_final_rows(payload["rows"], payload["entropy_bound"])
-    for row in payload["rows"]:
-        assert row["cls_probe_accuracy_hidden_task"] == row["probe_cls"]["A"]["accuracy"]
-
-
-def test_adversarial_recipe_refuses_hmm(recipes):
-    with pytest.raises(ValueError, match="--language pcfg"):
-        recipes.load("pcfg_adversarial").main(["--smoke", "--language", "hmm"])
-
-
-@pytest.mark.slow
-def test_checkpoint_selection_recipe_smoke_run(recipes, tmp_path):
-    payload = recipes.load("pcfg_checkpoint_selection").main(["--smoke", "--output-dir", str(tmp_path)])
-    assert [row["step"] for row in payload["rows"]] == [10, 20]
-    summary = payload["summary"]
-    assert summary["chosen_step"] in summary["candidates"]
-    for row in payload["rows"]:
-        # the Trainer's evaluation loss on the contexts is the recipe's one-mask loss
-        assert row["eval_loss"] == pytest.approx(row["loss"], rel=1e-4)
-
-
-def test_model_size_recipe_rejects_sizes_that_do_not_embed(recipes):
-    recipe = recipes.load("pcfg_model_size")
-    with pytest.raises(ValueError, match="must embed into the largest"):
-        recipe.main(["--sizes", "48x2", "64x2"])

@@ -1,5 +1,6 @@
-"""The research code behind ``recipes/pcfg_saturated_start.py`` (and its GPU driver ``pcfg_protocol_gpu.py``): the
-paper-shaped synthetic-language protocol of docs/reproduction/synthetic.md, one module per job.
+"""The research code behind ``recipes/pcfg_saturated_start.py`` (and its GPU driver ``pcfg_protocol_gpu.py``), the
+paper-shaped synthetic-language protocol of docs/reproduction/synthetic.md, and behind
+``recipes/sam_variants_comparison.py``; one module per job.
 
 - `paper_language`: the fixed material of one grammar (training, KL and probe sentences, trace contexts).
 - `models`: the small BERT masked LMs, built from a config.
@@ -11,6 +12,7 @@ paper-shaped synthetic-language protocol of docs/reproduction/synthetic.md, one 
 - `protocol`: one branch measured (KL, traces, probes) and a trunk trained with its branches, resumable.
 - `verdicts`: the claims' rules, recomputed from the committed JSON; `analysis`: the rank statistics they use.
 - `plots`, `results`: the figures and the JSON the recipes write.
+- `sam_variants`: the SAM-variants comparison (issue 25): its methods, rule, tiny BERT/Llama runs and verdicts.
 - `language`: the small PCFG of ``hf-flatbias demo`` and its probe scores (not part of the protocol).
 
 A recipe is a parser and a ``main()`` that put these together; what only one recipe needs stays in the recipe. The

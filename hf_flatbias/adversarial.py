@@ -22,6 +22,7 @@ large and the MLM loss suffers; the recipe checks that the final MLM loss matche
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,38 +56,76 @@ def confusion_loss(logits: torch.Tensor) -> torch.Tensor:
 class AdversarialPretrainingModel(nn.Module):
     """Wraps a masked LM so that its training loss is the adversarial pretraining objective (module docstring).
 
-    ``forward`` takes the usual MLM batch plus ``task_labels`` (the downstream label of each row; rows with a negative
-    label are left out of both adversarial terms) and returns a ``ModelOutput`` with ``loss`` (the total),
-    ``mlm_loss``, ``confusion_loss``, ``head_loss`` and ``logits``. After training, ``.model`` is the pre-trained
-    masked LM to evaluate, probe or save.
+    ``forward`` takes the usual MLM batch plus ``task_labels`` (the downstream label of each row, ``(batch,)``, or one
+    column per task, ``(batch, n_tasks)``; negative labels are left out of both adversarial terms) and returns a
+    ``ModelOutput`` with ``loss`` (the total), ``mlm_loss``, ``confusion_loss``, ``head_loss`` and ``logits``. After
+    training, ``.model`` is the pre-trained masked LM to evaluate, probe or save.
 
     Args:
         model: the masked LM (e.g. `BertForMaskedLM`); it must return ``hidden_states``.
-        n_classes: number of downstream classes.
+        n_classes: number of downstream classes, or one number per task (one head each; their terms are summed).
         adversary_weight: ``lambda``, the weight of the confusion term in the encoder's objective; 0 gives standard
-            MLM training plus a head that does not influence the encoder.
-        pooling: ``"cls"`` (first token) or ``"mean"`` (mean over non-padding tokens) of the last hidden layer.
+            MLM training plus heads that do not influence the encoder.
+        pooling: what the heads read from the last hidden layer: ``"cls"`` (first token), ``"mean"`` (mean over
+            non-padding tokens) or ``"concat"`` (the first ``width`` positions concatenated, padding zeroed: the
+            fixed-width read-out `hf_flatbias.probe.extract_features` gives a probe).
+        width: token positions of ``"concat"``.
+        read_unmasked: the heads read the sentence with its masked words put back (from ``labels``), as a probe
+            reads it afterwards, in a second forward pass; otherwise they read the masked training input.
     """
 
-    def __init__(self, model: PreTrainedModel, n_classes: int, *, adversary_weight: float = 1.0, pooling: str = "cls"):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        n_classes: int | Sequence[int],
+        *,
+        adversary_weight: float = 1.0,
+        pooling: str = "cls",
+        width: int | None = None,
+        read_unmasked: bool = False,
+    ):
         super().__init__()
-        if n_classes < 2:
-            raise ValueError(f"n_classes must be at least 2 (got {n_classes}); a one-class task carries no signal.")
+        classes = [n_classes] if isinstance(n_classes, int) else list(n_classes)
+        if not classes or min(classes) < 2:
+            raise ValueError(
+                f"every task needs at least 2 classes (got {n_classes}); a one-class task carries no signal."
+            )
         if adversary_weight < 0:
             raise ValueError(f"adversary_weight must be >= 0 (got {adversary_weight}); 0 disables the adversary.")
-        if pooling not in ("cls", "mean"):
-            raise ValueError(f"pooling={pooling!r} is not supported; choose 'cls' or 'mean'.")
+        if pooling not in ("cls", "mean", "concat"):
+            raise ValueError(f"pooling={pooling!r} is not supported; choose 'cls', 'mean' or 'concat'.")
+        if (pooling == "concat") != (width is not None) or (width is not None and width < 1):
+            raise ValueError(f"pooling='concat' needs a width >= 1 and no other pooling takes one (got {width}).")
         self.model = model
         self.config = model.config  # the Trainer reads a few fields from model.config
-        self.adversary = nn.Linear(model.config.hidden_size, n_classes)
+        features = model.config.hidden_size * (width or 1)
+        self.heads = nn.ModuleList(nn.Linear(features, n) for n in classes)
         self.adversary_weight = float(adversary_weight)
         self.pooling = pooling
+        self.width = width
+        self.read_unmasked = read_unmasked
+
+    @property
+    def adversary(self) -> nn.Linear:
+        """The head of a single-task adversary."""
+        if len(self.heads) != 1:
+            raise AttributeError(f"this adversary has {len(self.heads)} heads; index .heads instead.")
+        return self.heads[0]
 
     def pooled_features(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        if self.pooling == "cls" or attention_mask is None:
+        if self.pooling == "cls":
             return hidden[:, 0]
-        mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+        mask = (
+            torch.ones(hidden.shape[:2], dtype=hidden.dtype, device=hidden.device)
+            if attention_mask is None
+            else attention_mask.to(hidden.dtype)
+        ).unsqueeze(-1)
+        if self.pooling == "mean":
+            return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)
+        if hidden.shape[1] > self.width:
+            raise ValueError(f"a batch of {hidden.shape[1]} tokens is wider than the adversary's width {self.width}.")
+        zeroed = F.pad(hidden * mask, (0, 0, 0, self.width - hidden.shape[1]))
+        return zeroed.flatten(1)
 
     def forward(
         self,
@@ -103,15 +142,26 @@ class AdversarialPretrainingModel(nn.Module):
         mlm_loss = outputs.loss if outputs.loss is not None else zero
         confusion, head_loss = zero, zero
         if task_labels is not None:
-            keep = task_labels >= 0
-            if keep.any():
-                features = self.pooled_features(outputs.hidden_states[-1], attention_mask)[keep]
-                targets = task_labels[keep]
-                # The head learns to read the label from frozen features ...
-                head_loss = F.cross_entropy(self.adversary(features.detach()), targets)
-                # ... and the encoder learns to make that (frozen) read-out uniform.
-                frozen_logits = F.linear(features, self.adversary.weight.detach(), self.adversary.bias.detach())
-                confusion = confusion_loss(frozen_logits)
+            columns = task_labels.unsqueeze(1) if task_labels.dim() == 1 else task_labels
+            if columns.shape[1] != len(self.heads):
+                raise ValueError(
+                    f"task_labels has {columns.shape[1]} tasks but the adversary has {len(self.heads)} heads."
+                )
+            hidden = outputs.hidden_states[-1]
+            if self.read_unmasked and labels is not None:
+                clean = torch.where(labels >= 0, labels, input_ids)
+                hidden = self.model(input_ids=clean, attention_mask=attention_mask, output_hidden_states=True)
+                hidden = hidden.hidden_states[-1]
+            features = self.pooled_features(hidden, attention_mask)
+            for head, targets in zip(self.heads, columns.unbind(1), strict=True):
+                keep = targets >= 0
+                if not keep.any():
+                    continue
+                # the head learns to read the label from frozen features ...
+                head_loss = head_loss + F.cross_entropy(head(features[keep].detach()), targets[keep])
+                # ... and the encoder learns to make that (frozen) read-out uniform
+                frozen_logits = F.linear(features[keep], head.weight.detach(), head.bias.detach())
+                confusion = confusion + confusion_loss(frozen_logits)
         loss = mlm_loss + self.adversary_weight * confusion + head_loss
         return AdversarialPretrainingOutput(
             loss=loss,

@@ -5,7 +5,8 @@ are far too small to fill it: a step is bound by kernel launches and data, and p
 each gets an equal share of the CPU threads, since the probes fit on the CPU): (1) every seed distils its start on
 the exact conditionals until the stop set is saturated; (2) seed 0's rate pilot picks the continued-training rate by
 the stated KL-only rule; (3) every seed continues with the paper's objective from its start, annealed branches
-measured; (4) a merge writes ``continued_training.json`` with the C1 verdict (undecided while seeds are missing).
+measured; (4) ``--later-claims`` (C3, C5, C2) as further phases while the budget lasts; (5) a merge writes every
+claim's JSON with its verdict (undecided while seeds are missing).
 Shape: the released grammar's (`PCFG.paper_shaped` defaults: 4 levels of 10 symbols, 200 words), BERT H256-L4
 (3.3M parameters), batch 1024, AdamW beta2 0.98, weight decay 0.01, fp32 (the annealed branches train without
 autocast, so bf16 would treat trunk and branches differently). The route is ours, not the paper's training.
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 
 from hf_flatbias.cli import run_recipe
+from hf_flatbias.experiments.claims import CLAIM_FILES
 
 RECIPES = Path(__file__).resolve().parent
 #: most CPU threads one process gets: the models' tiny CPU ops (features, probes) slow down with more, badly so on a
@@ -61,6 +63,13 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--anneal-steps", type=int, default=500)
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs") / "pcfg_protocol_gpu")
+    parser.add_argument(
+        "--later-claims",
+        nargs="*",
+        choices=["c3", "c5", "c2"],
+        default=[],
+        help="claims run after C1 while the budget lasts, each a phase of concurrent seeds (C4 and C6 need no run)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="the recipe's --smoke sizes, 2 seeds, seconds")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -174,12 +183,21 @@ def main(argv=None) -> dict:
     else:
         print("rate pilot not finished within the budget: C1 not started", flush=True)
     summary["c1_finished_seeds"] = [s for s in args.seeds if (work / f"seed{s}" / "c1" / "result.json").exists()]
+    for claim in args.later_claims if summary["c1_finished_seeds"] else []:
+        phase(
+            claim,
+            {f"{claim}_seed{s}": recipe_command(args, "--seeds", s, "--claims", claim) for s in seeds},
+            deadline - MERGE_RESERVE_SECONDS * (not args.dry_run),
+        )
     subprocess.run(
         recipe_command(args, "--seeds", *seeds, "--claims", "c1", "--merge"), check=True, env=merge_environment(),
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
     results = json.loads((out / "results" / "continued_training.json").read_text())
     summary["c1_verdict"] = results["verdict"]
+    for claim, name in CLAIM_FILES.items():
+        if (out / "results" / name).exists():
+            summary[f"{claim.lower()}_verdict"] = json.loads((out / "results" / name).read_text())["verdict"]
     summary["continued_training_rate"] = results["continued_training_rate"]
     summary["seconds"] = time.monotonic() - start
     save()

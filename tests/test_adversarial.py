@@ -1,13 +1,19 @@
-"""The adversarial pretraining objective of `hf_flatbias.adversarial`: its loss, each player's gradient, its checks."""
+"""The adversarial pre-training objective of `hf_flatbias.adversarial`: the adversary on the evaluated read-out
+(fixed-width concatenated features, one head per task, unmasked input), then the single-task ``[CLS]`` adversary:
+its loss, each player's gradient, its checks."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import BertConfig, BertForMaskedLM
 
 from hf_flatbias.adversarial import AdversarialPretrainingModel, confusion_loss
+from hf_flatbias.probe import extract_features
+
+WIDTH = 9
 
 
 def tiny_bert(seed=0):
@@ -22,6 +28,102 @@ def tiny_bert(seed=0):
         attention_probs_dropout_prob=0.0,
     )
     return BertForMaskedLM(config)
+
+
+def masked_batch(seed=0):
+    """Six rows of 4-7 tokens, padded to 7, one masked word each, and labels of three tasks (some missing: -1)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([7, 5, 6, 4, 7, 5])
+    clean = torch.randint(5, 23, (6, 7), generator=generator)
+    attention_mask = (torch.arange(7)[None] < lengths[:, None]).long()
+    clean = clean * attention_mask  # padding id 0
+    labels = torch.full_like(clean, -100)
+    labels[:, 2] = clean[:, 2]
+    input_ids = clean.clone()
+    input_ids[:, 2] = 4
+    task_labels = torch.tensor([[0, 1, 2], [1, 0, 0], [2, -1, 1], [1, 1, -1], [-1, 0, 2], [0, 1, 1]])
+    return clean, dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels, task_labels=task_labels)
+
+
+def test_concat_features_are_the_probes_fixed_width_read_out():
+    model = tiny_bert()
+    clean, batch = masked_batch()
+    wrapper = AdversarialPretrainingModel(model, [3, 2, 3], pooling="concat", width=WIDTH, read_unmasked=True)
+    with torch.no_grad():
+        hidden = model(input_ids=clean, attention_mask=batch["attention_mask"], output_hidden_states=True)
+        ours = wrapper.pooled_features(hidden.hidden_states[-1], batch["attention_mask"]).numpy()
+    rows = [row[: int(n)].tolist() for row, n in zip(clean, batch["attention_mask"].sum(1), strict=True)]
+    probe = extract_features(model, rows, pooling="concat", width=WIDTH)
+    assert ours.shape == (6, 16 * WIDTH)
+    np.testing.assert_allclose(ours, probe, atol=1e-5)
+
+
+def test_each_task_head_and_the_encoder_get_their_own_objectives_on_unmasked_input():
+    """Written out by hand: heads fit CE on detached clean-input features; the encoder gets MLM + lambda * the sum of
+    the tasks' confusion terms; rows with a negative label leave that task's terms."""
+    weight = 0.5
+    wrapper = AdversarialPretrainingModel(
+        tiny_bert(), [3, 2, 3], adversary_weight=weight, pooling="concat", width=WIDTH, read_unmasked=True
+    )
+    clean, batch = masked_batch()
+    out = wrapper(**batch)
+    out.loss.backward()
+
+    reference = tiny_bert()
+    reference.load_state_dict(wrapper.model.state_dict())
+    heads = [torch.nn.Linear(16 * WIDTH, n) for n in (3, 2, 3)]
+    for head, theirs in zip(heads, wrapper.heads, strict=True):
+        head.load_state_dict(theirs.state_dict())
+    mlm = reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+    hidden = reference(input_ids=clean, attention_mask=batch["attention_mask"], output_hidden_states=True)
+    states = hidden.hidden_states[-1] * batch["attention_mask"][..., None]
+    features = F.pad(states, (0, 0, 0, WIDTH - 7)).flatten(1)
+    head_loss, confusion = 0.0, 0.0
+    for task, head in enumerate(heads):
+        keep = batch["task_labels"][:, task] >= 0
+        head_loss = head_loss + F.cross_entropy(head(features[keep].detach()), batch["task_labels"][keep, task])
+        frozen = F.linear(features[keep], head.weight.detach(), head.bias.detach())
+        confusion = confusion + confusion_loss(frozen)
+    (mlm + weight * confusion + head_loss).backward()
+
+    torch.testing.assert_close(out.mlm_loss, mlm.detach())
+    torch.testing.assert_close(out.confusion_loss, confusion.detach())
+    for head, theirs in zip(heads, wrapper.heads, strict=True):
+        torch.testing.assert_close(theirs.weight.grad, head.weight.grad)
+    for (name, p), q in zip(wrapper.model.named_parameters(), reference.parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None or not p.grad.any(), name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_masked_input_is_read_without_read_unmasked():
+    wrapper = AdversarialPretrainingModel(tiny_bert(), [3, 2, 3], pooling="concat", width=WIDTH)
+    unmasked = AdversarialPretrainingModel(tiny_bert(), [3, 2, 3], pooling="concat", width=WIDTH, read_unmasked=True)
+    _, batch = masked_batch()
+    assert wrapper(**batch).confusion_loss != unmasked(**batch).confusion_loss
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(n_classes=[3, 1]), "at least 2 classes"),
+        (dict(n_classes=3, pooling="concat"), "needs a width"),
+        (dict(n_classes=3, width=4), "needs a width"),
+        (dict(n_classes=3, pooling="max"), "not supported"),
+    ],
+)
+def test_bad_settings_are_refused_before_training(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AdversarialPretrainingModel(tiny_bert(), **kwargs)
+
+
+def test_wrong_number_of_task_columns_and_too_wide_batches_are_refused():
+    _, batch = masked_batch()
+    with pytest.raises(ValueError, match="3 tasks but the adversary has 2 heads"):
+        AdversarialPretrainingModel(tiny_bert(), [3, 2])(**batch)
+    with pytest.raises(ValueError, match="wider than the adversary's width 5"):
+        AdversarialPretrainingModel(tiny_bert(), [3, 2, 3], pooling="concat", width=5)(**batch)
 
 
 def batch(seed=0):

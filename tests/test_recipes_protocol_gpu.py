@@ -8,8 +8,9 @@ import time
 
 def test_protocol_gpu_dry_run_writes_starts_rate_and_c1(recipes, tmp_path):
     completed = recipes.run(
-        "pcfg_protocol_gpu.py", "--dry-run", "--seeds", "0", "--output-dir", str(tmp_path / "out"), tmp_path=tmp_path
-    )
+        "pcfg_protocol_gpu.py", "--dry-run", "--seeds", "0", "--output-dir", str(tmp_path / "out"),
+        "--later-claims", "c5", tmp_path=tmp_path,
+    )  # fmt: skip
     assert completed.returncode == 0, completed.stdout + completed.stderr
     summary = json.loads((tmp_path / "out" / "protocol_gpu.json").read_text())
     assert summary["device"] == "cpu"
@@ -20,6 +21,9 @@ def test_protocol_gpu_dry_run_writes_starts_rate_and_c1(recipes, tmp_path):
     assert list(results["seeds"]) == ["0"] and results["planned_seeds"] == [0]
     assert summary["c1_verdict"] == results["verdict"]
     assert summary["continued_training_rate"] == results["continued_training_rate"] is not None
+    assert list(summary["c5_runs"]) == ["c5_seed0"] and "c3_runs" not in summary
+    adversarial = json.loads((tmp_path / "out" / "results" / "adversarial.json").read_text())
+    assert list(adversarial["seeds"]) == ["0"] and summary["c5_verdict"] == adversarial["verdict"]
     assert "C1 (1 seeds finished)" in completed.stdout and "seed 0: start KL" in completed.stdout
 
 

@@ -10,6 +10,9 @@ paper-shaped synthetic-language protocol of docs/reproduction/synthetic.md, and 
 - `branches`: anneal-to-evaluate copies of a constant-rate trunk.
 - `paper_probes`: fixed-width linear probes, their reference rows and paired (McNemar) tests.
 - `protocol`: one branch measured (KL, traces, probes) and a trunk trained with its branches, resumable.
+- `campaign`: the saturated-start campaign's phases (distilled start, rate pilot, each claim's continued training),
+  each resumable from what it left on disk.
+- `claims`: the campaign's result files: each claim's rule, records and recomputed verdict, the C1 plot, markdown.
 - `verdicts`: the claims' rules, recomputed from the committed JSON; `analysis`: the rank statistics they use.
 - `plots`, `results`: the figures and the JSON the recipes write.
 - `sam_variants`: the SAM-variants comparison (issue 25): its methods, rule, tiny BERT/Llama runs and verdicts.

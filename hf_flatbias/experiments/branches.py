@@ -91,14 +91,15 @@ def anneal_branch(
 
 
 def branch_batches(
-    dataset: Dataset, *, batch_size: int, seed: int, mask_probability: float = 0.0
+    dataset: Dataset, *, batch_size: int, seed: int, mask_probability: float = 0.0, task_column: str | None = None
 ) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless shuffled, masked batches of ``dataset``'s rows from their own generators (the trunk's stay untouched)."""
+    """Endless shuffled, masked batches of ``dataset``'s rows from their own generators (the trunk's stay untouched);
+    with ``task_column``, each batch also carries that column as ``task_labels`` (as `MaskedWordCollator`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
-    collator = MaskedWordCollator(mask_probability, seed=seed)
+    collator = MaskedWordCollator(mask_probability, seed=seed, task_column=task_column)
     rng = np.random.default_rng(seed)
-    columns = dataset.select_columns(["input_ids", "attention_mask"])
+    columns = dataset.select_columns(["input_ids", "attention_mask", *([task_column] if task_column else [])])
     while True:
         order = rng.permutation(len(columns))
         for start in range(0, len(order) - batch_size + 1, batch_size):
@@ -116,6 +117,7 @@ class BranchEvaluator(TrainerCallback):
         batch_size: the branch's batch size (normally the trunk's).
         measure: ``measure(branch, step) -> dict`` (e.g. KL saturation, trace and probes of the annealed branch).
         mask_probability: as `MaskedWordCollator`'s.
+        task_column: a column of ``train`` the branch's batches carry as ``task_labels`` (an adversarial objective).
         seed: the branch at step ``s`` draws its batches from seed ``seed + s``.
         partial_path: records are rewritten there after every branch, so a stopped run keeps what it measured.
     """
@@ -129,6 +131,7 @@ class BranchEvaluator(TrainerCallback):
         batch_size: int,
         measure: Callable[[torch.nn.Module, int], dict[str, Any]],
         mask_probability: float = 0.0,
+        task_column: str | None = None,
         seed: int = 0,
         partial_path: Path | None = None,
     ):
@@ -140,6 +143,7 @@ class BranchEvaluator(TrainerCallback):
         self.batch_size = batch_size
         self.measure = measure
         self.mask_probability = mask_probability
+        self.task_column = task_column
         self.seed = seed
         self.partial_path = partial_path
         self.records: list[dict[str, Any]] = []
@@ -147,7 +151,11 @@ class BranchEvaluator(TrainerCallback):
     def branch(self, model: torch.nn.Module, optimizer, learning_rate: float, step: int, max_grad_norm=None):
         """The annealed branch at ``step`` (also usable outside a Trainer)."""
         batches = branch_batches(
-            self.train, batch_size=self.batch_size, seed=self.seed + step, mask_probability=self.mask_probability
+            self.train,
+            batch_size=self.batch_size,
+            seed=self.seed + step,
+            mask_probability=self.mask_probability,
+            task_column=self.task_column,
         )
         return anneal_branch(
             model,

@@ -135,3 +135,20 @@ def setup_paper_language(
         probes=probes,
         width=grammar.max_length,
     )
+
+
+def task_labelled_train(language: PaperLanguage, n_train: int) -> Dataset:
+    """The first ``n_train`` training sentences of ``language`` (the same draw as `setup_paper_language`'s, so the
+    same rows) with a ``task_labels`` column ``[A, B, C]``: the probe tasks' labels, -1 for sentences shorter than
+    ``MIN_PROBE_WORDS`` (the probes never see those). An adversary on the read-out trains on these."""
+    sample = language.grammar.sample(n_train, seed=_seeds(language.grammar_seed)[0])
+    labels = language.grammar.task_labels(sample.word_ids, sample.lengths)
+    short = sample.lengths < MIN_PROBE_WORDS
+    columns = np.stack([np.where(short, -1, labels[column]) for column in TASKS.values()], axis=1)
+    rows = sentences_to_dataset(sample.word_ids, sample.lengths, task_labels=columns)
+    return rows.select_columns(["input_ids", "attention_mask", "task_labels"])
+
+
+def task_classes(language: PaperLanguage) -> list[int]:
+    """Classes of tasks A, B, C: the sentence types, then every nonterminal (the prefix tasks' label space)."""
+    return [language.grammar.n_sentence_types, language.grammar.n_symbols, language.grammar.n_symbols]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from datasets import Dataset
 from transformers.trainer_utils import get_last_checkpoint
 
 from ..config import FlatBiasConfig
@@ -120,12 +121,17 @@ def train_with_branches(
     measure_kwargs: dict[str, Any],
     start_model: torch.nn.Module | None = None,
     keep_branches: bool = False,
+    train_dataset: Dataset | None = None,
 ) -> list[dict[str, Any]]:
     """Train ``spec``'s trunk and measure an annealed branch every ``branch_every`` steps; resumes where it stopped.
 
     ``start_model``: the trunk starts from a copy of these weights (e.g. a distilled, saturated model) instead of
     ``spec``'s fresh initialisation; the model passed is left untouched. A resumed run reads its checkpoint instead.
     ``keep_branches``: save each annealed branch (weights and config) under ``output_dir/branches/step-N``.
+    ``train_dataset``: the trunk's and branches' rows (default ``language.train``). With ``spec.wrap_model`` the
+    trunk and its branches train the wrapper (e.g. `AdversarialPretrainingModel`, fed ``spec.task_column``) and the
+    masked LM inside it (``.model``) is measured; such a trunk keeps no checkpoint (the Trainer saves a wrapper as a
+    bare state dict, which refuses BERT's tied embeddings), so a stopped run starts again from the start.
 
     ``output_dir/branches.json`` is rewritten after every branch and the trunk (weights, optimizer, scheduler, random
     states) is saved right after it, so a rerun continues from the last measured branch: the records up to that
@@ -143,11 +149,16 @@ def train_with_branches(
         print(f"resuming from {last} with {len(records)} measured branches", flush=True)
     elif last is not None:
         last = None  # a checkpoint without its records: start again rather than lose branches silently
+    train_dataset = language.train if train_dataset is None else train_dataset
     model = _model_for(spec, language)
     if start_model is not None:
         model.load_state_dict(start_model.state_dict())  # a copy: the trunk's steps never write into start_model
+    wrapped = spec.wrap_model is not None
+    if wrapped:
+        model = spec.wrap_model(model)  # no checkpoint was kept for it (below): last is None
 
     def measure(branch, step):
+        branch = branch.model if wrapped else branch
         record = measure_branch(branch, language, seed=step, **measure_kwargs)
         if keep_branches:
             branch.save_pretrained(output_dir / "branches" / f"step-{step}")
@@ -161,22 +172,25 @@ def train_with_branches(
         return record
 
     evaluator = BranchEvaluator(
-        language.train,
+        train_dataset,
         every=branch_every,
         anneal_steps=anneal_steps,
         batch_size=spec.batch_size,
         measure=measure,
         seed=spec.seed,
+        task_column=spec.task_column,
         partial_path=records_path,
     )
     evaluator.records = records
     settings = trainer_settings(spec, trunk_dir)
-    settings.update(save_strategy="steps", save_steps=branch_every, save_total_limit=1, logging_steps=branch_every)
+    settings.update(logging_steps=branch_every)
+    if not wrapped:
+        settings.update(save_strategy="steps", save_steps=branch_every, save_total_limit=1)
     trainer = FlatBiasTrainer(
         model=model,
         args=FlatBiasConfig(**settings),
-        train_dataset=language.train,
-        data_collator=MaskedWordCollator(0.0, seed=spec.seed),
+        train_dataset=train_dataset,
+        data_collator=MaskedWordCollator(0.0, seed=spec.seed, task_column=spec.task_column),
         callbacks=[evaluator],
     )
     trainer.train(resume_from_checkpoint=last)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,9 @@ class RunSpec:
     layers: int = 2
     seed: int = 0
     heads: int | None = None  # attention heads; None: build_model's default, hidden // 32
+    # train wrap_model(model) (e.g. an AdversarialPretrainingModel around it) while measuring the masked LM itself
+    wrap_model: Callable[[Any], torch.nn.Module] | None = None
+    task_column: str | None = None  # a training column the collator hands the model as ``task_labels``
     # train on the CPU (the recipes' default); False lets the Trainer pick the accelerator (a GPU run)
     use_cpu: bool = True
 

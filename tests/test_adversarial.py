@@ -194,7 +194,7 @@ def test_zero_weight_trains_the_encoder_like_plain_mlm():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"n_classes": 1}, "n_classes must be at least 2"),
+        ({"n_classes": 1}, "at least 2 classes"),
         ({"n_classes": 3, "adversary_weight": -1}, ">= 0"),
         ({"n_classes": 3, "pooling": "max"}, "pooling='max'"),
     ],

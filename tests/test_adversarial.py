@@ -8,26 +8,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import BertConfig, BertForMaskedLM
 
 from hf_flatbias.adversarial import AdversarialPretrainingModel, confusion_loss
 from hf_flatbias.probe import extract_features
+from tests.helpers.tiny_models import tiny_mlm
 
 WIDTH = 9
-
-
-def tiny_bert(seed=0):
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=23,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return BertForMaskedLM(config)
 
 
 def masked_batch(seed=0):
@@ -46,7 +32,7 @@ def masked_batch(seed=0):
 
 
 def test_concat_features_are_the_probes_fixed_width_read_out():
-    model = tiny_bert()
+    model = tiny_mlm()
     clean, batch = masked_batch()
     wrapper = AdversarialPretrainingModel(model, [3, 2, 3], pooling="concat", width=WIDTH, read_unmasked=True)
     with torch.no_grad():
@@ -63,13 +49,13 @@ def test_each_task_head_and_the_encoder_get_their_own_objectives_on_unmasked_inp
     the tasks' confusion terms; rows with a negative label leave that task's terms."""
     weight = 0.5
     wrapper = AdversarialPretrainingModel(
-        tiny_bert(), [3, 2, 3], adversary_weight=weight, pooling="concat", width=WIDTH, read_unmasked=True
+        tiny_mlm(), [3, 2, 3], adversary_weight=weight, pooling="concat", width=WIDTH, read_unmasked=True
     )
     clean, batch = masked_batch()
     out = wrapper(**batch)
     out.loss.backward()
 
-    reference = tiny_bert()
+    reference = tiny_mlm()
     reference.load_state_dict(wrapper.model.state_dict())
     heads = [torch.nn.Linear(16 * WIDTH, n) for n in (3, 2, 3)]
     for head, theirs in zip(heads, wrapper.heads, strict=True):
@@ -98,8 +84,8 @@ def test_each_task_head_and_the_encoder_get_their_own_objectives_on_unmasked_inp
 
 
 def test_masked_input_is_read_without_read_unmasked():
-    wrapper = AdversarialPretrainingModel(tiny_bert(), [3, 2, 3], pooling="concat", width=WIDTH)
-    unmasked = AdversarialPretrainingModel(tiny_bert(), [3, 2, 3], pooling="concat", width=WIDTH, read_unmasked=True)
+    wrapper = AdversarialPretrainingModel(tiny_mlm(), [3, 2, 3], pooling="concat", width=WIDTH)
+    unmasked = AdversarialPretrainingModel(tiny_mlm(), [3, 2, 3], pooling="concat", width=WIDTH, read_unmasked=True)
     _, batch = masked_batch()
     assert wrapper(**batch).confusion_loss != unmasked(**batch).confusion_loss
 
@@ -115,15 +101,15 @@ def test_masked_input_is_read_without_read_unmasked():
 )
 def test_bad_settings_are_refused_before_training(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        AdversarialPretrainingModel(tiny_bert(), **kwargs)
+        AdversarialPretrainingModel(tiny_mlm(), **kwargs)
 
 
 def test_wrong_number_of_task_columns_and_too_wide_batches_are_refused():
     _, batch = masked_batch()
     with pytest.raises(ValueError, match="3 tasks but the adversary has 2 heads"):
-        AdversarialPretrainingModel(tiny_bert(), [3, 2])(**batch)
+        AdversarialPretrainingModel(tiny_mlm(), [3, 2])(**batch)
     with pytest.raises(ValueError, match="wider than the adversary's width 5"):
-        AdversarialPretrainingModel(tiny_bert(), [3, 2, 3], pooling="concat", width=5)(**batch)
+        AdversarialPretrainingModel(tiny_mlm(), [3, 2, 3], pooling="concat", width=5)(**batch)
 
 
 def batch(seed=0):
@@ -149,14 +135,14 @@ def test_confusion_loss_is_cross_entropy_to_uniform():
 def test_each_player_gets_only_its_own_gradient():
     """Head: gradient of CE on detached features only. Encoder: gradient of MLM + lambda * confusion only."""
     weight = 0.7
-    wrapper = AdversarialPretrainingModel(tiny_bert(), n_classes=3, adversary_weight=weight)
+    wrapper = AdversarialPretrainingModel(tiny_mlm(), n_classes=3, adversary_weight=weight)
     inputs = batch()
     wrapper(**inputs).loss.backward()
     head_grad = wrapper.adversary.weight.grad.clone()
     encoder_grads = {n: p.grad.clone() for n, p in wrapper.model.named_parameters() if p.grad is not None}
 
     # Independent reference: the two objectives written out separately on fresh copies.
-    reference = tiny_bert()
+    reference = tiny_mlm()
     reference.load_state_dict(wrapper.model.state_dict())
     head = torch.nn.Linear(16, 3)
     head.load_state_dict(wrapper.adversary.state_dict())
@@ -182,8 +168,8 @@ def test_each_player_gets_only_its_own_gradient():
 
 
 def test_zero_weight_trains_the_encoder_like_plain_mlm():
-    wrapper = AdversarialPretrainingModel(tiny_bert(), n_classes=3, adversary_weight=0.0)
-    plain = tiny_bert()
+    wrapper = AdversarialPretrainingModel(tiny_mlm(), n_classes=3, adversary_weight=0.0)
+    plain = tiny_mlm()
     inputs = batch(seed=3)
     wrapper(**inputs).loss.backward()
     plain(**{k: v for k, v in inputs.items() if k != "task_labels"}).loss.backward()
@@ -201,5 +187,5 @@ def test_zero_weight_trains_the_encoder_like_plain_mlm():
 )
 def test_bad_settings_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        AdversarialPretrainingModel(tiny_bert(), **kwargs)
+        AdversarialPretrainingModel(tiny_mlm(), **kwargs)
 

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -193,48 +194,51 @@ def choose_rate(args, language, start: BertForMaskedLM) -> dict[str, Any]:
     return payload
 
 
-def run_c1_seed(args, language, start: BertForMaskedLM, seed: int, rate: float) -> dict[str, Any]:
-    """Continued training of one seed from its saturated start; finished seeds are read back."""
-    seed_dir = args.work_dir / f"seed{seed}" / "c1"
-    done = seed_dir / "result.json"
-    if done.exists():
-        return json.loads(done.read_text())
-    began = time.perf_counter()
-    records = train_with_branches(
+def _finished(directory: Path) -> dict[str, Any] | None:
+    """A phase's ``result.json`` (written last, so its presence means the phase is complete), or None."""
+    done = directory / "result.json"
+    return json.loads(done.read_text()) if done.exists() else None
+
+
+def _continue(args, language, spec: RunSpec, directory: Path, start, *, every: int | None = None, **options) -> list:
+    """`train_with_branches` from ``start`` with the campaign's anneal and measurements; one branch, at the end of
+    the run, unless ``every`` says otherwise."""
+    return train_with_branches(
         language,
-        continue_spec(args, seed, rate, args.continue_steps),
-        seed_dir,
-        branch_every=args.branch_every,
+        spec,
+        directory,
+        branch_every=every or spec.steps,
         anneal_steps=args.anneal_steps,
         measure_kwargs=measure_kwargs(args),
         start_model=start,
-        keep_branches=True,
+        **options,
     )
+
+
+def run_c1_seed(args, language, start: BertForMaskedLM, seed: int, rate: float) -> dict[str, Any]:
+    """Continued training of one seed from its saturated start; finished seeds are read back."""
+    seed_dir = args.work_dir / f"seed{seed}" / "c1"
+    if done := _finished(seed_dir):
+        return done
+    began = time.perf_counter()
+    spec = continue_spec(args, seed, rate, args.continue_steps)
+    records = _continue(args, language, spec, seed_dir, start, every=args.branch_every, keep_branches=True)
     payload = {"seed": seed, "records": records, "seconds_this_run": time.perf_counter() - began}
-    write_json(done, payload)
+    write_json(seed_dir / "result.json", payload)
     return payload
 
 
 def run_c3_arm(args, language, start: BertForMaskedLM, seed: int, rate: float, arm: str) -> dict[str, Any]:
     """One C3 arm of one seed from its saturated start: the C1 length, one branch at the end; read back if done."""
     arm_dir = args.work_dir / f"seed{seed}" / "c3" / arm
-    done = arm_dir / "result.json"
-    if done.exists():
-        return json.loads(done.read_text())
+    if done := _finished(arm_dir):
+        return done
     dropout, weight_decay, sam = C3_ARMS[arm]
     spec = continue_spec(args, seed, rate, args.continue_steps, dropout=dropout, weight_decay=weight_decay, sam=sam)
     began = time.perf_counter()
-    records = train_with_branches(
-        language,
-        spec,
-        arm_dir,
-        branch_every=args.continue_steps,
-        anneal_steps=args.anneal_steps,
-        measure_kwargs=measure_kwargs(args),
-        start_model=start,
-    )
+    records = _continue(args, language, spec, arm_dir, start)
     payload = {"seed": seed, "arm": arm, "record": records[-1], "seconds_this_run": time.perf_counter() - began}
-    write_json(done, payload)
+    write_json(arm_dir / "result.json", payload)
     return payload
 
 
@@ -264,22 +268,13 @@ def run_c5_seed(
     the same objective); read back if done. A stopped run starts this seed again (no trunk checkpoint: see
     `train_with_branches`)."""
     seed_dir = args.work_dir / f"seed{seed}" / "c5"
-    done = seed_dir / "result.json"
-    if done.exists():
-        return json.loads(done.read_text())
+    if done := _finished(seed_dir):
+        return done
     began = time.perf_counter()
-    records = train_with_branches(
-        language,
-        adversarial_spec(args, language, seed, rate),
-        seed_dir,
-        branch_every=args.continue_steps,
-        anneal_steps=args.anneal_steps,
-        measure_kwargs=measure_kwargs(args),
-        start_model=start,
-        train_dataset=labelled_train,
-    )
+    spec = adversarial_spec(args, language, seed, rate)
+    records = _continue(args, language, spec, seed_dir, start, train_dataset=labelled_train)
     payload = {"seed": seed, "record": records[-1], "seconds_this_run": time.perf_counter() - began}
-    write_json(done, payload)
+    write_json(seed_dir / "result.json", payload)
     return payload
 
 
@@ -288,21 +283,12 @@ def run_c2_size(args, language, pool, stop_set, seed: int, rate: float, hidden: 
     length, and that branch's Fisher trace also in the largest width's parameter space (`enlarge`, function-
     preserving; the same contexts and draws as its own trace, so the largest width's two traces are equal)."""
     size_dir = args.work_dir / f"seed{seed}" / "c2" / f"h{hidden}"
-    done = size_dir / "result.json"
-    if done.exists():
-        return json.loads(done.read_text())
+    if done := _finished(size_dir):
+        return done
     began = time.perf_counter()
     start, start_record = distilled_start(args, language, pool, stop_set, seed, hidden=hidden)
-    records = train_with_branches(
-        language,
-        continue_spec(args, seed, rate, args.continue_steps, hidden=hidden),
-        size_dir,
-        branch_every=args.continue_steps,
-        anneal_steps=args.anneal_steps,
-        measure_kwargs=measure_kwargs(args),
-        start_model=start,
-        keep_branches=True,
-    )
+    spec = continue_spec(args, seed, rate, args.continue_steps, hidden=hidden)
+    records = _continue(args, language, spec, size_dir, start, keep_branches=True)
     record = records[-1]
     branch = BertForMaskedLM.from_pretrained(size_dir / "branches" / f"step-{record['step']}").eval()
     largest = bert_config(len(language.tokenizer), hidden=max(C2_SIZES), layers=args.layers)
@@ -323,7 +309,7 @@ def run_c2_size(args, language, pool, stop_set, seed: int, rate: float, hidden: 
         "record": record,
         "seconds_this_run": time.perf_counter() - began,
     }
-    write_json(done, payload)
+    write_json(size_dir / "result.json", payload)
     return payload
 
 

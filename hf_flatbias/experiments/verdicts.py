@@ -203,6 +203,18 @@ def _interval_verdict(differences: dict[str, float], *, above: bool) -> dict[str
     return row
 
 
+def _matched_differences(
+    a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]], keys: Sequence[str]
+) -> tuple[list[str], dict[str, dict[str, float]]]:
+    """Seeds where ``a``'s and ``b``'s records are both saturated and within `MATCHED_KL_TOLERANCE`, and per key the
+    per-seed difference ``a - b`` over those seeds."""
+    compared = [
+        s for s in a
+        if s in b and _saturated(a[s]) and _saturated(b[s]) and abs(a[s]["kl"] - b[s]["kl"]) <= MATCHED_KL_TOLERANCE
+    ]  # fmt: skip
+    return compared, {key: {s: a[s][key] - b[s][key] for s in compared} for key in keys}
+
+
 C4_RULE = (
     "Lookup table vs saturated models, on the fixed probe test set (the rule docs/REPRODUCTION.md stated in 774773a: "
     "'the models win on >= 2 of 3 tasks with CI > 0', made precise). Per seed, the saturated start (KL <= 0.010, "
@@ -299,17 +311,9 @@ C5_RULE = (
 
 def c5_verdict(adversarial: dict[str, dict[str, Any]], plain: dict[str, dict[str, Any]], planned: int) -> dict:
     """C5 by `C5_RULE` from ``{seed: last branch record}`` of the adversarial and the plain (C1) runs."""
-    compared = [
-        s for s in adversarial
-        if s in plain and _saturated(adversarial[s]) and _saturated(plain[s])
-        and abs(adversarial[s]["kl"] - plain[s]["kl"]) <= MATCHED_KL_TOLERANCE
-    ]  # fmt: skip
-    accuracy = _interval_verdict(
-        {s: adversarial[s]["probe_accuracy"] - plain[s]["probe_accuracy"] for s in compared}, above=False
-    )
-    trace = _interval_verdict(
-        {s: adversarial[s]["fisher_trace"] - plain[s]["fisher_trace"] for s in compared}, above=True
-    )
+    compared, differences = _matched_differences(adversarial, plain, ("probe_accuracy", "fisher_trace"))
+    accuracy = _interval_verdict(differences["probe_accuracy"], above=False)
+    trace = _interval_verdict(differences["fisher_trace"], above=True)
     row = {"rule": C5_RULE, "verdict": accuracy["verdict"], "seeds_compared": sorted(compared),
            "accuracy_difference": accuracy, "fisher_trace_difference": trace}  # fmt: skip
     return in_progress(row, len(adversarial), planned)
@@ -338,18 +342,11 @@ def c2_verdict(sizes: dict[int, dict[str, dict[str, Any]]], planned: int) -> dic
     if len(usable) < 2:
         row.update(verdict="undecided (not saturated)", seeds_compared=[])
         return in_progress(row, finished, planned)
-    small, large = sizes[usable[0]], sizes[usable[-1]]
-    compared = [
-        s for s in large
-        if s in small and _saturated(large[s]) and _saturated(small[s])
-        and abs(large[s]["kl"] - small[s]["kl"]) <= MATCHED_KL_TOLERANCE
-    ]  # fmt: skip
-    accuracy = _interval_verdict(
-        {s: large[s]["probe_accuracy"] - small[s]["probe_accuracy"] for s in compared}, above=True
+    compared, differences = _matched_differences(
+        sizes[usable[-1]], sizes[usable[0]], ("probe_accuracy", "fisher_trace_enlarged")
     )
-    trace = _interval_verdict(
-        {s: large[s]["fisher_trace_enlarged"] - small[s]["fisher_trace_enlarged"] for s in compared}, above=False
-    )
+    accuracy = _interval_verdict(differences["probe_accuracy"], above=True)
+    trace = _interval_verdict(differences["fisher_trace_enlarged"], above=False)
     verdict = accuracy["verdict"]
     if verdict != "undecided (not saturated)":
         verdict = "PASS" if accuracy["verdict"] == trace["verdict"] == "PASS" else "FAIL"

@@ -1,4 +1,5 @@
-"""Builders shared by the benchmark scripts: a step timer, a masked-LM BERT and random masked-LM rows.
+"""Builders shared by the benchmark scripts: a step timer and a timed training run with its command line, a
+masked-LM BERT and random masked-LM rows.
 
 The scripts run as ``python benchmarks/NAME.py`` (or under ``accelerate launch``), which puts this folder first on
 ``sys.path``, so they import this module as ``_common``.
@@ -6,10 +7,27 @@ The scripts run as ``python benchmarks/NAME.py`` (or under ``accelerate launch``
 
 from __future__ import annotations
 
+import argparse
+import tempfile
 import time
+from collections.abc import Callable
 
 import torch
-from transformers import BertConfig, BertForMaskedLM, TrainerCallback
+from transformers import BertConfig, BertForMaskedLM, Trainer, TrainerCallback
+
+WARMUP_STEPS = 2
+"""Steps left out of a timing: the first ones pay for allocation and lazy initialisation."""
+
+# What every timed run shares: the same optimizer, and nothing saved, logged or drawn that would land in a step's time.
+TIMING_ARGUMENTS = dict(
+    optim="adamw_torch",
+    report_to="none",
+    save_strategy="no",
+    logging_strategy="no",
+    use_cpu=True,
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+)
 
 
 class StepTimer(TrainerCallback):
@@ -26,6 +44,31 @@ class StepTimer(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.durations.append(self._clock() - self._start)
+
+
+def timing_parser(description: str, quick_help: str) -> argparse.ArgumentParser:
+    """The command line of a step-timing benchmark: ``--quick`` (smaller sizes) and ``--repeats``."""
+    parser = argparse.ArgumentParser(description=description.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--repeats", type=int, default=None)
+    return parser
+
+
+def choose_sizes(args: argparse.Namespace, *, quick: tuple, full: tuple) -> tuple:
+    """``quick`` or ``full`` as ``--quick`` says, each ``(sizes, repeats, steps, batch)``; ``--repeats`` overrides."""
+    sizes, repeats, steps, batch = quick if args.quick else full
+    return sizes, args.repeats or repeats, steps, batch
+
+
+def run_timed_trainer(make_trainer: Callable[[str], Trainer], *, clock: Callable[[], float] = time.perf_counter):
+    """Train the trainer that ``make_trainer(output_dir)`` builds, in a temporary folder, and return its step times
+    after the first `WARMUP_STEPS`. Give its arguments `TIMING_ARGUMENTS`."""
+    timer = StepTimer(clock)
+    with tempfile.TemporaryDirectory() as output_dir:
+        trainer = make_trainer(output_dir)
+        trainer.add_callback(timer)
+        trainer.train()
+    return timer.durations[WARMUP_STEPS:]
 
 
 def build_model(hidden: int, layers: int, vocab: int, seq_len: int, *, head_size: int) -> BertForMaskedLM:

@@ -22,7 +22,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from _common import build_model, masked_lm_rows  # noqa: E402
+from _common import TIMING_ARGUMENTS, build_model, masked_lm_rows  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from hf_flatbias import FlatBiasConfig, FlatBiasTrainer  # noqa: E402
@@ -75,13 +75,7 @@ def seconds_per_step(overrides: dict, rows, model_kwargs: dict, timed_steps: int
             out,
             max_steps=WARMUP_STEPS + timed_steps,
             per_device_train_batch_size=batch_size,
-            optim="adamw_torch",
-            report_to="none",
-            save_strategy="no",
-            logging_strategy="no",
-            use_cpu=True,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
+            **TIMING_ARGUMENTS,
             **overrides,
         )
         model = build_model(**model_kwargs, head_size=HEAD_SIZE)

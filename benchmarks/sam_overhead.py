@@ -10,15 +10,20 @@ The last line is ``sam_step_ratio=X`` (median SAM step time / median plain step 
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from _common import StepTimer, build_model, masked_lm_rows  # noqa: E402
+from _common import (  # noqa: E402
+    TIMING_ARGUMENTS,
+    build_model,
+    choose_sizes,
+    masked_lm_rows,
+    run_timed_trainer,
+    timing_parser,
+)
 
 from hf_flatbias import FlatBiasConfig, FlatBiasTrainer  # noqa: E402
 
@@ -26,38 +31,23 @@ HEAD_SIZE = 64  # attention heads = hidden // HEAD_SIZE
 
 
 def time_steps(method: str, rows, model_kwargs, steps: int, batch_size: int) -> list[float]:
-    timer = StepTimer()
-    with tempfile.TemporaryDirectory() as out:
+    def make_trainer(out: str) -> FlatBiasTrainer:
         args = FlatBiasConfig(
-            out,
-            flatness_method=method,
-            max_steps=steps,
-            per_device_train_batch_size=batch_size,
-            optim="adamw_torch",
-            report_to="none",
-            save_strategy="no",
-            logging_strategy="no",
-            use_cpu=True,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
+            out, flatness_method=method, max_steps=steps, per_device_train_batch_size=batch_size, **TIMING_ARGUMENTS
         )
         model = build_model(**model_kwargs, head_size=HEAD_SIZE)
-        trainer = FlatBiasTrainer(model=model, args=args, train_dataset=rows, callbacks=[timer])
-        trainer.train()
-    return timer.durations[2:]  # the first steps pay for allocation and lazy initialisation
+        return FlatBiasTrainer(model=model, args=args, train_dataset=rows)
+
+    return run_timed_trainer(make_trainer)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer repeats (under 2 minutes)")
-    parser.add_argument("--repeats", type=int, default=None)
-    args = parser.parse_args()
-    if args.quick:
-        model_kwargs = dict(hidden=128, layers=2, vocab=2000, seq_len=64)
-        repeats, steps, batch = args.repeats or 3, 12, 16
-    else:
-        model_kwargs = dict(hidden=256, layers=4, vocab=8000, seq_len=64)
-        repeats, steps, batch = args.repeats or 5, 20, 32
+    args = timing_parser(__doc__, "a smaller model and fewer repeats (under 2 minutes)").parse_args()
+    model_kwargs, repeats, steps, batch = choose_sizes(
+        args,
+        quick=(dict(hidden=128, layers=2, vocab=2000, seq_len=64), 3, 12, 16),
+        full=(dict(hidden=256, layers=4, vocab=8000, seq_len=64), 5, 20, 32),
+    )
     rows = masked_lm_rows(steps * batch, model_kwargs["seq_len"], model_kwargs["vocab"])
     n_params = sum(p.numel() for p in build_model(**model_kwargs, head_size=HEAD_SIZE).parameters())
     plain, sam = [], []

@@ -13,16 +13,14 @@ Prints one ``<variant>_step_ratio=X`` line per variant (median step / median pla
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import tempfile
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from _common import StepTimer  # noqa: E402
+from _common import TIMING_ARGUMENTS, choose_sizes, run_timed_trainer, timing_parser  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from hf_flatbias import FlatBiasConfig, FlatBiasTrainer  # noqa: E402
@@ -60,37 +58,22 @@ def causal_rows(n: int, seq_len: int, vocab: int) -> list[dict[str, torch.Tensor
 
 
 def time_steps(overrides: dict, rows, model_kwargs, steps: int, batch_size: int) -> list[float]:
-    timer = StepTimer(clock=time.process_time)
-    with tempfile.TemporaryDirectory() as out:
+    def make_trainer(out: str) -> FlatBiasTrainer:
         args = FlatBiasConfig(
-            out,
-            max_steps=steps,
-            per_device_train_batch_size=batch_size,
-            optim="adamw_torch",
-            report_to="none",
-            save_strategy="no",
-            logging_strategy="no",
-            use_cpu=True,
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-            **overrides,
+            out, max_steps=steps, per_device_train_batch_size=batch_size, **TIMING_ARGUMENTS, **overrides
         )
-        trainer = FlatBiasTrainer(model=build_model(**model_kwargs), args=args, train_dataset=rows, callbacks=[timer])
-        trainer.train()
-    return timer.durations[2:]  # the first steps pay for allocation and lazy initialisation
+        return FlatBiasTrainer(model=build_model(**model_kwargs), args=args, train_dataset=rows)
+
+    return run_timed_trainer(make_trainer, clock=time.process_time)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer repeats (about a minute)")
-    parser.add_argument("--repeats", type=int, default=None)
-    args = parser.parse_args()
-    if args.quick:
-        model_kwargs = dict(hidden=128, layers=2, vocab=2000, seq_len=64)
-        repeats, steps, batch = args.repeats or 2, 8, 8
-    else:
-        model_kwargs = dict(hidden=256, layers=4, vocab=8000, seq_len=64)
-        repeats, steps, batch = args.repeats or 3, 12, 16
+    args = timing_parser(__doc__, "a smaller model and fewer repeats (about a minute)").parse_args()
+    model_kwargs, repeats, steps, batch = choose_sizes(
+        args,
+        quick=(dict(hidden=128, layers=2, vocab=2000, seq_len=64), 2, 8, 8),
+        full=(dict(hidden=256, layers=4, vocab=8000, seq_len=64), 3, 12, 16),
+    )
     rows = causal_rows(steps * batch, model_kwargs["seq_len"], model_kwargs["vocab"])
     durations: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(repeats):

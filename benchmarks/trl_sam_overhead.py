@@ -13,15 +13,13 @@ The last lines are ``<trainer>_sam_step_ratio=X``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from _common import StepTimer  # noqa: E402
+from _common import TIMING_ARGUMENTS, choose_sizes, run_timed_trainer, timing_parser  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tokenizers import processors  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -59,59 +57,45 @@ def token_rows(n: int, seq_len: int, vocab: int) -> list[list[int]]:
 
 
 def time_steps(trainer_name: str, method: str, rows, tokenizer, sizes: dict, steps: int, batch: int) -> list[float]:
-    timer = StepTimer()
-    common = dict(
-        flatness_method=method,
-        max_steps=steps,
-        per_device_train_batch_size=batch,
-        optim="adamw_torch",
-        report_to="none",
-        save_strategy="no",
-        logging_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-    )
+    common = dict(flatness_method=method, max_steps=steps, per_device_train_batch_size=batch, **TIMING_ARGUMENTS)
     trl_defaults_off = dict(bf16=False, gradient_checkpointing=False)
     model = build_llama(len(tokenizer), **sizes)
-    with tempfile.TemporaryDirectory() as out:
+
+    def make_trainer(out: str):
         if trainer_name == "FlatBiasTrainer":
             data = [{"input_ids": torch.tensor(r), "labels": torch.tensor(r)} for r in rows]
-            trainer = FlatBiasTrainer(model=model, args=FlatBiasConfig(out, **common), train_dataset=data)
-        elif trainer_name == "FlatBiasSFTTrainer":
+            return FlatBiasTrainer(model=model, args=FlatBiasConfig(out, **common), train_dataset=data)
+        if trainer_name == "FlatBiasSFTTrainer":
             args = FlatBiasSFTConfig(out, **common, **trl_defaults_off, max_length=None, dataset_num_proc=None)
             data = Dataset.from_dict({"input_ids": rows})
-            trainer = FlatBiasSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
-        else:
-            half = len(rows[0]) // 2  # prompt: the first half; chosen and rejected: the second halves of two rows
-            text = [" ".join(tokenizer.convert_ids_to_tokens(r)) for r in rows]
-            halves = [(" ".join(t.split()[:half]), " " + " ".join(t.split()[half:])) for t in text]
-            pairs = {
-                "prompt": [p for p, _ in halves],
-                "chosen": [c for _, c in halves],
-                "rejected": [c for _, c in halves[1:] + halves[:1]],
-            }
-            args = FlatBiasDPOConfig(out, **common, **trl_defaults_off, max_length=None)
-            trainer = FlatBiasDPOTrainer(
-                model=model,
-                ref_model=build_llama(len(tokenizer), **sizes),
-                args=args,
-                train_dataset=Dataset.from_dict(pairs),
-                processing_class=tokenizer,
-            )
-        trainer.add_callback(timer)
-        trainer.train()
-    return timer.durations[2:]  # the first steps pay for allocation and lazy initialisation
+            return FlatBiasSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        half = len(rows[0]) // 2  # prompt: the first half; chosen and rejected: the second halves of two rows
+        text = [" ".join(tokenizer.convert_ids_to_tokens(r)) for r in rows]
+        halves = [(" ".join(t.split()[:half]), " " + " ".join(t.split()[half:])) for t in text]
+        pairs = {
+            "prompt": [p for p, _ in halves],
+            "chosen": [c for _, c in halves],
+            "rejected": [c for _, c in halves[1:] + halves[:1]],
+        }
+        args = FlatBiasDPOConfig(out, **common, **trl_defaults_off, max_length=None)
+        return FlatBiasDPOTrainer(
+            model=model,
+            ref_model=build_llama(len(tokenizer), **sizes),
+            args=args,
+            train_dataset=Dataset.from_dict(pairs),
+            processing_class=tokenizer,
+        )
+
+    return run_timed_trainer(make_trainer)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smaller model and fewer repeats (a few minutes)")
-    parser.add_argument("--repeats", type=int, default=None)
-    args = parser.parse_args()
-    if args.quick:
-        sizes, repeats, steps, batch = dict(hidden=64, layers=2, seq_len=64), args.repeats or 2, 10, 8
-    else:
-        sizes, repeats, steps, batch = dict(hidden=256, layers=4, seq_len=128), args.repeats or 3, 20, 16
+    args = timing_parser(__doc__, "a smaller model and fewer repeats (a few minutes)").parse_args()
+    sizes, repeats, steps, batch = choose_sizes(
+        args,
+        quick=(dict(hidden=64, layers=2, seq_len=64), 2, 10, 8),
+        full=(dict(hidden=256, layers=4, seq_len=128), 3, 20, 16),
+    )
     vocab = 2000
     tokenizer = make_tokenizer([f"w{i}" for i in range(vocab - 5)])
     tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B")

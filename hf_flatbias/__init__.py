@@ -17,9 +17,11 @@ __version__ = "0.1.0"
 _import_structure = {
     "callbacks": ["FlatnessCheckpointSelector", "HessianTraceCallback", "SaveOnInterruptCallback"],
     "config": ["FlatBiasConfig", "FlatnessArguments"],
+    "corpus": ["CorpusSpec"],
     "enlarge": ["check_enlargeable", "enlarge"],
     "flatness": [
         "FisherDiagonal",
+        "FlatnessRecord",
         "GroupTrace",
         "SharpnessEstimate",
         "SpectralDensity",
@@ -52,9 +54,11 @@ __all__ = sorted(_module_of_name, key=str.lower) + ["__version__"]
 if TYPE_CHECKING:
     from .callbacks import FlatnessCheckpointSelector, HessianTraceCallback, SaveOnInterruptCallback
     from .config import FlatBiasConfig, FlatnessArguments
+    from .corpus import CorpusSpec
     from .enlarge import check_enlargeable, enlarge
     from .flatness import (
         FisherDiagonal,
+        FlatnessRecord,
         GroupTrace,
         SharpnessEstimate,
         SpectralDensity,

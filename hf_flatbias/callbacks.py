@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -20,6 +20,8 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from .constants import (
     DEFAULT_BATCH_SIZE,
+    DEFAULT_ESTIMATOR,
+    DEFAULT_SAM_RHO,
     ESTIMATORS,
     MEASURES,
     RECOMMENDED_N_DRAWS,
@@ -33,7 +35,7 @@ from .constants import (
 from .flatness.api import estimate_hessian_trace
 from .flatness.contexts import build_masked_contexts
 from .flatness.lm import check_tokenizer_fits_model, is_causal_lm, output_vocab_size
-from .flatness.results import TraceEstimate
+from .flatness.results import FlatnessRecord, TraceEstimate
 from .selection import SELECTION_FILE, CheckpointRecord, CheckpointSelection, select_flattest_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,8 @@ class HessianTraceCallback(TrainerCallback):
     or the trainer's eval set; every measurement uses the same contexts and draws, so values are comparable across
     steps. The estimate is logged as ``flatness/hessian_trace`` and ``flatness/hessian_trace_stderr`` through
     ``Trainer.log``, so it lands in ``state.log_history`` and reaches every reporter (TensorBoard, W&B, ...), and the
-    latest `TraceEstimate` stays in `last_estimate` (measured at step `last_estimate_step`) for the model card.
+    latest `TraceEstimate` stays in `flatness_record` (a `FlatnessRecord`, with the step of the weights measured) for
+    the model card; `last_estimate` and `last_estimate_step` read it.
 
     By default the callback also measures at the last step of training when its latest measurement is older, so
     the final checkpoint and ``trainer.train(); trainer.push_to_hub()`` publish the trace of the weights they carry.
@@ -99,8 +102,8 @@ class HessianTraceCallback(TrainerCallback):
             own output-layer term; see `estimate_hessian_trace`), log each group's trace as
             ``flatness/hessian_trace/<group>`` and record the split in the model card.
         also_measure: measures taken with the trace on the same contexts, opt-in: ``"top_eigenvalue"`` (logged as
-            ``flatness/top_eigenvalue``, kept in `last_top_eigenvalues`) and ``"sam_sharpness"`` (logged as
-            ``flatness/sam_sharpness`` and ``..._stderr``, kept in `last_sam_sharpness`); the card records each with
+            ``flatness/top_eigenvalue``, kept in `flatness_record`) and ``"sam_sharpness"`` (logged as
+            ``flatness/sam_sharpness`` and ``..._stderr``, kept there too); the card records each with
             its settings and step. Every process computes them whole (they are not split across processes).
         eigenvalue_matrix: ``"fisher"`` (default) or ``"hessian"``, for ``"top_eigenvalue"``.
         sam_rho: the radius of ``"sam_sharpness"``; its batches are the trainer's ``per_device_train_batch_size``
@@ -116,14 +119,14 @@ class HessianTraceCallback(TrainerCallback):
         every_n_steps: int | None = None,
         on_evaluate: bool = True,
         measure_at_end: bool = True,
-        estimator: str = "per_sample",
+        estimator: str = DEFAULT_ESTIMATOR,
         seed: int = 0,
         batch_size: int = DEFAULT_BATCH_SIZE,
         mask_token_id: int | None = None,
         by_group: bool = False,
         also_measure: Sequence[str] = (),
         eigenvalue_matrix: str = "fisher",
-        sam_rho: float = 0.05,
+        sam_rho: float = DEFAULT_SAM_RHO,
         max_overhead: float | None = 0.05,
     ) -> None:
         if n_contexts < 1:
@@ -139,10 +142,6 @@ class HessianTraceCallback(TrainerCallback):
         self.also_measure = _check_extra_measures(also_measure, eigenvalue_matrix, sam_rho)
         self.eigenvalue_matrix = eigenvalue_matrix
         self.sam_rho = sam_rho
-        self.last_top_eigenvalues = None
-        self.last_top_eigenvalues_step: int | None = None
-        self.last_sam_sharpness = None
-        self.last_sam_sharpness_step: int | None = None
         self.eval_dataset = eval_dataset
         self.n_contexts = n_contexts
         self.n_draws = n_draws
@@ -156,13 +155,22 @@ class HessianTraceCallback(TrainerCallback):
         self.by_group = by_group
         self.max_overhead = max_overhead
         self.measurement_history: list[dict[str, float]] = []
-        self.last_estimate: TraceEstimate | None = None
-        self.last_estimate_step: int | None = None
+        self.flatness_record = FlatnessRecord()
         self._trainer = None
         self._contexts: list[dict[str, list[int]]] | None = None
         self._measured_step: int | None = None
         self._train_start = time.perf_counter()
         self._measuring_seconds = 0.0
+
+    @property
+    def last_estimate(self) -> TraceEstimate | None:
+        """The latest trace estimate (``flatness_record.trace``)."""
+        return self.flatness_record.trace
+
+    @property
+    def last_estimate_step(self) -> int | None:
+        """The training step of the weights the latest trace was measured on (``flatness_record.trace_step``)."""
+        return self.flatness_record.trace_step
 
     def bind_trainer(self, trainer) -> None:
         """Give the callback the trainer it logs through (`FlatBiasTrainer` does this itself)."""
@@ -255,7 +263,7 @@ class HessianTraceCallback(TrainerCallback):
     def measure(self, step: int | None = None, n_contexts: int | None = None) -> TraceEstimate:
         """Estimate the trace now on the trainer's model, log it through the trainer and return it.
 
-        ``step``: the training step of the model's weights, kept as `last_estimate_step` for the card; the trainer's
+        ``step``: the training step of the model's weights, kept in `flatness_record` for the card; the trainer's
         current step by default. ``n_contexts``: measure on the first that many of the callback's contexts; all of
         them by default (``max_overhead`` applies to the measurements the callback schedules itself).
         """
@@ -279,20 +287,20 @@ class HessianTraceCallback(TrainerCallback):
             # a long measurement shows a bar as the trainer's evaluation does, and is silenced with it
             progress=False if self._trainer.args.disable_tqdm else None,
         )
-        self.last_estimate = estimate
-        self.last_estimate_step = int(self._trainer.state.global_step if step is None else step)
-        self._measured_step = self.last_estimate_step
+        step = int(self._trainer.state.global_step if step is None else step)
+        self.flatness_record = replace(self.flatness_record, trace=estimate, trace_step=step)
+        self._measured_step = step
         logs = {TRACE_METRIC: estimate.mean, TRACE_STDERR_METRIC: estimate.stderr}
         for group, part in (estimate.by_group or {}).items():
             logs[f"{TRACE_METRIC}/{group}"] = part.mean
         self._log(logs)
         if self.also_measure:
-            self._measure_beyond_trace(self.last_estimate_step, n_contexts)
+            self._measure_beyond_trace(step, n_contexts)
         seconds = time.perf_counter() - start
         self._measuring_seconds += seconds
         self.measurement_history.append(
             {
-                "step": self.last_estimate_step,
+                "step": step,
                 "n_contexts": n_contexts,
                 "seconds": seconds,
                 "trace": estimate.mean,
@@ -314,7 +322,7 @@ class HessianTraceCallback(TrainerCallback):
                 seed=self.seed,
                 batch_size=self.batch_size,
             )
-            self.last_top_eigenvalues, self.last_top_eigenvalues_step = eigenvalues, step
+            self.flatness_record = replace(self.flatness_record, top_eigenvalues=eigenvalues, top_eigenvalues_step=step)
             logs[TOP_EIGENVALUE_METRIC] = eigenvalues.top
         if "sam_sharpness" in self.also_measure:
             sharpness = estimate_sam_sharpness(
@@ -324,7 +332,7 @@ class HessianTraceCallback(TrainerCallback):
                 batch_size=self._trainer.args.per_device_train_batch_size,
                 n_contexts=n_contexts,
             )
-            self.last_sam_sharpness, self.last_sam_sharpness_step = sharpness, step
+            self.flatness_record = replace(self.flatness_record, sam_sharpness=sharpness, sam_sharpness_step=step)
             logs[SAM_SHARPNESS_METRIC] = sharpness.mean
             logs[SAM_SHARPNESS_STDERR_METRIC] = sharpness.stderr
         self._log(logs)

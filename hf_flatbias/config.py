@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from .constants import (
+    DEFAULT_SAM_RHO,
     FLATNESS_METHOD_HYPERPARAMETERS,
     FLATNESS_METHODS,
     PENALTY_METHODS,
@@ -54,7 +55,7 @@ class FlatnessArguments:
         },
     )
     sam_rho: float = field(
-        default=0.05,
+        default=DEFAULT_SAM_RHO,
         metadata={"help": "Radius of the SAM/ASAM neighbourhood. ASAM usually needs a larger value (about 0.5-2)."},
     )
     asam_eta: float = field(

@@ -38,18 +38,27 @@ IGNORE_INDEX = -100
 
 # The trace's names are here, not in flatness/, so that the command line can offer them without importing torch.
 ESTIMATORS = ("per_sample", "summed", "hutchinson", "hutchpp", "naive")
-"""The Hessian-trace estimators of ``estimate_hessian_trace``; ``per_sample`` is the default."""
+"""The Hessian-trace estimators of ``estimate_hessian_trace``."""
+
+DEFAULT_ESTIMATOR = "per_sample"
+"""The estimator used when none is named: the paper's sampled-label Fisher trace, one backward per draw."""
+
+TRACE_SYMBOLS = {
+    "per_sample": "Tr(F)",
+    "summed": "Tr(F)",
+    "naive": "Tr(F)",
+    "hutchinson": "Tr(H)",
+    "hutchpp": "Tr(H)",
+}
+"""What each estimator measures, in a plot's or a table's few characters: the sampled-label estimators measure the
+Fisher trace Tr(F) (the paper's measure), Hutchinson's probes the Hessian trace Tr(H) of the data-label loss; the two
+agree only where the model's conditionals are the true ones."""
 
 TRACE_QUANTITIES = {
-    "per_sample": "Fisher trace Tr(F)",
-    "summed": "Fisher trace Tr(F)",
-    "naive": "Fisher trace Tr(F)",
-    "hutchinson": "Hessian trace Tr(H)",
-    "hutchpp": "Hessian trace Tr(H)",
+    estimator: f"{'Fisher' if symbol == 'Tr(F)' else 'Hessian'} trace {symbol}"
+    for estimator, symbol in TRACE_SYMBOLS.items()
 }
-"""What each estimator measures, as cards and tables name it: the sampled-label estimators measure the Fisher trace
-(the paper's measure), Hutchinson's probes the Hessian trace of the data-label loss; the two agree only where the
-model's conditionals are the true ones."""
+"""What each estimator measures, as cards and printed lines name it: "Fisher trace Tr(F)" or "Hessian trace Tr(H)"."""
 
 HUTCHINSON_PROBES = ("rademacher", "gaussian")
 """Probe distributions of the ``hutchinson`` and ``hutchpp`` estimators; Rademacher (the default) has the smaller
@@ -64,6 +73,13 @@ DEFAULT_BATCH_SIZE = 32
 # (unverified).
 RECOMMENDED_N_DRAWS = 2
 """Draws of the label per context recommended for a trace estimate."""
+
+DEFAULT_N_CONTEXTS = 1000
+"""Contexts of a one-off trace measurement (``hf-flatbias trace``, the recipes' final trace); the paper used 10,000.
+The callback, which measures again at every evaluation, takes fewer by default."""
+
+DEFAULT_SAM_RHO = 0.05
+"""SAM's neighbourhood radius when none is given: the value of Foret et al. (2021) and of every recipe here."""
 
 TRACE_METRIC = "flatness/hessian_trace"
 """The logged name of the Hessian trace (``log_history``, TensorBoard, checkpoint selection)."""

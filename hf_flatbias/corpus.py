@@ -20,6 +20,7 @@ DATA_FILE_BUILDERS = {
 }
 BOOKCORPUS_PARQUET = "hf://datasets/bookcorpus/bookcorpus@refs%2Fconvert%2Fparquet/plain_text/train/*.parquet"
 HELD_OUT_SPLIT_SEED = 0
+DEFAULT_VALIDATION_TEXTS = 3000
 OFFLINE_CORPUS = "bbc_news"
 
 
@@ -58,7 +59,7 @@ class CorpusSpec:
 
     dataset: str
     text_column: str = "text"
-    validation_texts: int = 3000
+    validation_texts: int = DEFAULT_VALIDATION_TEXTS
     split_seed: int = HELD_OUT_SPLIT_SEED
 
     @classmethod

@@ -131,7 +131,7 @@ def select_flattest_checkpoint(
     if not measured:
         raise ValueError(
             f"none of the {len(candidates)} checkpoints within the loss tolerance (steps "
-            f"{[r.step for r in candidates]}) has a Hessian trace; estimate it (HessianTraceCallback or "
+            f"{[r.step for r in candidates]}) has a trace; estimate it (HessianTraceCallback or "
             "`hf-flatbias trace`) before selecting."
         )
     unmeasured = [r.step for r in candidates if r not in measured]
@@ -151,7 +151,7 @@ def select_flattest_checkpoint(
         f"step {lowest_loss.step}); "
     )
     if chosen is flattest:
-        reason += f"step {chosen.step} has the smallest Hessian trace ({chosen.hessian_trace:.6g}"
+        reason += f"step {chosen.step} has the smallest trace ({chosen.hessian_trace:.6g}"
         reason += f" vs {lowest_loss.hessian_trace:.6g} at the lowest-loss step)" if lowest_loss.hessian_trace else ")"
     else:
         reason += (

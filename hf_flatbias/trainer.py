@@ -33,6 +33,7 @@ from transformers.utils import logging
 
 from .checkpoints import output_dir_lock
 from .config import FlatBiasConfig, FlatnessArguments
+from .corpus import CorpusSpec
 from .flatness.lm import is_causal_lm
 from .modelcard import FlatnessCard, flatness_card_from_trainer
 from .sharpness.engines import (
@@ -475,7 +476,7 @@ class FlatnessTrainerMixin:
         dataset: str | list[str] | None = None,
         dataset_args: str | list[str] | None = None,
         glue_results: dict[str, dict[str, float]] | None = None,
-        pretraining_corpus: dict[str, Any] | None = None,
+        pretraining_corpus: CorpusSpec | dict[str, Any] | None = None,
     ) -> None:
         """Write the flatness card to ``output_dir/README.md`` in place of transformers' card (world rank 0 only).
 

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from hf_flatbias.cli import run_recipe
 from hf_flatbias.config import FlatBiasConfig
-from hf_flatbias.corpus import OFFLINE_CORPUS, CorpusSpec, resolve_dataset
+from hf_flatbias.constants import DEFAULT_ESTIMATOR, DEFAULT_N_CONTEXTS, RECOMMENDED_N_DRAWS
+from hf_flatbias.corpus import DEFAULT_VALIDATION_TEXTS, OFFLINE_CORPUS, CorpusSpec, resolve_dataset
 from hf_flatbias.recipe_args import parse_dataclass_args
 
 logger = logging.getLogger("bert_bookcorpus")
@@ -101,7 +102,7 @@ class DataArguments:
     text_column: str = field(default="text", metadata={"help": "Column holding the raw text."})
     max_train_texts: int | None = field(default=None, metadata={"help": "Use at most this many training texts."})
     validation_texts: int = field(
-        default=3000,
+        default=DEFAULT_VALIDATION_TEXTS,
         metadata={
             "help": "Texts held out for loss and trace (at most a third of a source without a validation split; "
             "BBC news: 3,000 paragraphs, about 340k tokens, enough for a loss standard error near 0.005 nats)."
@@ -114,11 +115,11 @@ class DataArguments:
 @dataclass
 class FlatnessArguments:
     trace_contexts: int = field(
-        default=1000,
+        default=DEFAULT_N_CONTEXTS,
         metadata={"help": "Masked contexts of the Hessian-trace estimate (paper: 10,000); 0: no trace at all."},
     )
     trace_draws: int = field(
-        default=2,
+        default=RECOMMENDED_N_DRAWS,
         metadata={"help": "Labels drawn per context (paper: 50; about 2 gives the same error for less compute)."},
     )
     trace_every_n_steps: int = field(
@@ -126,7 +127,7 @@ class FlatnessArguments:
         metadata={"help": "Estimate the trace every N optimizer steps; 0: only after evaluations and at the end."},
     )
     trace_estimator: str = field(
-        default="per_sample", metadata={"help": "Estimator of hf_flatbias.flatness.estimators."}
+        default=DEFAULT_ESTIMATOR, metadata={"help": "Estimator of hf_flatbias.flatness.estimators."}
     )
     smoke: bool = field(
         default=False, metadata={"help": "A tiny run (nano model, few steps) that finishes in minutes."}
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
         callbacks=callbacks,
     )
     # Every card written from here on (checkpoints, final model) names the corpus and its held-out split.
-    trainer.create_model_card(pretraining_corpus=corpus_record(data_args))
+    trainer.create_model_card(pretraining_corpus=corpus_spec(data_args))
     resume = training_args.resume_from_checkpoint
     if resume is None and os.path.isdir(training_args.output_dir):
         resume = get_last_checkpoint(training_args.output_dir)

@@ -104,3 +104,31 @@ def test_trace_defaults_to_the_recommended_number_of_draws():
     args = cli.build_parser().parse_args(["trace", "user/model", "--data", "data.jsonl"])
     assert args.n_draws == RECOMMENDED_N_DRAWS == 2
     assert args.batch_size == DEFAULT_BATCH_SIZE
+
+
+def test_sam_radius_has_one_spelling_and_one_default():
+    from hf_flatbias.config import FlatBiasConfig
+    from hf_flatbias.constants import DEFAULT_SAM_RHO
+
+    parser = cli.build_parser()
+    trace = parser.parse_args(["trace", "user/model", "--data", "data.jsonl"])
+    demo = parser.parse_args(["demo"])
+    assert trace.sam_rho == demo.sam_rho == FlatBiasConfig("out").sam_rho == DEFAULT_SAM_RHO
+    assert parser.parse_args(["demo", "--sam-rho", "0.2"]).sam_rho == 0.2
+    # demo's spelling before the rename still works, unlisted
+    assert parser.parse_args(["demo", "--rho", "0.3"]).sam_rho == 0.3
+    assert "--rho" not in subparsers_of(parser)["demo"].format_help()
+
+
+def test_the_glue_command_and_finetune_glue_share_their_defaults():
+    import dataclasses
+
+    from hf_flatbias.glue import GlueArguments, GlueConfig
+
+    args = cli.build_parser().parse_args(["glue", "user/model", "--task", "sst2"])
+    arguments, config = GlueArguments(), GlueConfig()
+    assert args.seeds == arguments.seeds and args.max_length == arguments.max_length
+    assert args.batch_size == config.per_device_train_batch_size
+    assert args.learning_rate is None and config.learning_rate_for("full") == 2e-5  # the mode chooses it
+    epochs = {f.name: f.default for f in dataclasses.fields(GlueConfig)}["num_train_epochs"]
+    assert args.num_train_epochs == epochs

@@ -64,8 +64,8 @@ def test_trace_command_prints_and_writes_the_library_estimate(checkpoint, tmp_pa
     estimate = written["estimate"]
     assert estimate["n_contexts"] == 6 and estimate["n_draws"] == 3 and estimate["estimator"] == "per_sample"
     printed = capsys.readouterr()
-    assert "Hessian trace" in printed.out
-    assert "Hessian trace (per_sample)" in printed.err and "6/6" in printed.err  # the progress bar, on stderr
+    assert "Fisher trace Tr(F) of" in printed.out  # what the per_sample estimator measures
+    assert "Tr(F) (per_sample)" in printed.err and "6/6" in printed.err  # the progress bar, on stderr
 
     # the same measurement through the library, contexts built independently here
     encoded = tokenizer(lines[:6])

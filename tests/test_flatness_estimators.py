@@ -322,13 +322,13 @@ def test_progress_bar_when_asked_or_when_the_estimate_is_long(bert_case, capsys,
     model, rows, _ = bert_case
     estimate_hessian_trace(model, rows, n_draws=2, batch_size=8, progress=True)
     bar = capsys.readouterr().err
-    assert "Hessian trace (per_sample)" in bar and f"{len(rows)}/{len(rows)}" in bar
+    assert "Tr(F) (per_sample)" in bar and f"{len(rows)}/{len(rows)}" in bar
     estimate_hessian_trace(model, rows, n_draws=2, progress=False)
     estimate_hessian_trace(model, rows, n_draws=2)  # 48 context-draws: too short for a bar
     assert capsys.readouterr().err == ""
     monkeypatch.setattr(hf_flatbias.flatness.api, "PROGRESS_MIN_CONTEXT_DRAWS", 2 * len(rows))
     estimate_hessian_trace(model, rows, n_draws=2, estimator="naive")
-    assert "Hessian trace (naive)" in capsys.readouterr().err
+    assert "Tr(F) (naive)" in capsys.readouterr().err
 
 
 def test_a_frozen_model_is_refused_before_any_pass():

@@ -14,7 +14,8 @@ from transformers import BertConfig, BertForMaskedLM, TrainerCallback
 
 from hf_flatbias.cli import main as cli_main
 from hf_flatbias.config import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS, SAM_METHODS, FlatBiasConfig
-from hf_flatbias.flatness import estimate_hessian_trace
+from hf_flatbias.corpus import CorpusSpec
+from hf_flatbias.flatness import FlatnessRecord, TraceEstimate, estimate_hessian_trace
 from hf_flatbias.modelcard import (
     METHOD_HYPERPARAMETERS,
     METHOD_TITLES,
@@ -132,7 +133,7 @@ def test_every_field_is_declared_in_the_schema_and_round_trips_when_set(tmp_path
         trace_seconds=1.5,
         hessian_trace_by_group={"embeddings": {"mean": 1.0, "stderr": 0.5}},
         measures={"top_eigenvalue": {"value": 3.0, "matrix": "fisher", "k": 1, "step": 40}},
-        pretraining_corpus={"dataset": "bbc_news", "validation_texts": 30},
+        pretraining_corpus=CorpusSpec("bbc_news", validation_texts=30),
         base_model="user/base",
         language=["en", "fr"],
     )
@@ -143,6 +144,16 @@ def test_every_field_is_declared_in_the_schema_and_round_trips_when_set(tmp_path
         assert getattr(card, item.name) not in (None, {}, []), f"set {item.name} in this test"
     card.save(tmp_path)
     assert load_flatness_card(tmp_path) == card
+
+
+def test_the_pretraining_corpus_is_a_corpus_spec_written_as_its_record(tmp_path):
+    spec = CorpusSpec("bbc_news", validation_texts=30, split_seed=2)
+    record = spec.to_record()
+    card = full_card(pretraining_corpus=record)  # the mapping a card's YAML holds is read as the spec
+    assert card.pretraining_corpus == spec and full_card(pretraining_corpus={}).pretraining_corpus is None
+    card.save(tmp_path)
+    assert card.flatness_metadata()["pretraining_corpus"] == record
+    assert load_flatness_card(tmp_path).pretraining_corpus == spec
 
 
 def test_glue_results_added_later_are_merged_into_the_card(tmp_path):
@@ -247,7 +258,7 @@ def fake_trainer(log_history, callbacks=(), method="sam"):
 
 
 def test_trainer_card_prefers_the_callback_estimate_and_eval_loss():
-    estimate = SimpleNamespace(mean=9.0, stderr=0.25, n_contexts=10, n_draws=3, estimator="per_sample", seconds=1.5)
+    estimate = TraceEstimate(mean=9.0, stderr=0.25, n_contexts=10, n_draws=3, estimator="per_sample", seconds=1.5)
     history = [
         {"loss": 4.0, "step": 1},
         {"eval_loss": 3.5, "step": 2},
@@ -256,7 +267,12 @@ def test_trainer_card_prefers_the_callback_estimate_and_eval_loss():
         {"eval_glue/sst2/accuracy": 0.75, "glue/rte/accuracy": 0.5, "step": 3},
     ]
     trainer = fake_trainer(
-        history, callbacks=[SimpleNamespace(last_estimate=None), SimpleNamespace(last_estimate=estimate)]
+        history,
+        callbacks=[
+            SimpleNamespace(),  # a callback that keeps no record
+            SimpleNamespace(flatness_record=FlatnessRecord()),  # one that has measured nothing yet
+            SimpleNamespace(flatness_record=FlatnessRecord(trace=estimate, trace_step=2)),
+        ],
     )
     card = flatness_card_from_trainer(trainer, glue_results={"rte": {"accuracy": 0.625}})
 
@@ -338,12 +354,13 @@ def test_cli_card_and_compare(tmp_path, capsys):
 
 
 class FixedTraceCallback(TrainerCallback):
-    """Stands in for HessianTraceCallback: only its `last_estimate` matters to the card."""
+    """Stands in for HessianTraceCallback: only its `flatness_record` matters to the card."""
 
     def __init__(self, mean, stderr=0.5):
-        self.last_estimate = SimpleNamespace(
+        estimate = TraceEstimate(
             mean=mean, stderr=stderr, n_contexts=8, n_draws=2, estimator="per_sample", seconds=0.01
         )
+        self.flatness_record = FlatnessRecord(trace=estimate)
 
 
 def tiny_mlm_setup(seed=0):
@@ -623,6 +640,7 @@ def test_non_finite_traces_are_read_as_unknown_with_a_warning_naming_file_and_fi
         ("  method: none\n  hessian_trace: twelve", r"flatness.hessian_trace is 'twelve', not a number"),
         ("  method: none\n  n_contexts: 2.5", r"flatness.n_contexts is 2.5, not a whole number"),
         ("  method: sgd", r"flatness.method is 'sgd'"),
+        ("  method: none\n  pretraining_corpus: {dataset: bbc_news}", r"flatness.pretraining_corpus is .*text_column"),
         ("  method: none\n  hessian_trace: [1", r"YAML metadata cannot be read"),
     ],
 )

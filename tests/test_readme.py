@@ -26,6 +26,6 @@ def test_the_quick_start_runs_as_written(tmp_path, monkeypatch, capsys):
     logged = {key for entry in trainer.state.log_history for key in entry}
     assert {"loss", "sam/first_grad_norm", "sam/perturbation_norm"} <= logged  # what the snippet's comment promises
     assert (tmp_path / "bert-sam" / "README.md").is_file() and (tmp_path / "bert-sam" / "model.safetensors").is_file()
-    assert re.search(r"Tr\(H\) = [\d.]+ ± [\d.]+", capsys.readouterr().out)
+    assert re.search(r"Tr\(F\) = [\d.]+ ± [\d.]+", capsys.readouterr().out)  # per_sample: the Fisher trace
     estimate = namespace["estimate"]
     assert estimate.n_contexts == 500 and estimate.mean > 0

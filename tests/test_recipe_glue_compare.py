@@ -161,6 +161,14 @@ def test_outputs_hold_every_number(glue_compare, tmp_path):
     assert float(paired[1]["difference"]) == pytest.approx(pairs[0]["sst2"]["difference"])
 
 
+def test_a_hutchinson_trace_is_labelled_the_hessian_trace(glue_compare, tmp_path):
+    rows, pairs = _rows_and_pairs(glue_compare)
+    paths = glue_compare.write_outputs(rows, ["sst2", "rte"], tmp_path, pairs=pairs, trace_estimator="hutchinson")
+    table = paths["markdown"].read_text()
+    assert table.startswith("| checkpoint | held-out loss ± s.e. | Tr(H) ± s.e. |")
+    assert "Tr(F)" not in table  # a Hutchinson estimate is not the Fisher trace
+
+
 def test_the_corpus_recorded_in_a_card_is_the_one_measured_on(glue_compare, recipes, tmp_path):
     from hf_flatbias.modelcard import FlatnessCard
 

@@ -81,7 +81,7 @@ def test_unmeasured_and_nonfinite_records_are_skipped():
         (RECORDS + [RECORDS[0]], {}, r"steps \[100\] appear more than once"),
         (RECORDS, {"loss_tolerance": -0.1}, "loss_tolerance must be"),
         (RECORDS, {"trace_margin": float("nan")}, "trace_margin must be"),
-        ([CheckpointRecord(1, 1.0), CheckpointRecord(2, 2.0, 1.0)], {}, "has a Hessian trace; estimate it"),
+        ([CheckpointRecord(1, 1.0), CheckpointRecord(2, 2.0, 1.0)], {}, "has a trace; estimate it"),
     ],
 )
 def test_bad_input_is_rejected(records, kwargs, message):

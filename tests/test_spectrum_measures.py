@@ -90,7 +90,9 @@ def test_callback_logs_the_measures_without_changing_training(tmp_path, tokenize
     sharpness = estimate_sam_sharpness(measured.model, callback._contexts, 0.1, batch_size=4)
     assert logged[-1][TOP_EIGENVALUE_METRIC] == pytest.approx(eigenvalues.top, rel=1e-5)
     assert logged[-1][SAM_SHARPNESS_METRIC] == pytest.approx(sharpness.mean, rel=1e-5)
-    assert callback.last_top_eigenvalues_step == 6 and callback.last_sam_sharpness.batch_size == 4
+    record = callback.flatness_record
+    assert record.top_eigenvalues_step == record.sam_sharpness_step == record.trace_step == 6
+    assert record.top_eigenvalues.matrix == "fisher" and record.sam_sharpness.batch_size == 4
 
     card = flatness_card_from_trainer(measured)
     assert card.measures["top_eigenvalue"]["step"] == 6 and card.measures["top_eigenvalue"]["matrix"] == "fisher"
@@ -126,7 +128,8 @@ def test_trace_command_takes_every_measure(checkpoint, tmp_path, capsys):  # noq
     measures = ["--measures", "trace,top_eigenvalue,sam_sharpness", "--top-k", "2", "--eigenvalue-matrix", "hessian"]
     assert main([*arguments, *measures, "--sam-rho", "0.1", "--sam-batch-size", "4", "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    assert "Hessian trace of" in printed and "Largest hessian eigenvalue(s)" in printed and "SAM sharpness" in printed
+    assert "Fisher trace Tr(F) of" in printed  # the default estimator's quantity, not "Hessian trace"
+    assert "Largest hessian eigenvalue(s)" in printed and "SAM sharpness" in printed
     written = json.loads(output.read_text())
 
     model = BertForMaskedLM.from_pretrained(folder)

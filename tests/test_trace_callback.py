@@ -13,7 +13,7 @@ from transformers import (
 )
 
 from hf_flatbias.callbacks import TRACE_METRIC, TRACE_STDERR_METRIC, HessianTraceCallback, contexts_within_budget
-from hf_flatbias.flatness import TraceEstimate, estimate_hessian_trace
+from hf_flatbias.flatness import FlatnessRecord, TraceEstimate, estimate_hessian_trace
 from hf_flatbias.synthetic import make_tokenizer
 from hf_flatbias.trainer import FlatBiasTrainer
 
@@ -98,7 +98,8 @@ def test_logged_values_reach_log_history_and_reporters_without_changing_training
     assert sorted(entry["step"] for entry in traced) == [2, 3, 4, 6]
     assert all(entry[TRACE_METRIC] > 0 and entry[TRACE_STDERR_METRIC] > 0 for entry in traced)
     assert sum(TRACE_METRIC in logs for logs in reporter.logs) == 4
-    assert isinstance(trace.last_estimate, TraceEstimate)
+    assert isinstance(trace.flatness_record, FlatnessRecord) and isinstance(trace.last_estimate, TraceEstimate)
+    assert trace.last_estimate is trace.flatness_record.trace and trace.flatness_record.trace_step == 6
     assert trace.last_estimate.mean == traced[-1][TRACE_METRIC]
     assert trace.last_estimate.n_contexts == 6 and trace.last_estimate.n_draws == 2
 

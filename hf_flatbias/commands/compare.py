@@ -20,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--sort",
         choices=("none", "trace", "loss"),
         default="none",
-        help="Order the rows by Hessian trace or pre-training loss (unknown values last); default: as given.",
+        help="Order the rows by trace or pre-training loss (unknown values last); default: as given.",
     )
     parser.set_defaults(func=run)
 

@@ -2,7 +2,7 @@
 
 Two tiny BERTs learn the same generated language (a random PCFG in the shape of the paper's) from the same
 initialisation and the same batches: one with AdamW, one with SAM (AdamW at a perturbed point, the flatness
-regulariser of Liu, Xie, Li & Ma, 2023). Every evaluation logs the validation loss and the Hessian trace; the two runs
+regulariser of Liu, Xie, Li & Ma, 2023). Every evaluation logs the validation loss and the Fisher trace; the two runs
 are then compared where they reach the same loss, with linear-probe accuracy on the grammar's downstream tasks (the
 paper's "downstream"). Everything is generated locally, nothing is downloaded.
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..constants import TRACE_METRIC, TRACE_STDERR_METRIC
+from ..constants import DEFAULT_SAM_RHO, RECOMMENDED_N_DRAWS, TRACE_METRIC, TRACE_STDERR_METRIC
 
 RUNS = {"adamw": "none", "sam": "sam"}  # run label -> flatness_method
 
@@ -34,7 +34,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--output-dir", default="flatbias-demo", help="where both runs, the plot and the JSON go")
-    parser.add_argument("--rho", type=float, default=0.05, help="SAM neighbourhood radius")
+    parser.add_argument(
+        "--sam-rho", type=float, default=DEFAULT_SAM_RHO, help="SAM neighbourhood radius (default: %(default)s)"
+    )
+    # the flag's spelling before it matched `hf-flatbias trace --sam-rho`: still read, no longer shown
+    parser.add_argument("--rho", dest="sam_rho", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps of each run")
     parser.add_argument("--eval-every", type=int, default=100, help="steps between evaluations and checkpoints")
     parser.add_argument("--n-train", type=int, default=20000, help="generated training sentences")
@@ -48,8 +52,8 @@ def run_demo(args: argparse.Namespace) -> int:
     for name in ("steps", "eval_every", "n_train", "trace_contexts", "n_probe"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)}).")
-    if not args.rho > 0:
-        raise ValueError(f"--rho must be > 0 (got {args.rho}).")
+    if not args.sam_rho > 0:
+        raise ValueError(f"--sam-rho must be > 0 (got {args.sam_rho}).")
     output_dir = Path(args.output_dir)
     earlier = sorted(str(path) for label in RUNS for path in (output_dir / label).glob("checkpoint-*"))
     if earlier:
@@ -139,7 +143,7 @@ def _train(setup, label: str, method: str, args: argparse.Namespace, run_dir: Pa
     config = FlatBiasConfig(
         output_dir=str(run_dir),
         flatness_method=method,
-        sam_rho=args.rho,
+        sam_rho=args.sam_rho,
         max_steps=args.steps,
         per_device_train_batch_size=64,
         per_device_eval_batch_size=256,
@@ -164,7 +168,11 @@ def _train(setup, label: str, method: str, args: argparse.Namespace, run_dir: Pa
         data_collator=MaskedWordCollator(seed=args.seed),
         processing_class=setup.tokenizer,
         # the demo shows the trace at every evaluation, whatever it costs
-        callbacks=[HessianTraceCallback(n_contexts=args.trace_contexts, n_draws=2, seed=args.seed, max_overhead=None)],
+        callbacks=[
+            HessianTraceCallback(
+                n_contexts=args.trace_contexts, n_draws=RECOMMENDED_N_DRAWS, seed=args.seed, max_overhead=None
+            )
+        ],
     )
     # one line per evaluation instead of the Trainer's raw log dictionaries
     trainer.remove_callback(PrinterCallback)
@@ -297,7 +305,7 @@ def _plot(histories: dict[str, list[dict[str, Any]]], comparison: dict[str, Any]
             axis.plot(matched["step"], matched[key], "s", markersize=11, fillstyle="none", color=line.get_color())
     loss_axis.axhline(comparison["target_loss"], color="grey", linestyle=":", label="matched loss")
     loss_axis.set(xlabel="step", ylabel="validation loss (nats)", title="loss per step")
-    trace_axis.set(xlabel="step", ylabel="Tr(H) (Fisher) +- s.e.", title="Hessian trace per step")
+    trace_axis.set(xlabel="step", ylabel="Tr(F) +- s.e.", title="Fisher trace per step")
     for axis in (loss_axis, trace_axis):
         axis.legend(fontsize=8)
     fig.suptitle("AdamW vs SAM on a generated PCFG language (squares: the matched-loss checkpoints)", fontsize=10)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..glue.tasks import FINETUNE_MODE_CHOICES
+from ..glue.tasks import (
+    DEFAULT_MAX_LENGTH,
+    DEFAULT_SEEDS,
+    DEFAULT_TRAIN_BATCH_SIZE,
+    FINETUNE_MODE_CHOICES,
+    FROZEN_ENCODER_LEARNING_RATE,
+    FULL_FINETUNE_LEARNING_RATE,
+)
 from .paths import existing_local_path, local_path_or_hub_id
 
 
@@ -25,18 +32,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="full fine-tuning; one linear layer on frozen [CLS] / token states; a new pooler and classifier on the "
         "frozen encoder (linear_probe: its old, deprecated name).",
     )
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="Default: %(default)s.")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS), help="Default: %(default)s.")
     parser.add_argument("--data-dir", default=None, help="Local GLUE files (train.* and validation.*).")
-    parser.add_argument("--learning-rate", type=float, default=None, help="Default: 2e-5 full, 1e-3 probe.")
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help=f"Default: {_rate(FULL_FINETUNE_LEARNING_RATE)} full, {_rate(FROZEN_ENCODER_LEARNING_RATE)} probe.",
+    )
     parser.add_argument("--num-train-epochs", type=float, default=3.0, help="Default: %(default)s.")
     parser.add_argument("--max-steps", type=int, default=-1, help="Stop after this many steps (default: epochs).")
-    parser.add_argument("--batch-size", type=int, default=32, help="Training batch size (default: %(default)s).")
-    parser.add_argument("--max-length", type=int, default=128, help="Truncate inputs (default: %(default)s tokens).")
+    parser.add_argument(
+        "--batch-size", type=int, default=DEFAULT_TRAIN_BATCH_SIZE, help="Training batch size (default: %(default)s)."
+    )
+    parser.add_argument(
+        "--max-length", type=int, default=DEFAULT_MAX_LENGTH, help="Truncate inputs (default: %(default)s tokens)."
+    )
     parser.add_argument("--max-train-samples", type=int, default=None, help="Use at most this many training rows.")
     parser.add_argument("--max-eval-samples", type=int, default=None, help="Use at most this many validation rows.")
     parser.add_argument("--output-dir", default=None, help="Keep the runs here (default: a temporary folder).")
     parser.add_argument("--json", action="store_true", help="Print the result as JSON.")
     parser.set_defaults(func=run)
+
+
+def _rate(value: float) -> str:
+    """A learning rate as people write it, ``2e-5`` (Python's own forms are ``2e-05`` and ``0.001``)."""
+    return f"{value:.0e}".replace("e-0", "e-")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,7 +8,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, IGNORE_INDEX, MEASURES, RECOMMENDED_N_DRAWS, SPECTRUM_MATRICES
+from ..constants import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_ESTIMATOR,
+    DEFAULT_N_CONTEXTS,
+    DEFAULT_SAM_RHO,
+    ESTIMATORS,
+    IGNORE_INDEX,
+    MEASURES,
+    RECOMMENDED_N_DRAWS,
+    SPECTRUM_MATRICES,
+    TRACE_QUANTITIES,
+)
 from ..corpus import DATA_FILE_BUILDERS, load_data_files
 from .paths import check_output_file, local_path_or_hub_id
 
@@ -33,9 +44,10 @@ def batch_size_argument(value: str) -> int | str:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "trace",
-        help="Estimate the trace of the Hessian of the pre-training loss (the paper's flatness measure).",
-        description="Estimate Tr(H) = E_x E_{y~f(x)} ||grad log f(x)_y||^2 on masked (or causal) LM contexts, print "
-        "it and write it as JSON.",
+        help="Estimate the Fisher trace of the pre-training loss (the paper's flatness measure) or its Hessian trace.",
+        description="Estimate Tr(F) = E_x E_{y~f(x)} ||grad log f(x)_y||^2 on masked (or causal) LM contexts (or, "
+        "with --estimator hutchinson/hutchpp, the Hessian trace Tr(H) of the data-label loss), print it and write it "
+        "as JSON.",
     )
     parser.add_argument("model", help="A local checkpoint folder or a Hub model id (masked or causal LM).")
     parser.add_argument(
@@ -49,7 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config-name", default=None, help="Hub dataset configuration (e.g. wikitext-2-raw-v1).")
     parser.add_argument("--text-column", default="text", help="Column holding raw text (default: text).")
     parser.add_argument("--max-length", type=int, default=128, help="Truncate tokenized text to this many tokens.")
-    parser.add_argument("--n-contexts", type=int, default=1000, help="Contexts to average over (the paper: 10,000).")
+    parser.add_argument(
+        "--n-contexts", type=int, default=DEFAULT_N_CONTEXTS, help="Contexts to average over (the paper: 10,000)."
+    )
     parser.add_argument(
         "--n-draws",
         type=int,
@@ -57,7 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Draws of y per context (default: %(default)s, which reached the same error several times faster than "
         "the 50 draws a secondary summary gives for the paper (unverified), with the per_sample estimator).",
     )
-    parser.add_argument("--estimator", default="per_sample", choices=list(ESTIMATORS), help="Estimator to use.")
+    parser.add_argument("--estimator", default=DEFAULT_ESTIMATOR, choices=list(ESTIMATORS), help="Estimator to use.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the masked positions and the draws.")
     parser.add_argument(
         "--batch-size",
@@ -104,7 +118,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Matrix of top_eigenvalue (default: %(default)s, whose trace is the paper's measure).",
     )
     parser.add_argument("--top-k", type=int, default=1, help="How many of the largest eigenvalues (default: 1).")
-    parser.add_argument("--sam-rho", type=float, default=0.05, help="Radius of sam_sharpness (default: 0.05).")
+    parser.add_argument(
+        "--sam-rho", type=float, default=DEFAULT_SAM_RHO, help="Radius of sam_sharpness (default: %(default)s)."
+    )
     parser.add_argument(
         "--sam-batch-size",
         type=int,
@@ -134,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
     if estimate is not None:
         if estimate.get("by_group"):
             print(format_group_table(estimate))
+        quantity = TRACE_QUANTITIES[estimate["estimator"]]
         print(
-            f"Hessian trace of {args.model}: {estimate['mean']:.6g} +- {estimate['stderr']:.3g} (standard error; "
+            f"{quantity} of {args.model}: {estimate['mean']:.6g} +- {estimate['stderr']:.3g} (standard error; "
             f"{estimate['estimator']}, {estimate['n_contexts']} contexts x {estimate['n_draws']} draws, "
             f"{estimate['seconds']:.1f} s)"
         )
@@ -160,7 +177,9 @@ def run(args: argparse.Namespace) -> int:
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     print(f"Wrote {args.output}")
     if args.plot:
-        plot_groups(estimate, args.plot, title=f"Hessian trace by parameter group: {args.model}")
+        plot_groups(
+            estimate, args.plot, title=f"{TRACE_QUANTITIES[estimate['estimator']]} by parameter group: {args.model}"
+        )
         print(f"Wrote {args.plot}")
     return 0
 
@@ -220,7 +239,7 @@ def plot_groups(estimate: dict[str, Any], path: str, *, title: str) -> None:
     figure, axis = plt.subplots(figsize=(max(4.0, 0.6 * len(groups) + 2), 3.5))
     axis.bar(range(len(groups)), means, yerr=errors, capsize=3, color="tab:blue")
     axis.set_xticks(range(len(groups)), groups, rotation=45, ha="right")
-    axis.set_ylabel("Tr(H) (Fisher), per group")
+    axis.set_ylabel(f"{TRACE_QUANTITIES[estimate['estimator']]}, per group")
     axis.set_title(title, fontsize=9)
     figure.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

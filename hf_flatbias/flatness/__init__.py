@@ -9,7 +9,7 @@ from .diagonal import FisherDiagonal, estimate_fisher_diagonal
 from .estimators import compute_trace_samples
 from .exact import exact_fisher_diagonal, exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
 from .groups import default_group_of, parameter_groups
-from .results import GroupTrace, TraceEstimate, TraceSamples, summarize_trace_samples
+from .results import FlatnessRecord, GroupTrace, TraceEstimate, TraceSamples, summarize_trace_samples
 from .spectrum import (
     SharpnessEstimate,
     SpectralDensity,
@@ -22,6 +22,7 @@ from .spectrum import (
 __all__ = [
     "ESTIMATORS",
     "FisherDiagonal",
+    "FlatnessRecord",
     "GroupTrace",
     "SharpnessEstimate",
     "SpectralDensity",

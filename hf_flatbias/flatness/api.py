@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 from transformers.utils.logging import is_progress_bar_enabled
 
-from ..constants import DEFAULT_BATCH_SIZE, RECOMMENDED_N_DRAWS
+from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, RECOMMENDED_N_DRAWS
 from ..tensors import is_fully_sharded
 from .contexts import TraceContexts
 from .distributed import (
@@ -37,7 +37,7 @@ def estimate_hessian_trace(
     *,
     n_contexts: int | None = None,
     n_draws: int = RECOMMENDED_N_DRAWS,
-    estimator: str = "per_sample",
+    estimator: str = DEFAULT_ESTIMATOR,
     seed: int = 0,
     batch_size: int | str = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,
@@ -94,19 +94,7 @@ def estimate_hessian_trace(
     """
     start = time.perf_counter()
     check_estimator_arguments(estimator, n_draws, batch_size, probe)
-    check_lm_model(model)
-    measured_parameters(model)
-    if causal is None:
-        causal = is_causal_lm(model)
-    contexts = TraceContexts.from_rows(dataset, causal=causal)
-    if n_contexts is not None:
-        if n_contexts < 1 or n_contexts > len(contexts):
-            raise ValueError(
-                f"n_contexts={n_contexts} but the data holds {len(contexts)} contexts (labelled positions)."
-            )
-        indices = list(range(n_contexts))
-    else:
-        indices = list(range(len(contexts)))
+    _, contexts, indices = contexts_to_measure(model, dataset, n_contexts=n_contexts, causal=causal)
     _check_partitioned_model(model, across_processes)
     measure = dict(
         n_draws=n_draws,
@@ -124,6 +112,20 @@ def estimate_hessian_trace(
         else:
             samples = compute_trace_samples(model, contexts, indices=indices, **measure)
     return summarize_trace_samples(samples, seconds=time.perf_counter() - start)
+
+
+def contexts_to_measure(
+    model: nn.Module, dataset: Iterable[Mapping[str, Any]], *, n_contexts: int | None, causal: bool | None
+) -> tuple[list[nn.Parameter], TraceContexts, list[int]]:
+    """What every estimate over contexts checks and builds first: the model is an LM with trainable parameters
+    (returned), the rows' contexts (causal as the model is, unless ``causal`` says), and the indices of the first
+    ``n_contexts`` of them (all by default); raises `ValueError` on a bad model, rows or ``n_contexts``."""
+    check_lm_model(model)
+    params = measured_parameters(model)
+    contexts = TraceContexts.from_rows(dataset, causal=is_causal_lm(model) if causal is None else causal)
+    if n_contexts is not None and not 1 <= n_contexts <= len(contexts):
+        raise ValueError(f"n_contexts={n_contexts} but the data holds {len(contexts)} contexts (labelled positions).")
+    return params, contexts, list(range(len(contexts) if n_contexts is None else n_contexts))
 
 
 def _shows_progress(progress: bool | None, context_draws: int) -> bool:

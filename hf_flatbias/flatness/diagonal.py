@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..constants import DEFAULT_BATCH_SIZE, RECOMMENDED_N_DRAWS
-from .contexts import TraceContexts
+from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, RECOMMENDED_N_DRAWS
+from .api import contexts_to_measure
 from .estimators import compute_trace_samples
 from .groups import GroupOf
-from .lm import check_lm_model, evaluation_mode, is_causal_lm, measured_parameters, preserved_global_rng
+from .lm import evaluation_mode, preserved_global_rng
 from .results import TraceEstimate, summarize_trace_samples
 
 
@@ -56,7 +56,7 @@ def estimate_fisher_diagonal(
     *,
     n_contexts: int | None = None,
     n_draws: int = RECOMMENDED_N_DRAWS,
-    estimator: str = "per_sample",
+    estimator: str = DEFAULT_ESTIMATOR,
     seed: int = 0,
     batch_size: int | str = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,
@@ -79,12 +79,7 @@ def estimate_fisher_diagonal(
     if estimator not in ("per_sample", "naive"):
         raise ValueError(f"estimate_fisher_diagonal needs estimator='per_sample' or 'naive' (got {estimator!r}).")
     start = time.perf_counter()
-    check_lm_model(model)
-    params = measured_parameters(model)
-    contexts = TraceContexts.from_rows(dataset, causal=is_causal_lm(model) if causal is None else causal)
-    if n_contexts is not None and not 1 <= n_contexts <= len(contexts):
-        raise ValueError(f"n_contexts={n_contexts} but the data holds {len(contexts)} contexts (labelled positions).")
-    indices = list(range(len(contexts) if n_contexts is None else n_contexts))
+    params, contexts, indices = contexts_to_measure(model, dataset, n_contexts=n_contexts, causal=causal)
     sums: dict[int, torch.Tensor] = {}
     with evaluation_mode(model), preserved_global_rng():
         samples = compute_trace_samples(

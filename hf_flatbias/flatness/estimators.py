@@ -40,7 +40,14 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm.auto import tqdm
 
-from ..constants import DEFAULT_BATCH_SIZE, ESTIMATORS, HUTCHINSON_PROBES, RECOMMENDED_N_DRAWS
+from ..constants import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_ESTIMATOR,
+    ESTIMATORS,
+    HUTCHINSON_PROBES,
+    RECOMMENDED_N_DRAWS,
+    TRACE_SYMBOLS,
+)
 from ..tensors import squared_norm
 from .contexts import TraceContexts, context_generator
 from .ghost import GhostNormRecorder, add_squared_gradients
@@ -433,7 +440,7 @@ def compute_trace_samples(
     *,
     indices: Sequence[int] | None = None,
     n_draws: int = RECOMMENDED_N_DRAWS,
-    estimator: str = "per_sample",
+    estimator: str = DEFAULT_ESTIMATOR,
     seed: int = 0,
     batch_size: int | str = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,
@@ -463,7 +470,9 @@ def compute_trace_samples(
     groups = _groups(model, params, estimator, by_group)
     forward_seconds = draw_seconds = 0.0
     parts, group_parts = [], []
-    bar = tqdm(total=len(indices), desc=f"Hessian trace ({estimator})", unit="context", disable=not progress)
+    bar = tqdm(
+        total=len(indices), desc=f"{TRACE_SYMBOLS[estimator]} ({estimator})", unit="context", disable=not progress
+    )
     with torch.enable_grad(), bar:
         if estimator == "naive":
             for i in indices:

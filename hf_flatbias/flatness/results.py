@@ -9,9 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .spectrum import SharpnessEstimate, TopEigenvalues
 
 
 @dataclass
@@ -49,6 +52,27 @@ class TraceEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class FlatnessRecord:
+    """The latest result of each flatness measure and the training step of the weights it was measured on: what
+    `HessianTraceCallback` keeps (``flatness_record``) and the model card reads.
+
+    Attributes:
+        trace, trace_step: the latest trace estimate.
+        top_eigenvalues, top_eigenvalues_step: the latest largest eigenvalues (``also_measure="top_eigenvalue"``).
+        sam_sharpness, sam_sharpness_step: the latest SAM sharpness (``also_measure="sam_sharpness"``).
+
+    A measure never taken is ``None``, with its step; a step may be ``None`` when it is not known.
+    """
+
+    trace: TraceEstimate | None = None
+    trace_step: int | None = None
+    top_eigenvalues: TopEigenvalues | None = None
+    top_eigenvalues_step: int | None = None
+    sam_sharpness: SharpnessEstimate | None = None
+    sam_sharpness_step: int | None = None
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Checkpoints side by side as Liu et al. (ICML 2023) compare them: the pre-training loss on held-out text with
-paired standard errors, the Hessian trace (the paper's Fisher form and the released code's), and paired GLUE
-differences over the same seeds."""
+paired standard errors, the trace (the paper's Fisher form Tr(F) and the released code's Hutchinson Tr(H)), and
+paired GLUE differences over the same seeds. ``recipes/glue_compare.py`` is its command line."""
 
 from __future__ import annotations
 
@@ -11,17 +11,67 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..corpus import CorpusSpec
+from ..constants import DEFAULT_ESTIMATOR, DEFAULT_N_CONTEXTS, RECOMMENDED_N_DRAWS
+from ..corpus import DEFAULT_VALIDATION_TEXTS, CorpusSpec
 from ..stats import paired_difference
 from .data import load_glue_dataset
+from .finetune import GlueArguments, finetune_glue
 from .models import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
+class CompareArguments(GlueArguments):
+    """Which checkpoints are compared on which tasks (and the fine-tuning of [`GlueArguments`])."""
+
+    models: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Checkpoints to compare (folders or Hub ids); may also be given as leading positionals."},
+    )
+    tasks: str = field(
+        default="sst2,qnli,rte",
+        metadata={"help": "Comma-separated GLUE tasks; offline, a task without data is skipped with one line."},
+    )
+    seeds: list[int] = field(
+        default_factory=lambda: [0, 1, 2, 3, 4],
+        metadata={"help": "One fine-tuning run per seed; a seed gives every checkpoint the same data order and head."},
+    )
+    data_dir: str | None = field(default=None, metadata={"help": "Local GLUE files (see load_glue_dataset)."})
+    update_cards: bool = field(
+        default=False,
+        metadata={"help": "Merge each local checkpoint's GLUE means into its flatness card (README.md)."},
+    )
+    smoke: bool = field(default=False, metadata={"help": "Tiny run: SST-2 (stand-in offline), 2 seeds, few steps."})
+
+
+def check_compare_arguments(args: CompareArguments, measuring: MeasurementArguments) -> None:
+    """Every check of the arguments alone, before any model loads; raises `ValueError` naming the flag."""
+    if not args.models:
+        raise ValueError("Name at least one checkpoint: glue_compare.py MODEL [MODEL ...] --tasks sst2,qnli,rte.")
+    if measuring.trace_contexts < 1 or measuring.trace_draws < 1 or not args.seeds or measuring.loss_maskings < 1:
+        raise ValueError("--trace_contexts, --trace_draws, --loss_maskings and --seeds must be non-empty / at least 1.")
+    if measuring.released_trace_batches < 0 or measuring.released_trace_batch_size < 1:
+        raise ValueError("--released_trace_batches must be >= 0 (0 skips it) and --released_trace_batch_size >= 1.")
+
+
+def standin_tasks_of(tasks: Sequence[str], data_dir: str | None, *, update_cards: bool) -> list[str]:
+    """The tasks that would run on an offline stand-in (SST-2: Rotten Tomatoes), labelled so in the outputs; never
+    recorded as GLUE in a model card, so ``update_cards`` with one is refused."""
+    from . import data  # looked up at call time: tests take the Hub away through it
+
+    standin = ["sst2"] if "sst2" in tasks and data_dir is None and not data.hub_is_reachable() else []
+    if standin and update_cards:
+        raise ValueError(
+            "--update_cards would record Rotten Tomatoes stand-in scores as GLUE SST-2: run with the Hub reachable "
+            "or --data_dir holding the real SST-2 files."
+        )
+    return standin
+
+
+@dataclass
 class MeasurementArguments:
-    """How each checkpoint's pre-training loss and Hessian trace are measured on held-out text."""
+    """How each checkpoint's pre-training loss and trace are measured on held-out text."""
 
     text_dataset: str | None = field(
         default=None,
@@ -43,9 +93,11 @@ class MeasurementArguments:
         },
     )
     max_seq_length: int = field(default=128, metadata={"help": "Tokens per block of held-out text."})
-    trace_contexts: int = field(default=1000, metadata={"help": "Masked contexts for the trace (paper: 10,000)."})
-    trace_draws: int = field(default=2, metadata={"help": "Labels drawn per context (paper: 50)."})
-    trace_estimator: str = field(default="per_sample", metadata={"help": "Estimator of estimate_hessian_trace."})
+    trace_contexts: int = field(
+        default=DEFAULT_N_CONTEXTS, metadata={"help": "Masked contexts for the trace (paper: 10,000)."}
+    )
+    trace_draws: int = field(default=RECOMMENDED_N_DRAWS, metadata={"help": "Labels drawn per context (paper: 50)."})
+    trace_estimator: str = field(default=DEFAULT_ESTIMATOR, metadata={"help": "Estimator of estimate_hessian_trace."})
     released_trace_batches: int = field(
         default=50,
         metadata={
@@ -58,7 +110,9 @@ class MeasurementArguments:
     def corpus_for(self, model_name_or_path: str) -> CorpusSpec:
         """Where a checkpoint is measured: ``--text_dataset`` if given, else its own recorded held-out split."""
         if self.text_dataset:
-            return CorpusSpec(self.text_dataset, self.text_column, validation_texts=self.loss_texts or 3000)
+            return CorpusSpec(
+                self.text_dataset, self.text_column, validation_texts=self.loss_texts or DEFAULT_VALIDATION_TEXTS
+            )
         corpus = held_out_corpus(model_name_or_path)
         if corpus is None:
             raise ValueError(
@@ -96,17 +150,17 @@ def held_out_corpus(model_name_or_path: str) -> CorpusSpec | None:
     folder = Path(model_name_or_path)
     if not folder.is_dir():
         return None
-    record = None
     if (folder / "README.md").is_file():
         from ..modelcard import load_flatness_card
 
         try:
-            record = load_flatness_card(folder).pretraining_corpus
+            corpus = load_flatness_card(folder).pretraining_corpus
         except ValueError:  # a README that is not a flatness card
-            record = None
+            corpus = None
+        if corpus is not None:
+            return corpus
     summary = folder / "pretraining_summary.json"
-    if not record and summary.is_file():
-        record = json.loads(summary.read_text()).get("pretraining_corpus")
+    record = json.loads(summary.read_text()).get("pretraining_corpus") if summary.is_file() else None
     return CorpusSpec.from_record(record) if record else None
 
 
@@ -280,3 +334,27 @@ def measure_checkpoints(corpora: dict[str, CorpusSpec], measuring: MeasurementAr
         losses[model] = (sums, counts)
         logger.info("%s: %s", model, measured[model])
     return measured, losses
+
+
+def finetune_checkpoints(
+    args: CompareArguments, config, datasets_by_task: dict, measured: dict, output_dir: Path
+) -> tuple[list[dict], dict[tuple[str, str], list[float]]]:
+    """Fine-tune every checkpoint on every task over the seeds: one row per checkpoint and task (with its
+    ``measured`` loss and trace) and the scores per seed. Collective under ``accelerate launch``: every process runs
+    it; only the main one edits cards (``update_cards``)."""
+    rows: list[dict] = []
+    scores: dict[tuple[str, str], list[float]] = {}
+    for model in args.models:
+        for task, dataset in datasets_by_task.items():
+            result = finetune_glue(
+                model, task, args, config, dataset=dataset, output_dir=output_dir / "runs" / Path(model).name
+            )
+            rows.append({**result.to_dict(), **measured[model]})
+            scores[(model, task)] = result.scores
+            logger.info("%s %s: %.4f, 95%% interval %s", model, task, result.mean, result.interval)
+            if args.update_cards and config.process_index == 0:
+                from ..modelcard import add_glue_results
+
+                means = {name: sum(m[name] for m in result.metrics) / len(result.metrics) for name in result.metrics[0]}
+                add_glue_results(model, {task: means})
+    return rows, scores

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..corpus import DATA_FILE_BUILDERS, load_data_files
-from .tasks import GlueTask, get_glue_task
+from .tasks import DEFAULT_MAX_LENGTH, GlueTask, get_glue_task
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,9 @@ def check_task_text_fits_tokenizer(tokenizer: Any, task: GlueTask, rows, *, sour
     from ..flatness.lm import check_tokenizer_fits_model
 
     sample = rows.select(range(min(len(rows), max_rows)))
-    encoded = tokenizer(*(list(sample[column]) for column in task.text_columns), truncation=True, max_length=128)
+    encoded = tokenizer(
+        *(list(sample[column]) for column in task.text_columns), truncation=True, max_length=DEFAULT_MAX_LENGTH
+    )
     check_tokenizer_fits_model(
         tokenizer, None, source=source, input_ids=encoded["input_ids"], text_source=f"the {task.name} data"
     )

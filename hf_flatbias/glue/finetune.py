@@ -20,13 +20,20 @@ from ..config import FlatBiasConfig
 from ..stats import mean_interval
 from .data import check_labels, check_task_text_fits_tokenizer, load_glue_dataset, load_glue_metric
 from .models import LinearProbeClassifier, freeze_all_but, load_classifier, probe_parameter_names
-from .tasks import FINETUNE_MODE_CHOICES, LINEAR_PROBE_MODES, GlueTask, get_glue_task, resolve_finetune_mode
+from .tasks import (
+    DEFAULT_MAX_LENGTH,
+    DEFAULT_SEEDS,
+    DEFAULT_TRAIN_BATCH_SIZE,
+    FINETUNE_MODE_CHOICES,
+    FROZEN_ENCODER_LEARNING_RATE,
+    FULL_FINETUNE_LEARNING_RATE,
+    LINEAR_PROBE_MODES,
+    GlueTask,
+    get_glue_task,
+    resolve_finetune_mode,
+)
 
 logger = logging.getLogger(__name__)
-
-# BERT's GLUE learning rate when every weight trains; a new head on frozen features takes a larger step.
-FULL_FINETUNE_LEARNING_RATE = 2e-5
-FROZEN_ENCODER_LEARNING_RATE = 1e-3
 
 
 @dataclass
@@ -42,10 +49,10 @@ class GlueArguments:
         },
     )
     seeds: list[int] = field(
-        default_factory=lambda: [0, 1, 2],
+        default_factory=lambda: list(DEFAULT_SEEDS),
         metadata={"help": "One fine-tuning run per seed; a seed gives every checkpoint the same data order and head."},
     )
-    max_length: int = field(default=128, metadata={"help": "Maximum tokens per GLUE example."})
+    max_length: int = field(default=DEFAULT_MAX_LENGTH, metadata={"help": "Maximum tokens per GLUE example."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Cap on training rows per task."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Cap on validation rows per task."})
     probe_positions: int = field(default=18, metadata={"help": "Token states concatenated by --mode linear_tokens."})
@@ -67,7 +74,9 @@ class GlueConfig(FlatBiasConfig):
             f"{FROZEN_ENCODER_LEARNING_RATE:g} for the frozen-encoder modes."
         },
     )
-    per_device_train_batch_size: int = field(default=32, metadata={"help": "Training batch size per device."})
+    per_device_train_batch_size: int = field(
+        default=DEFAULT_TRAIN_BATCH_SIZE, metadata={"help": "Training batch size per device."}
+    )
     per_device_eval_batch_size: int = field(default=64, metadata={"help": "Evaluation batch size per device."})
     save_strategy: SaveStrategy | str = field(
         default="no", metadata={"help": "Checkpoints during a GLUE run (default: none)."}
@@ -188,7 +197,8 @@ def finetune_glue(
             the data order.
         config: how each run trains ([`GlueConfig`]: learning rate, epochs, batch sizes, and any
             [`FlatBiasConfig`] field such as ``flatness_method="sam"``); its ``output_dir`` and ``seed`` are set
-            per run. Its learning rate, when unset, is 2e-5 for ``full`` (BERT's recipe) and 1e-3 otherwise.
+            per run. Its learning rate, when unset, is ``FULL_FINETUNE_LEARNING_RATE`` (2e-5, BERT's recipe) for
+            ``full`` and ``FROZEN_ENCODER_LEARNING_RATE`` (1e-3) otherwise.
         dataset: a ``DatasetDict`` to use instead of [`load_glue_dataset`] (``train`` and the task's validation split).
         data_dir: local GLUE files, see [`load_glue_dataset`].
         output_dir: where the runs go (default: a temporary folder, removed at the end).

@@ -8,6 +8,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..constants import DEFAULT_ESTIMATOR, TRACE_SYMBOLS
+
 
 def _interval_text(low: float, high: float, scale: float = 100) -> str:
     return "n/a (1 seed)" if math.isnan(low) else f"[{scale * low:.2f}, {scale * high:.2f}]"
@@ -20,11 +22,14 @@ def write_outputs(
     *,
     standin_tasks: Sequence[str] = (),
     pairs: Sequence[dict] = (),
+    trace_estimator: str = DEFAULT_ESTIMATOR,
 ) -> dict[str, Path]:
     """The CSVs (one row per checkpoint and task; one per pair and task), the markdown table and the plot.
 
     ``standin_tasks`` ran on offline stand-in data (SST-2: Rotten Tomatoes); the table marks them with ``*``.
+    ``trace_estimator`` measured the rows' ``trace``: it decides whether the table and plot call it Tr(F) or Tr(H).
     """
+    symbol = TRACE_SYMBOLS[trace_estimator]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,7 +105,7 @@ def write_outputs(
     models = list(dict.fromkeys(row["model"] for row in rows))
     by_key = {(row["model"], row["task"]): row for row in rows}
     header = (
-        ["checkpoint", "held-out loss ± s.e.", "Tr(F) ± s.e.", "released-code Tr(H) ± s.e."]
+        ["checkpoint", "held-out loss ± s.e.", f"{symbol} ± s.e.", "released-code Tr(H) ± s.e."]
         + [f"{task}{'*' if task in standin_tasks else ''} ({by_key[(models[0], task)]['metric']})" for task in tasks]
         + ["average"]
     )
@@ -127,12 +132,16 @@ def write_outputs(
         lines.append("| " + " | ".join(cells) + " |")
     seeds = len(rows[0]["scores"])
     lines.append("")
+    measured = (
+        "Tr(F): the paper's Hessian trace (Fisher form, one masked position per context)"
+        if symbol == "Tr(F)"
+        else f"Tr(H): the Hessian trace of the data-label loss ({trace_estimator}, one masked position per context)"
+    )
     lines.append(
         f"Scores ×100: mean and 95% interval (Student t) over {seeds} seed(s), {rows[0]['mode']} fine-tuning. Held-out "
-        "loss: masked-LM loss on each checkpoint's pre-training held-out text, s.e. over blocks. Tr(F): the paper's "
-        "Hessian trace (Fisher form, one masked position per context). Released-code Tr(H): Gaussian Hutchinson on "
-        "the data-label loss of 15%-masked batches, pooler and output bias excluded (can differ from Tr(F) and "
-        "even be negative away from the optimum)."
+        f"loss: masked-LM loss on each checkpoint's pre-training held-out text, s.e. over blocks. {measured}. "
+        "Released-code Tr(H): Gaussian Hutchinson on the data-label loss of 15%-masked batches, pooler and output "
+        f"bias excluded (can differ from {symbol} and even be negative away from the optimum)."
     )
     if pairs:
         lines += ["", "Paired comparisons (a − b; the same seeds, so the same data order and head initialisation):", ""]
@@ -176,7 +185,7 @@ def write_outputs(
             xytext=(4, 4),
             textcoords="offset points",
         )
-    axis.set_xlabel("Tr(F) of the pre-training loss")
+    axis.set_xlabel(f"{symbol} of the pre-training loss")
     axis.set_ylabel("GLUE validation score (×100), 95% interval")
     axis.set_title("Downstream score against flatness")
     axis.legend(fontsize=8)

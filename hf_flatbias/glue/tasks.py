@@ -15,6 +15,15 @@ LINEAR_PROBE_MODES = ("linear_cls", "linear_tokens")
 # What a command line accepts: the modes and the deprecated names that still resolve to one.
 FINETUNE_MODE_CHOICES = (*FINETUNE_MODES, *DEPRECATED_MODES)
 
+# Fine-tuning defaults, here rather than in finetune.py so that `hf-flatbias glue` can show them without importing
+# transformers. BERT's GLUE learning rate when every weight trains; a new head on frozen features takes a larger step.
+FULL_FINETUNE_LEARNING_RATE = 2e-5
+FROZEN_ENCODER_LEARNING_RATE = 1e-3
+DEFAULT_SEEDS = (0, 1, 2)
+DEFAULT_MAX_LENGTH = 128
+"""Tokens per GLUE example (BERT's fine-tuning length)."""
+DEFAULT_TRAIN_BATCH_SIZE = 32
+
 
 @dataclass(frozen=True)
 class GlueTask:

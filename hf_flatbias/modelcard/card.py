@@ -18,6 +18,7 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS, TRACE_QUANTITIES
+from ..corpus import CorpusSpec
 from . import schema
 from .schema import (
     CARD_DATA,
@@ -35,6 +36,7 @@ from .schema import (
     check_step,
     mapping_reader,
     read_base_model,
+    read_corpus,
     read_float,
     read_glue,
     read_groups,
@@ -44,6 +46,7 @@ from .schema import (
     read_method,
     read_model_name,
     read_own_tags,
+    write_corpus,
     write_groups,
     write_list,
     write_mapping,
@@ -117,8 +120,9 @@ class FlatnessCard:
         model_type, num_parameters: the architecture (``config.model_type``) and its size.
         training_hyperparameters: learning rate, batch sizes, schedule, seed... as recorded from the arguments.
         pretraining_corpus: the pre-training text and its held-out split, as the recipe that trained the model
-            recorded them (e.g. ``{"dataset": "bbc_news", "text_column": "text", "validation_texts": 3000,
-            "split_seed": 0}``), so that a later comparison measures the loss on text the model never saw.
+            recorded them (a [`CorpusSpec`]; the mapping a card holds, ``{"dataset": "bbc_news", "text_column":
+            "text", "validation_texts": 3000, "split_seed": 0}``, is accepted and read as one), so that a later
+            comparison measures the loss on text the model never saw.
         glue: GLUE validation results, ``{task: {metric: value}}``.
         base_model, datasets, language, license, tags: the Hub's usual card metadata (``tags`` beyond the
             automatic ``hf_flatbias``/method tags).
@@ -159,10 +163,7 @@ class FlatnessCard:
         write=write_mapping,
         default_factory=dict,
     )
-    pretraining_corpus: dict[str, Any] | None = card_field(
-        read=lambda value, where, reading: mapping_reader("a mapping")(value, where, reading) or None,
-        write=write_mapping,
-    )
+    pretraining_corpus: CorpusSpec | None = card_field(read=read_corpus, write=write_corpus)
     # written by eval_results with the pre-training loss and the trace
     glue: dict[str, dict[str, float]] = card_field(
         MODEL_INDEX, key=None, read=read_glue, check=check_glue, default_factory=dict
@@ -174,6 +175,13 @@ class FlatnessCard:
     tags: list[str] = card_field(
         CARD_DATA, read=read_own_tags, write=lambda card, tags: card.all_tags(), default_factory=list
     )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pretraining_corpus, Mapping):
+            # what the card's YAML holds, and what callers passed before the field was typed
+            self.pretraining_corpus = (
+                CorpusSpec.from_record(self.pretraining_corpus) if self.pretraining_corpus else None
+            )
 
     @property
     def trace_quantity(self) -> str:

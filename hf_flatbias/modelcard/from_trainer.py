@@ -7,11 +7,15 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, SAM_STEP_OPTIONS, TRACE_METRIC, TRACE_STDERR_METRIC
 from .card import FlatnessCard
 from .schema import read_integer, schema
+
+if TYPE_CHECKING:  # the card is built and read without torch; a trainer's callbacks bring it
+    from ..corpus import CorpusSpec
+    from ..flatness.results import FlatnessRecord
 
 # GLUE results in the trainer's log history: "glue/<task>/<metric>", optionally with the Trainer's "eval_" prefix.
 GLUE_LOG_KEY = re.compile(r"^(?:eval_)?glue/(?P<task>[a-z0-9_-]+)/(?P<metric>[a-z0-9_]+)$")
@@ -30,26 +34,27 @@ def flatness_card_from_trainer(
     finetuned_from: str | None = None,
     dataset: str | Iterable[str] | None = None,
     glue_results: Mapping[str, Mapping[str, float]] | None = None,
-    pretraining_corpus: Mapping[str, Any] | None = None,
+    pretraining_corpus: CorpusSpec | Mapping[str, Any] | None = None,
 ) -> FlatnessCard:
     """Build the card from a FlatBiasTrainer (or Trainer)'s arguments, state, model and callbacks, read duck-typed.
 
-    - trace: the ``last_estimate`` (``mean``, ``stderr``, ``n_contexts``, ``n_draws``, ``estimator``, ``seconds``)
-      of any callback that has one, else the last ``flatness/hessian_trace`` (and ``..._stderr``) in the log history;
+    - trace: the `TraceEstimate` in the ``flatness_record`` (a `FlatnessRecord`) of the first callback that holds
+      one (`HessianTraceCallback`), else the last ``flatness/hessian_trace`` (and ``..._stderr``) in the log history;
     - pre-training loss: the last ``eval_loss`` in the log history, else the last training ``loss``;
-    - trace step: the callback's ``last_estimate_step``, else the ``step`` of the log entry the trace came from;
+    - trace step: the record's ``trace_step``, else the ``step`` of the log entry the trace came from;
     - method and its hyperparameters: the arguments' ``flatness_method`` (``"none"`` for a plain
       ``TrainingArguments``) and the arguments that method reads (``FLATNESS_METHOD_HYPERPARAMETERS``);
     - GLUE: ``glue_results`` (``{"sst2": {"accuracy": 0.91}}``) merged over ``glue/<task>/<metric>`` log entries;
-    - other measures: the ``last_top_eigenvalues`` / ``last_sam_sharpness`` of any callback that has them, with
-      their steps (``last_top_eigenvalues_step`` / ``last_sam_sharpness_step``).
+    - other measures: the records' ``top_eigenvalues`` / ``sam_sharpness``, with their steps;
+    - pre-training corpus: ``pretraining_corpus``, a `CorpusSpec` (or the mapping a card records).
     """
     args = trainer.args
     state = trainer.state
     history: list[dict[str, Any]] = list(getattr(state, "log_history", None) or [])
     method = getattr(args, "flatness_method", "none") or "none"
 
-    trace = _trace_from_callbacks(getattr(getattr(trainer, "callback_handler", None), "callbacks", []))
+    records = _records_of(getattr(getattr(trainer, "callback_handler", None), "callbacks", []))
+    trace = _trace_from_records(records)
     if trace is None:
         trace = _trace_from_history(history)
     loss, loss_source = _pretraining_loss_from_history(history)
@@ -92,38 +97,39 @@ def flatness_card_from_trainer(
         license=license,
         tags=_as_list(tags),
         training_hyperparameters=_training_hyperparameters(args),
-        pretraining_corpus=dict(pretraining_corpus) if pretraining_corpus else None,
-        measures=_measures_from_callbacks(getattr(getattr(trainer, "callback_handler", None), "callbacks", [])),
+        pretraining_corpus=pretraining_corpus or None,
+        measures=_measures_from_records(records),
         **(trace or {}),
     )
 
 
-def _trace_from_callbacks(callbacks: Iterable[Any]) -> dict[str, Any] | None:
-    for callback in callbacks:
-        estimate = getattr(callback, "last_estimate", None)
-        if estimate is None:
-            continue
-        stderr = getattr(estimate, "stderr", None)
-        seconds = getattr(estimate, "seconds", None)
-        n_contexts = getattr(estimate, "n_contexts", None)
-        n_draws = getattr(estimate, "n_draws", None)
-        step = getattr(callback, "last_estimate_step", None)
-        by_group = getattr(estimate, "by_group", None)
-        return {
-            "hessian_trace": float(estimate.mean),
-            "hessian_trace_stderr": float(stderr) if stderr is not None else None,
-            "trace_step": int(step) if step is not None else None,
-            "estimator": getattr(estimate, "estimator", None),
-            "n_contexts": int(n_contexts) if n_contexts is not None else None,
-            "n_draws": int(n_draws) if n_draws is not None else None,
-            "trace_seconds": float(seconds) if seconds is not None else None,
-            "hessian_trace_by_group": (
-                {group: {"mean": float(part.mean), "stderr": float(part.stderr)} for group, part in by_group.items()}
-                if by_group
-                else None
-            ),
-        }
-    return None
+def _records_of(callbacks: Iterable[Any]) -> list[FlatnessRecord]:
+    """The `FlatnessRecord` of every callback that keeps one, in the trainer's order (a plain `TrainerCallback` has
+    none)."""
+    return [record for callback in callbacks if (record := getattr(callback, "flatness_record", None)) is not None]
+
+
+def _trace_from_records(records: Iterable[FlatnessRecord]) -> dict[str, Any] | None:
+    estimate, step = next(((r.trace, r.trace_step) for r in records if r.trace is not None), (None, None))
+    if estimate is None:
+        return None
+    return {
+        "hessian_trace": float(estimate.mean),
+        "hessian_trace_stderr": float(estimate.stderr) if estimate.stderr is not None else None,
+        "trace_step": int(step) if step is not None else None,
+        "estimator": estimate.estimator,
+        "n_contexts": int(estimate.n_contexts),
+        "n_draws": int(estimate.n_draws),
+        "trace_seconds": float(estimate.seconds),
+        "hessian_trace_by_group": (
+            {
+                group: {"mean": float(part.mean), "stderr": float(part.stderr)}
+                for group, part in estimate.by_group.items()
+            }
+            if estimate.by_group
+            else None
+        ),
+    }
 
 
 def measure_record(result: Any, step: int | None = None) -> dict[str, Any]:
@@ -156,13 +162,15 @@ def measure_record(result: Any, step: int | None = None) -> dict[str, Any]:
     return {key: value for key, value in record.items() if value is not None}
 
 
-def _measures_from_callbacks(callbacks: Iterable[Any]) -> dict[str, dict[str, Any]]:
+def _measures_from_records(records: Iterable[FlatnessRecord]) -> dict[str, dict[str, Any]]:
     measures: dict[str, dict[str, Any]] = {}
-    for callback in callbacks:
-        for name, attribute in (("top_eigenvalue", "last_top_eigenvalues"), ("sam_sharpness", "last_sam_sharpness")):
-            result = getattr(callback, attribute, None)
+    for record in records:
+        for name, result, step in (
+            ("top_eigenvalue", record.top_eigenvalues, record.top_eigenvalues_step),
+            ("sam_sharpness", record.sam_sharpness, record.sam_sharpness_step),
+        ):
             if result is not None and name not in measures:
-                measures[name] = measure_record(result, getattr(callback, f"{attribute}_step", None))
+                measures[name] = measure_record(result, step)
     return measures
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS, MEASURES
+from ..corpus import CorpusSpec
 
 FLATNESS_TAG = "hf_flatbias"
 GLUE_DATASET = "glue"
@@ -161,6 +162,10 @@ def write_mapping(card: Any, value: Mapping[str, Any] | None) -> dict[str, Any] 
     return dict(value) if value else None
 
 
+def write_corpus(card: Any, value: CorpusSpec | None) -> dict[str, Any] | None:
+    return value.to_record() if value is not None else None
+
+
 def write_groups(card: Any, value: Mapping[str, Mapping[str, float]] | None) -> dict[str, dict[str, float]] | None:
     return {group: dict(part) for group, part in value.items()} if value else None
 
@@ -208,6 +213,19 @@ def mapping_reader(what: str) -> Reader:
         return dict(value)
 
     return read
+
+
+def read_corpus(value: Any, where: str, reading: Reading) -> CorpusSpec | None:
+    record = mapping_reader("a mapping")(value, where, reading)
+    if not record:
+        return None
+    try:
+        return CorpusSpec.from_record(record)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"{reading.source}: {where} is {record!r}, not a corpus record ({error}). Write it as dataset, "
+            "text_column, validation_texts and split_seed (what CorpusSpec.to_record gives)."
+        ) from error
 
 
 def read_groups(value: Any, where: str, reading: Reading) -> dict[str, dict[str, float]] | None:

@@ -73,7 +73,7 @@ def probe_accuracy(
     """
     from sklearn.model_selection import train_test_split
 
-    x, y = _clean(features, labels, "features")
+    x, y = labelled_rows(features, labels, "features")
     if test_features is None:
         if test_labels is not None:
             raise ValueError("test_labels given without test_features; pass both or neither.")
@@ -85,7 +85,7 @@ def probe_accuracy(
     else:
         if test_labels is None:
             raise ValueError("test_features given without test_labels; pass both.")
-        x_test, y_test = _clean(test_features, test_labels, "test_features")
+        x_test, y_test = labelled_rows(test_features, test_labels, "test_features")
         if x_test.shape[1] != x.shape[1]:
             raise ValueError(f"test_features have {x_test.shape[1]} columns but features have {x.shape[1]}.")
     classes = np.unique(y)
@@ -114,7 +114,7 @@ def fit_probe(
     warm_start: bool = False,
 ):
     """The probe itself: standardised features into a multinomial logistic regression with inverse L2 strength
-    ``regularization``, fitted on rows already checked by `_clean`; returns the fitted scikit-learn pipeline.
+    ``regularization``, fitted on rows already checked by `labelled_rows`; returns the fitted scikit-learn pipeline.
     ``warm_start``: a later ``fit`` with another ``logisticregression__C`` starts from this solution (a C path)."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
@@ -126,7 +126,12 @@ def fit_probe(
     return make_pipeline(StandardScaler(), head).fit(features, labels)
 
 
-def _clean(features, labels, name: str) -> tuple[np.ndarray, np.ndarray]:
+def labelled_rows(
+    features: np.ndarray | torch.Tensor, labels: Sequence[int] | np.ndarray, name: str = "features"
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rows a probe is fitted or scored on: ``features`` as float64 and ``labels``, without the rows whose label
+    is negative (undefined for that task). Raises a ValueError naming ``name`` for a wrong shape, non-integer labels,
+    non-finite features or fewer than 4 labelled rows."""
     x = features.detach().cpu().numpy() if isinstance(features, torch.Tensor) else np.asarray(features)
     y = np.asarray(labels)
     if x.ndim != 2:

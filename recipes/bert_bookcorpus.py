@@ -28,7 +28,7 @@ from hf_flatbias.cli import run_recipe
 from hf_flatbias.config import FlatBiasConfig
 from hf_flatbias.constants import DEFAULT_ESTIMATOR, DEFAULT_N_CONTEXTS, RECOMMENDED_N_DRAWS
 from hf_flatbias.corpus import DEFAULT_VALIDATION_TEXTS, OFFLINE_CORPUS, CorpusSpec, resolve_dataset
-from hf_flatbias.experiments import parse_dataclass_args
+from hf_flatbias.recipe_args import parse_dataclass_args
 
 logger = logging.getLogger("bert_bookcorpus")
 

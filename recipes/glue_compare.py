@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 from hf_flatbias.cli import run_recipe
-from hf_flatbias.experiments import parse_dataclass_args
 from hf_flatbias.glue import GlueConfig
 from hf_flatbias.glue.compare import (
     CompareArguments,
@@ -39,6 +38,7 @@ from hf_flatbias.glue.compare import (
     standin_tasks_of,
 )
 from hf_flatbias.glue.report import write_outputs
+from hf_flatbias.recipe_args import parse_dataclass_args
 
 __all__ = ["held_out_corpus", "load_masked_lm", "load_task_data", "pairwise_comparisons", "write_outputs"]
 

@@ -19,8 +19,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hf_flatbias.experiments import parse_dataclass_args
 from hf_flatbias.integrations.trl import FlatBiasSFTConfig
+from hf_flatbias.recipe_args import parse_dataclass_args
 
 logger = logging.getLogger("sft_sam")
 

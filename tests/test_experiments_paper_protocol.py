@@ -1,4 +1,4 @@
-"""The paper-shaped protocol's pipeline: fixed-width probes, paired comparisons, the C1 verdict and its recipes."""
+"""The paper-shaped protocol's pipeline: fixed-width probes, paired comparisons, the C1 verdict, branches resumed."""
 
 import json
 from pathlib import Path
@@ -8,17 +8,17 @@ import pytest
 from scipy.stats import binomtest, t
 
 from hf_flatbias.experiments import (
+    RunSpec,
     build_model,
     c1_verdict,
-    compared_branches,
-    encoder_features,
-    lexical_features,
     mcnemar,
     onehot_position_word,
-    selected_probe,
     setup_paper_language,
-    t_interval,
+    train_with_branches,
+    without_predictions,
 )
+from hf_flatbias.experiments.paper_probes import encoder_features, lexical_features, selected_probe
+from hf_flatbias.experiments.verdicts import compared_branches, t_interval
 from hf_flatbias.probe import extract_features
 
 FIXTURE = Path(__file__).parent / "data" / "c1_verdict_fixture.json"
@@ -139,64 +139,39 @@ def test_c1_verdict_fails_undecides_and_falls_back_to_matched_as_stated():
     assert c1_verdict({str(s): records for s in range(5)})["regime"] == "matched, not saturated"
 
 
-def test_c1_recipe_smoke_resumes_and_merges(recipes, tmp_path, capsys):
-    c1 = recipes.load("pcfg_c1_continued_training")
-    out = ["--smoke", "--output-dir", str(tmp_path), "--seeds", "0"]
-    c1.main([*out, "--steps", "20"])  # stopped after its first branch, as an interrupted run would be
-    (tmp_path / "seed0" / "result.json").unlink()
-    first = json.loads((tmp_path / "seed0" / "branches.json").read_text())["records"]
-    c1.main(out)
+
+def test_build_model_heads_default_and_override():
+    assert build_model(20, hidden=64, layers=1).config.num_attention_heads == 2  # hidden // 32, as before
+    assert build_model(20, hidden=64, layers=1, heads=4).config.num_attention_heads == 4
+    with pytest.raises(ValueError, match="heads"):
+        build_model(20, hidden=64, layers=1, heads=3)
+
+
+def test_a_stopped_trunk_resumes_from_its_last_branch_whose_record_splits_the_fisher_trace(tmp_path, capsys):
+    """What the retired from-scratch C1 recipe's smoke test checked of this protocol, on `train_with_branches`."""
+    shape = {"n_levels": 3, "symbols_per_level": 3, "n_words": 12, "binary_rules_per_symbol": 4}
+    language = setup_paper_language(0, n_train=200, n_kl=8, n_trace=8, n_probe=40, shape=shape)
+    measure = dict(trace_contexts=8, trace_draws=1, hutchinson_draws=1)
+
+    def run(steps):
+        spec = RunSpec(label="s", steps=steps, eval_every=10, batch_size=8, warmup_steps=0, hidden=16, layers=1)
+        return train_with_branches(language, spec, tmp_path, branch_every=10, anneal_steps=5, measure_kwargs=measure)
+
+    run(10)  # stopped after its first branch, as an interrupted run would be
+    first = json.loads((tmp_path / "branches.json").read_text())["records"]
+    capsys.readouterr()
+    records = run(20)
     assert "resuming from" in capsys.readouterr().out
-    records = json.loads((tmp_path / "seed0" / "result.json").read_text())["records"]
-    assert [r["step"] for r in records] == [20, 40] and records[0] == first[0]
-    c1.main(out)  # finished: skipped
-    assert "finished earlier" in capsys.readouterr().out
-    payload = c1.main([*out, "--merge"])
-    assert payload["verdict"]["verdict"] == "undecided (not saturated)"
-    assert set(payload["references"]) == {"lexical_baseline", "untrained_encoder", "exact_conditionals"}
-    assert set(payload["mcnemar"]["0"]) == {
-        f"{c}_{t}" for c in ("last_vs_first_branch", "last_branch_vs_lexical") for t in "ABC"
-    }
-    record = payload["seeds"]["0"][-1]
+    assert [r["step"] for r in records] == [10, 20] and records[0] == first[0]
+    record = records[-1]
     assert {"kl", "saturation", "fisher_trace", "hutchinson_trace_data_loss", "probe_accuracy"} <= set(record)
-    # the Fisher trace split: the output layer's own term and the rest add up to the total, as do all the groups
+    # the output layer's own term and the rest add up to the total, as do all the parameter groups
     assert record["fisher_trace_output_layer"] + record["fisher_trace_rest"] == pytest.approx(record["fisher_trace"])
     groups = record["fisher_trace_by_group"]
     assert sum(part["mean"] for part in groups.values()) == pytest.approx(record["fisher_trace"], rel=1e-9)
     assert record["fisher_trace_output_layer"] == groups["output_layer"]["mean"] > 0
-    assert "correct" not in record["probe"]["A"]
-    saved = json.loads((tmp_path / "c1_results.json").read_text())
-    assert c1_verdict(saved["seeds"]) == saved["verdict"]
-
-
-def test_grammar_gate_smoke_tables_candidates_and_keeps_the_rule(recipes, tmp_path):
-    gate = recipes.load("pcfg_grammar_gate")
-    payload = gate.main(["--smoke", "--output-dir", str(tmp_path)])
-    assert [(r["grammar_seed"], r["concentration"]) for r in payload["table"]] != []
-    assert len(payload["table"]) == 2 and payload["chosen"] is None  # 20 steps saturate nothing
-    lexical = [r["lexical_baseline"] for r in payload["table"]]
-    assert lexical == sorted(lexical)
-    passing = gate.gate(
-        [
-            {
-                "grammar_seed": s,
-                "concentration": 1.0,
-                "pilot_kl": kl,
-                "lexical_baseline": {"probe_accuracy": acc, "probe": {}},
-            }
-            for s, kl, acc in ((0, 0.03, 0.5), (1, 0.05, 0.3), (2, 0.04, 0.4))
-        ],
-        0.04,
-    )
-    assert passing["chosen"]["grammar_seed"] == 2  # the lowest baseline among those within the KL limit
-
-
-def test_committed_grammar_gate_verdict_follows_from_its_candidates(recipes):
-    """docs/reproduction/synthetic.md says no grammar passed: recompute that from the committed candidate JSON."""
-    folder = Path(__file__).resolve().parents[1] / "docs" / "reproduction" / "pcfg_grammar_gate"
-    candidates = [json.loads(path.read_text()) for path in sorted(folder.glob("candidate_*.json"))]
-    committed = json.loads((folder / "gate.json").read_text())
-    recomputed = recipes.load("pcfg_grammar_gate").gate(candidates, committed["max_kl"])
-    assert len(candidates) == 4
-    assert recomputed["chosen"] is None and committed["chosen"] is None
-    assert min(c["pilot_kl"] for c in candidates) > committed["max_kl"]
+    # the per-row predictions the McNemar tests pair are in the record; the compact JSON drops only them
+    assert len(record["probe"]["A"]["correct"]) == 40
+    compact = without_predictions(record)
+    assert "correct" not in compact["probe"]["A"]
+    assert compact["probe"]["A"]["accuracy"] == record["probe"]["A"]["accuracy"]

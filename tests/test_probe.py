@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import BertConfig, BertForMaskedLM
 
-from hf_flatbias.probe import extract_features, probe_accuracy, wilson_interval
+from hf_flatbias.probe import extract_features, labelled_rows, probe_accuracy, wilson_interval
 
 
 def test_random_features_are_at_chance():
@@ -49,6 +49,16 @@ def test_undefined_labels_are_dropped_and_bad_input_rejected():
         probe_accuracy(np.zeros((10, 2)), np.zeros(10, dtype=int))
     with pytest.raises(ValueError, match="integers"):
         probe_accuracy(np.zeros((10, 2)), np.zeros(10))
+
+
+def test_labelled_rows_keep_the_defined_labels_as_float64_and_name_the_bad_split():
+    features = torch.arange(12, dtype=torch.float32).reshape(6, 2)
+    x, y = labelled_rows(features, [0, -1, 1, 2, -1, 0], "fit features")
+    assert x.dtype == np.float64 and x.tolist() == [[0, 1], [4, 5], [6, 7], [10, 11]] and y.tolist() == [0, 1, 2, 0]
+    with pytest.raises(ValueError, match="fit features contain NaN"):
+        labelled_rows(np.full((6, 2), np.nan), np.zeros(6, dtype=int), "fit features")
+    with pytest.raises(ValueError, match="fewer than 4 rows"):
+        labelled_rows(np.zeros((6, 2)), np.array([0, 1, 0, -1, -1, -1]))
 
 
 def test_extract_features_ignores_padding():

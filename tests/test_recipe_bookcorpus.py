@@ -12,7 +12,7 @@ from transformers import BertConfig, BertForMaskedLM
 
 from hf_flatbias import text_data
 from hf_flatbias.config import FlatBiasConfig
-from hf_flatbias.experiments import parse_dataclass_args
+from hf_flatbias.recipe_args import parse_dataclass_args
 from hf_flatbias.text_data import (
     mask_blocks_once,
     masked_lm_loss,

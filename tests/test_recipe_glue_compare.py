@@ -14,7 +14,7 @@ from transformers import BertConfig, BertForMaskedLM, BertModel
 
 from hf_flatbias import glue
 from hf_flatbias.config import FlatBiasConfig
-from hf_flatbias.experiments import parse_dataclass_args
+from hf_flatbias.recipe_args import parse_dataclass_args
 from hf_flatbias.text_data import train_wordpiece_tokenizer
 from hf_flatbias.trainer import FlatBiasTrainer
 

@@ -1,4 +1,5 @@
-"""recipes/sam_variants_comparison.py: a smoke run of the whole pipeline, its resumability, its KL and its verdicts."""
+"""recipes/sam_variants_comparison.py and hf_flatbias.experiments.sam_variants: a smoke run of the whole pipeline,
+its resumability, its KL and its verdicts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
+
+from hf_flatbias.experiments.sam_variants import sequence_kl_per_token, summarize
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,7 @@ def test_smoke_run_writes_every_run_and_resumes(recipe, tmp_path):
         recipe.main(["--smoke", "--learning-rate", "1e-3", "--output", str(output)])
 
 
-def test_verdicts_follow_the_stated_rule(recipe):
+def test_verdicts_follow_the_stated_rule():
     def runs(method, kls):
         return [
             {"model": "bert", "method": method, "seed": s, "held_out_kl": kl, "fisher_trace": 1.0,
@@ -49,7 +52,7 @@ def test_verdicts_follow_the_stated_rule(recipe):
         + runs("functional_sam", [k - 0.05 for k in adamw])  # clearly lower, same seeds
         + runs("adamw_2x", [k - 0.10 for k in adamw])  # clearly lower than functional_sam
     )
-    differences = recipe.summarize(all_runs)["bert"]["kl_differences"]
+    differences = summarize(all_runs)["bert"]["kl_differences"]
     assert differences["functional_sam - adamw"]["verdict"] == "paper's way"
     assert differences["functional_sam - adamw"]["mean"] == pytest.approx(-0.05)
     assert differences["functional_sam - adamw_2x"]["verdict"] == "against"
@@ -59,7 +62,7 @@ def test_verdicts_follow_the_stated_rule(recipe):
     assert differences["sam - adamw"]["high"] == pytest.approx(np.mean(sam_minus) + half)
 
 
-def test_sequence_kl_of_a_uniform_model(recipe):
+def test_sequence_kl_of_a_uniform_model():
     """Zero logits: q(s) = V^-(n+1), so the KL per token is mean(log p(s) + (n+1) log V) / mean(n+1)."""
     vocab = 7
 
@@ -70,4 +73,4 @@ def test_sequence_kl_of_a_uniform_model(recipe):
     rows = [{"input_ids": [2, 5, 6, 3]}, {"input_ids": [2, 5, 3]}]
     log_p = np.array([-2.0, -1.5])
     expected = np.mean(log_p + np.array([3, 2]) * math.log(vocab)) / 2.5
-    assert recipe.sequence_kl_per_token(Uniform(), rows, log_p) == pytest.approx(expected)
+    assert sequence_kl_per_token(Uniform(), rows, log_p) == pytest.approx(expected)

@@ -233,3 +233,19 @@ def test_masked_word_collator_returns_contiguous_tensors():
     batch = MaskedWordCollator()(rows)
     assert all(tensor.is_contiguous() for tensor in batch.values())
     batch["labels"].view(-1)
+
+
+def test_masked_word_collator_pads_labelled_contexts_as_they_are_with_one_label_each():
+    from hf_flatbias.constants import IGNORE_INDEX
+    from hf_flatbias.synthetic import MaskedWordCollator
+
+    contexts = masked_contexts(build_pcfg_dataset(PCFG.from_seed(0), 1, 12, seed=0)["validation"], seed=1)
+    batch = MaskedWordCollator()(list(contexts))
+    lengths = [len(row) for row in contexts["input_ids"]]
+    assert len(set(lengths)) > 1  # the padding is exercised
+    assert batch["input_ids"].shape == (len(contexts), max(lengths))
+    for i, (row, labels) in enumerate(zip(contexts["input_ids"], contexts["labels"], strict=True)):
+        assert batch["input_ids"][i, : len(row)].tolist() == row and batch["labels"][i, : len(row)].tolist() == labels
+        assert batch["attention_mask"][i].tolist() == [1] * len(row) + [0] * (max(lengths) - len(row))
+        assert (batch["labels"][i, len(row) :] == IGNORE_INDEX).all()
+        assert int((batch["labels"][i] != IGNORE_INDEX).sum()) == 1

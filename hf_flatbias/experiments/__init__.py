@@ -1,145 +1,64 @@
-"""The synthetic-experiment library behind recipes/: language set-up, model building, runs, checkpoint evaluation,
-matched-loss analysis, plots and result files.
+"""The research code behind ``recipes/pcfg_saturated_start.py`` (and its GPU driver ``pcfg_protocol_gpu.py``), the
+paper-shaped synthetic-language protocol of docs/reproduction/synthetic.md, and behind
+``recipes/sam_variants_comparison.py``; one module per job.
 
-A recipe is a parser and a ``main()`` that put these together (as trl's ``trl/scripts/`` do with ``trl/scripts/
-utils.py``); a new experiment adds a recipe, and a module here only for what a second recipe will share. One module
-per job: `language` (the language, its contexts, probe tasks and entropy floor), `models` (small BERTs from a config),
-`runs` (`RunSpec`, training through `FlatBiasTrainer`), `branches` (anneal-to-evaluate copies of a constant-rate
-trunk), `saturation` (KL to the exact conditionals over every position),
-`distillation` (reaching the optimum on soft targets), `paper_language` / `paper_probes` /
-`protocol` / `verdicts` (the paper-shaped protocol: its fixed material, fixed-width probes, branch measurements and
-claim verdicts), `evaluation` (one record per checkpoint:
-one-mask loss, Fisher trace, probes), `analysis` (correlations, matched loss, selection by flatness), `results` (JSON
-and tables), `plots`, `summary` (results as the markdown tables of docs/), `arguments` (the synthetic recipes'
-flags) and `dataclass_args` (``HfArgumentParser`` with a YAML ``--config``, for the BookCorpus and GLUE recipes).
+- `paper_language`: the fixed material of one grammar (training, KL and probe sentences, trace contexts).
+- `models`: the small BERT masked LMs, built from a config.
+- `runs`: `RunSpec`, one training run, its `FlatBiasConfig` fields and its device.
+- `saturation`: KL to the exact conditionals over every position, with a bootstrap interval.
+- `distillation`: reaching the optimum by training on the exact conditionals (the saturated start).
+- `branches`: anneal-to-evaluate copies of a constant-rate trunk.
+- `paper_probes`: fixed-width linear probes, their reference rows and paired (McNemar) tests.
+- `protocol`: one branch measured (KL, traces, probes) and a trunk trained with its branches, resumable.
+- `campaign`: the saturated-start campaign's phases (distilled start, rate pilot, each claim's continued training),
+  each resumable from what it left on disk.
+- `claims`: the campaign's result files: each claim's rule, records and recomputed verdict, the C1 plot, markdown.
+- `verdicts`: the claims' rules, recomputed from the committed JSON; `analysis`: the rank statistics they use.
+- `plots`, `results`: the figures and the JSON the recipes write.
+- `sam_variants`: the SAM-variants comparison (issue 25): its methods, rule, tiny BERT/Llama runs and verdicts.
+- `language`: the small PCFG of ``hf-flatbias demo`` and its probe scores (not part of the protocol).
+
+A recipe is a parser and a ``main()`` that put these together; what only one recipe needs stays in the recipe. The
+names below are the package's surface; the modules hold more for the recipe and the tests that read them directly.
+The earlier protocols' recipes (from-scratch training at matched loss, the grammar gate) were retired with the code
+only they used; docs/reproduction/synthetic.md names the commit that still has them.
 """
 
-from .analysis import at_common_loss, correlations, flatness_selection, matched_loss, partial_spearman, spearman
-from .arguments import (
-    add_common_arguments,
-    add_paper_protocol_arguments,
-    add_target_loss_argument,
-    apply_paper_smoke,
-    apply_smoke,
-    default_output_dir,
-    paper_run_spec,
-    parse_recipe_arguments,
-    run_spec_arguments,
-    setup_language_from_args,
-    trains_on_cpu,
-)
-from .branches import BranchEvaluator, anneal_branch, branch_batches, linear_anneal_rates
-from .dataclass_args import load_yaml_config, parse_dataclass_args
 from .distillation import ConditionalPool, distil_to_saturation, distillation_batches, soft_masked_lm_loss
-from .evaluation import (
-    CheckpointEvaluator,
-    context_batch,
-    evaluate_checkpoint,
-    features_probe_scores,
-    format_record,
-    hessian_trace,
-    one_mask_loss,
-    probe_scores,
-)
-from .language import LanguageSetup, setup_language
-from .models import bert_config, build_model
-from .paper_language import MIN_PROBE_WORDS, PaperLanguage, SentenceSet, setup_paper_language
-from .paper_probes import (
-    REGULARIZATION_GRID,
-    encoder_features,
-    exact_conditional_features,
-    lexical_features,
-    mcnemar,
-    onehot_position_word,
-    probe_all_tasks,
-    selected_probe,
-    without_predictions,
-)
-from .plots import plot_branches, plot_runs
-from .protocol import measure_branch, reference_rows, train_annealed, train_with_branches
-from .results import config_of, final_row, is_main_process, markdown_table, task_accuracies, write_json, write_results
-from .runs import RunSpec, train_and_evaluate
-from .saturation import SaturationResult, measure_saturation, model_masked_log_probs, saturation
-from .summary import summarize
-from .verdicts import C1_RULE, c1_verdict, compared_branches, in_progress, saturated_start_c1, t_interval
+from .language import LanguageSetup, probe_scores, setup_language
+from .models import build_model
+from .paper_language import MIN_PROBE_WORDS, PaperLanguage, setup_paper_language
+from .paper_probes import mcnemar, onehot_position_word, without_predictions
+from .protocol import measure_branch, reference_rows, train_with_branches
+from .results import write_json
+from .runs import RunSpec, trains_on_cpu
+from .saturation import SaturationResult, measure_saturation
+from .verdicts import C1_RULE, c1_verdict, saturated_start_c1
 
 __all__ = [
-    "BranchEvaluator",
     "C1_RULE",
-    "CheckpointEvaluator",
+    "ConditionalPool",
     "LanguageSetup",
     "MIN_PROBE_WORDS",
     "PaperLanguage",
-    "REGULARIZATION_GRID",
     "RunSpec",
     "SaturationResult",
-    "SentenceSet",
-    "add_common_arguments",
-    "add_paper_protocol_arguments",
-    "add_target_loss_argument",
-    "anneal_branch",
-    "apply_paper_smoke",
-    "apply_smoke",
-    "at_common_loss",
-    "bert_config",
-    "branch_batches",
     "build_model",
     "c1_verdict",
-    "compared_branches",
-    "ConditionalPool",
     "distil_to_saturation",
     "distillation_batches",
-    "in_progress",
-    "plot_branches",
-    "saturated_start_c1",
-    "soft_masked_lm_loss",
-    "config_of",
-    "context_batch",
-    "correlations",
-    "default_output_dir",
-    "encoder_features",
-    "evaluate_checkpoint",
-    "exact_conditional_features",
-    "features_probe_scores",
-    "final_row",
-    "flatness_selection",
-    "format_record",
-    "hessian_trace",
-    "is_main_process",
-    "lexical_features",
-    "linear_anneal_rates",
-    "load_yaml_config",
-    "markdown_table",
-    "matched_loss",
-    "mcnemar",
     "measure_branch",
     "measure_saturation",
-    "model_masked_log_probs",
-    "one_mask_loss",
+    "mcnemar",
     "onehot_position_word",
-    "parse_dataclass_args",
-    "parse_recipe_arguments",
-    "partial_spearman",
-    "plot_runs",
-    "probe_all_tasks",
     "probe_scores",
     "reference_rows",
-    "run_spec_arguments",
-    "saturation",
-    "selected_probe",
+    "saturated_start_c1",
     "setup_language",
-    "setup_language_from_args",
-    "paper_run_spec",
-    "trains_on_cpu",
     "setup_paper_language",
-    "spearman",
-    "summarize",
-    "t_interval",
-    "task_accuracies",
-    "train_and_evaluate",
-    "train_annealed",
+    "soft_masked_lm_loss",
     "train_with_branches",
+    "trains_on_cpu",
     "without_predictions",
     "write_json",
-    "write_results",
 ]

@@ -1,15 +1,22 @@
-"""The language of a synthetic experiment: its training sentences, fixed evaluation contexts and probe tasks."""
+"""The language of ``hf-flatbias demo``: a small PCFG, its training sentences, fixed evaluation contexts, probe
+tasks, and the linear-probe scores of a model on them.
+
+The research recipes use the paper-shaped language of `paper_language` instead.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from datasets import Dataset
 
-from ..synthetic import HMM, PCFG, build_hmm_dataset, build_pcfg_dataset, entropy_bound, make_tokenizer, masked_contexts
+from ..probe import extract_features, probe_accuracy
+from ..synthetic import PCFG, build_pcfg_dataset, entropy_bound, make_tokenizer, masked_contexts
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -36,44 +43,32 @@ def setup_language(
     n_contexts: int,
     n_probe: int,
     seed: int = 0,
-    hmm_length: int = 24,
     probe_pooling: str = "mean",
-    train_columns: Sequence[str] = (),
 ) -> LanguageSetup:
     """Build the language from ``seed``, its training set and the fixed evaluation material.
 
     The probe is fitted on ``n_probe`` held-out sentences and scored on ``n_probe`` others; contexts are a third,
-    disjoint set so the loss and the trace are measured on sentences the probe never saw either. ``train_columns``
-    keeps extra columns of the training sentences (e.g. ``task_a`` for adversarial pre-training, which reads it).
+    disjoint set so the loss and the trace are measured on sentences the probe never saw either. ``name`` must be
+    ``"pcfg"`` (the HMM set-up went with the retired earlier-protocol recipes).
     """
     n_eval = n_contexts + 2 * n_probe
-    if name == "pcfg":
-        language = PCFG.from_seed(seed)
-        data = build_pcfg_dataset(language, n_train, n_eval, seed=seed)
-        task_columns = {"A": "task_a", "B": "task_b", "C": "task_c"}
-    elif name == "hmm":
-        language = HMM.from_seed(seed)
-        data = build_hmm_dataset(language, n_train, n_eval, length=hmm_length, seed=seed)
-        task_columns = {}
-    else:
-        raise ValueError(f"unknown language {name!r}; choose 'pcfg' or 'hmm'.")
+    if name != "pcfg":
+        raise ValueError(f"unknown language {name!r}; the demo's language is 'pcfg'.")
+    language = PCFG.from_seed(seed)
+    data = build_pcfg_dataset(language, n_train, n_eval, seed=seed)
     evaluation = data["validation"]
     contexts = masked_contexts(evaluation.select(range(n_contexts)), seed=seed + 1)
     probe_fit = evaluation.select(range(n_contexts, n_contexts + n_probe))
     probe_test = evaluation.select(range(n_contexts + n_probe, n_eval))
 
     def tasks(split: Dataset) -> dict[str, np.ndarray]:
-        if name == "pcfg":
-            return {task: np.asarray(split[column]) for task, column in task_columns.items()}
-        states = np.asarray(split["states"])
-        # Task-k: the hidden state at position k, at the start, the middle and the end of the sequence
-        return {f"state@{k}": states[:, k] for k in (0, hmm_length // 2, hmm_length - 1)}
+        return {task: np.asarray(split[column]) for task, column in (("A", "task_a"), ("B", "task_b"), ("C", "task_c"))}
 
     return LanguageSetup(
         name=name,
         language=language,
         tokenizer=make_tokenizer(language.words()),
-        train=data["train"].select_columns(["input_ids", "attention_mask", *train_columns]),
+        train=data["train"].select_columns(["input_ids", "attention_mask"]),
         contexts=contexts,
         probe_rows=list(probe_fit["input_ids"]),
         probe_tasks=tasks(probe_fit),
@@ -82,3 +77,16 @@ def setup_language(
         entropy=entropy_bound(language, contexts),
         probe_pooling=probe_pooling,
     )
+
+
+def probe_scores(
+    model: torch.nn.Module, setup: LanguageSetup, pooling: str | None = None
+) -> dict[str, dict[str, float]]:
+    """Linear-probe results of each task on the frozen encoder's ``pooling`` features (the setup's by default)."""
+    pooling = pooling or setup.probe_pooling
+    fit = extract_features(model, setup.probe_rows, pooling=pooling)
+    test = extract_features(model, setup.probe_test_rows, pooling=pooling)
+    return {
+        task: probe_accuracy(fit, labels, test_features=test, test_labels=setup.probe_test_tasks[task]).to_dict()
+        for task, labels in setup.probe_tasks.items()
+    }

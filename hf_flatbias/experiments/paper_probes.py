@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..probe import _clean, extract_features, fit_probe, wilson_interval
+from ..probe import extract_features, fit_probe, labelled_rows, wilson_interval
 from ..synthetic.tokenizer import CLS_ID, N_SPECIAL, SEP_ID
 from .paper_language import PROBE_SPLITS, PaperLanguage, SentenceSet
 
@@ -95,9 +95,9 @@ def selected_probe(
         raise ValueError(f"probe splits must have one feature width, got {widths}: pad them to a fixed width.")
     if not grid:
         raise ValueError("grid must hold at least one regularisation value.")
-    fit_x, fit_y = _clean(features["fit"], labels["fit"], "fit features")
-    val_x, val_y = _clean(features["validation"], labels["validation"], "validation features")
-    test_x, test_y = _clean(features["test"], labels["test"], "test features")
+    fit_x, fit_y = labelled_rows(features["fit"], labels["fit"], "fit features")
+    val_x, val_y = labelled_rows(features["validation"], labels["validation"], "validation features")
+    test_x, test_y = labelled_rows(features["test"], labels["test"], "test features")
     best_score, chosen, best_predictions = -1.0, None, None
     # one warm-started path along ascending C: each fit starts from the previous, several times faster than cold fits
     grid = sorted(grid)

@@ -1,5 +1,9 @@
-"""Command-line parsing of the dataclass recipes (BookCorpus, GLUE): ``HfArgumentParser``, a YAML ``--config``,
-``--smoke``.
+"""Command-line parsing of the dataclass recipes (``recipes/bert_bookcorpus.py``, ``glue_compare.py``,
+``sft_sam.py``): ``HfArgumentParser``, a YAML ``--config``, ``--smoke``.
+
+It lives in the package, not in ``hf_flatbias.experiments``: these recipes train and compare ordinary Hugging Face
+models and share nothing with the synthetic-language research code (trl keeps its ``TrlParser`` beside its scripts
+for the same reason).
 
 Precedence, lowest first: the dataclass defaults, the YAML file, the recipe's smoke settings (with ``--smoke``),
 the command line. YAML values become command-line strings before parsing, so they are typed and validated exactly
@@ -11,6 +15,7 @@ the real run would resume from them.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,8 +61,6 @@ def parse_dataclass_args(
 
     ``--smoke`` must also be a field of one of the dataclasses so the recipe sees it.
     """
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=None)

@@ -234,25 +234,19 @@ class CurvatureOperator:
     def __call__(self, vector: torch.Tensor) -> torch.Tensor:
         self.n_matvecs += 1
         tangents = self._unflatten(vector)
-        # allocated once the forward-mode pass is over: that pass copies the tangents (one vector in the parameters'
-        # dtype, as forward AD does for views), so the sum and the copies are never held together with one batch
-        total = None
+        total = torch.zeros(self.dimension, dtype=self.dtype, device=self.device)
         for inputs in self._inputs:
             keep = self._kept is not None
             part = self._kept if keep else self._graph(inputs)
             if self.matrix == "hessian":
-                used = part["used"]
-                outputs, grad_outputs = part["grads"], [tangents[i] for i in used]
+                outputs, grad_outputs = part["grads"], [tangents[i] for i in part["used"]]
             else:
-                used = True
                 outputs, grad_outputs = self._fisher_pullback(part, tangents)
             del part
-            if used:
-                if total is None:
-                    total = torch.zeros(self.dimension, dtype=self.dtype, device=self.device)
+            if outputs:
                 self._backward_into(total, outputs, grad_outputs, keep)
             del outputs, grad_outputs
-        return torch.zeros(self.dimension, dtype=self.dtype, device=self.device) if total is None else total
+        return total
 
     def _backward_into(
         self, total: torch.Tensor, outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor], keep: bool
@@ -544,10 +538,10 @@ def estimate_top_eigenvalues(
             reaches the products' own precision for twice the memory.
         max_vectors: Lanczos vectors held at most (`default_max_vectors` of ``k`` by default): thick restarts keep
             the basis to that size. Peak memory is the model, one batch's graph and the basis of ``max_vectors``
-            vectors of ``parameters x vector_dtype`` bytes, plus about one more vector for the product being formed
-            (the sum, which becomes the next basis vector; the forward-mode pass's copy of the tangents, not held
-            with it; a few parameters' gradients at a time): 1.37 vectors at 341M in float32,
-            `benchmarks/RESULTS.md`. Fewer vectors cost more products.
+            vectors of ``parameters x vector_dtype`` bytes, plus about two more vectors for the product being formed
+            (the sum, which becomes the next basis vector, and the forward-mode pass's copy of the tangents in the
+            parameters' dtype, whose freed memory the allocator keeps for the gradients, a few parameters' at a time):
+            1.4-2.0 vectors measured at 341M in float32 (`benchmarks/RESULTS.md`). Fewer vectors cost more products.
 
     Returns:
         A `TopEigenvalues`.

@@ -541,7 +541,8 @@ def estimate_top_eigenvalues(
             vectors of ``parameters x vector_dtype`` bytes, plus about two more vectors for the product being formed
             (the sum, which becomes the next basis vector, and the forward-mode pass's copy of the tangents in the
             parameters' dtype, whose freed memory the allocator keeps for the gradients, a few parameters' at a time):
-            1.4-2.0 vectors measured at 341M in float32 (`benchmarks/RESULTS.md`). Fewer vectors cost more products.
+            1.9-2.4 vectors measured in runs at 110M and 341M in float32 (`benchmarks/RESULTS.md`). Fewer vectors
+            cost more products.
 
     Returns:
         A `TopEigenvalues`.

@@ -9,14 +9,18 @@ whose load changes between runs that ratio is noisy (two threads of one core slo
 script also prints the in-run ratio: the run with the callback over the same run less the CPU seconds of the
 callback's own measurements, both taken under the same load.
 
-``--model bert-base`` runs the same at 110M (BERT-base). Where a full run is too slow for the machine, ``--project``
-times two training steps and the callback's first measurement instead and replays the run's budget on those costs:
-a projected ratio, printed as such.
+``--model bert-base`` runs the same at 110M (BERT-base); ``--seq-len`` and ``--batch`` shorten its sequences and
+batches (training and evaluation rows alike) to what the machine affords, and ``--skip-plain`` runs only the run with
+the callback (its in-run ratio, no cross-run ratio). Where a full run is too slow for the machine, ``--project`` times
+two training steps and the callback's first measurement instead and replays the run's budget on those costs: a
+projected ratio, printed as such.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/callback_overhead.py [--repeats 2]
         [--callback '{"max_overhead": null}'] [--model bert-base --project]
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/callback_overhead.py --model bert-base --seq-len 32 --repeats 1
 
-Last lines: ``callback_overhead_ratio=X`` and ``callback_in_run_ratio=X``.
+Last lines: ``callback_wall_ratio=X`` and ``callback_overhead_ratio=X`` (with the run without the callback: wall and
+CPU seconds) and ``callback_in_run_ratio=X``.
 """
 
 from __future__ import annotations
@@ -68,34 +72,39 @@ MODELS = {
 }
 
 
-def build_tokenizer():
+def build_tokenizer(seq_len: int = SEQ_LEN):
     # 30,522 ids like BERT's vocabulary: 5 special tokens and 30,517 words
-    return make_tokenizer([f"w{i}" for i in range(30_517)], model_max_length=SEQ_LEN)
+    return make_tokenizer([f"w{i}" for i in range(30_517)], model_max_length=seq_len)
 
 
 def rows(tokenizer, n: int, seed: int) -> Dataset:
     """Zipf-distributed words, so that frequent and rare embedding rows both occur."""
+    seq_len = tokenizer.model_max_length
     generator = torch.Generator().manual_seed(seed)
     weights = 1.0 / torch.arange(1, len(tokenizer) - 4, dtype=torch.float64)
-    ids = torch.multinomial(weights, n * (SEQ_LEN - 2), replacement=True, generator=generator).reshape(n, -1) + 5
+    ids = torch.multinomial(weights, n * (seq_len - 2), replacement=True, generator=generator).reshape(n, -1) + 5
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
     input_ids = [[cls, *row.tolist(), sep] for row in ids]
-    return Dataset.from_dict({"input_ids": input_ids, "attention_mask": [[1] * SEQ_LEN for _ in input_ids]})
+    return Dataset.from_dict({"input_ids": input_ids, "attention_mask": [[1] * seq_len for _ in input_ids]})
 
 
-def build_model(name: str, vocab: int) -> BertForMaskedLM:
+def build_model(name: str, tokenizer) -> BertForMaskedLM:
     torch.manual_seed(0)
-    return BertForMaskedLM(BertConfig(vocab_size=vocab, max_position_embeddings=SEQ_LEN, **MODELS[name]))
+    return BertForMaskedLM(
+        BertConfig(vocab_size=len(tokenizer), max_position_embeddings=tokenizer.model_max_length, **MODELS[name])
+    )
 
 
-def train(name: str, tokenizer, train_rows, eval_rows, steps: int, eval_every: int, callback) -> float:
-    """CPU seconds of one ``trainer.train()``."""
+def train(
+    name: str, tokenizer, train_rows, eval_rows, steps: int, eval_every: int, callback, batch: int
+) -> tuple[float, float]:
+    """CPU and wall seconds of one ``trainer.train()``."""
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             out,
             max_steps=steps,
-            per_device_train_batch_size=BATCH,
-            per_device_eval_batch_size=BATCH,
+            per_device_train_batch_size=batch,
+            per_device_eval_batch_size=batch,
             eval_strategy="steps",
             eval_steps=eval_every,
             logging_steps=eval_every,
@@ -107,7 +116,7 @@ def train(name: str, tokenizer, train_rows, eval_rows, steps: int, eval_every: i
             seed=0,
         )
         trainer = Trainer(
-            model=build_model(name, len(tokenizer)),
+            model=build_model(name, tokenizer),
             args=args,
             train_dataset=train_rows,
             eval_dataset=eval_rows,
@@ -117,15 +126,15 @@ def train(name: str, tokenizer, train_rows, eval_rows, steps: int, eval_every: i
         )
         if callback is not None:
             callback.bind_trainer(trainer)
-        start = time.process_time()
+        start, wall = time.process_time(), time.perf_counter()
         trainer.train()
-        return time.process_time() - start
+        return time.process_time() - start, time.perf_counter() - wall
 
 
-def project(name: str, tokenizer, steps: int, eval_every: int, options: dict) -> None:
+def project(name: str, tokenizer, steps: int, eval_every: int, options: dict, batch: int) -> None:
     """One estimate's cost against one training step, and the ratio of a ``steps``-step run they predict.
 
-    Times three AdamW steps of 16 sequences (the median of the last two counts) and a first measurement as the
+    Times three AdamW steps of ``batch`` sequences (the median of the last two counts) and a first measurement as the
     callback takes it (one batch of contexts), in CPU seconds; the run is then replayed with the callback's own
     sizing rule (`contexts_within_budget`) on those costs. Evaluations are left out of the training time (they would
     only lower the ratio), and every measurement is costed at the first one's seconds per context."""
@@ -135,20 +144,20 @@ def project(name: str, tokenizer, steps: int, eval_every: int, options: dict) ->
     from hf_flatbias.constants import DEFAULT_BATCH_SIZE
     from hf_flatbias.flatness import build_masked_contexts, estimate_hessian_trace
 
-    model = build_model(name, len(tokenizer))
+    model = build_model(name, tokenizer)
     collate = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
-    train_rows = rows(tokenizer, 3 * BATCH, seed=0)
+    train_rows = rows(tokenizer, 3 * batch, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step_seconds = []
     for i in range(3):
-        batch = collate([train_rows[j] for j in range(i * BATCH, (i + 1) * BATCH)])
+        inputs = collate([train_rows[j] for j in range(i * batch, (i + 1) * batch)])
         start = time.process_time()
-        model(**batch).loss.backward()
+        model(**inputs).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         step_seconds.append(time.process_time() - start)
     step = statistics.median(step_seconds[1:])  # the first pays for lazy initialisation
-    eval_rows = rows(tokenizer, 4 * BATCH, seed=1)
+    eval_rows = rows(tokenizer, 4 * batch, seed=1)
     n_contexts = options.get("n_contexts", 256)
     contexts = build_masked_contexts(
         [{"input_ids": r["input_ids"]} for r in eval_rows],
@@ -194,28 +203,39 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--callback", default="{}", help="HessianTraceCallback keyword arguments, as JSON")
     parser.add_argument("--project", action="store_true", help="time one step and one estimate, project the ratio")
+    parser.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per training and evaluation sequence")
+    parser.add_argument("--batch", type=int, default=BATCH, help="sequences per training (and evaluation) batch")
+    parser.add_argument("--skip-plain", action="store_true", help="only the run with the callback (in-run ratio)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     options = json.loads(args.callback)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(args.seq_len)
     if args.project:
-        project(args.model, tokenizer, args.steps, args.eval_every, options)
+        project(args.model, tokenizer, args.steps, args.eval_every, options, args.batch)
         return
-    train_rows = rows(tokenizer, args.steps * BATCH, seed=0)
-    eval_rows = rows(tokenizer, 4 * BATCH, seed=1)
-    n_params = build_model(args.model, len(tokenizer)).num_parameters()
+    train_rows = rows(tokenizer, args.steps * args.batch, seed=0)
+    eval_rows = rows(tokenizer, 4 * args.batch, seed=1)
+    n_params = build_model(args.model, tokenizer).num_parameters()
     print(
-        f"BERT MLM {n_params / 1e6:.1f}M parameters, {args.steps} steps of {BATCH} x {SEQ_LEN} tokens, evaluation "
-        f"every {args.eval_every} steps on {len(eval_rows)} rows, {torch.get_num_threads()} thread(s), "
+        f"BERT MLM {n_params / 1e6:.1f}M parameters, {args.steps} steps of {args.batch} x {args.seq_len} tokens, "
+        f"evaluation every {args.eval_every} steps on {len(eval_rows)} rows, {torch.get_num_threads()} thread(s), "
         f"callback {options or 'at its defaults'}, load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
-    ratios, in_run = [], []
+    ratios, wall_ratios, in_run = [], [], []
     for repeat in range(args.repeats):
-        plain = train(args.model, tokenizer, train_rows, eval_rows, args.steps, args.eval_every, None)
+        plain = plain_wall = None
+        if not args.skip_plain:
+            plain, plain_wall = train(
+                args.model, tokenizer, train_rows, eval_rows, args.steps, args.eval_every, None, args.batch
+            )
         callback = TimedTraceCallback(**options)
-        measured = train(args.model, tokenizer, train_rows, eval_rows, args.steps, args.eval_every, callback)
-        ratios.append(measured / plain)
+        measured, measured_wall = train(
+            args.model, tokenizer, train_rows, eval_rows, args.steps, args.eval_every, callback, args.batch
+        )
+        if plain is not None:
+            ratios.append(measured / plain)
+            wall_ratios.append(measured_wall / plain_wall)
         history = callback.measurement_history
         measuring = sum(entry["seconds"] for entry in history)
         # the same run's training without the callback's measurements
@@ -225,13 +245,23 @@ def main() -> None:
             f"{e['trace']:.1f} +- {e['stderr']:.1f}"
             for e in history
         )
+        without = (
+            "without not run"
+            if plain is None
+            else f"without {plain:.1f} CPU s ({plain_wall:.0f} wall s), ratio {ratios[-1]:.3f} "
+            f"(wall {wall_ratios[-1]:.3f})"
+        )
         print(
-            f"repeat {repeat}: without {plain:.1f} CPU s, with {measured:.1f} CPU s, ratio {ratios[-1]:.3f}; "
-            f"callback CPU s {callback.cpu_seconds:.1f} (in-run ratio {in_run[-1]:.3f}), wall s {measuring:.1f}; "
+            f"repeat {repeat}: with {measured:.1f} CPU s ({measured_wall:.0f} wall s), {without}; "
+            f"load average {os.getloadavg()[0]:.1f}; callback CPU s {callback.cpu_seconds:.1f} "
+            f"(in-run ratio {in_run[-1]:.3f}), wall s {measuring:.1f}; "
             f"measurements: {steps}",
             flush=True,
         )
-    print(f"callback_overhead_ratio={statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})")
+    if ratios:
+        low, high = min(wall_ratios), max(wall_ratios)
+        print(f"callback_wall_ratio={statistics.median(wall_ratios):.3f} (range {low:.3f}-{high:.3f})")
+        print(f"callback_overhead_ratio={statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f})")
     print(f"callback_in_run_ratio={statistics.median(in_run):.3f} (range {min(in_run):.3f}-{max(in_run):.3f})")
 
 

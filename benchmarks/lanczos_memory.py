@@ -1,20 +1,26 @@
 """Peak memory and products of `estimate_top_eigenvalues` (thick-restart Lanczos) on ~100M and ~350M models.
 
-The bound it should keep: the model, one product's working memory (one batch's graph, the vector in formation,
-the gradients) and the basis of ``max_vectors`` vectors of ``parameters x vector_dtype`` bytes; nothing grows with
-the number of batches or of products. The script measures one product's peak alone, then the whole run's peak, and
-prints ``run peak / (one product's peak + basis)``: 1.0 or less means the bound holds. Peak memory is the process's
+The bound it should keep: the model, one product's working memory (one batch's graph, the vector in formation, a
+few parameters' gradients at a time) and the basis of ``max_vectors`` vectors of ``parameters x vector_dtype`` bytes;
+nothing grows with the number of batches or of products. The script measures one product's peak alone (its input
+vector left out: in the run it is a basis vector), then the whole run's peak, and prints
+``run peak / (one product's peak + basis)``: 1.0 or less means the bound holds. Peak memory is the process's
 resident-set peak above what it held before (``large_model_trace.PeakMemory``: malloc_trim, then clear_refs; Linux).
 
 Models (random init, from configs): BERT-base (110M) and a Llama shape (hidden 1024, 24 layers, 16 heads, gated MLP
 2,816, vocabulary 32,000, tied head: 341M). The Fisher over all parameters, ``--n-contexts`` random contexts of
-``--seq-len`` tokens in batches of ``--batch-size`` (two batches by default, so each product rebuilds one graph at a
-time), float32 vectors.
+``--seq-len`` tokens in batches of ``--batch-size`` (with one batch its graph is kept through the run; with several
+each product rebuilds one graph at a time), vectors in ``--vector-dtype``. A product's cost grows with the tokens, its
+memory hardly: a memory measurement at 341M can afford only a few short contexts on a shared CPU.
+``--product-only`` times and measures one product per model and stops (the cost to expect of each of the run's
+``--max-iterations`` products); during a run every fifth product's CPU seconds go to stderr.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lanczos_memory.py --models bert:1,bert:3,llama350m:1:3
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lanczos_memory.py --models bert:1,bert:3 --n-contexts 4 \
+        --seq-len 16 --batch-size 2
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/lanczos_memory.py --models llama350m:1:4,llama350m:3:6 \
+        --n-contexts 2 --seq-len 16 --batch-size 2 --tol 1e-3 --max-iterations 40 [--product-only]
 
-Last lines: ``bound_ratio[MODEL:k]=X``.
-"""
+Last lines: ``bound_ratio[MODEL:k]=X``."""
 
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -37,6 +44,22 @@ from hf_flatbias.flatness.spectrum import (  # noqa: E402
     default_max_vectors,
     estimate_top_eigenvalues,
 )
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def log_products(every: int) -> None:
+    """Print every ``every``-th product's count and CPU seconds to stderr: a long run shows how far it got."""
+    product = CurvatureOperator.__call__
+    start = time.process_time()
+
+    def logged(self, vector):
+        result = product(self, vector)
+        if self.n_matvecs % every == 0:
+            print(f"  product {self.n_matvecs}: {time.process_time() - start:.0f} CPU s", file=sys.stderr, flush=True)
+        return result
+
+    CurvatureOperator.__call__ = logged
 
 
 def build_model(name: str) -> torch.nn.Module:
@@ -76,9 +99,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--max-iterations", type=int, default=100)
     parser.add_argument("--tol", type=float, default=1e-4)
+    parser.add_argument("--vector-dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--product-only", action="store_true", help="time and measure one product, no Lanczos run")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    dtype = DTYPES[args.vector_dtype]
+    log_products(5)
     results = []
     for entry in args.models.split(","):
         name, k, *vectors = entry.split(":")
@@ -89,28 +116,39 @@ def main() -> None:
         rows = masked_rows(model, causal, args.n_contexts, args.seq_len)
         params = measured_parameters(model)
         dimension = sum(p.numel() for p in params)
-        vector_bytes = dimension * 4
+        vector_bytes = dimension * dtype.itemsize
         device = torch.device("cpu")
         with evaluation_mode(model):
+            # the input is left out: in the run it is one of the basis vectors, counted there
+            vector = torch.randn(dimension, generator=torch.Generator().manual_seed(0)).to(dtype)
             with PeakMemory(device) as product_memory:
                 contexts = TraceContexts.from_rows(rows, causal=causal)
                 operator = CurvatureOperator(
                     model, contexts, len(rows), params, matrix="fisher", batch_size=args.batch_size,
-                    vector_dtype=torch.float32,
+                    vector_dtype=dtype,
                 )  # fmt: skip
-                vector = torch.randn(dimension, generator=torch.Generator().manual_seed(0))
-                start = time.process_time()
+                start, wall = time.process_time(), time.perf_counter()
                 operator(vector)
-                product_seconds = time.process_time() - start
+                product_seconds, product_wall = time.process_time() - start, time.perf_counter() - wall
             del operator, vector
             gc.collect()
+        print(
+            f"{name}: {dimension / 1e6:.0f}M parameters, one product {product_seconds:.1f} CPU s "
+            f"({product_wall:.1f} wall s), its peak {product_memory.peak / 2**20:.0f} MiB "
+            f"= {product_memory.peak / vector_bytes:.2f} vectors, load average {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+        if args.product_only:
+            del model, rows, params
+            gc.collect()
+            continue
         with PeakMemory(device) as run_memory:
-            start = time.process_time()
+            start, wall = time.process_time(), time.perf_counter()
             result = estimate_top_eigenvalues(
-                model, rows, k=k, matrix="fisher", batch_size=args.batch_size, vector_dtype=torch.float32,
+                model, rows, k=k, matrix="fisher", batch_size=args.batch_size, vector_dtype=dtype,
                 max_vectors=max_vectors, max_iterations=args.max_iterations, tol=args.tol,
             )  # fmt: skip
-            run_seconds = time.process_time() - start
+            run_seconds, run_wall = time.process_time() - start, time.perf_counter() - wall
         bound = product_memory.peak + max_vectors * vector_bytes
         record = {
             "model": name,
@@ -128,6 +166,16 @@ def main() -> None:
             "converged": result.converged,
             "n_matvecs": result.n_matvecs,
             "run_cpu_seconds": run_seconds,
+            "run_wall_seconds": run_wall,
+            "load_average": os.getloadavg()[0],
+            "process_peak_rss_mib": PeakMemory._rss("VmHWM:") / 2**20,
+            "model_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+            "vector_dtype": args.vector_dtype,
+            "tol": args.tol,
+            "max_iterations": args.max_iterations,
+            "n_contexts": args.n_contexts,
+            "seq_len": args.seq_len,
+            "batch_size": args.batch_size,
             "previous_basis_mib": args.max_iterations * dimension * 8 / 2**20,
         }
         results.append(record)
@@ -135,8 +183,8 @@ def main() -> None:
         del model, rows, params
         gc.collect()
     print(
-        f"{args.n_contexts} contexts of {args.seq_len} tokens, batches of {args.batch_size}, float32 vectors, "
-        f"{torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f}"
+        f"{args.n_contexts} contexts of {args.seq_len} tokens, batches of {args.batch_size}, "
+        f"{args.vector_dtype} vectors, {torch.get_num_threads()} thread(s), load average {os.getloadavg()[0]:.1f}"
     )
     print("| model | k | parameters | vectors held | one product's peak MiB | bound MiB | run peak MiB | products |")
     print("|---|---|---|---|---|---|---|---|")

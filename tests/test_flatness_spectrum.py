@@ -230,3 +230,37 @@ def test_thick_restart_lanczos_restarts_to_the_exact_top_eigenvalues_with_defaul
     pairs = thick_restart_lanczos(lambda v: matrix @ v, start, k=3, max_vectors=9, tol=1e-10, max_matvecs=2000)
     exact = torch.linalg.eigvalsh(matrix).flip(0)[:3]
     assert torch.allclose(torch.as_tensor(pairs.values, dtype=torch.float64), exact, rtol=1e-8)
+
+
+@pytest.mark.parametrize("matrix", ["fisher", "hessian"])
+def test_gradients_already_on_the_model_neither_leak_into_the_products_nor_are_lost(exact_spectra, matrix):
+    """The products accumulate into each parameter's ``.grad`` field and free it as the backward goes (so that no
+    second full vector of gradients is held): whatever was there before must not enter the product and must be back
+    afterwards, the same tensor with the same values."""
+    model, rows, _, matrices = exact_spectra("bert")
+    exact = torch.linalg.eigvalsh(matrices[matrix]).flip(0)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    before = {name: (p.grad, p.grad.clone()) for name, p in model.named_parameters()}
+    try:
+        result = estimate_top_eigenvalues(model, rows, k=3, matrix=matrix, batch_size=3, tol=1e-5)
+        assert all(p.grad is before[name][0] for name, p in model.named_parameters())
+        assert all(torch.equal(p.grad, before[name][1]) for name, p in model.named_parameters())
+    finally:
+        for p in model.parameters():
+            p.grad = None
+    assert result.eigenvalues == pytest.approx(exact[:3].tolist(), rel=1e-4)
+
+
+@pytest.mark.parametrize("matrix", ["fisher", "hessian"])
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_float32_vectors_and_a_small_basis_keep_the_top_three_within_1e4(exact_spectra, name, matrix):
+    """The setting `benchmarks/lanczos_memory.py` measures at 341M (float32 vectors, a basis of 5 for k=3: restarts)
+    keeps the precision the full basis has on the tiny models."""
+    model, rows, _, matrices = exact_spectra(name)
+    exact = torch.linalg.eigvalsh(matrices[matrix]).flip(0)
+    result = estimate_top_eigenvalues(
+        model, rows, k=3, matrix=matrix, batch_size=4, tol=1e-5, vector_dtype=torch.float32, max_vectors=5,
+        max_iterations=400,
+    )  # fmt: skip
+    assert result.eigenvalues == pytest.approx(exact[:3].tolist(), rel=1e-4)

@@ -239,26 +239,48 @@ class CurvatureOperator:
             keep = self._kept is not None
             part = self._kept if keep else self._graph(inputs)
             if self.matrix == "hessian":
-                used = part["used"]
-                if not used:
-                    continue
-                products = torch.autograd.grad(
-                    part["grads"], self.params, grad_outputs=[tangents[i] for i in used], retain_graph=keep,
-                    allow_unused=True,
-                )  # fmt: skip
+                outputs, grad_outputs = part["grads"], [tangents[i] for i in part["used"]]
             else:
-                products = self._fisher_product(part, tangents, keep)
+                outputs, grad_outputs = self._fisher_pullback(part, tangents)
             del part
-            offset = 0
-            for p, product in zip(self.params, products, strict=True):
-                if product is not None:
-                    total[offset : offset + p.numel()] += product.reshape(-1).to(self.dtype)
-                offset += p.numel()
+            if outputs:
+                self._backward_into(total, outputs, grad_outputs, keep)
+            del outputs, grad_outputs
         return total
 
-    def _fisher_product(
-        self, part: dict[str, Any], tangents: list[torch.Tensor], keep: bool
-    ) -> Sequence[torch.Tensor | None]:
+    def _backward_into(
+        self, total: torch.Tensor, outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor], keep: bool
+    ) -> None:
+        """``total += d(outputs)/d(params)^T grad_outputs``, each parameter's piece added as soon as the backward
+        reaches it and then freed: `torch.autograd.grad` would hold all of them at once, one more full vector in the
+        parameters' dtype (measured in `benchmarks/lanczos_memory.py`)."""
+        saved = [p.grad for p in self.params]
+        handles = []
+
+        def add_and_free(param: torch.Tensor, piece: torch.Tensor) -> None:
+            piece.add_(param.grad.reshape(-1))
+            param.grad = None
+
+        offset = 0
+        for p in self.params:
+            p.grad = None
+            piece = total[offset : offset + p.numel()]
+            handles.append(p.register_post_accumulate_grad_hook(lambda param, piece=piece: add_and_free(param, piece)))
+            offset += p.numel()
+        try:
+            torch.autograd.backward(
+                list(outputs), grad_tensors=list(grad_outputs), retain_graph=keep, inputs=self.params
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
+            for p, grad in zip(self.params, saved, strict=True):
+                p.grad = grad
+
+    def _fisher_pullback(
+        self, part: dict[str, Any], tangents: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The logits and what to pull back through them for ``F v``: ``(diag(p) - p p^T) J v / n``."""
         primals = {name: p.detach() for name, p in zip(self._names, self.params, strict=True)}
         directions = dict(zip(self._names, tangents, strict=True))
 
@@ -269,12 +291,9 @@ class CurvatureOperator:
             _, jv = torch.func.jvp(logits_of, (primals,), (directions,))
         probs = part["probs"]
         jv = jv.double()
-        # (diag(p) - p p^T) J v, averaged over all contexts
         weighted = (probs * jv - probs * (probs * jv).sum(dim=-1, keepdim=True)) / self._n
         logits = part["logits"]
-        return torch.autograd.grad(
-            logits, self.params, grad_outputs=weighted.to(logits.dtype), retain_graph=keep, allow_unused=True
-        )
+        return [logits], [weighted.to(logits.dtype)]
 
 
 def _used(grads: Sequence[torch.Tensor | None]) -> list[int]:
@@ -436,7 +455,9 @@ def thick_restart_lanczos(
             projected.zero_()
             projected[:kept, :kept] = torch.diag(values[order])
             size = kept
-        basis[size] = w / residual_norm
+        torch.div(w, residual_norm, out=basis[size])
+        # otherwise the next product is formed while this one is still held: one more vector at the peak
+        del w
         size += 1
 
 
@@ -516,9 +537,12 @@ def estimate_top_eigenvalues(
             BERT stopped at about 1e-4 relative error (true residual, `benchmarks/RESULTS.md`); float64, the default,
             reaches the products' own precision for twice the memory.
         max_vectors: Lanczos vectors held at most (`default_max_vectors` of ``k`` by default): thick restarts keep
-            the basis to that size. Peak memory is the model, one batch's graph and about ``max_vectors + 4``
-            vectors of ``parameters x vector_dtype`` bytes (the basis, the product being formed, its pieces in the
-            parameters' dtype and the residual); fewer vectors cost more products.
+            the basis to that size. Peak memory is the model, one batch's graph and the basis of ``max_vectors``
+            vectors of ``parameters x vector_dtype`` bytes, plus about two more vectors for the product being formed
+            (the sum, which becomes the next basis vector, and the forward-mode pass's copy of the tangents in the
+            parameters' dtype, whose freed memory the allocator keeps for the gradients, a few parameters' at a time):
+            1.9-2.4 vectors measured in runs at 110M and 341M in float32 (`benchmarks/RESULTS.md`). Fewer vectors
+            cost more products.
 
     Returns:
         A `TopEigenvalues`.

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ..constants import DEFAULT_SAM_RHO
+
 
 @dataclass
 class RunSpec:
@@ -27,7 +29,7 @@ class RunSpec:
     dropout: float = 0.0
     weight_decay: float = 0.0
     flatness_method: str = "none"
-    sam_rho: float = 0.05
+    sam_rho: float = DEFAULT_SAM_RHO
     hidden: int = 64
     layers: int = 2
     seed: int = 0

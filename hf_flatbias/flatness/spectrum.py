@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..constants import DEFAULT_BATCH_SIZE, SPECTRUM_MATRICES
+from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_SAM_RHO, SPECTRUM_MATRICES
 from ..tensors import perturb_weights
 from .contexts import TraceContexts
 from .lm import (
@@ -659,7 +659,7 @@ def estimate_spectral_density(
 def estimate_sam_sharpness(
     model: nn.Module,
     dataset: Iterable[Mapping[str, Any]],
-    rho: float = 0.05,
+    rho: float = DEFAULT_SAM_RHO,
     *,
     batch_size: int = DEFAULT_BATCH_SIZE,
     adaptive: bool = False,

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification
+from transformers import BertForMaskedLM, BertForSequenceClassification
 
 from hf_flatbias import FlatBiasTrainer
 from hf_flatbias.sharpness.penalties import (
@@ -24,7 +24,8 @@ from hf_flatbias.sharpness.penalties import (
 )
 from hf_flatbias.tensors import squared_norm
 from tests.helpers.tiny_models import flatbias_config as config
-from tests.helpers.tiny_models import stack
+from tests.helpers.tiny_models import stack, tiny_bert_config, tiny_mlm
+from tests.helpers.tiny_models import tiny_classifier as shared_tiny_classifier
 
 VOCAB = 30
 SEQ_LEN = 6
@@ -43,30 +44,8 @@ def test_squared_norm_skips_unused_gradients_and_accumulates_in_the_dtype_asked(
     assert squared_norm([None]).item() == 0.0
 
 
-def bert_config(**overrides) -> BertConfig:
-    values = dict(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=16,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=3,
-    )
-    values.update(overrides)
-    return BertConfig(**values)
-
-
 def tiny_classifier(seed: int = 0) -> BertForSequenceClassification:
-    torch.manual_seed(seed)
-    return BertForSequenceClassification(bert_config())
-
-
-def tiny_mlm(seed: int = 0) -> BertForMaskedLM:
-    torch.manual_seed(seed)
-    return BertForMaskedLM(bert_config())
+    return shared_tiny_classifier(seed, layers=1)
 
 
 def classification_rows(n: int = N_ROWS, seed: int = 1) -> list[dict[str, torch.Tensor]]:
@@ -387,7 +366,7 @@ def test_bf16_steps_restore_the_weights(tmp_path, method):
 def float64_classifier():
     """Eager attention: the fused CPU attention kernel has no double backward, which the exact reference needs."""
     torch.manual_seed(0)
-    model = BertForSequenceClassification(bert_config())
+    model = BertForSequenceClassification(tiny_bert_config())
     model.set_attn_implementation("eager")
     return model.double()
 

@@ -79,8 +79,14 @@ def token_weighted_rows(n: int = N_ROWS) -> list[dict[str, torch.Tensor]]:
 
 def tiny_masked_lm(seed: int = 0) -> BertForMaskedLM:
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=32, max_position_embeddings=16)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
     return BertForMaskedLM(config)
 
 
@@ -129,24 +135,8 @@ def masked_rows(n: int = 7, seed: int = 2) -> list[dict[str, torch.Tensor]]:
 
 
 def base_arguments(output_dir: str) -> dict:
-    return dict(
-        output_dir=output_dir,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=1,
-        max_steps=3,
-        learning_rate=0.1,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        train_sampling_strategy="sequential",
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        flatness_method="sam",
-        sam_rho=0.05,
-        disable_tqdm=True,
+    return tiny_models.trainer_arguments(
+        output_dir, per_device_train_batch_size=2, flatness_method="sam", sam_rho=0.05, disable_tqdm=True
     )
 
 
@@ -202,8 +192,11 @@ def reset_accelerate(launch_environment: dict[str, str], *, keep_fsdp: bool = Tr
     for key in [k for k in os.environ if k.startswith("ACCELERATE_")]:
         del os.environ[key]
     os.environ.update(
-        {k: v for k, v in launch_environment.items()
-         if k.startswith("ACCELERATE_") and (keep_fsdp or k != "ACCELERATE_USE_FSDP")}
+        {
+            k: v
+            for k, v in launch_environment.items()
+            if k.startswith("ACCELERATE_") and (keep_fsdp or k != "ACCELERATE_USE_FSDP")
+        }
     )
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -262,12 +255,17 @@ def run_trace_callback_case(case: Case, values: dict) -> dict:
     values.update(flatness_method="none", learning_rate=0.0, max_steps=1)
     model, rows = trace_task(case.task)
     callback = HessianTraceCallback(rows(), every_n_steps=1, on_evaluate=False, mask_token_id=4, **case.trace)
-    trainer = FlatBiasTrainer(model=with_lora(model(), case.lora), args=FlatBiasConfig(**values), train_dataset=rows(),
-                              callbacks=[callback])
+    trainer = FlatBiasTrainer(
+        model=with_lora(model(), case.lora), args=FlatBiasConfig(**values), train_dataset=rows(), callbacks=[callback]
+    )
     trainer.train()
     logged = [entry[TRACE_METRIC] for entry in trainer.state.log_history if TRACE_METRIC in entry]
-    return {"logged_trace": logged, "contexts": callback._contexts, "world_size": trainer.args.world_size,
-            "estimate": callback.last_estimate.to_dict()}
+    return {
+        "logged_trace": logged,
+        "contexts": callback._contexts,
+        "world_size": trainer.args.world_size,
+        "estimate": callback.last_estimate.to_dict(),
+    }
 
 
 def with_lora(model: torch.nn.Module, lora: dict | None) -> torch.nn.Module:

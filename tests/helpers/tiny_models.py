@@ -14,13 +14,12 @@ VOCAB = 30
 SEQ_LEN = 6
 
 
-def tiny_classifier(seed: int = 0) -> BertForSequenceClassification:
-    """Two-layer, dropout-free BERT classifier with 3 labels."""
-    torch.manual_seed(seed)
-    config = BertConfig(
+def tiny_bert_config(**overrides) -> BertConfig:
+    """The tiny models' BERT: hidden 16, one layer, two heads, no dropout, 3 labels (``overrides`` change any field)."""
+    values = dict(
         vocab_size=VOCAB,
         hidden_size=16,
-        num_hidden_layers=2,
+        num_hidden_layers=1,
         num_attention_heads=2,
         intermediate_size=32,
         max_position_embeddings=16,
@@ -28,7 +27,14 @@ def tiny_classifier(seed: int = 0) -> BertForSequenceClassification:
         attention_probs_dropout_prob=0.0,
         num_labels=3,
     )
-    return BertForSequenceClassification(config)
+    values.update(overrides)
+    return BertConfig(**values)
+
+
+def tiny_classifier(seed: int = 0, layers: int = 2) -> BertForSequenceClassification:
+    """Dropout-free BERT classifier with 3 labels (two layers unless ``layers`` says otherwise)."""
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(tiny_bert_config(num_hidden_layers=layers))
 
 
 def classification_rows(n: int = 12, seed: int = 1) -> list[dict[str, torch.Tensor]]:
@@ -45,18 +51,7 @@ def classification_rows(n: int = 12, seed: int = 1) -> list[dict[str, torch.Tens
 def tiny_mlm(seed: int = 0) -> BertForMaskedLM:
     """One-layer, dropout-free BERT masked LM (BERT's forward ignores ``num_items_in_batch``)."""
     torch.manual_seed(seed)
-    return BertForMaskedLM(
-        BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=32,
-            max_position_embeddings=16,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        )
-    )
+    return BertForMaskedLM(tiny_bert_config())
 
 
 def randomly_masked_rows(n: int = 16, seed: int = 7) -> list[dict[str, torch.Tensor]]:
@@ -74,14 +69,11 @@ def stack(rows):
     return {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-def flatbias_config(tmp_path, config_class=None, **overrides):
-    """FlatBiasConfig (or ``config_class``, e.g. a trl config) for single-process CPU tests: SGD lr 0.1, constant
-    schedule, 3 steps of 4 sequential rows."""
-    # imported on use, as the launched script does: importing this module does not import the package
-    from hf_flatbias import FlatBiasConfig
-
+def trainer_arguments(output_dir, **overrides) -> dict:
+    """Trainer fields of the exactness tests: SGD lr 0.1, constant schedule, 3 steps of 4 sequential rows, no
+    clipping, no decay, logs every step (the launched script adds its engine's fields)."""
     values = dict(
-        output_dir=str(tmp_path),
+        output_dir=str(output_dir),
         per_device_train_batch_size=4,
         gradient_accumulation_steps=1,
         max_steps=3,
@@ -94,11 +86,18 @@ def flatbias_config(tmp_path, config_class=None, **overrides):
         report_to="none",
         save_strategy="no",
         logging_steps=1,
-        use_cpu=True,
         seed=0,
     )
     values.update(overrides)
-    return (config_class or FlatBiasConfig)(**values)
+    return values
+
+
+def flatbias_config(tmp_path, config_class=None, **overrides):
+    """FlatBiasConfig (or ``config_class``, e.g. a trl config) of `trainer_arguments` for single-process CPU tests."""
+    # imported on use, as the launched script does: importing this module does not import the package
+    from hf_flatbias import FlatBiasConfig
+
+    return (config_class or FlatBiasConfig)(**trainer_arguments(tmp_path, **{"use_cpu": True, **overrides}))
 
 
 def wide_masked_lm(seed: int = 0, *, vocab_size: int, **overrides) -> BertForMaskedLM:

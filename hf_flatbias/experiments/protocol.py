@@ -197,20 +197,6 @@ def train_with_branches(
     return evaluator.records
 
 
-def train_annealed(language: PaperLanguage, spec: RunSpec, output_dir: Path) -> torch.nn.Module:
-    """One run of ``spec`` (normally warm-up then linear decay to 0, the paper's shape) on the language; the model."""
-    model = _model_for(spec, language)
-    settings = trainer_settings(spec, output_dir)
-    settings.update(logging_steps=max(1, spec.steps // 10))
-    FlatBiasTrainer(
-        model=model,
-        args=FlatBiasConfig(**settings),
-        train_dataset=language.train,
-        data_collator=MaskedWordCollator(0.0, seed=spec.seed),
-    ).train()
-    return model.eval()
-
-
 def _model_for(spec: RunSpec, language: PaperLanguage) -> torch.nn.Module:
     """The freshly initialised BERT that ``spec`` describes, sized to the language's vocabulary."""
     return build_model(

@@ -191,7 +191,6 @@ def _last_records(args, claim: str) -> dict[str, dict[str, Any]]:
 
 def write_c4(args, references: dict[str, Any]) -> dict[str, Any]:
     """``lookup_table.json``: C4 from the seeds' starts, their last C1 branches and the lookup-table row."""
-    _, starts, _ = finished_from_disk(args)
     every_start = {}
     for seed in args.seeds:
         path = args.work_dir / f"seed{seed}" / "start" / "start.json"
@@ -407,9 +406,8 @@ def write_rules(args) -> None:
     """Each requested claim's file with its rule (and no seeds) unless it exists: the rule is on disk first."""
     writers = {"c1": lambda: write_results(args, None, {}, {}, None, None), "c3": lambda: write_c3(args),
                "c5": lambda: write_c5(args), "c2": lambda: write_c2(args)}  # fmt: skip
-    names = {"c1": "continued_training.json", "c3": "optimizer.json", "c5": "adversarial.json", "c2": "model_size.json"}
     for claim in ["c1", *args.claims]:
-        if not (args.results_dir / names[claim]).exists():
+        if not (args.results_dir / CLAIM_FILES[claim.upper()]).exists():
             writers[claim]()
 
 

@@ -141,6 +141,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         args.extensions = [(int(s), float(p)) for s, p in (e.split(":") for e in args.extensions)]
     except ValueError:
         parser.error(f"--extensions takes STEPS:PEAK pairs, e.g. 4000:5e-4; got {args.extensions}.")
+    if args.adversary_weight < 0:
+        parser.error(f"--adversary-weight must be >= 0 (got {args.adversary_weight}); 0 leaves the encoder unattacked.")
     if args.continue_steps < args.branch_every or args.branch_every < 1:
         parser.error("need 1 <= --branch-every <= --continue-steps.")
     args.use_cpu = trains_on_cpu(args.device)  # --device cuda without one fails here, before any compute

@@ -473,3 +473,10 @@ def test_committed_start_kl_re_measured_by_brute_force_conditionals():
         kl_sentences.lengths,
     ).kl
     assert full == pytest.approx(payload["seeds"]["0"]["start"]["measured"]["kl"], rel=1e-9)
+
+
+def test_a_negative_adversary_weight_is_refused_before_any_compute(recipes, capsys):
+    campaign = recipes.load("pcfg_saturated_start")
+    with pytest.raises(SystemExit):
+        campaign.parse_arguments(["--adversary-weight", "-1"])
+    assert "--adversary-weight must be >= 0" in capsys.readouterr().err

@@ -65,6 +65,7 @@ from hf_flatbias.experiments.claims import (
     write_claims,
     write_rules,
 )
+from hf_flatbias.experiments.gate import CANDIDATES, run_gate
 from hf_flatbias.experiments.paper_language import task_labelled_train
 from hf_flatbias.experiments.verdicts import C2_SIZES, C3_ARMS
 
@@ -90,6 +91,13 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         default=["c1", "c3", "c5", "c2"],
         help="claims run in order, each for every seed (C4 and C6 need no run: they read C1's seeds)",
     )
+    add(
+        "--gate",
+        nargs="*",
+        choices=sorted(CANDIDATES),
+        default=None,
+        help="only run the language gate (gate.GATE_RULE) over these candidates (none named: all); RESULTS/gate.json",
+    )
     add("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="model seeds, run in this order")
     add("--hidden", type=int, default=64, help="BERT hidden size")
     add("--layers", type=int, default=3, help="BERT layers")
@@ -105,6 +113,12 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         nargs="*",
         default=["4000:5e-4", "4000:2.5e-4"],
         help="further decays STEPS:PEAK, each used only while the stop set is not saturated",
+    )
+    add(
+        "--extend-below",
+        type=float,
+        default=None,
+        help="use the further decays only if the first ended at or below this stop-set KL (default: always)",
     )
     add(
         "--continue-lrs",
@@ -156,6 +170,8 @@ def main(argv=None) -> dict:
     if args.markdown:
         print("\n\n".join([markdown_summary(args), claims_markdown(args.results_dir), verdict_table(args.results_dir)]))
         return {}
+    if args.gate is not None:
+        return run_gate(args, args.gate or list(CANDIDATES), args.results_dir / "gate.json")
     write_rules(args)  # each claim's rule on disk before any of its runs
     language, pool, stop_set = material(args)
     references = references_of(args, language)

@@ -109,6 +109,7 @@ def distilled_start(
         warmup_steps=args.distil_warmup,
         batch_size=args.batch_size,
         extensions=args.extensions,
+        extend_below=args.extend_below,
         seed=seed,
     )
     start = time.perf_counter()

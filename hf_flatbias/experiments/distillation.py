@@ -124,6 +124,7 @@ def distil_to_saturation(
     check_every: int = 500,
     check_from: int | None = None,
     extensions: Sequence[tuple[int, float]] = ((4000, 5e-4), (4000, 2.5e-4)),
+    extend_below: float | None = None,
     seed: int = 0,
     log: bool = True,
 ) -> dict[str, Any]:
@@ -132,11 +133,13 @@ def distil_to_saturation(
     The first segment decays ``learning_rate`` to 0 over ``steps``; each extension ``(steps, peak)`` then decays
     again from its own peak (the Adam moments carry over), used only while the stop set is not saturated. The KL is
     checked every ``check_every`` steps from ``check_from`` (default: three quarters of the first segment) and at
-    each segment's end; training stops at the first saturated check.
+    each segment's end; training stops at the first saturated check. ``extend_below``: the extensions run only if
+    the first segment ended at or below this stop-set KL (a budget for languages far from the tier; None: always).
 
     Returns:
-        ``{"saturated", "steps", "seconds", "stop_kl": SaturationResult dict, "history": [{step, kl, ci_high,
-        learning_rate}]}``.
+        ``{"saturated", "steps", "seconds", "cpu_seconds", "stop_kl": SaturationResult dict, "history": [{step, kl,
+        ci_high, learning_rate, seconds, cpu_seconds}]}`` (``cpu_seconds``: this process's CPU time since the start,
+        the cost on a shared machine).
     """
     if check_every < 1:
         raise ValueError(f"check_every must be >= 1, got {check_every}.")
@@ -156,9 +159,11 @@ def distil_to_saturation(
     segments = [(distillation_rates(learning_rate, warmup_steps, steps), check_from)]
     segments += [(distillation_rates(peak, 0, n), 0) for n, peak in extensions]
     history: list[dict[str, Any]] = []
-    start, step, result = time.perf_counter(), 0, None
+    start, cpu_start, step, result = time.perf_counter(), time.process_time(), 0, None
     model.train()
-    for rates, first_check in segments:
+    for number, (rates, first_check) in enumerate(segments):
+        if number == 1 and extend_below is not None and result.kl > extend_below:
+            break
         for i, rate in enumerate(rates):
             batch = {name: tensor.to(device) for name, tensor in next(batches).items()}
             for group in optimizer.param_groups:
@@ -177,7 +182,16 @@ def distil_to_saturation(
                     model, stop_set.word_ids, stop_set.conditionals, stop_set.lengths, seed=step
                 )
                 model.train()
-                history.append({"step": step, "kl": result.kl, "ci_high": result.ci_high, "learning_rate": float(rate)})
+                history.append(
+                    {
+                        "step": step,
+                        "kl": result.kl,
+                        "ci_high": result.ci_high,
+                        "learning_rate": float(rate),
+                        "seconds": time.perf_counter() - start,
+                        "cpu_seconds": time.process_time() - cpu_start,
+                    }
+                )
                 if log:
                     print(
                         f"  distil step {step}: stop-set KL {result.kl:.4f} (upper {result.ci_high:.4f}) "
@@ -193,6 +207,7 @@ def distil_to_saturation(
         "saturated": bool(result.saturated),
         "steps": step,
         "seconds": time.perf_counter() - start,
+        "cpu_seconds": time.process_time() - cpu_start,
         "stop_kl": result.to_dict(),
         "history": history,
     }

@@ -59,16 +59,17 @@ def plot_claims(results_dir: Path, path: Path) -> dict[str, list[tuple]]:
     for ax, (claim, draw) in zip(panels, _PANELS.items(), strict=True):
         file = results_dir / CLAIM_FILES[claim]
         payload = json.loads(file.read_text()) if file.exists() else None
-        # C2's seeds sit under each width: a file with only empty widths has no seeds yet
-        data[claim] = draw(ax, payload) if payload and any(payload["seeds"].values()) else []
         verdict = payload["verdict"]["verdict"] if payload else f"{CLAIM_FILES[claim]} not written"
         ax.set_title(f"{claim} {_TITLES[claim]}\n" + textwrap.fill(verdict, 60), fontsize=10)
-        if data[claim]:
-            ax.plot([], [], ls="none", marker="o", color="gray", label="saturated")
-            ax.plot([], [], ls="none", marker="o", color="gray", mfc="none", label="not saturated")
-        else:
+        # C2's seeds sit under each width: a file with only empty widths has no seeds yet
+        if not payload or not any(payload["seeds"].values()):
+            data[claim] = []
             ax.text(0.5, 0.5, "no seeds yet", ha="center", va="center", transform=ax.transAxes, color="gray")
             ax.set(xticks=[], yticks=[])
+            continue
+        data[claim] = draw(ax, payload)
+        ax.plot([], [], ls="none", marker="o", color="gray", label="saturated")
+        ax.plot([], [], ls="none", marker="o", color="gray", mfc="none", label="not saturated")
     note.axis("off")
     note.text(
         0.0,
@@ -113,9 +114,10 @@ def _c3(ax, payload) -> list[tuple]:
                 lw=0.7, alpha=0.35)  # fmt: skip
         for arm, r in records:
             rows.append((seed, arm, r["fisher_trace"], r["probe_accuracy"], r["saturated"]))
-            ax.errorbar(r["fisher_trace"], r["probe_accuracy"], xerr=r.get("fisher_trace_stderr"), fmt="none",
-                        ecolor=colors[arm], alpha=0.4, lw=0.8)  # fmt: skip
-            _point(ax, r["fisher_trace"], r["probe_accuracy"], r["saturated"], colors[arm], markers[arm])
+            trace, accuracy, saturated = rows[-1][2:]  # drawn from the returned row: a test of it tests the figure
+            ax.errorbar(trace, accuracy, xerr=r.get("fisher_trace_stderr"), fmt="none", ecolor=colors[arm], alpha=0.4,
+                        lw=0.8)  # fmt: skip
+            _point(ax, trace, accuracy, saturated, colors[arm], markers[arm])
         if records:
             _, first = records[0]
             ax.annotate(f"seed {seed}", (first["fisher_trace"], first["probe_accuracy"]), xytext=(6, 4),
@@ -161,13 +163,13 @@ def _c4(ax, payload) -> list[tuple]:
     tasks, seeds = list(lookup), _by_seed(payload["seeds"])
     colors, rows = _colors(seeds), []
     for i, task in enumerate(tasks):
-        ax.hlines(lookup[task]["accuracy"], i - 0.35, i + 0.35, color="k", lw=1.5,
-                  label="lookup table (exact conditionals)" if i == 0 else None)  # fmt: skip
+        # a line, not hlines: the legend's placement avoids lines but not line collections
+        ax.plot([i - 0.35, i + 0.35], [lookup[task]["accuracy"]] * 2, color="k", lw=1.5,
+                label="lookup table (exact conditionals)" if i == 0 else None)  # fmt: skip
         for j, seed in enumerate(seeds):
             start = payload["seeds"][seed]["start"]
-            accuracy = start["probe"][task]["accuracy"]
-            rows.append((seed, task, accuracy, lookup[task]["accuracy"], start["saturated"]))
-            _point(ax, i + 0.5 * (j + 0.5) / len(seeds) - 0.25, accuracy, start["saturated"], colors[seed])
+            rows.append((seed, task, start["probe"][task]["accuracy"], lookup[task]["accuracy"], start["saturated"]))
+            _point(ax, i + 0.5 * (j + 0.5) / len(seeds) - 0.25, rows[-1][2], rows[-1][4], colors[seed])
     for seed in seeds:
         ax.plot([], [], ls="none", marker="o", color=colors[seed], label=f"seed {seed}")
     ax.set_xticks(range(len(tasks)), [f"task {t}" for t in tasks])
@@ -184,9 +186,9 @@ def _c5(ax, payload) -> list[tuple]:
         pair = {role: payload["seeds"][seed][role] for role in markers if payload["seeds"][seed][role]}
         for role, r in pair.items():
             rows.append((seed, role, r["fisher_trace"], r["probe_accuracy"], r["saturated"]))
-            _point(ax, r["fisher_trace"], r["probe_accuracy"], r["saturated"], colors[seed], markers[role])
+            _point(ax, *rows[-1][2:], colors[seed], markers[role])
         if len(pair) == 2:
-            (x0, y0), (x1, y1) = ((pair[k]["fisher_trace"], pair[k]["probe_accuracy"]) for k in markers)
+            (x0, y0), (x1, y1) = (row[2:4] for row in rows[-2:])
             ax.annotate("", (x1, y1), (x0, y0), arrowprops={"arrowstyle": "->", "color": colors[seed], "lw": 0.8})
         ax.plot([], [], color=colors[seed], label=f"seed {seed}")
     ax.plot([], [], ls="none", marker="o", color="k", label="C1 last branch")
@@ -206,22 +208,26 @@ def _c6(ax, payload) -> list[tuple]:
     }
     rows = []
     for i, seed in enumerate(seeds):
-        if seed not in picks:  # a seed the rule did not compare has no pick to show
+        if seed not in picks:  # no compared branches: the rule picked nothing
+            ax.text(i, 0.5, "no compared\nbranches", transform=ax.get_xaxis_transform(), ha="center", fontsize=7,
+                    color="gray")  # fmt: skip
             continue
         by_step = {r["step"]: r for r in payload["seeds"][seed]}
-        chosen = {rule: by_step[picks[seed][style[2]]] for rule, style in styles.items()}
-        ax.plot([i, i], [r["probe_accuracy"] for r in chosen.values()], color="gray", lw=0.8)
-        for rule, r in chosen.items():
+        for rule, (marker, color, key, side) in styles.items():
+            r = by_step[picks[seed][key]]
             rows.append((seed, rule, r["step"], r["probe_accuracy"], r["saturated"]))
-            _point(ax, i, r["probe_accuracy"], r["saturated"], styles[rule][1], styles[rule][0])
-            side = styles[rule][3]
-            ax.annotate(f"step {r['step']}", (i, r["probe_accuracy"]), xytext=(7 * side, 0), textcoords="offset points",
-                        fontsize=7, va="center", ha="left" if side > 0 else "right", color=styles[rule][1])  # fmt: skip
+            step, accuracy, saturated = rows[-1][2:]
+            _point(ax, i, accuracy, saturated, color, marker)
+            ax.annotate(f"step {step}", (i, accuracy), xytext=(7 * side, 0), textcoords="offset points", fontsize=7,
+                        va="center", ha="left" if side > 0 else "right", color=color)  # fmt: skip
+        ax.plot([i, i], [row[3] for row in rows[-2:]], color="gray", lw=0.8, zorder=1)  # under the markers
     ax.plot([], [], ls="none", marker="v", color="tab:blue", label="smallest trace within 0.01 nats of lowest KL")
     ax.plot([], [], ls="none", marker="o", color="tab:orange", label="lowest KL")
     ax.set_xticks(range(len(seeds)), seeds)
     ax.set_xlim(-0.8, len(seeds) - 0.2)  # room for the outer seeds' step labels
     ax.set(xlabel="seed", ylabel="primary probe accuracy of the picked branch (fraction)")
+    if not rows:  # seeds, none compared: an accuracy scale around 0 would read as a measurement
+        ax.set_yticks([])
     return rows
 
 

@@ -25,6 +25,7 @@ from hf_flatbias.experiments import (
 )
 from hf_flatbias.experiments.claims import verdict_table
 from hf_flatbias.experiments.distillation import distillation_rates, masked_rows
+from hf_flatbias.experiments.plots import plot_claims
 from hf_flatbias.experiments.verdicts import c2_verdict, c3_verdict, c4_verdict, c5_verdict, c6_verdict
 from hf_flatbias.synthetic import HMM, PCFG
 from hf_flatbias.synthetic.conditionals import cached_conditionals, language_fingerprint
@@ -394,6 +395,7 @@ def test_recipe_smoke_writes_the_rule_first_and_resumes_from_disk(recipes, tmp_p
     assert (tmp_path / "w" / "seed0" / "h128" / "start" / "start.json").exists()
     for name in ("lookup_table.json", "selection.json", "model_size.json"):
         assert json.loads((tmp_path / "r" / name).read_text())["verdict"]["verdict"] == "undecided (not saturated)"
+    assert (tmp_path / "r" / "claims.png").stat().st_size > 0  # C3, C5 and C2 have a seed: the figure is drawn
     capsys.readouterr()
     again = campaign.main(out)
     assert "distilling" not in capsys.readouterr().out  # the start, the pilot and the seed were read from disk
@@ -437,6 +439,38 @@ def test_committed_claim_verdicts_follow_from_their_json_by_the_stated_rules(nam
     row = next(line for line in verdict_table(RESULTS).splitlines() if f"`{name}`" in line)
     assert payload["verdict"]["verdict"] in row
     assert row in (REPO / "docs" / "reproduction" / "synthetic.md").read_text()
+
+
+@committed
+def test_committed_claims_figure_plots_the_fields_of_their_json(tmp_path):
+    """The C2-C6 figure from the committed files: every plotted point is the field it stands for, read here from the
+    JSON (C6's picks recomputed by the rule), so a panel drawing the wrong field or the wrong regime fails."""
+    data = plot_claims(RESULTS, tmp_path / "claims.png")
+    assert (tmp_path / "claims.png").stat().st_size > 50_000  # drawn panels, not an empty canvas
+
+    def load(name):
+        return json.loads((RESULTS / name).read_text()) if (RESULTS / name).exists() else {"seeds": {}}
+
+    c4, c6 = load("lookup_table.json"), load("selection.json")
+    lookup = c4.get("references", {}).get("exact_conditionals", {}).get("probe", {})
+    picks = c6_verdict(c6["seeds"], len(c6.get("planned_seeds", [])))["picks"]
+    rules = {"flatness": "chosen_step", "lowest_kl": "lowest_kl_step"}
+    expected = {
+        "C3": [(s, arm, r["fisher_trace"], r["probe_accuracy"], r["saturated"])
+               for s, arms in load("optimizer.json")["seeds"].items() for arm, r in arms.items()],
+        "C2": [(int(w), s, r["fisher_trace"], r["fisher_trace_enlarged"], r["probe_accuracy"], r["saturated"])
+               for w, rows in load("model_size.json")["seeds"].items() for s, r in rows.items()],
+        "C4": [(s, t, row["start"]["probe"][t]["accuracy"], lookup[t]["accuracy"], row["start"]["saturated"])
+               for s, row in c4["seeds"].items() for t in ("A", "B", "C")],
+        "C5": [(s, role, r["fisher_trace"], r["probe_accuracy"], r["saturated"])
+               for s, row in load("adversarial.json")["seeds"].items() for role, r in row.items() if r],
+        "C6": [(s, rule, r["step"], r["probe_accuracy"], r["saturated"])
+               for s, pick in picks.items() for rule, key in rules.items()
+               for r in c6["seeds"][s] if r["step"] == pick[key]],
+    }  # fmt: skip
+    assert set(data) == set(expected)
+    for claim, rows in expected.items():
+        assert sorted(data[claim]) == sorted(rows), claim
 
 
 @committed

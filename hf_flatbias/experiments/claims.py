@@ -12,7 +12,7 @@ from typing import Any
 
 from .campaign import RATE_RULE, ROUTE, SHAPES, continue_spec, finished_from_disk
 from .paper_probes import mcnemar, without_predictions
-from .plots import plot_branches
+from .plots import plot_branches, plot_claims
 from .protocol import reference_rows
 from .results import write_json
 from .verdicts import (
@@ -412,11 +412,12 @@ def write_rules(args) -> None:
 
 
 def write_claims(args, references: dict[str, Any]) -> dict[str, Any]:
-    """Every claim's JSON from what is on disk; returns C1's."""
-    write_c3(args)
-    write_c5(args)
-    write_c2(args)
-    write_c4(args, references)
-    write_c6(args)
+    """Every claim's JSON from what is on disk and, once any of C2-C6 has a seed, their figure ``claims.png``;
+    returns C1's."""
+    later = [write_c3(args), write_c5(args), write_c2(args), write_c4(args, references), write_c6(args)]
     results, starts, rate = finished_from_disk(args)
-    return write_results(args, None, results, starts, rate, references)
+    payload = write_results(args, None, results, starts, rate, references)
+    # C2's seeds sit under each width: `any` of the values, not of the keys
+    if any(any(claim["seeds"].values()) for claim in later):
+        plot_claims(args.results_dir, args.results_dir / "claims.png")
+    return payload

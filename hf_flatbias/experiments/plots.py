@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import math
+import textwrap
 from pathlib import Path
 from typing import Any
+
+from .saturation import SATURATED_KL, SATURATED_KL_UPPER
 
 
 def plot_branches(
@@ -36,12 +41,213 @@ def plot_branches(
     _save(fig, axes, title, path)
 
 
+def plot_claims(results_dir: Path, path: Path) -> dict[str, list[tuple]]:
+    """One figure of the saturated-start claims C2-C6 from their JSON files in ``results_dir``, a panel per claim
+    titled with its verdict (a note instead of points while its file is missing or holds no seeds). Filled markers
+    are saturated records, hollow ones are not: every verdict depends on the regime. Returns the plotted numbers per
+    claim, each row ending with the record's ``saturated``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .claims import CLAIM_FILES  # imported here: claims imports this module
+
+    fig, grid = plt.subplots(2, 3, figsize=(18, 10))
+    panels, note = list(grid.flat[:5]), grid.flat[5]
+    data: dict[str, list[tuple]] = {}
+    for ax, (claim, draw) in zip(panels, _PANELS.items(), strict=True):
+        file = results_dir / CLAIM_FILES[claim]
+        payload = json.loads(file.read_text()) if file.exists() else None
+        verdict = payload["verdict"]["verdict"] if payload else f"{CLAIM_FILES[claim]} not written"
+        ax.set_title(f"{claim} {_TITLES[claim]}\n" + textwrap.fill(verdict, 60), fontsize=10)
+        # C2's seeds sit under each width: a file with only empty widths has no seeds yet
+        if not payload or not any(payload["seeds"].values()):
+            data[claim] = []
+            ax.text(0.5, 0.5, "no seeds yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+            ax.set(xticks=[], yticks=[])
+            continue
+        data[claim] = draw(ax, payload)
+        ax.plot([], [], ls="none", marker="o", color="gray", label="saturated")
+        ax.plot([], [], ls="none", marker="o", color="gray", mfc="none", label="not saturated")
+    note.axis("off")
+    note.text(
+        0.0,
+        0.95,
+        f"Filled marker: saturated record (KL to the exact conditionals <= {SATURATED_KL:.3f} nats,\n"
+        f"bootstrap upper end <= {SATURATED_KL_UPPER:.3f}); hollow: not saturated.\n\n"
+        "Accuracy: the primary probe (last layer), mean over tasks A/B/C\n"
+        "unless a task is named. Fisher trace: the per-sample Fisher\n"
+        "(labels drawn from the model) summed over the parameters,\n"
+        "dimensionless, in the model's own space unless noted.",
+        va="top",
+        fontsize=9,
+    )
+    _save(fig, panels, "Saturated-start claims (one point per record; verdicts from each claim's JSON)", path)
+    return data
+
+
+def _point(ax, x: float, y: float, saturated: bool, color, marker: str = "o") -> None:
+    ax.plot([x], [y], ls="none", marker=marker, ms=7, color=color, mfc=color if saturated else "none")
+
+
+def _colors(names) -> dict[str, Any]:
+    import matplotlib.pyplot as plt
+
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {name: cycle[i % len(cycle)] for i, name in enumerate(names)}
+
+
+def _by_seed(seeds) -> list[str]:
+    return sorted(seeds, key=int)
+
+
+def _c3(ax, payload) -> list[tuple]:
+    """Per seed and arm, Fisher trace (bars: its standard error) against accuracy; a faint line joins a seed's arms
+    so that a seed-level shift is not read as an arm effect."""
+    arms = list(payload["arms"])
+    colors, markers = _colors(arms), dict(zip(arms, "osD^", strict=False))
+    rows = []
+    for seed in _by_seed(payload["seeds"]):
+        records = [(arm, payload["seeds"][seed][arm]) for arm in arms if arm in payload["seeds"][seed]]
+        ax.plot([r["fisher_trace"] for _, r in records], [r["probe_accuracy"] for _, r in records], color="gray",
+                lw=0.7, alpha=0.35)  # fmt: skip
+        for arm, r in records:
+            rows.append((seed, arm, r["fisher_trace"], r["probe_accuracy"], r["saturated"]))
+            trace, accuracy, saturated = rows[-1][2:]  # drawn from the returned row: a test of it tests the figure
+            ax.errorbar(trace, accuracy, xerr=r.get("fisher_trace_stderr"), fmt="none", ecolor=colors[arm], alpha=0.4,
+                        lw=0.8)  # fmt: skip
+            _point(ax, trace, accuracy, saturated, colors[arm], markers[arm])
+        if records:
+            _, first = records[0]
+            ax.annotate(f"seed {seed}", (first["fisher_trace"], first["probe_accuracy"]), xytext=(6, 4),
+                        textcoords="offset points", fontsize=7, color="gray")  # fmt: skip
+    for arm in arms:  # one legend entry per arm, not per point
+        ax.plot([], [], ls="none", marker=markers[arm], color=colors[arm], label=arm)
+    ax.set(xlabel="Fisher trace of the last branch (bars: ±1 s.e.)", ylabel="primary probe accuracy (fraction)")
+    return rows
+
+
+def _c2(ax, payload) -> list[tuple]:
+    """Per seed across widths: the trace in the model's own space and in H128's (the rule compares the latter), and
+    the accuracy on a twin axis."""
+    seeds = sorted({s for rows in payload["seeds"].values() for s in rows}, key=int)
+    colors, twin, rows = _colors(seeds), ax.twinx(), []
+    for seed in seeds:
+        widths = sorted(int(w) for w, by_seed in payload["seeds"].items() if seed in by_seed)
+        records = [payload["seeds"][str(w)][seed] for w in widths]
+        saturated = [r["saturated"] for r in records]
+        own, accuracy = [r["fisher_trace"] for r in records], [r["probe_accuracy"] for r in records]
+        enlarged = [r.get("fisher_trace_enlarged", math.nan) for r in records]  # NaN: no point, a gap in the line
+        rows += list(zip(widths, [seed] * len(widths), own, enlarged, accuracy, saturated, strict=True))
+        for axis, values, marker, ls in ((ax, own, "o", "-"), (ax, enlarged, "s", "--"), (twin, accuracy, "^", ":")):
+            axis.plot(widths, values, color=colors[seed], lw=0.8, ls=ls)
+            for w, v, sat in zip(widths, values, saturated, strict=True):
+                _point(axis, w, v, sat, colors[seed], marker)
+        ax.plot([], [], color=colors[seed], label=f"seed {seed}")
+    # the twin's points are listed in the main legend, which is the one _save draws
+    ax.plot([], [], ls="-", marker="o", color="k", lw=0.8, label="trace, own space (left)")
+    ax.plot([], [], ls="--", marker="s", color="k", lw=0.8, label="trace, H128 space (left)")
+    ax.plot([], [], ls=":", marker="^", color="k", lw=0.8, label="accuracy (right)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(payload["sizes"], [str(w) for w in payload["sizes"]])
+    ax.set_xlim(min(payload["sizes"]) / 1.3, max(payload["sizes"]) * 1.3)
+    ax.set(xlabel="hidden size (log2)", ylabel="Fisher trace of the last branch")
+    twin.set_ylabel("primary probe accuracy (fraction)")
+    return rows
+
+
+def _c4(ax, payload) -> list[tuple]:
+    """Per task, each seed's start beside the others, the lookup-table row as a horizontal tick across the group."""
+    lookup = payload["references"]["exact_conditionals"]["probe"]
+    tasks, seeds = list(lookup), _by_seed(payload["seeds"])
+    colors, rows = _colors(seeds), []
+    for i, task in enumerate(tasks):
+        # a line, not hlines: the legend's placement avoids lines but not line collections
+        ax.plot([i - 0.35, i + 0.35], [lookup[task]["accuracy"]] * 2, color="k", lw=1.5,
+                label="lookup table (exact conditionals)" if i == 0 else None)  # fmt: skip
+        for j, seed in enumerate(seeds):
+            start = payload["seeds"][seed]["start"]
+            rows.append((seed, task, start["probe"][task]["accuracy"], lookup[task]["accuracy"], start["saturated"]))
+            _point(ax, i + 0.5 * (j + 0.5) / len(seeds) - 0.25, rows[-1][2], rows[-1][4], colors[seed])
+    for seed in seeds:
+        ax.plot([], [], ls="none", marker="o", color=colors[seed], label=f"seed {seed}")
+    ax.set_xticks(range(len(tasks)), [f"task {t}" for t in tasks])
+    ax.set(xlabel="probe task (points: each seed's distilled start)", ylabel="primary probe accuracy (fraction)")
+    return rows
+
+
+def _c5(ax, payload) -> list[tuple]:
+    """Per seed, an arrow from C1's last branch to the adversarial branch in (trace, accuracy): its direction is the
+    pair of differences the rule and its companion read."""
+    seeds = _by_seed(payload["seeds"])
+    colors, markers, rows = _colors(seeds), {"c1_last_branch": "o", "adversarial": "X"}, []
+    for seed in seeds:
+        pair = {role: payload["seeds"][seed][role] for role in markers if payload["seeds"][seed][role]}
+        for role, r in pair.items():
+            rows.append((seed, role, r["fisher_trace"], r["probe_accuracy"], r["saturated"]))
+            _point(ax, *rows[-1][2:], colors[seed], markers[role])
+        if len(pair) == 2:
+            (x0, y0), (x1, y1) = (row[2:4] for row in rows[-2:])
+            ax.annotate("", (x1, y1), (x0, y0), arrowprops={"arrowstyle": "->", "color": colors[seed], "lw": 0.8})
+        ax.plot([], [], color=colors[seed], label=f"seed {seed}")
+    ax.plot([], [], ls="none", marker="o", color="k", label="C1 last branch")
+    ax.plot([], [], ls="none", marker="X", color="k", label="adversarial")
+    ax.set(xlabel="Fisher trace of the last branch", ylabel="primary probe accuracy (fraction)")
+    return rows
+
+
+def _c6(ax, payload) -> list[tuple]:
+    """Per seed, the accuracy of the branch the flatness rule picks and of the lowest-KL branch, joined, each marked
+    with its step (one step when both rules pick the same branch)."""
+    picks, seeds = payload["verdict"].get("picks", {}), _by_seed(payload["seeds"])
+    # marker, colour, key in the picks, side of the step label (opposite sides: close accuracies stay legible)
+    styles = {
+        "flatness": ("v", "tab:blue", "chosen_step", 1),
+        "lowest_kl": ("o", "tab:orange", "lowest_kl_step", -1),
+    }
+    rows = []
+    for i, seed in enumerate(seeds):
+        if seed not in picks:  # no compared branches: the rule picked nothing
+            ax.text(i, 0.5, "no compared\nbranches", transform=ax.get_xaxis_transform(), ha="center", fontsize=7,
+                    color="gray")  # fmt: skip
+            continue
+        by_step = {r["step"]: r for r in payload["seeds"][seed]}
+        for rule, (marker, color, key, side) in styles.items():
+            r = by_step[picks[seed][key]]
+            rows.append((seed, rule, r["step"], r["probe_accuracy"], r["saturated"]))
+            step, accuracy, saturated = rows[-1][2:]
+            _point(ax, i, accuracy, saturated, color, marker)
+            ax.annotate(f"step {step}", (i, accuracy), xytext=(7 * side, 0), textcoords="offset points", fontsize=7,
+                        va="center", ha="left" if side > 0 else "right", color=color)  # fmt: skip
+        ax.plot([i, i], [row[3] for row in rows[-2:]], color="gray", lw=0.8, zorder=1)  # under the markers
+    ax.plot([], [], ls="none", marker="v", color="tab:blue", label="smallest trace within 0.01 nats of lowest KL")
+    ax.plot([], [], ls="none", marker="o", color="tab:orange", label="lowest KL")
+    ax.set_xticks(range(len(seeds)), seeds)
+    ax.set_xlim(-0.8, len(seeds) - 0.2)  # room for the outer seeds' step labels
+    ax.set(xlabel="seed", ylabel="primary probe accuracy of the picked branch (fraction)")
+    if not rows:  # seeds, none compared: an accuracy scale around 0 would read as a measurement
+        ax.set_yticks([])
+    return rows
+
+
+_PANELS = {"C3": _c3, "C2": _c2, "C4": _c4, "C5": _c5, "C6": _c6}
+_TITLES = {
+    "C3": "optimizer arms (each arm's last branch)",
+    "C2": "model size (each width's last branch)",
+    "C4": "saturated start vs the lookup table",
+    "C5": "adversary on the read-out vs C1",
+    "C6": "selection: flattest vs lowest-KL branch",
+}
+
+
 def _save(fig, axes, title: str, path: Path) -> None:
     """Legends, title and layout of a row of panels, written to ``path`` and closed."""
     import matplotlib.pyplot as plt
 
     for ax in axes:
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a claim panel without seeds yet has nothing to list
+            ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

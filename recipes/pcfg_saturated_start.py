@@ -65,7 +65,7 @@ from hf_flatbias.experiments.claims import (
     write_claims,
     write_rules,
 )
-from hf_flatbias.experiments.gate import CANDIDATES, run_gate
+from hf_flatbias.experiments.gate import CANDIDATES, gate_markdown, run_gate
 from hf_flatbias.experiments.paper_language import task_labelled_train
 from hf_flatbias.experiments.verdicts import C2_SIZES, C3_ARMS
 
@@ -168,7 +168,8 @@ def main(argv=None) -> dict:
         torch.set_num_threads(1)
     args = parse_arguments(argv)
     if args.markdown:
-        print("\n\n".join([markdown_summary(args), claims_markdown(args.results_dir), verdict_table(args.results_dir)]))
+        tables = [markdown_summary(args), claims_markdown(args.results_dir), verdict_table(args.results_dir)]
+        print("\n\n".join([*tables, gate_markdown(args.results_dir / "gate.json")]))
         return {}
     if args.gate is not None:
         return run_gate(args, args.gate or list(CANDIDATES), args.results_dir / "gate.json")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hf_flatbias.experiments import ConditionalPool, build_model, distil_to_saturation
-from hf_flatbias.experiments.gate import CANDIDATES, EXTEND_BELOW, gate_choice
+from hf_flatbias.experiments.gate import CANDIDATES, EXTEND_BELOW, gate_choice, gate_markdown
 from hf_flatbias.synthetic import PCFG
 from hf_flatbias.synthetic.conditionals import cached_conditionals
 from hf_flatbias.synthetic.tokenizer import N_SPECIAL
@@ -74,6 +74,8 @@ def test_recipe_gate_reads_the_campaign_language_from_its_folder_and_resumes(rec
 def test_committed_gate_choice_follows_from_its_rows_by_the_stated_rule():
     gate = json.loads(GATE_JSON.read_text())
     assert gate["choice"] == gate_choice(gate["candidates"])
+    docs = (REPO / "docs" / "reproduction" / "synthetic.md").read_text()
+    assert all(line in docs for line in gate_markdown(GATE_JSON).splitlines())  # the docs show the committed rows
     for row in gate["candidates"].values():
         first_decay = row["distillation"]["history"]
         assert row["eligible"] == row["distillation"]["saturated"]

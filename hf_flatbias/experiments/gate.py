@@ -43,6 +43,7 @@ CANDIDATES: dict[str, dict[str, Any]] = {
     "hmm_20_states_40_words": {"kind": "hmm", "seed": 0, "n_states": 20, "n_words": 40, "length": 12},
 }
 GATE_SEED = 0
+REFERENCE_ROWS = ("lexical_baseline", "untrained_encoder", "exact_conditionals")
 
 
 def gate_choice(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -145,3 +146,33 @@ def run_gate(args: argparse.Namespace, names: list[str], path: Path) -> dict[str
         print(f"[gate] {name}: stop-set KL {row['distillation']['stop_kl']['kl']:.4f} after "
               f"{row['distillation']['steps']} steps, headroom {row['headroom']}", flush=True)  # fmt: skip
     return payload
+
+
+def gate_markdown(path: Path) -> str:
+    """The gate's table as docs/reproduction/synthetic.md shows it (empty when the gate has not run)."""
+    if not path.exists():
+        return ""
+    gate = json.loads(path.read_text())
+    lines = [
+        f"Language gate (`{path.name}`): eligible {', '.join(gate['choice']['eligible']) or 'none'}; "
+        f"kept **{gate['choice']['kept'] or 'none'}**",
+        "",
+        "| candidate | words | mean length | steps | CPU min | stop-set KL [95%] | eligible | lexical / untrained / "
+        "lookup / start | headroom |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in gate["candidates"].items():
+        distillation, kl = row["distillation"], row["distillation"]["stop_kl"]
+        # the campaign's own start predates cpu_seconds: its wall seconds under load are shown, marked
+        cpu = f"{distillation['cpu_seconds'] / 60:.1f}" if "cpu_seconds" in distillation else (
+            f"{distillation['seconds'] / 60:.1f} (wall)"
+        )  # fmt: skip
+        rows = row["probe_rows"]
+        probes = " / ".join(f"{rows[k]:.3f}" for k in (*REFERENCE_ROWS, "distilled_start")) if rows else "no tasks"
+        headroom = "n/a" if row["headroom"] is None else f"{row['headroom']:+.3f}"
+        lines.append(
+            f"| {name} | {row['n_words']} | {row['mean_length']:.1f} | {distillation['steps']:,} | {cpu} | "
+            f"{kl['kl']:.4f} [{kl['ci_low']:.4f}, {kl['ci_high']:.4f}] | {'yes' if row['eligible'] else 'no'} | "
+            f"{probes} | {headroom} |"
+        )
+    return "\n".join(lines)

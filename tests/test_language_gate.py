@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_flatbias.experiments import ConditionalPool, build_model, distil_to_saturation
 from hf_flatbias.experiments.gate import CANDIDATES, EXTEND_BELOW, gate_choice, gate_markdown
@@ -81,3 +82,40 @@ def test_committed_gate_choice_follows_from_its_rows_by_the_stated_rule():
         assert row["eligible"] == row["distillation"]["saturated"]
         if row["distillation"]["steps"] > 8000:  # extended: only if the first decay ended within the budget
             assert next(h["kl"] for h in first_decay if h["step"] == 8000) <= gate["extend_below"]
+
+
+def test_a_stopped_distillation_resumes_from_its_checkpoint_to_the_uninterrupted_result(tmp_path, monkeypatch):
+    from hf_flatbias.experiments import distillation
+
+    shape = {"n_levels": 2, "symbols_per_level": 3, "n_words": 12, "binary_rules_per_symbol": 4}
+    grammar = PCFG.paper_shaped(0, n_sentence_types=3, **shape)
+    pool, stop = _pool(grammar, 100, 1), _pool(grammar, 20, 2)
+    kwargs = dict(steps=30, warmup_steps=2, batch_size=16, check_from=10, check_every=10, extensions=((10, 1e-3),))
+
+    def run(checkpoint):
+        model = build_model(N_SPECIAL + grammar.n_words, hidden=16, layers=1, seed=0)
+        return model, distil_to_saturation(model, pool, stop, checkpoint=checkpoint, checkpoint_every=7, log=False,
+                                           **kwargs)  # fmt: skip
+
+    whole_model, whole = run(None)
+    loss, calls = distillation.soft_masked_lm_loss, []
+
+    def killed_at_step_17(*args):
+        calls.append(1)
+        if len(calls) == 17:
+            raise KeyboardInterrupt  # a session's end, between two checkpoints
+        return loss(*args)
+
+    monkeypatch.setattr(distillation, "soft_masked_lm_loss", killed_at_step_17)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "state.pt")
+    monkeypatch.setattr(distillation, "soft_masked_lm_loss", loss)
+    assert torch.load(tmp_path / "state.pt", weights_only=False)["step"] == 14
+    resumed_model, resumed = run(tmp_path / "state.pt")
+    for name, tensor in whole_model.state_dict().items():
+        torch.testing.assert_close(resumed_model.state_dict()[name], tensor, rtol=0, atol=0)
+    clocks = ("seconds", "cpu_seconds")
+    assert [{k: v for k, v in h.items() if k not in clocks} for h in resumed["history"]] == [
+        {k: v for k, v in h.items() if k not in clocks} for h in whole["history"]
+    ]
+    assert resumed["steps"] == whole["steps"] == 40 and resumed["stop_kl"] == whole["stop_kl"]

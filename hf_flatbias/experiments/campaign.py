@@ -97,6 +97,7 @@ def distilled_start(
     if record_path.exists():
         model = BertForMaskedLM.from_pretrained(start_dir).to("cpu" if args.use_cpu else "cuda")
         return model.eval(), json.loads(record_path.read_text())
+    checkpoint = start_dir.with_name("start_distillation.pt")  # a stopped distillation resumes from here
     model = build_model(len(language.tokenizer), hidden=hidden, layers=args.layers, seed=seed)
     model.to("cpu" if args.use_cpu else "cuda")
     print(f"[seed {seed}] distilling ({sum(p.numel() for p in model.parameters()):,} parameters)", flush=True)
@@ -111,6 +112,7 @@ def distilled_start(
         extensions=args.extensions,
         extend_below=args.extend_below,
         seed=seed,
+        checkpoint=checkpoint,
     )
     start = time.perf_counter()
     measured = measure_branch(model, language, seed=0, **measure_kwargs(args))
@@ -124,6 +126,7 @@ def distilled_start(
     )
     model.save_pretrained(start_dir)
     write_json(record_path, record)  # written last: its presence means the start is complete
+    checkpoint.unlink(missing_ok=True)
     return model, record
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -126,6 +127,8 @@ def distil_to_saturation(
     extensions: Sequence[tuple[int, float]] = ((4000, 5e-4), (4000, 2.5e-4)),
     extend_below: float | None = None,
     seed: int = 0,
+    checkpoint: Path | str | None = None,
+    checkpoint_every: int = 500,
     log: bool = True,
 ) -> dict[str, Any]:
     """Distil ``model`` in place until ``stop_set`` is saturated (`SaturationResult.saturated`).
@@ -135,14 +138,16 @@ def distil_to_saturation(
     checked every ``check_every`` steps from ``check_from`` (default: three quarters of the first segment) and at
     each segment's end; training stops at the first saturated check. ``extend_below``: the extensions run only if
     the first segment ended at or below this stop-set KL (a budget for languages far from the tier; None: always).
+    ``checkpoint``: a file the state (weights, Adam, step, history) is saved to every ``checkpoint_every`` steps and
+    resumed from, so a stopped run ends exactly as an uninterrupted one would; the caller deletes it when done.
 
     Returns:
         ``{"saturated", "steps", "seconds", "cpu_seconds", "stop_kl": SaturationResult dict, "history": [{step, kl,
         ci_high, learning_rate, seconds, cpu_seconds}]}`` (``cpu_seconds``: this process's CPU time since the start,
-        the cost on a shared machine).
+        the cost on a shared machine; both clocks count the resumed runs together).
     """
-    if check_every < 1:
-        raise ValueError(f"check_every must be >= 1, got {check_every}.")
+    if check_every < 1 or checkpoint_every < 1:
+        raise ValueError(f"check_every and checkpoint_every must be >= 1, got {check_every} and {checkpoint_every}.")
     check_from = 3 * steps // 4 if check_from is None else check_from
     vocab_size = model.get_output_embeddings().weight.shape[0]
     decay, no_decay = [], []
@@ -158,56 +163,80 @@ def distil_to_saturation(
     device = next(model.parameters()).device
     segments = [(distillation_rates(learning_rate, warmup_steps, steps), check_from)]
     segments += [(distillation_rates(peak, 0, n), 0) for n, peak in extensions]
-    history: list[dict[str, Any]] = []
-    start, cpu_start, step, result = time.perf_counter(), time.process_time(), 0, None
+    # one row per step: (segment, index in it, rate, whether the stop set is measured after it)
+    schedule = [
+        (number, i, float(rate), i == len(rates) - 1 or (i + 1 >= first and (i + 1) % check_every == 0))
+        for number, (rates, first) in enumerate(segments)
+        for i, rate in enumerate(rates)
+    ]
+    state = {"step": 0, "history": [], "result": None, "seconds": 0.0, "cpu_seconds": 0.0}
+    checkpoint = None if checkpoint is None else Path(checkpoint)
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        model.load_state_dict(state.pop("model"))
+        optimizer.load_state_dict(state.pop("optimizer"))
+        torch.set_rng_state(state.pop("rng"))
+        for _ in range(state["step"]):
+            next(batches)  # the same batches as an uninterrupted run from here on
+        if log:
+            print(f"  distillation resumed at step {state['step']}", flush=True)
+    start, cpu_start = time.perf_counter() - state["seconds"], time.process_time() - state["cpu_seconds"]
+    history, result = state["history"], state["result"]
     model.train()
-    for number, (rates, first_check) in enumerate(segments):
-        if number == 1 and extend_below is not None and result.kl > extend_below:
+    for step, (number, i, rate, check) in enumerate(schedule[state["step"] :], start=state["step"] + 1):
+        if i == 0 and number == 1 and extend_below is not None and result.kl > extend_below:
             break
-        for i, rate in enumerate(rates):
-            batch = {name: tensor.to(device) for name, tensor in next(batches).items()}
-            for group in optimizer.param_groups:
-                group["lr"] = float(rate)
-            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-            picked = logits[torch.arange(len(logits), device=device), batch["mask_index"]]
-            loss = soft_masked_lm_loss(picked, batch["targets"])
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            last = i == len(rates) - 1
-            if last or (i + 1 >= first_check and (i + 1) % check_every == 0):
-                result = measure_saturation(
-                    model, stop_set.word_ids, stop_set.conditionals, stop_set.lengths, seed=step
+        batch = {name: tensor.to(device) for name, tensor in next(batches).items()}
+        for group in optimizer.param_groups:
+            group["lr"] = rate
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        picked = logits[torch.arange(len(logits), device=device), batch["mask_index"]]
+        loss = soft_masked_lm_loss(picked, batch["targets"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if check:
+            result = measure_saturation(model, stop_set.word_ids, stop_set.conditionals, stop_set.lengths, seed=step)
+            model.train()
+            history.append(
+                {
+                    "step": step,
+                    "kl": result.kl,
+                    "ci_high": result.ci_high,
+                    "learning_rate": rate,
+                    "seconds": time.perf_counter() - start,
+                    "cpu_seconds": time.process_time() - cpu_start,
+                }
+            )
+            if log:
+                print(
+                    f"  distil step {step}: stop-set KL {result.kl:.4f} (upper {result.ci_high:.4f}) "
+                    f"lr {rate:.2e} [{time.perf_counter() - start:.0f} s]",
+                    flush=True,
                 )
-                model.train()
-                history.append(
-                    {
-                        "step": step,
-                        "kl": result.kl,
-                        "ci_high": result.ci_high,
-                        "learning_rate": float(rate),
-                        "seconds": time.perf_counter() - start,
-                        "cpu_seconds": time.process_time() - cpu_start,
-                    }
-                )
-                if log:
-                    print(
-                        f"  distil step {step}: stop-set KL {result.kl:.4f} (upper {result.ci_high:.4f}) "
-                        f"lr {rate:.2e} [{time.perf_counter() - start:.0f} s]",
-                        flush=True,
-                    )
-                if result.saturated:
-                    break
+        state.update(step=step, result=result)
         if result is not None and result.saturated:
             break
+        if checkpoint is not None and step % checkpoint_every == 0:
+            _save_state(
+                checkpoint, model, optimizer, state, time.perf_counter() - start, time.process_time() - cpu_start
+            )
     model.eval()
     return {
         "saturated": bool(result.saturated),
-        "steps": step,
+        "steps": state["step"],
         "seconds": time.perf_counter() - start,
         "cpu_seconds": time.process_time() - cpu_start,
         "stop_kl": result.to_dict(),
         "history": history,
     }
+
+
+def _save_state(path: Path, model, optimizer, state: dict[str, Any], seconds: float, cpu_seconds: float) -> None:
+    """The distillation's state, written whole or not at all (a kill mid-write leaves the previous one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.partial")
+    payload = {**state, "seconds": seconds, "cpu_seconds": cpu_seconds, "rng": torch.get_rng_state()}
+    torch.save({**payload, "model": model.state_dict(), "optimizer": optimizer.state_dict()}, partial)
+    partial.replace(path)

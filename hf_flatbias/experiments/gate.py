@@ -112,6 +112,7 @@ def hmm_row(args: argparse.Namespace, name: str, candidate: dict[str, Any]) -> d
         extensions=args.extensions,
         extend_below=args.extend_below,
         seed=GATE_SEED,
+        checkpoint=args.work_dir / "gate" / name / "distillation.pt",
     )
     return {
         **candidate,
@@ -140,6 +141,7 @@ def run_gate(args: argparse.Namespace, names: list[str], path: Path) -> dict[str
             row = (pcfg_row if candidate["kind"] == "pcfg" else hmm_row)(args, name, candidate)
             row["seconds_this_run"] = time.perf_counter() - began
             write_json(row_path, row)
+            (row_path.parent / "distillation.pt").unlink(missing_ok=True)
         payload["candidates"][name] = row
         payload["choice"] = gate_choice(payload["candidates"])
         write_json(path, payload)

@@ -45,7 +45,6 @@ from hf_flatbias.experiments import trains_on_cpu
 from hf_flatbias.experiments.campaign import (
     SHAPES,
     campaign_rate,
-    choose_rate,
     commit_checkpoints,
     distilled_start,
     material,
@@ -99,6 +98,13 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         help="only run the language gate (gate.GATE_RULE) over these candidates (none named: all); RESULTS/gate.json",
     )
     add("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="model seeds, run in this order")
+    add(
+        "--only-seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="run only these of --seeds (processes splitting a claim by seed); the JSON still covers every --seeds",
+    )
     add("--hidden", type=int, default=64, help="BERT hidden size")
     add("--layers", type=int, default=3, help="BERT layers")
     add("--batch-size", type=int, default=128, help="rows per step (distillation and continued training)")
@@ -157,6 +163,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         parser.error(f"--extensions takes STEPS:PEAK pairs, e.g. 4000:5e-4; got {args.extensions}.")
     if args.adversary_weight < 0:
         parser.error(f"--adversary-weight must be >= 0 (got {args.adversary_weight}); 0 leaves the encoder unattacked.")
+    if args.only_seeds and not set(args.only_seeds) <= set(args.seeds):
+        parser.error(f"--only-seeds {args.only_seeds} must be among --seeds {args.seeds}.")
     if args.continue_steps < args.branch_every or args.branch_every < 1:
         parser.error("need 1 <= --branch-every <= --continue-steps.")
     args.use_cpu = trains_on_cpu(args.device)  # --device cuda without one fails here, before any compute
@@ -177,11 +185,12 @@ def main(argv=None) -> dict:
     language, pool, stop_set = material(args)
     references = references_of(args, language)
     if not args.merge:
-        for seed in args.seeds if "c1" in args.claims or args.stop_after else []:
+        running = args.only_seeds or args.seeds
+        for seed in running if "c1" in args.claims or args.stop_after else []:
             start, _ = distilled_start(args, language, pool, stop_set, seed)
             if args.stop_after == "start":
                 continue
-            rate = choose_rate(args, language, start)["chosen"]  # the pilot runs once, on the first seed
+            rate = campaign_rate(args, language, pool, stop_set)  # the pilot runs once, on the first of --seeds
             if args.stop_after == "rate":
                 break
             result = run_c1_seed(args, language, start, seed, rate)
@@ -193,7 +202,7 @@ def main(argv=None) -> dict:
         later = [claim for claim in args.claims if claim != "c1"]
         rate = campaign_rate(args, language, pool, stop_set) if later else None
         labelled = task_labelled_train(language, args.n_train) if "c5" in later else None
-        for claim, seed in itertools.product(later, args.seeds):
+        for claim, seed in itertools.product(later, running):
             start, _ = distilled_start(args, language, pool, stop_set, seed)
             if claim == "c3":
                 for arm in C3_ARMS:

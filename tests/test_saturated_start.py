@@ -514,3 +514,17 @@ def test_a_negative_adversary_weight_is_refused_before_any_compute(recipes, caps
     with pytest.raises(SystemExit):
         campaign.parse_arguments(["--adversary-weight", "-1"])
     assert "--adversary-weight must be >= 0" in capsys.readouterr().err
+
+
+def test_only_seeds_runs_a_part_and_the_json_still_plans_every_seed(recipes, tmp_path, capsys):
+    campaign = recipes.load("pcfg_saturated_start")
+    with pytest.raises(SystemExit):
+        campaign.parse_arguments(["--seeds", "0", "1", "--only-seeds", "2"])
+    assert "--only-seeds [2] must be among --seeds [0, 1]" in capsys.readouterr().err
+    out = ["--smoke", "--seeds", "0", "1", "--work-dir", str(tmp_path / "w"), "--results-dir", str(tmp_path / "r")]
+    payload = campaign.main([*out, "--claims", "c1", "--only-seeds", "1"])
+    # the pilot ran on the first of --seeds, and only seed 1 continued; the verdict waits for seed 0
+    work = tmp_path / "w"
+    assert (work / "seed0" / "start" / "start.json").exists() and not (work / "seed0" / "c1").exists()
+    assert payload["planned_seeds"] == [0, 1] and list(payload["seeds"]) == ["1"]
+    assert payload["verdict"]["verdict"] == "undecided (runs in progress: 1 of 2 seeds)"

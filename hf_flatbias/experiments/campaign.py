@@ -85,6 +85,18 @@ def measure_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
+def distil_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The distillation schedule of `distil_to_saturation` as the recipe's flags set it."""
+    return dict(
+        steps=args.distil_steps,
+        learning_rate=args.distil_lr,
+        warmup_steps=args.distil_warmup,
+        batch_size=args.batch_size,
+        extensions=args.extensions,
+        extend_below=args.extend_below,
+    )
+
+
 def distilled_start(
     args, language, pool, stop_set, seed: int, hidden: int | None = None
 ) -> tuple[BertForMaskedLM, dict[str, Any]]:
@@ -101,19 +113,7 @@ def distilled_start(
     model = build_model(len(language.tokenizer), hidden=hidden, layers=args.layers, seed=seed)
     model.to("cpu" if args.use_cpu else "cuda")
     print(f"[seed {seed}] distilling ({sum(p.numel() for p in model.parameters()):,} parameters)", flush=True)
-    distillation = distil_to_saturation(
-        model,
-        pool,
-        stop_set,
-        steps=args.distil_steps,
-        learning_rate=args.distil_lr,
-        warmup_steps=args.distil_warmup,
-        batch_size=args.batch_size,
-        extensions=args.extensions,
-        extend_below=args.extend_below,
-        seed=seed,
-        checkpoint=checkpoint,
-    )
+    distillation = distil_to_saturation(model, pool, stop_set, seed=seed, checkpoint=checkpoint, **distil_kwargs(args))
     start = time.perf_counter()
     measured = measure_branch(model, language, seed=0, **measure_kwargs(args))
     record = {"distillation": distillation, "measured": measured, "measure_seconds": time.perf_counter() - start}

@@ -20,7 +20,7 @@ import numpy as np
 from ..synthetic.conditionals import cached_conditionals
 from ..synthetic.hmm import HMM
 from ..synthetic.tokenizer import N_SPECIAL
-from .campaign import SHAPES, distilled_start, material
+from .campaign import SHAPES, distil_kwargs, distilled_start, material
 from .claims import references_of
 from .distillation import ConditionalPool, distil_to_saturation
 from .models import build_model
@@ -101,19 +101,8 @@ def hmm_row(args: argparse.Namespace, name: str, candidate: dict[str, Any]) -> d
         pools.append(ConditionalPool(sample.word_ids, lengths, conditionals))
     model = build_model(N_SPECIAL + hmm.n_words, hidden=args.hidden, layers=args.layers, seed=GATE_SEED)
     print(f"[{name}] distilling ({sum(p.numel() for p in model.parameters()):,} parameters)", flush=True)
-    distillation = distil_to_saturation(
-        model,
-        pools[0],
-        pools[1],
-        steps=args.distil_steps,
-        learning_rate=args.distil_lr,
-        warmup_steps=args.distil_warmup,
-        batch_size=args.batch_size,
-        extensions=args.extensions,
-        extend_below=args.extend_below,
-        seed=GATE_SEED,
-        checkpoint=args.work_dir / "gate" / name / "distillation.pt",
-    )
+    checkpoint = args.work_dir / "gate" / name / "distillation.pt"
+    distillation = distil_to_saturation(model, *pools, seed=GATE_SEED, checkpoint=checkpoint, **distil_kwargs(args))
     return {
         **candidate,
         "n_words": hmm.n_words,

@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 import torch
+from research.claims import CLAIM_FILES
 
 from hf_flatbias.cli import run_recipe
-from hf_flatbias.experiments.claims import CLAIM_FILES
 
 RECIPES = Path(__file__).resolve().parent
 #: most CPU threads one process gets: the models' tiny CPU ops (features, probes) slow down with more, badly so on a

@@ -16,7 +16,7 @@ tasks A/B/C (primary: the released code's read-out, last layer, fixed positions 
 RATE (rule fixed before the runs): the constant rate is the largest of ``--continue-lrs`` whose one pilot branch
 (seed 0, ``--branch-every`` steps, annealed, KL only) is saturated; none saturated: the smallest. Only the KL decides.
 
-CLAIMS (rules in `hf_flatbias.experiments.verdicts`, each on disk before its runs): C1 continued training (every
+CLAIMS (rules in `research.verdicts`, each on disk before its runs): C1 continued training (every
 seed's trunk and branches); C3 four optimizer arms per seed, one branch at C1's length; C5 an adversary on the
 evaluated read-out, one branch at C1's length; C2 widths 32 / 64 / 128, each distilled and continued as C1; C4
 (lookup table) and C6 (selection by flatness) read C1's records.
@@ -40,9 +40,8 @@ import sys
 from pathlib import Path
 
 import torch
-
-from hf_flatbias.experiments import trains_on_cpu
-from hf_flatbias.experiments.campaign import (
+from research import trains_on_cpu
+from research.campaign import (
     SHAPES,
     campaign_rate,
     commit_checkpoints,
@@ -53,7 +52,7 @@ from hf_flatbias.experiments.campaign import (
     run_c3_arm,
     run_c5_seed,
 )
-from hf_flatbias.experiments.claims import (
+from research.claims import (
     claims_markdown,
     markdown_summary,
     references_of,
@@ -64,9 +63,9 @@ from hf_flatbias.experiments.claims import (
     write_claims,
     write_rules,
 )
-from hf_flatbias.experiments.gate import CANDIDATES, gate_markdown, run_gate
-from hf_flatbias.experiments.paper_language import task_labelled_train
-from hf_flatbias.experiments.verdicts import C2_SIZES, C3_ARMS
+from research.gate import CANDIDATES, gate_markdown, run_gate
+from research.paper_language import task_labelled_train
+from research.verdicts import C2_SIZES, C3_ARMS
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from research import ConditionalPool, distil_to_saturation
+from research.gate import CANDIDATES, EXTEND_BELOW, gate_choice, gate_markdown
 
-from hf_flatbias.experiments import ConditionalPool, build_model, distil_to_saturation
-from hf_flatbias.experiments.gate import CANDIDATES, EXTEND_BELOW, gate_choice, gate_markdown
-from hf_flatbias.synthetic import PCFG
+from hf_flatbias.synthetic import PCFG, build_model
 from hf_flatbias.synthetic.conditionals import cached_conditionals
 from hf_flatbias.synthetic.tokenizer import N_SPECIAL
 
@@ -85,7 +85,7 @@ def test_committed_gate_choice_follows_from_its_rows_by_the_stated_rule():
 
 
 def test_a_stopped_distillation_resumes_from_its_checkpoint_to_the_uninterrupted_result(tmp_path, monkeypatch):
-    from hf_flatbias.experiments import distillation
+    from research import distillation
 
     shape = {"n_levels": 2, "symbols_per_level": 3, "n_words": 12, "binary_rules_per_symbol": 4}
     grammar = PCFG.paper_shaped(0, n_sentence_types=3, **shape)

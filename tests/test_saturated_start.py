@@ -8,12 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import BertForMaskedLM
-
-from hf_flatbias.experiments import (
+from research import (
     ConditionalPool,
     RunSpec,
-    build_model,
     c1_verdict,
     distil_to_saturation,
     distillation_batches,
@@ -23,11 +20,13 @@ from hf_flatbias.experiments import (
     soft_masked_lm_loss,
     train_with_branches,
 )
-from hf_flatbias.experiments.claims import verdict_table
-from hf_flatbias.experiments.distillation import distillation_rates, masked_rows
-from hf_flatbias.experiments.plots import plot_claims
-from hf_flatbias.experiments.verdicts import c2_verdict, c3_verdict, c4_verdict, c5_verdict, c6_verdict
-from hf_flatbias.synthetic import HMM, PCFG
+from research.claims import verdict_table
+from research.distillation import distillation_rates, masked_rows
+from research.plots import plot_claims
+from research.verdicts import c2_verdict, c3_verdict, c4_verdict, c5_verdict, c6_verdict
+from transformers import BertForMaskedLM
+
+from hf_flatbias.synthetic import HMM, PCFG, build_model
 from hf_flatbias.synthetic.conditionals import cached_conditionals, language_fingerprint
 from hf_flatbias.synthetic.tokenizer import CLS_ID, MASK_ID, N_SPECIAL, PAD_ID, SEP_ID
 
@@ -484,7 +483,7 @@ def test_committed_start_kl_re_measured_by_brute_force_conditionals():
     """The committed saturated start's KL on the first 200 KL sentences, with the conditionals from sentence
     probabilities (no outside pass) and the masked rows built here, against the project's measurement."""
     payload = json.loads((RESULTS / "continued_training.json").read_text())
-    from hf_flatbias.experiments.paper_language import _seeds
+    from research.paper_language import _seeds
 
     grammar = PCFG.paper_shaped(payload["config"]["grammar_seed"], **payload["shape"])
     kl_sentences = grammar.sample(payload["config"]["n_kl"], seed=_seeds(payload["config"]["grammar_seed"])[1])

@@ -7,14 +7,14 @@ from itertools import product
 import numpy as np
 import pytest
 import torch
-from transformers.modeling_outputs import MaskedLMOutput
-
-from hf_flatbias.experiments.saturation import (
+from research.saturation import (
     SATURATED_KL,
     measure_saturation,
     model_masked_log_probs,
     saturation,
 )
+from transformers.modeling_outputs import MaskedLMOutput
+
 from hf_flatbias.synthetic import PCFG
 from hf_flatbias.synthetic import pcfg as pcfg_module
 from hf_flatbias.synthetic.data import OracleMLM

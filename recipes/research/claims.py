@@ -10,11 +10,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hf_flatbias.results import write_json
+
 from .campaign import RATE_RULE, ROUTE, SHAPES, continue_spec, finished_from_disk
 from .paper_probes import mcnemar, without_predictions
 from .plots import plot_branches, plot_claims
 from .protocol import reference_rows
-from .results import write_json
 from .verdicts import (
     C1_RULE,
     C2_RULE,

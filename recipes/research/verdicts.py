@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from ..stats import mean_interval
+from hf_flatbias.stats import mean_interval
+
 from .analysis import spearman
 from .saturation import SATURATED_KL, SATURATED_KL_UPPER
 
@@ -275,7 +276,7 @@ C6_RULE = (
 
 def c6_verdict(seeds: dict[str, Sequence[dict[str, Any]]], planned: int) -> dict[str, Any]:
     """C6 by `C6_RULE` from each seed's C1 branch records."""
-    from ..selection import CheckpointRecord, select_flattest_checkpoint
+    from hf_flatbias.selection import CheckpointRecord, select_flattest_checkpoint
 
     differences, picks, regimes = {}, {}, set()
     for seed, records in seeds.items():

@@ -89,6 +89,7 @@ def recipe_command(args: argparse.Namespace, *extra: str) -> list[str]:
         sys.executable, str(RECIPES / "pcfg_saturated_start.py"), "--device", device,
         "--grammar-seed", str(args.grammar_seed), "--shape", args.shape,
         "--work-dir", str(out / "work"), "--results-dir", str(out / "results"),
+        "--figures-dir", str(out / "results"),
     ]  # fmt: skip
     if args.dry_run:
         return [*command, "--smoke", *extra]

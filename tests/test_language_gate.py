@@ -16,7 +16,7 @@ from hf_flatbias.synthetic.conditionals import cached_conditionals
 from hf_flatbias.synthetic.tokenizer import N_SPECIAL
 
 REPO = Path(__file__).resolve().parents[1]
-GATE_JSON = REPO / "docs" / "reproduction" / "saturated_start" / "gate.json"
+GATE_JSON = REPO / "recipes" / "research" / "results" / "saturated_start" / "gate.json"
 
 
 def _pool(grammar: PCFG, n: int, seed: int) -> ConditionalPool:
@@ -55,6 +55,7 @@ def test_gate_keeps_the_eligible_candidate_with_the_most_headroom():
 def test_recipe_gate_reads_the_campaign_language_from_its_folder_and_resumes(recipes, tmp_path, capsys):
     campaign = recipes.load("pcfg_saturated_start")
     folders = ["--smoke", "--work-dir", str(tmp_path / "w"), "--results-dir", str(tmp_path / "r")]
+    folders += ["--figures-dir", str(tmp_path / "r")]
     payload = campaign.main([*folders, "--gate", "pcfg_three_level_g0", "hmm_20_states_40_words"])
     assert payload == json.loads((tmp_path / "r" / "gate.json").read_text())
     assert payload["extend_below"] == EXTEND_BELOW and not (tmp_path / "r" / "continued_training.json").exists()

@@ -31,7 +31,7 @@ from hf_flatbias.synthetic.conditionals import cached_conditionals, language_fin
 from hf_flatbias.synthetic.tokenizer import CLS_ID, MASK_ID, N_SPECIAL, PAD_ID, SEP_ID
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "docs" / "reproduction" / "saturated_start"
+RESULTS = REPO / "recipes" / "research" / "results" / "saturated_start"
 TINY_SHAPE = {"n_levels": 2, "symbols_per_level": 3, "n_words": 12, "binary_rules_per_symbol": 4}
 
 
@@ -368,6 +368,7 @@ def test_c2_decides_between_the_largest_and_smallest_saturated_sizes():
 def test_recipe_smoke_writes_the_rule_first_and_resumes_from_disk(recipes, tmp_path, capsys):
     campaign = recipes.load("pcfg_saturated_start")
     out = ["--smoke", "--seeds", "0", "--work-dir", str(tmp_path / "w"), "--results-dir", str(tmp_path / "r")]
+    out += ["--figures-dir", str(tmp_path / "r")]
     payload = campaign.main([*out, "--claims", "c1", "c3", "c5", "c2"])
     assert payload["rule"] == json.loads((tmp_path / "r" / "continued_training.json").read_text())["rule"]
     assert payload["verdict"]["verdict"] == "undecided (not saturated)"  # smoke sizes never saturate
@@ -526,6 +527,7 @@ def test_only_seeds_runs_a_part_and_the_json_still_plans_every_seed(recipes, tmp
         campaign.parse_arguments(["--seeds", "0", "1", "--only-seeds", "2"])
     assert "--only-seeds [2] must be among --seeds [0, 1]" in capsys.readouterr().err
     out = ["--smoke", "--seeds", "0", "1", "--work-dir", str(tmp_path / "w"), "--results-dir", str(tmp_path / "r")]
+    out += ["--figures-dir", str(tmp_path / "r")]
     payload = campaign.main([*out, "--claims", "c1", "--only-seeds", "1"])
     # the pilot ran on the first of --seeds, and only seed 1 continued; the verdict waits for seed 0
     work = tmp_path / "w"

@@ -52,7 +52,7 @@ def write_c3(args) -> dict[str, Any]:
 
 
 def design(args) -> dict[str, Any]:
-    skip = {"stop_after", "merge", "use_cpu"}
+    skip = {"stop_after", "merge", "use_cpu", "figures_dir"}  # where figures go is no part of the design
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in skip}
     return {"route": ROUTE, "shape": SHAPES[config["shape"]], "config": config}
 
@@ -100,7 +100,7 @@ def write_results(args, language, results: dict[int, dict], starts: dict[int, di
     if results:
         plot_branches(
             {s: [{**starts[int(s)]["measured"], "step": 0}, *records] for s, records in seeds.items()},
-            args.results_dir / "continued_training.png",
+            args.figures_dir / "continued_training.png",
             "C1 from a saturated start (distilled; step 0 = the start, later points = annealed branches)",
             references=references,
         )
@@ -420,5 +420,5 @@ def write_claims(args, references: dict[str, Any]) -> dict[str, Any]:
     payload = write_results(args, None, results, starts, rate, references)
     # C2's seeds sit under each width: `any` of the values, not of the keys
     if any(any(claim["seeds"].values()) for claim in later):
-        plot_claims(args.results_dir, args.results_dir / "claims.png")
+        plot_claims(args.results_dir, args.figures_dir / "claims.png")
     return payload

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from research.claims import CLAIM_FILES
+from research.verdicts import CLAIM_FILES
 
 from hf_flatbias.cli import run_recipe
 

@@ -25,6 +25,7 @@ from .verdicts import (
     C4_RULE,
     C5_RULE,
     C6_RULE,
+    CLAIM_FILES,
     c2_verdict,
     c3_verdict,
     c4_verdict,
@@ -260,17 +261,6 @@ def write_c2(args) -> dict[str, Any]:
     }  # fmt: skip
     write_json(args.results_dir / "model_size.json", payload)
     return payload
-
-
-#: each claim's result file under the results folder
-CLAIM_FILES = {
-    "C1": "continued_training.json",
-    "C2": "model_size.json",
-    "C3": "optimizer.json",
-    "C4": "lookup_table.json",
-    "C5": "adversarial.json",
-    "C6": "selection.json",
-}
 
 
 def verdict_table(results_dir: Path) -> str:

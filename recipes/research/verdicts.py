@@ -41,6 +41,16 @@ MATCHED_KL_TOLERANCE = 0.003
 SEEDS_REQUIRED = 4
 CONFIDENCE = 0.95
 
+#: each claim's result file under the results folder
+CLAIM_FILES = {
+    "C1": "continued_training.json",
+    "C2": "model_size.json",
+    "C3": "optimizer.json",
+    "C4": "lookup_table.json",
+    "C5": "adversarial.json",
+    "C6": "selection.json",
+}
+
 C1_RULE = (
     "PASS if Spearman(training step, Fisher trace) < 0 among compared branches in >= 4 of 5 seeds AND the "
     "last-minus-first compared branch probe accuracy has a 95% seed-level t interval above 0. Compared branches: a "

@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the probe baseline is the research code's (recipes/research), imported as the recipes import it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from research import MIN_PROBE_WORDS, onehot_position_word  # noqa: E402
 
-from hf_flatbias.experiments import MIN_PROBE_WORDS, onehot_position_word  # noqa: E402
 from hf_flatbias.probe import probe_accuracy  # noqa: E402
 from hf_flatbias.synthetic import PCFG  # noqa: E402
 

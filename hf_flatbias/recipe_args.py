@@ -1,9 +1,9 @@
 """Command-line parsing of the dataclass recipes (``recipes/bert_bookcorpus.py``, ``glue_compare.py``,
 ``sft_sam.py``): ``HfArgumentParser``, a YAML ``--config``, ``--smoke``.
 
-It lives in the package, not in ``hf_flatbias.experiments``: these recipes train and compare ordinary Hugging Face
-models and share nothing with the synthetic-language research code (trl keeps its ``TrlParser`` beside its scripts
-for the same reason).
+It lives in the package, not beside the research code in ``recipes/research``: these recipes train and compare
+ordinary Hugging Face models and share nothing with the synthetic-language research code (trl keeps its
+``TrlParser`` beside its scripts for the same reason).
 
 Precedence, lowest first: the dataclass defaults, the YAML file, the recipe's smoke settings (with ``--smoke``),
 the command line. YAML values become command-line strings before parsing, so they are typed and validated exactly

@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 import torch
+from research.verdicts import CLAIM_FILES
 
 from hf_flatbias.cli import run_recipe
-from hf_flatbias.experiments.claims import CLAIM_FILES
 
 RECIPES = Path(__file__).resolve().parent
 #: most CPU threads one process gets: the models' tiny CPU ops (features, probes) slow down with more, badly so on a
@@ -89,6 +89,7 @@ def recipe_command(args: argparse.Namespace, *extra: str) -> list[str]:
         sys.executable, str(RECIPES / "pcfg_saturated_start.py"), "--device", device,
         "--grammar-seed", str(args.grammar_seed), "--shape", args.shape,
         "--work-dir", str(out / "work"), "--results-dir", str(out / "results"),
+        "--figures-dir", str(out / "results"),
     ]  # fmt: skip
     if args.dry_run:
         return [*command, "--smoke", *extra]

@@ -16,19 +16,19 @@ tasks A/B/C (primary: the released code's read-out, last layer, fixed positions 
 RATE (rule fixed before the runs): the constant rate is the largest of ``--continue-lrs`` whose one pilot branch
 (seed 0, ``--branch-every`` steps, annealed, KL only) is saturated; none saturated: the smallest. Only the KL decides.
 
-CLAIMS (rules in `hf_flatbias.experiments.verdicts`, each on disk before its runs): C1 continued training (every
+CLAIMS (rules in `research.verdicts`, each on disk before its runs): C1 continued training (every
 seed's trunk and branches); C3 four optimizer arms per seed, one branch at C1's length; C5 an adversary on the
 evaluated read-out, one branch at C1's length; C2 widths 32 / 64 / 128, each distilled and continued as C1; C4
 (lookup table) and C6 (selection by flatness) read C1's records.
-Each claim's JSON under ``RESULTS`` is rewritten after every finished seed; a verdict is "undecided (runs in
-progress: k of 5 seeds)" until every seed is in.
+Each claim's JSON under ``RESULTS`` (its figures under ``FIGURES``) is rewritten after every finished seed; a
+verdict is "undecided (runs in progress: k of 5 seeds)" until every seed is in.
 
 Resumable: a finished distillation (``WORK/seedS/start``), rate pilot, seed or arm (``result.json``) or C1/C3 branch
 (the trunk's checkpoint) is never recomputed. Claims in separate processes share the work folder safely.
 
     OMP_NUM_THREADS=1 nohup python recipes/pcfg_saturated_start.py > outputs/saturated_start/campaign.log 2>&1 &
     python recipes/pcfg_saturated_start.py --merge          # rewrite every claim's JSON from the work folder
-    python recipes/pcfg_saturated_start.py --smoke --work-dir /tmp/w --results-dir /tmp/r     # seconds (tests)
+    python recipes/pcfg_saturated_start.py --smoke --work-dir /tmp/w --results-dir /tmp/r --figures-dir /tmp/r  # secs
 """
 
 from __future__ import annotations
@@ -40,9 +40,8 @@ import sys
 from pathlib import Path
 
 import torch
-
-from hf_flatbias.experiments import trains_on_cpu
-from hf_flatbias.experiments.campaign import (
+from research import trains_on_cpu
+from research.campaign import (
     SHAPES,
     campaign_rate,
     commit_checkpoints,
@@ -53,7 +52,7 @@ from hf_flatbias.experiments.campaign import (
     run_c3_arm,
     run_c5_seed,
 )
-from hf_flatbias.experiments.claims import (
+from research.claims import (
     claims_markdown,
     markdown_summary,
     references_of,
@@ -64,9 +63,9 @@ from hf_flatbias.experiments.claims import (
     write_claims,
     write_rules,
 )
-from hf_flatbias.experiments.gate import CANDIDATES, gate_markdown, run_gate
-from hf_flatbias.experiments.paper_language import task_labelled_train
-from hf_flatbias.experiments.verdicts import C2_SIZES, C3_ARMS
+from research.gate import CANDIDATES, gate_markdown, run_gate
+from research.paper_language import task_labelled_train
+from research.verdicts import C2_SIZES, C3_ARMS
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
@@ -145,7 +144,9 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     add("--n-probe", type=int, default=2000, help="probe fit and test sentences each (>= 5 words)")
     add("--adversary-weight", type=float, default=1.0, help="C5: weight of the confusion term (C5_RULE says 1.0)")
     add("--work-dir", type=Path, default=Path("outputs") / "saturated_start", help="checkpoints and caches")
-    add("--results-dir", type=Path, default=Path("docs") / "reproduction" / "saturated_start", help="JSON, plots")
+    results, figures = Path("recipes") / "research" / "results", Path("docs") / "plots"
+    add("--results-dir", type=Path, default=results / "saturated_start", help="each claim's JSON")
+    add("--figures-dir", type=Path, default=figures / "saturated_start", help="the claims' figures")
     add("--smoke", action="store_true", help="tiny sizes, seconds (tests)")
     args = parser.parse_args(argv)
     if args.smoke:

@@ -25,9 +25,9 @@ import json
 from pathlib import Path
 
 import torch
+from research.sam_variants import METHODS, MODELS, RULE, Setting, run_one, summarize
 
-from hf_flatbias.experiments import write_json
-from hf_flatbias.experiments.sam_variants import METHODS, MODELS, RULE, Setting, run_one, summarize
+from hf_flatbias.results import write_json
 
 
 def build_parser() -> argparse.ArgumentParser:

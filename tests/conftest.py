@@ -20,6 +20,8 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
+# the research code beside the recipes imports as `research`, as it does for a script run from recipes/
+sys.path.append(str(REPO / "recipes"))
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -56,7 +58,8 @@ class RecipeScripts:
     directory = REPO / "recipes"
 
     def load(self, name: str) -> ModuleType:
-        """``recipes/<name>.py`` as a module, imported once; its library comes from ``hf_flatbias.experiments``."""
+        """``recipes/<name>.py`` as a module, imported once; its research code
+        (recipes/research) imports as ``research``, from recipes/ on the path as for a script run by users."""
         if name in sys.modules:
             return sys.modules[name]
         spec = importlib.util.spec_from_file_location(name, self.directory / f"{name}.py")

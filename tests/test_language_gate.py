@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from research import ConditionalPool, distil_to_saturation
+from research.gate import CANDIDATES, EXTEND_BELOW, gate_choice, gate_markdown
 
-from hf_flatbias.experiments import ConditionalPool, build_model, distil_to_saturation
-from hf_flatbias.experiments.gate import CANDIDATES, EXTEND_BELOW, gate_choice, gate_markdown
-from hf_flatbias.synthetic import PCFG
+from hf_flatbias.synthetic import PCFG, build_model
 from hf_flatbias.synthetic.conditionals import cached_conditionals
 from hf_flatbias.synthetic.tokenizer import N_SPECIAL
 
 REPO = Path(__file__).resolve().parents[1]
-GATE_JSON = REPO / "docs" / "reproduction" / "saturated_start" / "gate.json"
+GATE_JSON = REPO / "recipes" / "research" / "results" / "saturated_start" / "gate.json"
 
 
 def _pool(grammar: PCFG, n: int, seed: int) -> ConditionalPool:
@@ -55,6 +55,7 @@ def test_gate_keeps_the_eligible_candidate_with_the_most_headroom():
 def test_recipe_gate_reads_the_campaign_language_from_its_folder_and_resumes(recipes, tmp_path, capsys):
     campaign = recipes.load("pcfg_saturated_start")
     folders = ["--smoke", "--work-dir", str(tmp_path / "w"), "--results-dir", str(tmp_path / "r")]
+    folders += ["--figures-dir", str(tmp_path / "r")]
     payload = campaign.main([*folders, "--gate", "pcfg_three_level_g0", "hmm_20_states_40_words"])
     assert payload == json.loads((tmp_path / "r" / "gate.json").read_text())
     assert payload["extend_below"] == EXTEND_BELOW and not (tmp_path / "r" / "continued_training.json").exists()
@@ -85,7 +86,7 @@ def test_committed_gate_choice_follows_from_its_rows_by_the_stated_rule():
 
 
 def test_a_stopped_distillation_resumes_from_its_checkpoint_to_the_uninterrupted_result(tmp_path, monkeypatch):
-    from hf_flatbias.experiments import distillation
+    from research import distillation
 
     shape = {"n_levels": 2, "symbols_per_level": 3, "n_words": 12, "binary_rules_per_symbol": 4}
     grammar = PCFG.paper_shaped(0, n_sentence_types=3, **shape)

@@ -1,4 +1,4 @@
-"""recipes/sam_variants_comparison.py and hf_flatbias.experiments.sam_variants: a smoke run of the whole pipeline,
+"""recipes/sam_variants_comparison.py and recipes/research/sam_variants.py: a smoke run of the whole pipeline,
 its resumability, its KL and its verdicts."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import scipy.stats
 import torch
-
-from hf_flatbias.experiments.sam_variants import sequence_kl_per_token, summarize
+from research.sam_variants import sequence_kl_per_token, summarize
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import BertForMaskedLM
-
-from hf_flatbias.experiments import (
+from research import (
     ConditionalPool,
     RunSpec,
-    build_model,
     c1_verdict,
     distil_to_saturation,
     distillation_batches,
@@ -23,16 +20,18 @@ from hf_flatbias.experiments import (
     soft_masked_lm_loss,
     train_with_branches,
 )
-from hf_flatbias.experiments.claims import verdict_table
-from hf_flatbias.experiments.distillation import distillation_rates, masked_rows
-from hf_flatbias.experiments.plots import plot_claims
-from hf_flatbias.experiments.verdicts import c2_verdict, c3_verdict, c4_verdict, c5_verdict, c6_verdict
-from hf_flatbias.synthetic import HMM, PCFG
+from research.claims import verdict_table
+from research.distillation import distillation_rates, masked_rows
+from research.plots import plot_claims
+from research.verdicts import c2_verdict, c3_verdict, c4_verdict, c5_verdict, c6_verdict
+from transformers import BertForMaskedLM
+
+from hf_flatbias.synthetic import HMM, PCFG, build_model
 from hf_flatbias.synthetic.conditionals import cached_conditionals, language_fingerprint
 from hf_flatbias.synthetic.tokenizer import CLS_ID, MASK_ID, N_SPECIAL, PAD_ID, SEP_ID
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "docs" / "reproduction" / "saturated_start"
+RESULTS = REPO / "recipes" / "research" / "results" / "saturated_start"
 TINY_SHAPE = {"n_levels": 2, "symbols_per_level": 3, "n_words": 12, "binary_rules_per_symbol": 4}
 
 
@@ -369,6 +368,7 @@ def test_c2_decides_between_the_largest_and_smallest_saturated_sizes():
 def test_recipe_smoke_writes_the_rule_first_and_resumes_from_disk(recipes, tmp_path, capsys):
     campaign = recipes.load("pcfg_saturated_start")
     out = ["--smoke", "--seeds", "0", "--work-dir", str(tmp_path / "w"), "--results-dir", str(tmp_path / "r")]
+    out += ["--figures-dir", str(tmp_path / "r")]
     payload = campaign.main([*out, "--claims", "c1", "c3", "c5", "c2"])
     assert payload["rule"] == json.loads((tmp_path / "r" / "continued_training.json").read_text())["rule"]
     assert payload["verdict"]["verdict"] == "undecided (not saturated)"  # smoke sizes never saturate
@@ -484,7 +484,7 @@ def test_committed_start_kl_re_measured_by_brute_force_conditionals():
     """The committed saturated start's KL on the first 200 KL sentences, with the conditionals from sentence
     probabilities (no outside pass) and the masked rows built here, against the project's measurement."""
     payload = json.loads((RESULTS / "continued_training.json").read_text())
-    from hf_flatbias.experiments.paper_language import _seeds
+    from research.paper_language import _seeds
 
     grammar = PCFG.paper_shaped(payload["config"]["grammar_seed"], **payload["shape"])
     kl_sentences = grammar.sample(payload["config"]["n_kl"], seed=_seeds(payload["config"]["grammar_seed"])[1])
@@ -527,6 +527,7 @@ def test_only_seeds_runs_a_part_and_the_json_still_plans_every_seed(recipes, tmp
         campaign.parse_arguments(["--seeds", "0", "1", "--only-seeds", "2"])
     assert "--only-seeds [2] must be among --seeds [0, 1]" in capsys.readouterr().err
     out = ["--smoke", "--seeds", "0", "1", "--work-dir", str(tmp_path / "w"), "--results-dir", str(tmp_path / "r")]
+    out += ["--figures-dir", str(tmp_path / "r")]
     payload = campaign.main([*out, "--claims", "c1", "--only-seeds", "1"])
     # the pilot ran on the first of --seeds, and only seed 1 continued; the verdict waits for seed 0
     work = tmp_path / "w"

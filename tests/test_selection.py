@@ -258,7 +258,7 @@ def test_callback_takes_traces_logged_by_another_callback_in_either_order(tmp_pa
 
 
 def test_cli_reads_a_recipe_result_file_with_other_key_names(tmp_path, capsys):
-    """hf_flatbias.experiments' result files: {"records": [{step, loss, hessian_trace, hessian_trace_stderr, ...}]}."""
+    """The research recipes' result files: {"records": [{step, loss, hessian_trace, hessian_trace_stderr, ...}]}."""
     records = [
         {"step": r.step, "loss": r.eval_loss, "hessian_trace": r.hessian_trace, "hessian_trace_stderr": r.stderr}
         for r in RECORDS

@@ -7,16 +7,15 @@ from itertools import product
 import numpy as np
 import pytest
 import torch
-from transformers.modeling_outputs import MaskedLMOutput
-
-from hf_flatbias.experiments.saturation import (
+from research.saturation import (
     SATURATED_KL,
     measure_saturation,
     model_masked_log_probs,
     saturation,
 )
-from hf_flatbias.synthetic import PCFG
-from hf_flatbias.synthetic import pcfg as pcfg_module
+from transformers.modeling_outputs import MaskedLMOutput
+
+from hf_flatbias.synthetic import PCFG, pcfg_sampling
 from hf_flatbias.synthetic.data import OracleMLM
 from hf_flatbias.synthetic.tokenizer import CLS_ID, MASK_ID, N_SPECIAL, SEP_ID
 
@@ -128,7 +127,7 @@ def test_sampler_with_lexical_rules_matches_enumeration(brute):
 
 def test_chunked_sampling_concatenates_consistently(monkeypatch):
     g = PCFG.paper_shaped(1, n_words=30, binary_rules_per_symbol=5, symbols_per_level=4, n_sentence_types=3)
-    monkeypatch.setattr(pcfg_module, "_SAMPLE_CHUNK", 7)
+    monkeypatch.setattr(pcfg_sampling, "_SAMPLE_CHUNK", 7)
     sample = g.sample(20, seed=0)
     assert sample.word_ids.shape[0] == 20 and len(sample.lengths) == 20
     np.testing.assert_array_equal((sample.word_ids >= 0).sum(1), sample.lengths)

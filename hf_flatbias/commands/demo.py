@@ -82,7 +82,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _compare_runs(args: argparse.Namespace, output_dir: Path) -> int:
     """Train both runs, compare them at matched loss, write the plot and the JSON, print the table."""
-    from ..experiments import setup_language, write_json
+    from ..results import write_json
+    from ..synthetic.demo_language import setup_language
 
     print(f"hf-flatbias demo: writing to {output_dir.resolve()}", flush=True)
     setup = setup_language(
@@ -135,8 +136,7 @@ def _train(setup, label: str, method: str, args: argparse.Namespace, run_dir: Pa
 
     from ..callbacks import HessianTraceCallback
     from ..config import FlatBiasConfig
-    from ..experiments import build_model
-    from ..synthetic import MaskedWordCollator
+    from ..synthetic import MaskedWordCollator, build_model
     from ..trainer import FlatBiasTrainer
 
     reporters = ["tensorboard"] if _tensorboard_installed() else []
@@ -234,7 +234,7 @@ def _probe_accuracy(setup, checkpoint: Path) -> tuple[float, float]:
     (binomial, from the held-out sentences of each task)."""
     from transformers import BertForMaskedLM
 
-    from ..experiments import probe_scores
+    from ..synthetic.demo_language import probe_scores
 
     model = BertForMaskedLM.from_pretrained(checkpoint)
     scores = list(probe_scores(model, setup).values())

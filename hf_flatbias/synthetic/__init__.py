@@ -1,4 +1,5 @@
-"""Synthetic languages with exact conditionals (PCFG, HMM, Dyck), their datasets and downstream tasks."""
+"""Synthetic languages with exact conditionals (PCFG, HMM, Dyck), their datasets and downstream tasks, and the small
+BERT masked LMs trained on them."""
 
 from .data import (
     MaskedWordCollator,
@@ -14,6 +15,7 @@ from .data import (
 )
 from .dyck import Dyck
 from .hmm import HMM
+from .models import bert_config, build_model
 from .pcfg import PCFG
 from .tokenizer import make_tokenizer
 
@@ -23,8 +25,10 @@ __all__ = [
     "PCFG",
     "Dyck",
     "OracleMLM",
+    "bert_config",
     "build_dyck_dataset",
     "build_hmm_dataset",
+    "build_model",
     "build_pcfg_dataset",
     "context_word_ids",
     "entropy_bound",

@@ -1,4 +1,5 @@
-"""The masked LMs of the synthetic experiments: small BERTs built from a config (nothing is downloaded)."""
+"""The masked LMs trained on the synthetic languages (by ``hf-flatbias demo`` and the research recipes): small BERTs
+built from a config (nothing is downloaded)."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .saturation import SATURATED_KL, SATURATED_KL_UPPER
+from .verdicts import CLAIM_FILES
 
 
 def plot_branches(
@@ -50,8 +51,6 @@ def plot_claims(results_dir: Path, path: Path) -> dict[str, list[tuple]]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from .claims import CLAIM_FILES  # imported here: claims imports this module
 
     fig, grid = plt.subplots(2, 3, figsize=(18, 10))
     panels, note = list(grid.flat[:5]), grid.flat[5]

@@ -19,12 +19,12 @@ import torch
 from datasets import Dataset
 from transformers.trainer_utils import get_last_checkpoint
 
-from ..config import FlatBiasConfig
-from ..flatness import estimate_hessian_trace
-from ..synthetic import MaskedWordCollator
-from ..trainer import FlatBiasTrainer
+from hf_flatbias.config import FlatBiasConfig
+from hf_flatbias.flatness import estimate_hessian_trace
+from hf_flatbias.synthetic import MaskedWordCollator, build_model
+from hf_flatbias.trainer import FlatBiasTrainer
+
 from .branches import BranchEvaluator
-from .models import build_model
 from .paper_language import PaperLanguage
 from .paper_probes import (
     encoder_features,

@@ -5,11 +5,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from scipy.stats import binomtest, t
-
-from hf_flatbias.experiments import (
+from research import (
     RunSpec,
-    build_model,
     c1_verdict,
     mcnemar,
     onehot_position_word,
@@ -17,9 +14,12 @@ from hf_flatbias.experiments import (
     train_with_branches,
     without_predictions,
 )
-from hf_flatbias.experiments.paper_probes import encoder_features, lexical_features, selected_probe
-from hf_flatbias.experiments.verdicts import compared_branches, t_interval
+from research.paper_probes import encoder_features, lexical_features, selected_probe
+from research.verdicts import compared_branches, t_interval
+from scipy.stats import binomtest, t
+
 from hf_flatbias.probe import extract_features
+from hf_flatbias.synthetic import build_model
 
 FIXTURE = Path(__file__).parent / "data" / "c1_verdict_fixture.json"
 

@@ -24,8 +24,8 @@ import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from ..synthetic import MaskedWordCollator
-from .results import write_json
+from hf_flatbias.results import write_json
+from hf_flatbias.synthetic import MaskedWordCollator
 
 
 def linear_anneal_rates(learning_rate: float, steps: int) -> list[float]:

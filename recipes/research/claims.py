@@ -10,11 +10,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hf_flatbias.results import write_json
+
 from .campaign import RATE_RULE, ROUTE, SHAPES, continue_spec, finished_from_disk
 from .paper_probes import mcnemar, without_predictions
 from .plots import plot_branches, plot_claims
 from .protocol import reference_rows
-from .results import write_json
 from .verdicts import (
     C1_RULE,
     C2_RULE,
@@ -24,6 +25,7 @@ from .verdicts import (
     C4_RULE,
     C5_RULE,
     C6_RULE,
+    CLAIM_FILES,
     c2_verdict,
     c3_verdict,
     c4_verdict,
@@ -51,7 +53,7 @@ def write_c3(args) -> dict[str, Any]:
 
 
 def design(args) -> dict[str, Any]:
-    skip = {"stop_after", "merge", "use_cpu"}
+    skip = {"stop_after", "merge", "use_cpu", "figures_dir"}  # where figures go is no part of the design
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in skip}
     return {"route": ROUTE, "shape": SHAPES[config["shape"]], "config": config}
 
@@ -99,7 +101,7 @@ def write_results(args, language, results: dict[int, dict], starts: dict[int, di
     if results:
         plot_branches(
             {s: [{**starts[int(s)]["measured"], "step": 0}, *records] for s, records in seeds.items()},
-            args.results_dir / "continued_training.png",
+            args.figures_dir / "continued_training.png",
             "C1 from a saturated start (distilled; step 0 = the start, later points = annealed branches)",
             references=references,
         )
@@ -261,17 +263,6 @@ def write_c2(args) -> dict[str, Any]:
     return payload
 
 
-#: each claim's result file under the results folder
-CLAIM_FILES = {
-    "C1": "continued_training.json",
-    "C2": "model_size.json",
-    "C3": "optimizer.json",
-    "C4": "lookup_table.json",
-    "C5": "adversarial.json",
-    "C6": "selection.json",
-}
-
-
 def verdict_table(results_dir: Path) -> str:
     """One markdown row per claim file on disk: the claim, its verdict and regime, its file."""
     lines = ["| claim | verdict | file |", "|---|---|---|"]
@@ -419,5 +410,5 @@ def write_claims(args, references: dict[str, Any]) -> dict[str, Any]:
     payload = write_results(args, None, results, starts, rate, references)
     # C2's seeds sit under each width: `any` of the values, not of the keys
     if any(any(claim["seeds"].values()) for claim in later):
-        plot_claims(args.results_dir, args.results_dir / "claims.png")
+        plot_claims(args.results_dir, args.figures_dir / "claims.png")
     return payload

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..constants import DEFAULT_SAM_RHO
+from hf_flatbias.constants import DEFAULT_SAM_RHO
 
 
 @dataclass
@@ -23,7 +23,7 @@ class RunSpec:
     learning_rate: float = 2e-3
     warmup_steps: int = 100
     # the paper's shape is AdamW with beta2 0.98 and a linear decay to 0 ("linear"); constant suits a trunk that
-    # anneal-to-evaluate branches (experiments.branches) are taken from
+    # anneal-to-evaluate branches (`branches`) are taken from
     lr_scheduler_type: str = "constant_with_warmup"
     adam_beta2: float = 0.999
     dropout: float = 0.0

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from ..synthetic.tokenizer import CLS_ID, MASK_ID, N_SPECIAL, PAD_ID, PAD_WORD, SEP_ID
+from hf_flatbias.synthetic.tokenizer import CLS_ID, MASK_ID, N_SPECIAL, PAD_ID, PAD_WORD, SEP_ID
 
 #: a branch is saturated when its mean KL is at most this (nats) ...
 SATURATED_KL = 0.010

@@ -17,14 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from ..synthetic.conditionals import cached_conditionals
-from ..synthetic.hmm import HMM
-from ..synthetic.tokenizer import N_SPECIAL
+from hf_flatbias.results import write_json
+from hf_flatbias.synthetic import build_model
+from hf_flatbias.synthetic.conditionals import cached_conditionals
+from hf_flatbias.synthetic.hmm import HMM
+from hf_flatbias.synthetic.tokenizer import N_SPECIAL
+
 from .campaign import SHAPES, distil_kwargs, distilled_start, material
 from .claims import references_of
 from .distillation import ConditionalPool, distil_to_saturation
-from .models import build_model
-from .results import write_json
 
 EXTEND_BELOW = 0.030
 GATE_RULE = (

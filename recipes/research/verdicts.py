@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from ..stats import mean_interval
+from hf_flatbias.stats import mean_interval
+
 from .analysis import spearman
 from .saturation import SATURATED_KL, SATURATED_KL_UPPER
 
@@ -39,6 +40,16 @@ MATCHED_KL_TOLERANCE = 0.003
 #: seeds (of 5) whose step-trace correlation must be negative
 SEEDS_REQUIRED = 4
 CONFIDENCE = 0.95
+
+#: each claim's result file under the results folder
+CLAIM_FILES = {
+    "C1": "continued_training.json",
+    "C2": "model_size.json",
+    "C3": "optimizer.json",
+    "C4": "lookup_table.json",
+    "C5": "adversarial.json",
+    "C6": "selection.json",
+}
 
 C1_RULE = (
     "PASS if Spearman(training step, Fisher trace) < 0 among compared branches in >= 4 of 5 seeds AND the "
@@ -275,7 +286,7 @@ C6_RULE = (
 
 def c6_verdict(seeds: dict[str, Sequence[dict[str, Any]]], planned: int) -> dict[str, Any]:
     """C6 by `C6_RULE` from each seed's C1 branch records."""
-    from ..selection import CheckpointRecord, select_flattest_checkpoint
+    from hf_flatbias.selection import CheckpointRecord, select_flattest_checkpoint
 
     differences, picks, regimes = {}, {}, set()
     for seed, records in seeds.items():

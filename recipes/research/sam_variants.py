@@ -12,13 +12,14 @@ import numpy as np
 import torch
 from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
 
-from ..config import FlatBiasConfig
-from ..flatness import estimate_hessian_trace
-from ..stats import mean_interval
-from ..synthetic import PCFG
-from ..synthetic.data import MaskedWordCollator, masked_contexts, sentences_to_dataset
-from ..synthetic.tokenizer import CLS_ID, N_SPECIAL, PAD_ID, SEP_ID
-from ..trainer import FlatBiasTrainer
+from hf_flatbias.config import FlatBiasConfig
+from hf_flatbias.flatness import estimate_hessian_trace
+from hf_flatbias.stats import mean_interval
+from hf_flatbias.synthetic import PCFG
+from hf_flatbias.synthetic.data import MaskedWordCollator, masked_contexts, sentences_to_dataset
+from hf_flatbias.synthetic.tokenizer import CLS_ID, N_SPECIAL, PAD_ID, SEP_ID
+from hf_flatbias.trainer import FlatBiasTrainer
+
 from .saturation import measure_saturation
 
 RHO = 0.05

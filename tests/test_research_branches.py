@@ -5,11 +5,10 @@ import copy
 import numpy as np
 import pytest
 import torch
+from research.branches import BranchEvaluator, anneal_branch, linear_anneal_rates
 
 from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
-from hf_flatbias.experiments import build_model
-from hf_flatbias.experiments.branches import BranchEvaluator, anneal_branch, linear_anneal_rates
-from hf_flatbias.synthetic import PCFG, MaskedWordCollator, make_tokenizer, sentences_to_dataset
+from hf_flatbias.synthetic import PCFG, MaskedWordCollator, build_model, make_tokenizer, sentences_to_dataset
 
 
 class Quadratic(torch.nn.Module):

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from datasets import Dataset
 
-from ..synthetic import PCFG, make_tokenizer, masked_contexts, sentences_to_dataset
+from hf_flatbias.synthetic import PCFG, make_tokenizer, masked_contexts, sentences_to_dataset
 
 #: the released downstream generator keeps sentences of more than 4 words
 MIN_PROBE_WORDS = 5

@@ -1,22 +1,25 @@
 """The language of ``hf-flatbias demo``: a small PCFG, its training sentences, fixed evaluation contexts, probe
 tasks, and the linear-probe scores of a model on them.
 
-The research recipes use the paper-shaped language of `paper_language` instead.
+The research recipes (``recipes/research/``) use the paper-shaped language of their `paper_language` instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from datasets import Dataset
 
 from ..probe import extract_features, probe_accuracy
-from ..synthetic import PCFG, build_pcfg_dataset, entropy_bound, make_tokenizer, masked_contexts
+from .data import build_pcfg_dataset, entropy_bound, masked_contexts
+from .pcfg import PCFG
+from .tokenizer import make_tokenizer
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerFast
 
 
 @dataclass
@@ -24,8 +27,8 @@ class LanguageSetup:
     """A language, its datasets, fixed evaluation contexts and probe tasks."""
 
     name: str
-    language: Any
-    tokenizer: Any
+    language: PCFG
+    tokenizer: PreTrainedTokenizerFast
     train: Dataset
     contexts: Dataset
     probe_rows: list[list[int]]

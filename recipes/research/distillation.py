@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..synthetic.tokenizer import CLS_ID, MASK_ID, N_SPECIAL, PAD_ID, SEP_ID
+from hf_flatbias.synthetic.tokenizer import CLS_ID, MASK_ID, N_SPECIAL, PAD_ID, SEP_ID
+
 from .saturation import measure_saturation
 
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from ..probe import extract_features, fit_probe, labelled_rows, wilson_interval
-from ..synthetic.tokenizer import CLS_ID, N_SPECIAL, SEP_ID
+from hf_flatbias.probe import extract_features, fit_probe, labelled_rows, wilson_interval
+from hf_flatbias.synthetic.tokenizer import CLS_ID, N_SPECIAL, SEP_ID
+
 from .paper_language import PROBE_SPLITS, PaperLanguage, SentenceSet
 
 #: inverse L2 strengths tried on the validation split (the lexical baseline's optimum was 1e-3 to 1e-2)

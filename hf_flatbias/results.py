@@ -1,4 +1,4 @@
-"""What the research recipes write: their results as indented JSON."""
+"""Results as indented JSON, as ``hf-flatbias demo`` and the research recipes write them."""
 
 from __future__ import annotations
 

@@ -20,15 +20,16 @@ from typing import Any
 import numpy as np
 from transformers import BertForMaskedLM
 
-from ..adversarial import AdversarialPretrainingModel
-from ..enlarge import enlarge
-from ..flatness import estimate_hessian_trace
-from ..synthetic.conditionals import cached_conditionals
+from hf_flatbias.adversarial import AdversarialPretrainingModel
+from hf_flatbias.enlarge import enlarge
+from hf_flatbias.flatness import estimate_hessian_trace
+from hf_flatbias.results import write_json
+from hf_flatbias.synthetic import bert_config, build_model
+from hf_flatbias.synthetic.conditionals import cached_conditionals
+
 from .distillation import ConditionalPool, distil_to_saturation
-from .models import bert_config, build_model
 from .paper_language import PaperLanguage, setup_paper_language, task_classes
 from .protocol import measure_branch, train_with_branches
-from .results import write_json
 from .runs import RunSpec
 from .verdicts import C2_SIZES, C3_ARMS
 

@@ -511,7 +511,8 @@ def test_committed_start_kl_re_measured_by_brute_force_conditionals():
         grammar.masked_conditionals(kl_sentences.word_ids, kl_sentences.lengths),
         kl_sentences.lengths,
     ).kl
-    assert full == pytest.approx(payload["seeds"]["0"]["start"]["measured"]["kl"], rel=1e-9)
+    # rel 1e-6, not bit-equality: float32 matmuls round differently across CPU kernels (4e-8 relative seen here)
+    assert full == pytest.approx(payload["seeds"]["0"]["start"]["measured"]["kl"], rel=1e-6)
 
 
 def test_a_negative_adversary_weight_is_refused_before_any_compute(recipes, capsys):

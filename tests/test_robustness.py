@@ -282,6 +282,44 @@ def test_quantization_keeps_embeddings_when_asked():
     assert result.n_tensors == len(EXPECTED_MATRICES) - 3
 
 
+def test_quantization_of_gpt2_conv1d_is_per_output_column():
+    # GPT-2's Conv1D stores (in, out): a channel is a column, its groups run down the inputs.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    model = GPT2LMHeadModel(config).double().eval()
+    generator = torch.Generator().manual_seed(0)
+    texts = [{"input_ids": torch.randint(0, VOCAB, (6,), generator=generator).tolist()} for _ in range(12)]
+    rows = build_masked_contexts(texts, mask_token_id=None, causal=True)
+    result = estimate_quantization_sensitivity(model, rows, 4, group_size=8)
+    reference = copy.deepcopy(model)
+    matrices = quantized_weight_matrices(reference)
+    assert set(matrices) == {
+        "transformer.wte.weight",
+        "transformer.wpe.weight",
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.0.attn.c_proj.weight",
+        "transformer.h.0.mlp.c_fc.weight",
+        "transformer.h.0.mlp.c_proj.weight",
+    }
+    with torch.no_grad():
+        for name, weight in matrices.items():
+            transposed = "wte" not in name and "wpe" not in name
+            w = weight.detach()
+            weight.copy_(_hand_quantized(w.t(), 4, 8).t() if transposed else _hand_quantized(w, 4, 8))
+        batch = {"input_ids": torch.tensor([r["input_ids"] for r in rows])}
+        labels = torch.tensor([r["labels"] for r in rows])
+
+        def loss(m):
+            logits = m(**batch).logits[:, :-1].double()
+            picked = labels[:, 1:] != -100
+            return float(torch.nn.functional.cross_entropy(logits[picked], labels[:, 1:][picked]))
+
+        expected = loss(reference) - loss(model)
+    assert result.points[0].loss_increase == pytest.approx(expected, rel=1e-9)
+
+
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [

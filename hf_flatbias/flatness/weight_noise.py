@@ -12,7 +12,12 @@ Tr(H_pp)`` with noise relative to each tensor's root-mean-square (``scale="rms"`
   the CPU in float32), so two checkpoints of the same architecture get the same noise and their difference is not
   blurred by it. The same draws serve every ``sigma`` of the grid.
 - The weights are restored bit for bit (copied back from a saved copy, never subtracted), and the measurement runs in
-  ``eval()`` mode with module modes, ``.grad`` and the global random streams left as they were.
+  ``eval()`` mode with module modes, ``.grad`` and the global random streams left as they were. It holds two extra
+  copies of the trainable parameters meanwhile (the saved weights and the draw's scaled noise).
+- Precision: the loss is read in float64, but a float32 model rounds the forward to ~1e-7 relative, so at
+  ``sigma ~ 1e-3`` the increase (``~ sigma^2 Tr(H)``) can drown in rounding on a small model; measure such a limit
+  in float64 (``model.double()``). Larger ``sigma`` (the 1e-2 to 1e-1 relative noise the robustness studies use)
+  is well above it.
 
 Nothing here knows about the Trainer.
 """

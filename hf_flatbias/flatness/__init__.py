@@ -19,6 +19,18 @@ from .spectrum import (
     estimate_top_eigenvalues,
 )
 
+# isort: split
+# robustness measures (issue 37): appended, so that the import list above stays as it is
+from .forgetting import ForgettingResult, measure_forgetting
+from .quantization import (
+    QuantizationPoint,
+    QuantizationSensitivity,
+    estimate_quantization_sensitivity,
+    quantized_weight_matrices,
+    round_to_nearest,
+)
+from .weight_noise import WeightNoisePoint, WeightNoiseSensitivity, estimate_weight_noise_sensitivity, weight_noise
+
 __all__ = [
     "ESTIMATORS",
     "FisherDiagonal",
@@ -44,4 +56,15 @@ __all__ = [
     "parameter_groups",
     "per_context_fisher_traces",
     "summarize_trace_samples",
+    "ForgettingResult",
+    "measure_forgetting",
+    "QuantizationPoint",
+    "QuantizationSensitivity",
+    "estimate_quantization_sensitivity",
+    "quantized_weight_matrices",
+    "round_to_nearest",
+    "WeightNoisePoint",
+    "WeightNoiseSensitivity",
+    "estimate_weight_noise_sensitivity",
+    "weight_noise",
 ]

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, RECOMMENDED_N_DRAWS
 from .api import contexts_to_measure
-from .estimators import compute_trace_samples
+from .estimators import compute_trace_samples, per_context_estimators
 from .groups import GroupOf
 from .lm import evaluation_mode, preserved_global_rng
 from .results import TraceEstimate, summarize_trace_samples
@@ -76,8 +76,9 @@ def estimate_fisher_diagonal(
     Returns:
         A `FisherDiagonal`. It holds one float64 tensor per parameter: twice the model's float32 size.
     """
-    if estimator not in ("per_sample", "naive"):
-        raise ValueError(f"estimate_fisher_diagonal needs estimator='per_sample' or 'naive' (got {estimator!r}).")
+    if estimator not in per_context_estimators():
+        needed = " or ".join(repr(name) for name in per_context_estimators())
+        raise ValueError(f"estimate_fisher_diagonal needs estimator={needed} (got {estimator!r}).")
     start = time.perf_counter()
     params, contexts, indices = contexts_to_measure(model, dataset, n_contexts=n_contexts, causal=causal)
     sums: dict[int, torch.Tensor] = {}

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ..contexts import TraceContexts
-from ..ghost import GhostNormRecorder, add_squared_gradients
+from ..ghost import GhostNormRecorder
+from ..ghost_diagonal import add_squared_gradients
 from ..groups import ParameterGroups
 from ..lm import check_lm_model, logits_at_positions
 from ..results import TraceSamples

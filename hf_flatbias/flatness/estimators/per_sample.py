@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from ..results import TraceSamples
 from .base import TraceEstimator, length_sorted_batches, resolved_batch_size, sample_labels
 from .naive import naive_squared_norms
 
+if TYPE_CHECKING:
+    from .settings import TraceSettings
+
 
 class PerSampleEstimator(TraceEstimator):
     name = "per_sample"
@@ -35,16 +39,7 @@ class PerSampleEstimator(TraceEstimator):
         parts, group_parts = [], []
         for number, batch in enumerate(batches):
             values, group_values, forward_s, draw_s = _per_sample_batch(
-                model,
-                contexts,
-                batch,
-                params,
-                settings.n_draws,
-                settings.seed,
-                settings.exact_output_expectation,
-                validate=number == 0,
-                groups=groups,
-                diagonal=diagonal,
+                model, contexts, batch, params, settings, validate=number == 0, groups=groups, diagonal=diagonal
             )
             parts.append(values)
             group_parts.append(group_values)
@@ -71,13 +66,15 @@ def _per_sample_batch(
     contexts: TraceContexts,
     indices: Sequence[int],
     params: Sequence[nn.Parameter],
-    n_draws: int,
-    seed: int,
-    exact_output_expectation: bool,
+    settings: TraceSettings,
+    *,
     validate: bool,
-    groups: ParameterGroups | None = None,
-    diagonal: dict[int, torch.Tensor] | None = None,
+    groups: ParameterGroups | None,
+    diagonal: dict[int, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, float, float]:
+    """Per-context values (B, n_draws), their split by group (B, n_draws, G) or ``None``, and the seconds of the
+    forward and of the draws."""
+    n_draws = settings.n_draws
     start = time.perf_counter()
     batch = contexts.model_inputs(indices, model)
     positions = torch.tensor([contexts.positions[i] for i in indices], device=batch["input_ids"].device)
@@ -86,11 +83,11 @@ def _per_sample_batch(
     with recorder:
         logits = logits_at_positions(model, batch, positions)
     probs = torch.softmax(logits.detach()[:, 0].double(), dim=-1)
-    labels = sample_labels(probs, indices, n_draws, seed)
+    labels = sample_labels(probs, indices, n_draws, settings.seed)
     outputs = recorder.outputs()
     decoder = check_lm_model(model)
     decoder_call = next((c for c in recorder.calls if c.module is decoder and _are_the_logits(c.output, logits)), None)
-    use_expectation = exact_output_expectation and decoder_call is not None
+    use_expectation = settings.exact_output_expectation and decoder_call is not None
     trainable = {id(p) for p in params}
     if use_expectation:
         # E_y ||e_y - p||^2 = 1 - ||p||^2, times what multiplies the output gradient in the decoder's own term

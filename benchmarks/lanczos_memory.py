@@ -38,12 +38,9 @@ from large_model_trace import FIRST_WORD, MASK_ID, PeakMemory, build  # noqa: E4
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from hf_flatbias.flatness import TraceContexts, build_masked_contexts  # noqa: E402
+from hf_flatbias.flatness.curvature import CurvatureOperator  # noqa: E402
 from hf_flatbias.flatness.lm import evaluation_mode, measured_parameters  # noqa: E402
-from hf_flatbias.flatness.spectrum import (  # noqa: E402
-    CurvatureOperator,
-    default_max_vectors,
-    estimate_top_eigenvalues,
-)
+from hf_flatbias.flatness.spectrum import default_max_vectors, estimate_top_eigenvalues  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 

@@ -36,23 +36,24 @@ SAM_STEP_OPTIONS: dict[str, tuple[str, ...]] = {
 IGNORE_INDEX = -100
 """The label of positions that are not predicted (the default ``ignore_index`` of PyTorch's cross-entropy)."""
 
-# The trace's names are here, not in flatness/, so that the command line can offer them without importing torch.
-ESTIMATORS = ("per_sample", "summed", "hutchinson", "hutchpp", "naive")
-"""The Hessian-trace estimators of ``estimate_hessian_trace``."""
-
-DEFAULT_ESTIMATOR = "per_sample"
-"""The estimator used when none is named: the paper's sampled-label Fisher trace, one backward per draw."""
-
+# The trace's names are here, not in flatness/, so that the command line can offer them without importing torch;
+# `hf_flatbias.flatness.estimators.ESTIMATOR_REGISTRY` finds each estimator's module by its name.
 TRACE_SYMBOLS = {
     "per_sample": "Tr(F)",
     "summed": "Tr(F)",
-    "naive": "Tr(F)",
     "hutchinson": "Tr(H)",
     "hutchpp": "Tr(H)",
+    "naive": "Tr(F)",
 }
-"""What each estimator measures, in a plot's or a table's few characters: the sampled-label estimators measure the
-Fisher trace Tr(F) (the paper's measure), Hutchinson's probes the Hessian trace Tr(H) of the data-label loss; the two
-agree only where the model's conditionals are the true ones."""
+"""The Hessian-trace estimators of ``estimate_hessian_trace`` and what each measures, in a plot's or a table's few
+characters: the sampled-label estimators measure the Fisher trace Tr(F) (the paper's measure), Hutchinson's probes
+the Hessian trace Tr(H) of the data-label loss; the two agree only where the model's conditionals are the true ones."""
+
+ESTIMATORS = tuple(TRACE_SYMBOLS)
+"""The names of the Hessian-trace estimators, the command line's choices."""
+
+DEFAULT_ESTIMATOR = "per_sample"
+"""The estimator used when none is named: the paper's sampled-label Fisher trace, one backward per draw."""
 
 TRACE_QUANTITIES = {
     estimator: f"{'Fisher' if symbol == 'Tr(F)' else 'Hessian'} trace {symbol}"

@@ -1,5 +1,6 @@
 """Trace estimators against exact references computed here, on models small enough to enumerate the vocabulary."""
 
+import dataclasses
 import math
 
 import pytest
@@ -17,6 +18,12 @@ from hf_flatbias.flatness import (
     compute_trace_samples,
     estimate_hessian_trace,
     summarize_trace_samples,
+)
+from hf_flatbias.flatness.estimators import (
+    ESTIMATOR_REGISTRY,
+    TraceSettings,
+    per_context_estimators,
+    probed_estimators,
 )
 from hf_flatbias.flatness.exact import exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
 from hf_flatbias.flatness.lm import is_causal_lm
@@ -301,6 +308,30 @@ def test_bad_input_raises_clear_errors(bert_case):
     with pytest.raises(ValueError, match="n_contexts=99"):
         estimate_hessian_trace(model, rows, n_contexts=99)
     assert set(ESTIMATORS) == {"per_sample", "summed", "hutchinson", "hutchpp", "naive"}
+
+
+def test_the_registry_holds_one_estimator_per_name_in_its_own_module():
+    assert tuple(ESTIMATOR_REGISTRY) == ESTIMATORS
+    for name, estimator in ESTIMATOR_REGISTRY.items():
+        assert estimator.name == name
+        assert type(estimator).__module__ == f"hf_flatbias.flatness.estimators.{name}"
+    assert per_context_estimators() == ("per_sample", "naive")
+    assert probed_estimators() == ("hutchinson", "hutchpp")
+
+
+def test_trace_settings_are_frozen_and_checked_when_made():
+    settings = TraceSettings(estimator="hutchpp", probe="gaussian")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.n_draws = 3
+    for bad, message in (
+        ({"estimator": "exact"}, "estimator='exact' is not supported"),
+        ({"probe": "gaussian"}, "applies to estimator='hutchinson' or 'hutchpp' only"),
+        ({"n_draws": 2.0}, "n_draws must be an integer"),
+        ({"batch_size": "big"}, "batch_size must be an integer >= 1 or 'auto'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            TraceSettings(**bad)
+    assert all(f.metadata.get("help") for f in dataclasses.fields(TraceSettings))
 
 
 def test_one_causal_lm_test_for_models_configs_decoders_and_peft_wrappers():

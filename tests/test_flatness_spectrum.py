@@ -221,7 +221,7 @@ def test_bad_arguments_are_refused_before_any_compute():
 
 def test_thick_restart_lanczos_restarts_to_the_exact_top_eigenvalues_with_default_rounding():
     """A basis far smaller than the matrix forces restarts; ``rounding`` left to the vectors' dtype."""
-    from hf_flatbias.flatness.spectrum import thick_restart_lanczos
+    from hf_flatbias.flatness.lanczos import thick_restart_lanczos
 
     generator = torch.Generator().manual_seed(0)
     q, _ = torch.linalg.qr(torch.randn(60, 60, dtype=torch.float64, generator=generator))

@@ -86,7 +86,7 @@ def test_callback_logs_the_measures_without_changing_training(tmp_path, tokenize
     assert len([entry for entry in measured.state.log_history if TRACE_METRIC in entry]) == 2
 
     # the last values are those of the estimators on the final weights and the callback's contexts
-    eigenvalues = estimate_top_eigenvalues(measured.model, callback._contexts, seed=callback.seed)
+    eigenvalues = estimate_top_eigenvalues(measured.model, callback._contexts, seed=callback.config.seed)
     sharpness = estimate_sam_sharpness(measured.model, callback._contexts, 0.1, batch_size=4)
     assert logged[-1][TOP_EIGENVALUE_METRIC] == pytest.approx(eigenvalues.top, rel=1e-5)
     assert logged[-1][SAM_SHARPNESS_METRIC] == pytest.approx(sharpness.mean, rel=1e-5)

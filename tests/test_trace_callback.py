@@ -1,5 +1,8 @@
 """HessianTraceCallback inside real Trainer runs: logged values, no effect on training, binding."""
 
+import dataclasses
+import signal
+
 import pytest
 import torch
 from datasets import Dataset
@@ -12,7 +15,14 @@ from transformers import (
     TrainingArguments,
 )
 
-from hf_flatbias.callbacks import TRACE_METRIC, TRACE_STDERR_METRIC, HessianTraceCallback, contexts_within_budget
+from hf_flatbias.callbacks import (
+    TRACE_METRIC,
+    TRACE_STDERR_METRIC,
+    HessianTraceCallback,
+    SaveOnInterruptCallback,
+    TraceCallbackConfig,
+    contexts_within_budget,
+)
 from hf_flatbias.flatness import FlatnessRecord, TraceEstimate, estimate_hessian_trace
 from hf_flatbias.synthetic import make_tokenizer
 from hf_flatbias.trainer import FlatBiasTrainer
@@ -199,3 +209,47 @@ def test_bad_arguments_fail_before_training(tmp_path, tokenizer):
         )
         callback.bind_trainer(trainer)
         callback.measure()
+
+
+def test_keyword_settings_land_in_a_frozen_documented_config():
+    callback = HessianTraceCallback(n_contexts=8, every_n_steps=3, also_measure="top_eigenvalue", max_overhead=None)
+    assert callback.config == TraceCallbackConfig(
+        n_contexts=8, every_n_steps=3, also_measure=("top_eigenvalue",), max_overhead=None
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        callback.config.n_contexts = 4
+    assert all(field.metadata.get("help") for field in dataclasses.fields(TraceCallbackConfig))
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['n_context'\]"):
+        HessianTraceCallback(n_context=8)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        # a float used to pass and fail at the first measurement with "slice indices must be integers"
+        ({"n_contexts": 2.5}, r"^n_contexts must be a whole number >= 1 \(got 2.5\); pass e.g. n_contexts=2.$"),
+        ({"n_contexts": True}, r"^n_contexts must be a whole number >= 1 \(got True\)"),
+        ({"batch_size": 4.0}, r"^batch_size must be a whole number >= 1 \(got 4.0\)"),
+        ({"every_n_steps": False}, r"^every_n_steps must be a whole number >= 1 or None \(got False\)"),
+        ({"n_draws": 2.0}, r"^n_draws must be a whole number >= 1"),
+        ({"seed": 0.5}, r"^seed must be a whole number \(got 0.5\)"),
+        ({"mask_token_id": 4.0}, r"^mask_token_id must be a whole number >= 0 or None"),
+        ({"on_evaluate": 1}, r"^on_evaluate must be True or False \(got 1\)"),
+        ({"max_overhead": True}, r"^max_overhead must be a number > 0"),
+    ],
+)
+def test_wrong_types_are_refused_when_the_callback_is_made(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        HessianTraceCallback(**arguments)
+
+
+def test_interrupt_signals_are_taken_by_name_and_checked_when_made():
+    assert SaveOnInterruptCallback(signals=("SIGINT", "sigterm")).signals == (signal.SIGINT, signal.SIGTERM)
+    assert SaveOnInterruptCallback(signals=(signal.SIGINT, int(signal.SIGTERM))).signals == (
+        signal.SIGINT,
+        signal.SIGTERM,
+    )
+    assert SaveOnInterruptCallback().signals == (signal.SIGINT,)
+    for bad in (("SIGNOPE",), (10**6,), ("SIGKILL",), (True,)):
+        with pytest.raises(ValueError, match=r"^signals=.* is not a signal .*; pass names such as 'SIGINT'"):
+            SaveOnInterruptCallback(signals=bad)

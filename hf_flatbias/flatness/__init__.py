@@ -6,7 +6,7 @@ from ..constants import ESTIMATORS
 from .api import estimate_hessian_trace
 from .contexts import TraceContexts, build_masked_contexts
 from .diagonal import FisherDiagonal, estimate_fisher_diagonal
-from .estimators import compute_trace_samples
+from .estimators import TraceSettings, compute_trace_samples
 from .exact import exact_fisher_diagonal, exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
 from .groups import default_group_of, parameter_groups
 from .results import FlatnessRecord, GroupTrace, TraceEstimate, TraceSamples, summarize_trace_samples
@@ -42,6 +42,7 @@ __all__ = [
     "TraceContexts",
     "TraceEstimate",
     "TraceSamples",
+    "TraceSettings",
     "build_masked_contexts",
     "compute_trace_samples",
     "default_group_of",

@@ -22,7 +22,7 @@ from .distributed import (
     unsharded_parameters,
     world,
 )
-from .estimators import check_estimator_arguments, compute_trace_samples
+from .estimators import TraceSettings, per_context_estimators, trace_samples
 from .groups import GroupOf
 from .lm import check_lm_model, evaluation_mode, is_causal_lm, measured_parameters, preserved_global_rng
 from .results import TraceEstimate, TraceSamples, summarize_trace_samples
@@ -93,10 +93,7 @@ def estimate_hessian_trace(
             the model's vocabulary, or too few contexts.
     """
     start = time.perf_counter()
-    check_estimator_arguments(estimator, n_draws, batch_size, probe)
-    _, contexts, indices = contexts_to_measure(model, dataset, n_contexts=n_contexts, causal=causal)
-    _check_partitioned_model(model, across_processes)
-    measure = dict(
+    settings = TraceSettings(
         n_draws=n_draws,
         estimator=estimator,
         seed=seed,
@@ -104,13 +101,15 @@ def estimate_hessian_trace(
         exact_output_expectation=exact_output_expectation,
         probe=probe,
         by_group=by_group,
-        progress=_shows_progress(progress, len(indices) * n_draws),
     )
+    _, contexts, indices = contexts_to_measure(model, dataset, n_contexts=n_contexts, causal=causal)
+    _check_partitioned_model(model, across_processes)
+    shows_progress = _shows_progress(progress, len(indices) * n_draws)
     with evaluation_mode(model), preserved_global_rng():
         if across_processes:
-            samples = _samples_across_processes(model, contexts, indices, measure)
+            samples = _samples_across_processes(model, contexts, indices, settings, shows_progress)
         else:
-            samples = compute_trace_samples(model, contexts, indices=indices, **measure)
+            samples = trace_samples(model, contexts, settings, indices=indices, progress=shows_progress)
     return summarize_trace_samples(samples, seconds=time.perf_counter() - start)
 
 
@@ -147,24 +146,29 @@ def _check_partitioned_model(model: nn.Module, across_processes: bool) -> None:
 
 
 def _samples_across_processes(
-    model: nn.Module, contexts: TraceContexts, indices: list[int], measure: dict[str, Any]
+    model: nn.Module, contexts: TraceContexts, indices: list[int], settings: TraceSettings, progress: bool
 ) -> TraceSamples:
     rank, world_size = world()
     if world_size == 1:
-        return compute_trace_samples(model, contexts, indices=indices, **measure)
-    if measure["estimator"] not in ("per_sample", "naive"):
+        return trace_samples(model, contexts, settings, indices=indices, progress=progress)
+    if settings.estimator not in per_context_estimators():
         raise ValueError(
-            f"across_processes=True needs a per-context estimator ('per_sample' or 'naive'), got "
-            f"{measure['estimator']!r}: its units are batches of contexts, which would differ from one process."
+            f"across_processes=True needs a per-context estimator "
+            f"({' or '.join(repr(name) for name in per_context_estimators())}), got {settings.estimator!r}: its "
+            "units are batches of contexts, which would differ from one process."
         )
     lockstep = needs_lockstep(model)
     share = share_of_contexts(indices, rank, world_size, lockstep=lockstep)
     if is_fully_sharded(model):
         whole = unsharded_parameters(model)
-    elif is_zero3_partitioned(model) and measure["estimator"] == "per_sample":
+    elif is_zero3_partitioned(model) and settings.estimator == "per_sample":
         whole = gathered_parameters(model)
     else:
         whole = contextlib.nullcontext()
     with whole:
-        local = compute_trace_samples(model, contexts, indices=share.indices, **measure) if share.indices else None
+        local = (
+            trace_samples(model, contexts, settings, indices=share.indices, progress=progress)
+            if share.indices
+            else None
+        )
     return gather_trace_samples(local, share.n_measured, world_size)

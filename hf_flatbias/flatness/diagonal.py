@@ -3,9 +3,9 @@
 ``diag F = E_{x,t} E_{y ~ f(x_-t)} (grad_theta log f(x_-t)_y)^2`` elementwise; its sum is the trace
 `hf_flatbias.flatness.api.estimate_hessian_trace` estimates. `estimate_fisher_diagonal` takes both from the same
 sampled labels: with ``per_sample`` the squared per-sample gradients come from the layer inputs and output gradients
-the trace already records (`hf_flatbias.flatness.ghost.add_squared_gradients`), with no further backward; the decoder's
-own terms are again replaced by their exact expectation over ``y`` (``p_v (1 - p_v) h_i^2``). Nothing here knows
-about the Trainer.
+the trace already records (`hf_flatbias.flatness.ghost_diagonal.add_squared_gradients`), with no further backward;
+the decoder's own terms are again replaced by their exact expectation over ``y`` (``p_v (1 - p_v) h_i^2``). Nothing
+here knows about the Trainer.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch import nn
 
 from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, RECOMMENDED_N_DRAWS
 from .api import contexts_to_measure
-from .estimators import compute_trace_samples
+from .estimators import compute_trace_samples, per_context_estimators
 from .groups import GroupOf
 from .lm import evaluation_mode, preserved_global_rng
 from .results import TraceEstimate, summarize_trace_samples
@@ -76,8 +76,9 @@ def estimate_fisher_diagonal(
     Returns:
         A `FisherDiagonal`. It holds one float64 tensor per parameter: twice the model's float32 size.
     """
-    if estimator not in ("per_sample", "naive"):
-        raise ValueError(f"estimate_fisher_diagonal needs estimator='per_sample' or 'naive' (got {estimator!r}).")
+    if estimator not in per_context_estimators():
+        needed = " or ".join(repr(name) for name in per_context_estimators())
+        raise ValueError(f"estimate_fisher_diagonal needs estimator={needed} (got {estimator!r}).")
     start = time.perf_counter()
     params, contexts, indices = contexts_to_measure(model, dataset, n_contexts=n_contexts, causal=causal)
     sums: dict[int, torch.Tensor] = {}

@@ -32,7 +32,7 @@ LAYER_KINDS = ("linear", "conv1d", "embedding", "layer_norm", "elementwise")
 
 
 @dataclass
-class _LayerCall:
+class LayerCall:
     """What one call of a hooked module saw: its input (ids for embeddings) and its output tensor.
 
     ``output_scale`` is the constant an embedding subclass multiplies its lookup by (Gemma's ``sqrt(hidden)``);
@@ -49,7 +49,7 @@ class _LayerCall:
 
 
 @dataclass
-class _OuterFactors:
+class OuterFactors:
     """Per-sample gradient ``sum_t left_t right_t^T``; ``left_ids`` stands for one-hot rows (embedding lookups)."""
 
     right: torch.Tensor  # (B, T, cols)
@@ -58,10 +58,10 @@ class _OuterFactors:
 
 
 @dataclass
-class _ParamUses:
+class ParamUses:
     param: nn.Parameter
-    outer: list[tuple[_LayerCall, _OuterFactors]] = field(default_factory=list)
-    vectors: list[tuple[_LayerCall, torch.Tensor]] = field(default_factory=list)  # per-sample gradients (B, numel)
+    outer: list[tuple[LayerCall, OuterFactors]] = field(default_factory=list)
+    vectors: list[tuple[LayerCall, torch.Tensor]] = field(default_factory=list)  # per-sample gradients (B, numel)
 
 
 def _flatten_positions(tensor: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -96,7 +96,7 @@ def _dense_gram(x: torch.Tensor, y: torch.Tensor, cache: _GramCache) -> torch.Te
     return cache.get(x, y, lambda: torch.bmm(x, y.transpose(1, 2)))
 
 
-def _left_gram(a: _OuterFactors, b: _OuterFactors, cache: _GramCache) -> torch.Tensor:
+def _left_gram(a: OuterFactors, b: OuterFactors, cache: _GramCache) -> torch.Tensor:
     """(B, T_a, T_b) inner products of the left factors, one-hot rows handled without materialising them."""
     if a.left_ids is not None and b.left_ids is not None:
         return cache.get(
@@ -111,13 +111,13 @@ def _left_gram(a: _OuterFactors, b: _OuterFactors, cache: _GramCache) -> torch.T
     return _dense_gram(a.left, b.left, cache)
 
 
-def _outer_inner_product(a: _OuterFactors, b: _OuterFactors, cache: _GramCache) -> torch.Tensor:
+def _outer_inner_product(a: OuterFactors, b: OuterFactors, cache: _GramCache) -> torch.Tensor:
     """Per-sample Frobenius inner product of two outer-product gradients, shape (B,)."""
     right_gram = _dense_gram(a.right, b.right, cache)
     return (_left_gram(a, b, cache) * right_gram).sum(dim=(1, 2))
 
 
-def _outer_squared_norm(a: _OuterFactors, cache: _GramCache) -> torch.Tensor:
+def _outer_squared_norm(a: OuterFactors, cache: _GramCache) -> torch.Tensor:
     """Per-sample squared norm, through the T x T Gram form or the materialised gradient, whichever is cheaper
     (a Gram of a forward-fixed factor is free after the first draw)."""
     positions, cols = a.right.shape[1], a.right.shape[2]
@@ -236,7 +236,7 @@ class GhostNormRecorder:
                 self._refused[module] = f"a {type(module).__name__} is not a layer per_sample can follow"
             else:
                 self._kinds[module] = kind
-        self.calls: list[_LayerCall] = []
+        self.calls: list[LayerCall] = []
         self.batch_size: int | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._checked: set[nn.Module] = set()
@@ -317,7 +317,7 @@ class GhostNormRecorder:
             self._refuse(module, f"a {type(module).__name__} called with other than one tensor argument")
             return None
         inputs = args[0]
-        call = _LayerCall(module=module, inputs=inputs.detach(), output=output)
+        call = LayerCall(module=module, inputs=inputs.detach(), output=output)
         if kind == "embedding":
             scale = _embedding_output_scale(module, inputs, output)
             if scale is None:
@@ -359,7 +359,7 @@ class GhostNormRecorder:
         for call, grad in zip(self.calls, grads, strict=True):
             call.grad_output = grad
 
-    def _static(self, tensor: torch.Tensor, call: _LayerCall) -> torch.Tensor:
+    def _static(self, tensor: torch.Tensor, call: LayerCall) -> torch.Tensor:
         """The same tensor object for every draw (so Gram matrices of it can be cached), marked as forward-fixed."""
         views = self._static_views.setdefault(id(call), {})
         key = (tensor.shape, tensor.dtype)
@@ -368,13 +368,13 @@ class GhostNormRecorder:
             self._cache.static_ids.add(id(tensor))
         return views[key]
 
-    def _uses(self) -> dict[int, _ParamUses]:
+    def parameter_uses(self) -> dict[int, ParamUses]:
         wanted = {id(p) for p in self.params}
-        uses: dict[int, _ParamUses] = {}
+        uses: dict[int, ParamUses] = {}
         batch = self.batch_size
 
-        def entry(param: nn.Parameter) -> _ParamUses:
-            return uses.setdefault(id(param), _ParamUses(param))
+        def entry(param: nn.Parameter) -> ParamUses:
+            return uses.setdefault(id(param), ParamUses(param))
 
         for call in self.calls:
             module, grad = call.module, call.grad_output
@@ -392,11 +392,11 @@ class GhostNormRecorder:
             if kind == "linear":
                 if weight is not None and id(weight) in wanted:
                     x = self._static(_flatten_positions(call.inputs, batch).to(g.dtype), call)
-                    entry(weight).outer.append((call, _OuterFactors(left=g, right=x)))
+                    entry(weight).outer.append((call, OuterFactors(left=g, right=x)))
             elif kind == "conv1d":
                 if id(weight) in wanted:
                     x = self._static(_flatten_positions(call.inputs, batch).to(g.dtype), call)
-                    entry(weight).outer.append((call, _OuterFactors(left=x, right=g)))
+                    entry(weight).outer.append((call, OuterFactors(left=x, right=g)))
             elif kind == "embedding":
                 if id(weight) in wanted:
                     ids = self._static(call.inputs.reshape(batch, -1), call)
@@ -405,7 +405,7 @@ class GhostNormRecorder:
                     if module.padding_idx is not None:
                         # the padding row never receives a gradient
                         g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
-                    entry(weight).outer.append((call, _OuterFactors(left_ids=ids, right=g)))
+                    entry(weight).outer.append((call, OuterFactors(left_ids=ids, right=g)))
             elif kind == "layer_norm":
                 if weight is not None and id(weight) in wanted:
                     x = _flatten_positions(call.inputs, batch)
@@ -415,7 +415,7 @@ class GhostNormRecorder:
                 entry(bias).vectors.append((call, g.sum(dim=1)))
         return uses
 
-    def squared_norms(self, exclude_self_terms_of: _LayerCall | None = None) -> torch.Tensor:
+    def squared_norms(self, exclude_self_terms_of: LayerCall | None = None) -> torch.Tensor:
         """Per-sample squared norm of the gradient over `params`, shape (B,).
 
         With `exclude_self_terms_of`, the squared norms of that call's own weight and bias contributions are left
@@ -431,7 +431,7 @@ class GhostNormRecorder:
         return self.calls[0].output.device if self.calls else self.params[0].device
 
     def squared_norm_terms(
-        self, split_self_terms_of: _LayerCall | None = None, *, own_terms: bool = True
+        self, split_self_terms_of: LayerCall | None = None, *, own_terms: bool = True
     ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         """The per-sample squared norm split into parts that add up to it: ``(by_parameter, own)``.
 
@@ -441,7 +441,7 @@ class GhostNormRecorder:
         """
         by_parameter: dict[int, torch.Tensor] = {}
         own = torch.zeros(self.batch_size, dtype=torch.float64, device=self._device())
-        for key, use in self._uses().items():
+        for key, use in self.parameter_uses().items():
             if use.outer and use.vectors:
                 raise ValueError("a parameter used both as a matrix and as a vector is not supported")
             total = torch.zeros_like(own)
@@ -461,105 +461,3 @@ class GhostNormRecorder:
                     total += 2 * (vector_i * vector_j).sum(dim=1).double()
             by_parameter[key] = total
         return by_parameter, own
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# the Fisher diagonal: per-parameter sums of squared per-sample gradients, from the same recorded factors
-
-# Per-sample gradients of a dense use are materialised this many elements at a time (a few samples of one layer).
-_DENSE_CHUNK_ELEMENTS = 2**24
-
-
-def _dense_per_sample(factors: _OuterFactors, rows: slice) -> torch.Tensor:
-    """(b, rows, cols) per-sample gradients ``sum_t left_t right_t^T`` of the samples ``rows``."""
-    return torch.einsum("btr,btc->brc", factors.left[rows], factors.right[rows])
-
-
-def _dense_squared_sum(uses: Sequence[_OuterFactors], shape: tuple[int, int]) -> torch.Tensor:
-    """``sum_b (sum_u G_{u,b})^2`` elementwise over the dense uses ``uses``, materialised a few samples at a time."""
-    batch = uses[0].right.shape[0]
-    step = max(1, _DENSE_CHUNK_ELEMENTS // (shape[0] * shape[1]))
-    total = torch.zeros(shape, dtype=torch.float64, device=uses[0].right.device)
-    for start in range(0, batch, step):
-        rows = slice(start, start + step)
-        per_sample = sum(_dense_per_sample(factors, rows) for factors in uses)
-        total += per_sample.double().square().sum(dim=0)
-    return total
-
-
-def _sparse_rows(uses: Sequence[_OuterFactors], n_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The per-sample gradients of embedding lookups as ``(sample, row, values)``: one entry per distinct (sample,
-    looked-up row), the gradients of all its positions (and uses) summed."""
-    samples, ids, values = [], [], []
-    for factors in uses:
-        batch, positions = factors.left_ids.shape
-        samples.append(torch.arange(batch, device=factors.right.device).repeat_interleave(positions))
-        ids.append(factors.left_ids.reshape(-1))
-        values.append(factors.right.reshape(batch * positions, -1))
-    samples, ids, values = torch.cat(samples), torch.cat(ids), torch.cat(values)
-    keys, inverse = torch.unique(samples * n_rows + ids, return_inverse=True)
-    summed = torch.zeros(len(keys), values.shape[1], dtype=torch.float64, device=values.device)
-    summed.index_add_(0, inverse, values.double())
-    return keys // n_rows, keys % n_rows, summed
-
-
-def _dense_rows(factors: _OuterFactors, samples: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Row ``ids[i]`` of sample ``samples[i]``'s dense per-sample gradient, for every ``i``: (n, cols)."""
-    step = max(1, _DENSE_CHUNK_ELEMENTS // (factors.right.shape[1] * factors.right.shape[2]))
-    out = []
-    for start in range(0, len(samples), step):
-        b, v = samples[start : start + step], ids[start : start + step]
-        left = factors.left[b, :, v]  # (n, T)
-        out.append(torch.einsum("nt,ntc->nc", left.double(), factors.right[b].double()))
-    return torch.cat(out) if out else torch.zeros(0, factors.right.shape[2], dtype=torch.float64)
-
-
-def _squared_gradient_sum(param: nn.Parameter, use: _ParamUses, excluded: _LayerCall | None) -> torch.Tensor:
-    """``sum_b g_b^2`` elementwise (shaped like ``param``, float64) for the per-sample gradients ``g_b`` of one
-    parameter over all its uses, less ``sum_b o_b^2`` of the use by call ``excluded`` (its cross terms stay)."""
-    if use.vectors:
-        total = sum(vector for _, vector in use.vectors).double()
-        squared = total.square().sum(dim=0)
-        for call, vector in use.vectors:
-            if call is excluded:
-                squared -= vector.double().square().sum(dim=0)
-        return squared.reshape(param.shape)
-    shape = (param.shape[0], param.shape[1])
-    dense = [factors for _, factors in use.outer if factors.left is not None]
-    sparse = [factors for _, factors in use.outer if factors.left_ids is not None]
-    total = _dense_squared_sum(dense, shape) if dense else torch.zeros(shape, dtype=torch.float64, device=param.device)
-    if sparse:
-        samples, ids, rows = _sparse_rows(sparse, shape[0])
-        crossed = rows.square()
-        for factors in dense:
-            crossed += 2 * rows * _dense_rows(factors, samples, ids)
-        total.index_add_(0, ids, crossed)
-    for call, factors in use.outer:
-        if call is excluded:
-            total -= _dense_squared_sum([factors], shape)
-    return total
-
-
-def add_squared_gradients(
-    recorder: GhostNormRecorder,
-    totals: dict[int, torch.Tensor],
-    *,
-    weight: float = 1.0,
-    exclude_self_terms_of: _LayerCall | None = None,
-) -> None:
-    """Add ``weight x sum_b g_b^2`` (elementwise, over the batch) of every measured parameter's per-sample gradient
-    ``g_b`` to ``totals[id(param)]`` (created as float64 zeros shaped like the parameter), from the gradients the
-    recorder was given (`GhostNormRecorder.set_grad_outputs`): no further backward.
-
-    Summed over parameters, each addition is ``weight x`` the sum of `GhostNormRecorder.squared_norms`; with
-    ``exclude_self_terms_of``, that call's own terms are left out as there, for the caller to add their expectation.
-    Dense layers' per-sample gradients are materialised a few samples at a time (about the compute of one weight
-    gradient per draw); embedding lookups stay sparse.
-    """
-    for key, use in recorder._uses().items():
-        if use.outer and use.vectors:
-            raise ValueError("a parameter used both as a matrix and as a vector is not supported")
-        value = _squared_gradient_sum(use.param, use, exclude_self_terms_of)
-        if key not in totals:
-            totals[key] = torch.zeros(use.param.shape, dtype=torch.float64, device=value.device)
-        totals[key] += weight * value

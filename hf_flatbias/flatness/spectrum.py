@@ -11,26 +11,28 @@ parameters as the trace, so ``sum(eigenvalues) == Tr`` of the matrix whose trace
   Jacobian of context ``c``'s logits (the paper's measure is its trace, `exact_fisher_trace`). Products ``Fv`` take two
   passes and no double backward: ``J v`` forward-mode (`torch.func.jvp`), then ``J^T (M J v)`` one backward.
 
-Eigenvalues come from Lanczos with full reorthogonalisation on these exact products; the density from stochastic
-Lanczos quadrature (Ritz values weighted by the squared first components of their vectors, averaged over random
-starts, Gaussian-smoothed). Nothing here knows about the Trainer.
+Eigenvalues come from Lanczos with full reorthogonalisation (`hf_flatbias.flatness.lanczos`) on these exact
+products (`hf_flatbias.flatness.curvature`); the density from stochastic Lanczos quadrature (Ritz values weighted by
+the squared first components of their vectors, averaged over random starts, Gaussian-smoothed). Nothing here knows
+about the Trainer.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_SAM_RHO, SPECTRUM_MATRICES
+from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_SAM_RHO
 from ..tensors import perturb_weights
 from .contexts import TraceContexts
+from .curvature import CurvatureOperator, check_matrix
+from .lanczos import lanczos, thick_restart_lanczos
 from .lm import (
     check_lm_model,
     evaluation_mode,
@@ -39,9 +41,6 @@ from .lm import (
     measured_parameters,
     preserved_global_rng,
 )
-
-MATRICES = SPECTRUM_MATRICES
-
 
 # ---------------------------------------------------------------------------------------------------------------------
 # results
@@ -154,314 +153,6 @@ def gaussian_mixture(grid: torch.Tensor, nodes: torch.Tensor, weights: torch.Ten
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# exact matrix-vector products
-
-
-class _LogitsAtPositions(nn.Module):
-    """The model's logits at the predicted positions as a module, so `torch.func` can call it on other parameters."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: Mapping[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
-        return logits_at_positions(self.model, batch, positions)[:, 0]
-
-
-class CurvatureOperator:
-    """``v -> A v`` for the Hessian or Fisher of the mean pre-training loss over the first ``n_contexts`` contexts, on
-    flat vectors over ``params``.
-
-    With the contexts in one batch its graph is built once and kept between products; with several, each product
-    builds and frees one batch's graph at a time (one more forward per batch and product): memory stays that of one
-    batch, whatever the number of contexts.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        contexts: TraceContexts,
-        n_contexts: int,
-        params: Sequence[nn.Parameter],
-        *,
-        matrix: str,
-        batch_size: int,
-        vector_dtype: torch.dtype = torch.float64,
-    ) -> None:
-        _check_matrix(matrix)
-        self.matrix = matrix
-        self.params = list(params)
-        self.dtype = vector_dtype
-        # the products are only as exact as the parameters' dtype, whatever the vectors' dtype
-        self.rounding = max(torch.finfo(p.dtype).eps for p in self.params)
-        self.device = self.params[0].device
-        self.dimension = sum(p.numel() for p in self.params)
-        self.n_matvecs = 0
-        self._n = n_contexts
-        names = {id(p): name for name, p in model.named_parameters()}
-        self._names = [f"model.{names[id(p)]}" for p in self.params]
-        self._function = _LogitsAtPositions(model)
-        self._inputs = []
-        for start in range(0, n_contexts, batch_size):
-            indices = list(range(start, min(start + batch_size, n_contexts)))
-            batch = contexts.model_inputs(indices, model)
-            positions = torch.tensor([contexts.positions[i] for i in indices], device=batch["input_ids"].device)
-            targets = torch.tensor([contexts.targets[i] for i in indices], device=positions.device)
-            self._inputs.append({"batch": batch, "positions": positions, "targets": targets})
-        self._kept = self._graph(self._inputs[0]) if len(self._inputs) == 1 else None
-
-    def _graph(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """What the products of one batch differentiate: the loss gradients with their graph (Hessian), or the
-        logits with theirs and the softmax (Fisher)."""
-        # the fused attention kernels have neither a double backward nor forward-mode derivatives
-        with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
-            logits = self._function(inputs["batch"], inputs["positions"])
-            if self.matrix == "hessian":
-                loss = torch.nn.functional.cross_entropy(logits.float(), inputs["targets"], reduction="sum") / self._n
-                grads = torch.autograd.grad(loss, self.params, create_graph=True, allow_unused=True)
-                used = _used(grads)
-                return {"grads": [grads[i] for i in used], "used": used}
-            probs = torch.softmax(logits.detach().double(), dim=-1)
-            return {**inputs, "logits": logits, "probs": probs}
-
-    def _unflatten(self, vector: torch.Tensor) -> list[torch.Tensor]:
-        pieces, offset = [], 0
-        for p in self.params:
-            pieces.append(vector[offset : offset + p.numel()].reshape(p.shape).to(p.dtype))
-            offset += p.numel()
-        return pieces
-
-    def __call__(self, vector: torch.Tensor) -> torch.Tensor:
-        self.n_matvecs += 1
-        tangents = self._unflatten(vector)
-        total = torch.zeros(self.dimension, dtype=self.dtype, device=self.device)
-        for inputs in self._inputs:
-            keep = self._kept is not None
-            part = self._kept if keep else self._graph(inputs)
-            if self.matrix == "hessian":
-                outputs, grad_outputs = part["grads"], [tangents[i] for i in part["used"]]
-            else:
-                outputs, grad_outputs = self._fisher_pullback(part, tangents)
-            del part
-            if outputs:
-                self._backward_into(total, outputs, grad_outputs, keep)
-            del outputs, grad_outputs
-        return total
-
-    def _backward_into(
-        self, total: torch.Tensor, outputs: Sequence[torch.Tensor], grad_outputs: Sequence[torch.Tensor], keep: bool
-    ) -> None:
-        """``total += d(outputs)/d(params)^T grad_outputs``, each parameter's piece added as soon as the backward
-        reaches it and then freed: `torch.autograd.grad` would hold all of them at once, one more full vector in the
-        parameters' dtype (measured in `benchmarks/lanczos_memory.py`)."""
-        saved = [p.grad for p in self.params]
-        handles = []
-
-        def add_and_free(param: torch.Tensor, piece: torch.Tensor) -> None:
-            piece.add_(param.grad.reshape(-1))
-            param.grad = None
-
-        offset = 0
-        for p in self.params:
-            p.grad = None
-            piece = total[offset : offset + p.numel()]
-            handles.append(p.register_post_accumulate_grad_hook(lambda param, piece=piece: add_and_free(param, piece)))
-            offset += p.numel()
-        try:
-            torch.autograd.backward(
-                list(outputs), grad_tensors=list(grad_outputs), retain_graph=keep, inputs=self.params
-            )
-        finally:
-            for handle in handles:
-                handle.remove()
-            for p, grad in zip(self.params, saved, strict=True):
-                p.grad = grad
-
-    def _fisher_pullback(
-        self, part: dict[str, Any], tangents: list[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The logits and what to pull back through them for ``F v``: ``(diag(p) - p p^T) J v / n``."""
-        primals = {name: p.detach() for name, p in zip(self._names, self.params, strict=True)}
-        directions = dict(zip(self._names, tangents, strict=True))
-
-        def logits_of(values: dict[str, torch.Tensor]) -> torch.Tensor:
-            return torch.func.functional_call(self._function, values, (part["batch"], part["positions"]))
-
-        with sdpa_kernel(SDPBackend.MATH):
-            _, jv = torch.func.jvp(logits_of, (primals,), (directions,))
-        probs = part["probs"]
-        jv = jv.double()
-        weighted = (probs * jv - probs * (probs * jv).sum(dim=-1, keepdim=True)) / self._n
-        logits = part["logits"]
-        return [logits], [weighted.to(logits.dtype)]
-
-
-def _used(grads: Sequence[torch.Tensor | None]) -> list[int]:
-    # a gradient that does not depend on the parameters (or is absent) has no second derivative to take
-    return [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Lanczos
-
-
-@dataclass
-class LanczosRun:
-    """``n`` steps of Lanczos: ``A Q = Q T + beta q e_n^T`` with ``T = tridiag(betas, alphas, betas)``."""
-
-    alphas: list[float]
-    betas: list[float]
-    basis: torch.Tensor  # (n, dimension), orthonormal rows
-    residual_norm: float  # the norm of the next (unnormalised) Lanczos vector
-
-    def ritz(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Ritz values (ascending) and the eigenvectors of ``T`` (columns), in float64."""
-        n = len(self.alphas)
-        tridiagonal = torch.diag(torch.tensor(self.alphas, dtype=torch.float64))
-        if n > 1:
-            off = torch.tensor(self.betas[: n - 1], dtype=torch.float64)
-            tridiagonal += torch.diag(off, 1) + torch.diag(off, -1)
-        return torch.linalg.eigh(tridiagonal)
-
-
-def lanczos(
-    matvec: Callable[[torch.Tensor], torch.Tensor],
-    start: torch.Tensor,
-    n_steps: int,
-    *,
-    stop: Callable[[LanczosRun], bool] | None = None,
-    rounding: float | None = None,
-) -> LanczosRun:
-    """Lanczos with full reorthogonalisation (twice, which keeps the basis orthonormal to working precision).
-
-    Stops after ``n_steps``, at an invariant subspace (the next vector vanishes to within ``1000 x rounding`` of the
-    matrix's scale; ``rounding``, the products' unit rounding, defaults to that of ``start``'s dtype), or when
-    ``stop(run)`` says so.
-    """
-    dimension = start.numel()
-    n_steps = min(n_steps, dimension)
-    basis = torch.zeros(n_steps, dimension, dtype=start.dtype, device=start.device)
-    q = start / start.norm()
-    alphas: list[float] = []
-    betas: list[float] = []
-    residual_norm = 0.0
-    invariant_tolerance = 1e3 * (torch.finfo(start.dtype).eps if rounding is None else rounding)
-    for j in range(n_steps):
-        basis[j] = q
-        w = matvec(q)
-        alpha = float(w @ q)
-        alphas.append(alpha)
-        previous = basis[: j + 1]
-        for _ in range(2):
-            w = w - previous.T @ (previous @ w)
-        residual_norm = float(w.norm())
-        scale = max(abs(a) for a in alphas) + (max(betas) if betas else 0.0)
-        run = LanczosRun(alphas, betas, basis[: j + 1], residual_norm)
-        # an invariant subspace, up to the rounding of the products (low-rank Fisher matrices reach one early)
-        if (
-            residual_norm <= invariant_tolerance * max(scale, 1e-30)
-            or j == n_steps - 1
-            or (stop is not None and stop(run))
-        ):
-            return run
-        betas.append(residual_norm)
-        q = w / residual_norm
-    raise AssertionError("unreachable")
-
-
-@dataclass
-class RitzPairs:
-    """The largest Ritz values of a restarted Lanczos run, with their vectors and residual bounds."""
-
-    values: list[float]  # largest first
-    vectors: torch.Tensor  # (len(values), dimension), unit rows
-    residual_bounds: list[float]  # ||A x - theta x|| from the recurrence, without another product
-    n_matvecs: int
-
-
-# In-place changes of basis go this many entries per vector at a time, so a restart needs no second basis.
-_COLUMN_CHUNK = 2**20
-
-
-def _rotate_in_place(basis: torch.Tensor, size: int, rotation: torch.Tensor) -> None:
-    """``basis[:r] = rotation^T basis[:size]`` for a (size, r) ``rotation``, a column block at a time."""
-    kept = rotation.shape[1]
-    rotation = rotation.to(basis.dtype)
-    for start in range(0, basis.shape[1], _COLUMN_CHUNK):
-        block = slice(start, start + _COLUMN_CHUNK)
-        basis[:kept, block] = rotation.T @ basis[:size, block]
-
-
-def thick_restart_lanczos(
-    matvec: Callable[[torch.Tensor], torch.Tensor],
-    start: torch.Tensor,
-    k: int,
-    *,
-    max_vectors: int,
-    max_matvecs: int,
-    tol: float,
-    rounding: float | None = None,
-) -> RitzPairs:
-    """The ``k`` largest eigenpairs of a symmetric operator by thick-restart Lanczos, holding at most
-    ``max_vectors`` basis vectors of ``start``'s dtype and device.
-
-    Each step orthogonalises the new product against the whole basis (twice) and records its projections, so the
-    projected matrix is ``V^T A V`` entry by entry; when the basis is full it restarts from its largest Ritz vectors
-    (``k`` plus half of the room left, rotated in place) and the last residual (Wu & Simon's thick restart), which keeps
-    the Krylov relation ``A V = V H + f e^T``: each Ritz pair's residual is ``||f|| |last component|``. Stops when
-    every one of the ``k`` residuals is at most ``tol x |value|``, at an invariant subspace (a residual within
-    ``1000 x rounding`` of the matrix's scale), or after ``max_matvecs`` products.
-    """
-    dimension = start.numel()
-    max_vectors = min(max_vectors, dimension)
-    if max_vectors < min(k + 1, dimension):
-        raise ValueError(f"max_vectors={max_vectors} must be at least k + 1 = {k + 1}.")
-    basis = torch.empty(max_vectors, dimension, dtype=start.dtype, device=start.device)
-    projected = torch.zeros(max_vectors, max_vectors, dtype=torch.float64)
-    basis[0] = start / start.norm()
-    invariant_tolerance = 1e3 * (torch.finfo(start.dtype).eps if rounding is None else rounding)
-    del start  # the caller may hand over its only reference: one vector less for the whole run
-    size, n_matvecs = 1, 0
-    while True:
-        column = basis[:size]
-        w = matvec(basis[size - 1])
-        n_matvecs += 1
-        coefficients = column @ w
-        w.addmv_(column.T, coefficients, alpha=-1)  # in place: no temporary vector
-        again = column @ w
-        w.addmv_(column.T, again, alpha=-1)
-        h = (coefficients + again).double().cpu()
-        projected[:size, size - 1] = h
-        projected[size - 1, :size] = h
-        residual_norm = float(w.norm())
-        values, vectors = torch.linalg.eigh(projected[:size, :size])
-        top = torch.arange(size - 1, max(size - 1 - k, -1), -1)  # largest first
-        bounds = residual_norm * vectors[-1, top].abs()
-        scale = float(values.abs().max())
-        done = len(top) == k and bool((bounds <= tol * values[top].abs()).all())
-        invariant = residual_norm <= invariant_tolerance * max(scale, 1e-30)
-        if done or invariant or n_matvecs >= max_matvecs or size == dimension:
-            _rotate_in_place(basis, size, vectors[:, top])
-            return RitzPairs(
-                values=values[top].tolist(),
-                vectors=basis[: len(top)],
-                residual_bounds=bounds.tolist(),
-                n_matvecs=n_matvecs,
-            )
-        if size == max_vectors:
-            kept = min(max_vectors - 1, k + (max_vectors - k) // 2)
-            order = torch.arange(size - 1, size - 1 - kept, -1)
-            _rotate_in_place(basis, size, vectors[:, order])
-            projected.zero_()
-            projected[:kept, :kept] = torch.diag(values[order])
-            size = kept
-        torch.div(w, residual_norm, out=basis[size])
-        # otherwise the next product is formed while this one is still held: one more vector at the peak
-        del w
-        size += 1
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # public entry points
 
 
@@ -483,11 +174,6 @@ def _prepare(
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1 (got {value!r}).")
-
-
-def _check_matrix(matrix: str) -> None:
-    if matrix not in MATRICES:
-        raise ValueError(f"matrix={matrix!r} is not supported; choose one of {list(MATRICES)}.")
 
 
 def _random_start(dimension: int, seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -551,7 +237,7 @@ def estimate_top_eigenvalues(
     _check_positive_int("k", k)
     _check_positive_int("max_iterations", max_iterations)
     _check_positive_int("batch_size", batch_size)
-    _check_matrix(matrix)
+    check_matrix(matrix)
     if not tol > 0:
         raise ValueError(f"tol must be > 0 (got {tol!r}).")
     contexts, params, n_used = _prepare(model, dataset, n_contexts, causal)
@@ -627,7 +313,7 @@ def estimate_spectral_density(
     _check_positive_int("n_steps", n_steps)
     _check_positive_int("n_runs", n_runs)
     _check_positive_int("batch_size", batch_size)
-    _check_matrix(matrix)
+    check_matrix(matrix)
     contexts, params, n_used = _prepare(model, dataset, n_contexts, causal)
     nodes, weights = [], []
     with evaluation_mode(model), preserved_global_rng():

@@ -1,0 +1,60 @@
+"""``hutchpp``: Hutch++ (`hf_flatbias.flatness.hutchpp`) on the data-label Hessian of a batch, ``n_draws`` products.
+
+A third of the products sketch the dominant eigenvectors, whose part of the trace is then taken exactly, and
+Hutchinson's estimator covers the rest: less error than ``hutchinson`` at equal products when a few eigenvalues
+dominate, one value per batch, and ``n_draws // 3`` parameter-sized vectors held per batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..contexts import TraceContexts, context_generator
+from ..hutchpp import hutchpp_trace
+from .base import BatchEstimator
+from .hutchinson import data_loss_gradients
+
+if TYPE_CHECKING:
+    from .settings import TraceSettings
+
+
+class HutchppEstimator(BatchEstimator):
+    name = "hutchpp"
+    reads_probe = True
+
+    def measure_batch(
+        self,
+        model: nn.Module,
+        contexts: TraceContexts,
+        indices: Sequence[int],
+        params: Sequence[nn.Parameter],
+        settings: TraceSettings,
+    ) -> torch.Tensor:
+        grads = data_loss_gradients(model, contexts, indices, params)
+        sizes = [p.numel() for p in params]
+
+        def hessian_times(vector: torch.Tensor) -> torch.Tensor:
+            tangents = [piece.reshape(p.shape) for piece, p in zip(vector.split(sizes), params, strict=True)]
+            hvp = torch.autograd.grad(grads, params, grad_outputs=tangents, retain_graph=True, allow_unused=True)
+            return torch.cat(
+                [torch.zeros(p.numel(), dtype=vector.dtype, device=vector.device) if h is None else h.reshape(-1)
+                 for p, h in zip(params, hvp, strict=True)]
+            )  # fmt: skip
+
+        value = hutchpp_trace(
+            hessian_times,
+            sum(sizes),
+            settings.n_draws,
+            generator=context_generator(settings.seed, indices[0]),
+            probe=settings.probe,
+            dtype=params[0].dtype,
+            device=params[0].device,
+        )
+        return torch.tensor([[value / len(indices)]], dtype=torch.float64)
+
+
+ESTIMATOR = HutchppEstimator()

@@ -1,0 +1,211 @@
+"""``per_sample`` (the default): per-context squared gradient norms for a whole batch of contexts from one forward
+and one backward per draw, with ghost norms (`hf_flatbias.flatness.ghost`).
+
+The LM head runs only at the predicted position, and the output layer's own term is replaced by its exact expectation
+over ``y`` (``(1 - ||p||^2)(||h||^2 + 1)``), which removes most of the draw noise at no cost. The first batch is
+checked against a plain backward (`naive`), so that a parameter the hooks cannot see fails loudly.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..contexts import TraceContexts
+from ..ghost import GhostNormRecorder
+from ..ghost_diagonal import add_squared_gradients
+from ..groups import ParameterGroups
+from ..lm import check_lm_model, logits_at_positions
+from ..results import TraceSamples
+from .base import TraceEstimator, length_sorted_batches, resolved_batch_size, sample_labels
+from .naive import naive_squared_norms
+
+if TYPE_CHECKING:
+    from .settings import TraceSettings
+
+
+class PerSampleEstimator(TraceEstimator):
+    name = "per_sample"
+    per_context = True
+
+    def measure(self, model, contexts, indices, params, settings, *, groups, diagonal, advance) -> TraceSamples:
+        batches = length_sorted_batches(contexts, indices, resolved_batch_size(model, contexts, indices, settings))
+        forward_seconds = draw_seconds = 0.0
+        parts, group_parts = [], []
+        for number, batch in enumerate(batches):
+            values, group_values, forward_s, draw_s = _per_sample_batch(
+                model, contexts, batch, params, settings, validate=number == 0, groups=groups, diagonal=diagonal
+            )
+            parts.append(values)
+            group_parts.append(group_values)
+            forward_seconds += forward_s
+            draw_seconds += draw_s
+            advance(len(batch))
+        # back from length order to the callers' order
+        position_of = {index: n for n, index in enumerate(i for batch in batches for i in batch)}
+        order = [position_of[i] for i in indices]
+        return TraceSamples(
+            values=torch.cat(parts)[order],
+            weights=torch.ones(len(indices)),
+            n_draws=settings.n_draws,
+            estimator=self.name,
+            forward_seconds=forward_seconds,
+            draw_seconds=draw_seconds,
+            group_values=torch.cat(group_parts)[order] if groups is not None else None,
+            group_names=groups.names if groups is not None else (),
+        )
+
+
+def _per_sample_batch(
+    model: nn.Module,
+    contexts: TraceContexts,
+    indices: Sequence[int],
+    params: Sequence[nn.Parameter],
+    settings: TraceSettings,
+    *,
+    validate: bool,
+    groups: ParameterGroups | None,
+    diagonal: dict[int, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, float, float]:
+    """Per-context values (B, n_draws), their split by group (B, n_draws, G) or ``None``, and the seconds of the
+    forward and of the draws."""
+    n_draws = settings.n_draws
+    start = time.perf_counter()
+    batch = contexts.model_inputs(indices, model)
+    positions = torch.tensor([contexts.positions[i] for i in indices], device=batch["input_ids"].device)
+    recorder = GhostNormRecorder(model, params)
+    recorder.batch_size = len(indices)
+    with recorder:
+        logits = logits_at_positions(model, batch, positions)
+    probs = torch.softmax(logits.detach()[:, 0].double(), dim=-1)
+    labels = sample_labels(probs, indices, n_draws, settings.seed)
+    outputs = recorder.outputs()
+    decoder = check_lm_model(model)
+    decoder_call = next((c for c in recorder.calls if c.module is decoder and _are_the_logits(c.output, logits)), None)
+    use_expectation = settings.exact_output_expectation and decoder_call is not None
+    trainable = {id(p) for p in params}
+    if use_expectation:
+        # E_y ||e_y - p||^2 = 1 - ||p||^2, times what multiplies the output gradient in the decoder's own term
+        multiplier = torch.zeros(len(indices), dtype=torch.float64, device=probs.device)
+        if id(decoder.weight) in trainable:
+            multiplier += decoder_call.inputs.double().square().sum(dim=(1, 2))
+        if getattr(decoder, "bias", None) is not None and id(decoder.bias) in trainable:
+            multiplier += 1.0
+        expected_output_term = (1.0 - probs.square().sum(dim=1)) * multiplier
+        if diagonal is not None:
+            _add_expected_output_diagonal(diagonal, decoder, decoder_call, probs, trainable)
+    forward_seconds = time.perf_counter() - start
+
+    start = time.perf_counter()
+    values = torch.empty(len(indices), n_draws, dtype=torch.float64)
+    group_values = None if groups is None else torch.empty(len(indices), n_draws, len(groups), dtype=torch.float64)
+    for k in range(n_draws):
+        cotangent = -probs.clone()
+        cotangent[torch.arange(len(indices)), labels[:, k]] += 1.0
+        grad_logits = cotangent.to(logits.dtype).unsqueeze(1)
+        if validate and k == 0:
+            recorder.check_unsupported_unused(logits, grad_logits)
+        # no recorded output: none of the parameters reaches the logits, and every norm is zero
+        grads = (
+            torch.autograd.grad(
+                logits, outputs, grad_outputs=grad_logits, retain_graph=k < n_draws - 1 or validate, allow_unused=True
+            )
+            if outputs
+            else []
+        )
+        recorder.set_grad_outputs(grads)
+        if diagonal is not None:
+            add_squared_gradients(
+                recorder,
+                diagonal,
+                weight=1.0 / n_draws,
+                exclude_self_terms_of=decoder_call if use_expectation else None,
+            )
+        if groups is not None:
+            by_parameter, own = recorder.squared_norm_terms(decoder_call, own_terms=not use_expectation)
+            split = _sum_by_group(by_parameter, groups, len(indices), own.device)
+            split[:, groups.output_layer] += expected_output_term if use_expectation else own
+            group_values[:, k] = split.cpu()
+            values[:, k] = group_values[:, k].sum(dim=1)
+        elif use_expectation:
+            values[:, k] = (recorder.squared_norms(exclude_self_terms_of=decoder_call) + expected_output_term).cpu()
+        else:
+            values[:, k] = recorder.squared_norms().cpu()
+        if validate and k == 0:
+            _validate_against_autograd(model, contexts, indices[0], params, int(labels[0, 0]), recorder)
+            validate = False
+    for call in recorder.calls:  # drop references to the graph
+        call.grad_output = None
+    return values, group_values, forward_seconds, time.perf_counter() - start
+
+
+def _add_expected_output_diagonal(
+    diagonal: dict[int, torch.Tensor],
+    decoder: nn.Module,
+    decoder_call,
+    probs: torch.Tensor,
+    trainable: set[int],
+) -> None:
+    """The decoder's own terms of the diagonal in expectation over ``y``: ``E_y (e_y - p)_v^2 = p_v (1 - p_v)``, times
+    ``h_i^2`` for the weight (its input ``h`` at the one predicted position) and 1 for the bias, summed over the
+    batch."""
+    variance = probs * (1.0 - probs)  # (B, V)
+    parts = []
+    if id(decoder.weight) in trainable:
+        inputs = decoder_call.inputs.double().reshape(len(probs), -1)
+        parts.append((decoder.weight, variance.T @ inputs.square()))
+    if getattr(decoder, "bias", None) is not None and id(decoder.bias) in trainable:
+        parts.append((decoder.bias, variance.sum(dim=0)))
+    for param, value in parts:
+        if id(param) not in diagonal:
+            diagonal[id(param)] = torch.zeros(param.shape, dtype=torch.float64, device=value.device)
+        diagonal[id(param)] += value
+
+
+def _are_the_logits(output: torch.Tensor, logits: torch.Tensor) -> bool:
+    """Whether the decoder's output is the model's logits, or an identity of them (ZeRO-3 wraps module outputs in
+    autograd functions that pass values through): the output expectation holds only then, not after a softcap or a
+    scale."""
+    if output is logits:
+        return True
+    return output.shape == logits.shape and torch.equal(output.detach(), logits.detach())
+
+
+def _sum_by_group(
+    by_parameter: dict[int, torch.Tensor], groups: ParameterGroups, batch_size: int, device: torch.device
+) -> torch.Tensor:
+    split = torch.zeros(batch_size, len(groups), dtype=torch.float64, device=device)
+    for key, value in by_parameter.items():
+        split[:, groups.index_of[key]] += value
+    return split
+
+
+def _validate_against_autograd(
+    model: nn.Module,
+    contexts: TraceContexts,
+    index: int,
+    params: Sequence[nn.Parameter],
+    label: int,
+    recorder: GhostNormRecorder,
+) -> None:
+    """Compare the ghost norm of one context with a plain backward: catches a parameter the hooks cannot see (e.g.
+    a weight reused outside its module) instead of returning a silently wrong trace."""
+    ghost = float(recorder.squared_norms()[0])
+    reference = float(naive_squared_norms(model, contexts, index, params, torch.tensor([label]))[0])
+    if not math.isclose(ghost, reference, rel_tol=1e-3, abs_tol=1e-6 * max(1.0, abs(reference))):
+        unsupported = f" Parameters outside those layers: {recorder.unsupported[:8]}." if recorder.unsupported else ""
+        raise ValueError(
+            f"Per-sample gradient norms do not match a plain backward on {type(model).__name__} ({ghost:.6g} vs "
+            f"{reference:.6g}): estimator='per_sample' sees the parameters of Linear, Conv1D, Embedding, LayerNorm "
+            f"and elementwise norm layers used inside those layers only.{unsupported} Use estimator='naive' (exact "
+            "for any model, slower), or freeze the other parameters (requires_grad=False) to leave them out of the "
+            "trace."
+        )
+
+
+ESTIMATOR = PerSampleEstimator()

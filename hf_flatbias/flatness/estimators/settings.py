@@ -1,0 +1,60 @@
+"""The settings of a trace estimate, checked once when they are made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, ESTIMATORS, HUTCHINSON_PROBES, RECOMMENDED_N_DRAWS
+from ..groups import GroupOf
+from .registry import ESTIMATOR_REGISTRY, probed_estimators
+
+
+@dataclass(frozen=True)
+class TraceSettings:
+    """What decides the numbers of a trace estimate (see `hf_flatbias.flatness.estimate_hessian_trace`).
+
+    Invalid values raise `ValueError` here, before any data is read or any model run.
+    """
+
+    n_draws: int = field(
+        default=RECOMMENDED_N_DRAWS,
+        metadata={
+            "help": "Draws of the label per context (probes for hutchinson, Hessian products per batch for hutchpp)."
+        },
+    )
+    estimator: str = field(default=DEFAULT_ESTIMATOR, metadata={"help": f"One of {', '.join(ESTIMATORS)}."})
+    seed: int = field(default=0, metadata={"help": "The draws of context i depend only on (seed, i)."})
+    batch_size: int | str = field(
+        default=DEFAULT_BATCH_SIZE,
+        metadata={"help": "Contexts per forward, or 'auto' to fit the free memory (not read by naive)."},
+    )
+    exact_output_expectation: bool = field(
+        default=True,
+        metadata={"help": "per_sample: take the output layer's own term in exact expectation over the label."},
+    )
+    probe: str = field(
+        default="rademacher",
+        metadata={"help": f"Probe distribution of hutchinson and hutchpp: {', '.join(HUTCHINSON_PROBES)}."},
+    )
+    by_group: bool | GroupOf = field(
+        default=False,
+        metadata={"help": "Also split the trace by parameter group: True for the default groups, or a function from "
+                  "parameter name to group name (per-context estimators only)."},
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator={self.estimator!r} is not supported; choose one of {list(ESTIMATORS)}.")
+        if self.probe not in HUTCHINSON_PROBES:
+            raise ValueError(f"probe={self.probe!r} is not supported; choose one of {list(HUTCHINSON_PROBES)}.")
+        if self.probe != "rademacher" and not ESTIMATOR_REGISTRY[self.estimator].reads_probe:
+            probed = " or ".join(repr(name) for name in probed_estimators())
+            raise ValueError(
+                f"probe={self.probe!r} applies to estimator={probed} only (got estimator={self.estimator!r})."
+            )
+        if not isinstance(self.n_draws, int) or self.n_draws < 1:
+            raise ValueError(
+                f"n_draws must be an integer >= 1 (got {self.n_draws!r}); {RECOMMENDED_N_DRAWS} is usually best."
+            )
+        if self.batch_size != "auto" and (not isinstance(self.batch_size, int) or self.batch_size < 1):
+            raise ValueError(f"batch_size must be an integer >= 1 or 'auto' (got {self.batch_size!r}).")

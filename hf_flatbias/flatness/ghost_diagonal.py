@@ -1,0 +1,109 @@
+"""The Fisher diagonal from the factors a `GhostNormRecorder` recorded: per-parameter sums of the squared per-sample
+gradients, formed from the same layer inputs and output gradients as the ghost norms, with no further backward."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .ghost import GhostNormRecorder, LayerCall, OuterFactors, ParamUses
+
+# Per-sample gradients of a dense use are materialised this many elements at a time (a few samples of one layer).
+_DENSE_CHUNK_ELEMENTS = 2**24
+
+
+def _dense_per_sample(factors: OuterFactors, rows: slice) -> torch.Tensor:
+    """(b, rows, cols) per-sample gradients ``sum_t left_t right_t^T`` of the samples ``rows``."""
+    return torch.einsum("btr,btc->brc", factors.left[rows], factors.right[rows])
+
+
+def _dense_squared_sum(uses: Sequence[OuterFactors], shape: tuple[int, int]) -> torch.Tensor:
+    """``sum_b (sum_u G_{u,b})^2`` elementwise over the dense uses ``uses``, materialised a few samples at a time."""
+    batch = uses[0].right.shape[0]
+    step = max(1, _DENSE_CHUNK_ELEMENTS // (shape[0] * shape[1]))
+    total = torch.zeros(shape, dtype=torch.float64, device=uses[0].right.device)
+    for start in range(0, batch, step):
+        rows = slice(start, start + step)
+        per_sample = sum(_dense_per_sample(factors, rows) for factors in uses)
+        total += per_sample.double().square().sum(dim=0)
+    return total
+
+
+def _sparse_rows(uses: Sequence[OuterFactors], n_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The per-sample gradients of embedding lookups as ``(sample, row, values)``: one entry per distinct (sample,
+    looked-up row), the gradients of all its positions (and uses) summed."""
+    samples, ids, values = [], [], []
+    for factors in uses:
+        batch, positions = factors.left_ids.shape
+        samples.append(torch.arange(batch, device=factors.right.device).repeat_interleave(positions))
+        ids.append(factors.left_ids.reshape(-1))
+        values.append(factors.right.reshape(batch * positions, -1))
+    samples, ids, values = torch.cat(samples), torch.cat(ids), torch.cat(values)
+    keys, inverse = torch.unique(samples * n_rows + ids, return_inverse=True)
+    summed = torch.zeros(len(keys), values.shape[1], dtype=torch.float64, device=values.device)
+    summed.index_add_(0, inverse, values.double())
+    return keys // n_rows, keys % n_rows, summed
+
+
+def _dense_rows(factors: OuterFactors, samples: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Row ``ids[i]`` of sample ``samples[i]``'s dense per-sample gradient, for every ``i``: (n, cols)."""
+    step = max(1, _DENSE_CHUNK_ELEMENTS // (factors.right.shape[1] * factors.right.shape[2]))
+    out = []
+    for start in range(0, len(samples), step):
+        b, v = samples[start : start + step], ids[start : start + step]
+        left = factors.left[b, :, v]  # (n, T)
+        out.append(torch.einsum("nt,ntc->nc", left.double(), factors.right[b].double()))
+    return torch.cat(out) if out else torch.zeros(0, factors.right.shape[2], dtype=torch.float64)
+
+
+def _squared_gradient_sum(param: nn.Parameter, use: ParamUses, excluded: LayerCall | None) -> torch.Tensor:
+    """``sum_b g_b^2`` elementwise (shaped like ``param``, float64) for the per-sample gradients ``g_b`` of one
+    parameter over all its uses, less ``sum_b o_b^2`` of the use by call ``excluded`` (its cross terms stay)."""
+    if use.vectors:
+        total = sum(vector for _, vector in use.vectors).double()
+        squared = total.square().sum(dim=0)
+        for call, vector in use.vectors:
+            if call is excluded:
+                squared -= vector.double().square().sum(dim=0)
+        return squared.reshape(param.shape)
+    shape = (param.shape[0], param.shape[1])
+    dense = [factors for _, factors in use.outer if factors.left is not None]
+    sparse = [factors for _, factors in use.outer if factors.left_ids is not None]
+    total = _dense_squared_sum(dense, shape) if dense else torch.zeros(shape, dtype=torch.float64, device=param.device)
+    if sparse:
+        samples, ids, rows = _sparse_rows(sparse, shape[0])
+        crossed = rows.square()
+        for factors in dense:
+            crossed += 2 * rows * _dense_rows(factors, samples, ids)
+        total.index_add_(0, ids, crossed)
+    for call, factors in use.outer:
+        if call is excluded:
+            total -= _dense_squared_sum([factors], shape)
+    return total
+
+
+def add_squared_gradients(
+    recorder: GhostNormRecorder,
+    totals: dict[int, torch.Tensor],
+    *,
+    weight: float = 1.0,
+    exclude_self_terms_of: LayerCall | None = None,
+) -> None:
+    """Add ``weight x sum_b g_b^2`` (elementwise, over the batch) of every measured parameter's per-sample gradient
+    ``g_b`` to ``totals[id(param)]`` (created as float64 zeros shaped like the parameter), from the gradients the
+    recorder was given (`GhostNormRecorder.set_grad_outputs`): no further backward.
+
+    Summed over parameters, each addition is ``weight x`` the sum of `GhostNormRecorder.squared_norms`; with
+    ``exclude_self_terms_of``, that call's own terms are left out as there, for the caller to add their expectation.
+    Dense layers' per-sample gradients are materialised a few samples at a time (about the compute of one weight
+    gradient per draw); embedding lookups stay sparse.
+    """
+    for key, use in recorder.parameter_uses().items():
+        if use.outer and use.vectors:
+            raise ValueError("a parameter used both as a matrix and as a vector is not supported")
+        value = _squared_gradient_sum(use.param, use, exclude_self_terms_of)
+        if key not in totals:
+            totals[key] = torch.zeros(use.param.shape, dtype=torch.float64, device=value.device)
+        totals[key] += weight * value

@@ -7,9 +7,14 @@ After Liu, Xie, Li & Ma, "Same Pre-training Loss, Better Downstream: Implicit Bi
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+# pyproject.toml holds the version; a source tree put on the path without being installed has none to report.
+try:
+    __version__ = importlib.metadata.version("hf_flatbias")
+except importlib.metadata.PackageNotFoundError:
+    __version__ = "0+unknown"
 
 # Names are imported on first use, as in transformers and trl: `hf-flatbias --help` then answers without importing
 # torch and transformers (seconds), which only the command that runs needs. The trl names need the `trl` extra: without

@@ -248,11 +248,11 @@ def test_linear_probe_has_exactly_one_trainable_linear_layer(tiny_checkpoint, fe
     assert all(p.grad is None for p in probe.encoder.parameters())
 
 
-def test_old_linear_probe_name_warns_and_runs_the_pooler_head():
-    with pytest.warns(FutureWarning, match="two layers"):
-        assert glue.resolve_finetune_mode("linear_probe") == "pooler_head"
-    with pytest.raises(ValueError, match="mode="):
-        glue.resolve_finetune_mode("adapter")
+def test_finetune_modes_are_checked_by_name():
+    assert [glue.resolve_finetune_mode(mode) for mode in glue.FINETUNE_MODES] == list(glue.FINETUNE_MODES)
+    for unknown in ("linear_probe", "adapter"):  # linear_probe: what pooler_head was called before 0.1.0
+        with pytest.raises(ValueError, match=f"mode='{unknown}' is not supported"):
+            glue.resolve_finetune_mode(unknown)
 
 
 def test_mean_interval_is_the_t_interval():

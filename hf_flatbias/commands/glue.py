@@ -9,7 +9,7 @@ from ..glue.tasks import (
     DEFAULT_MAX_LENGTH,
     DEFAULT_SEEDS,
     DEFAULT_TRAIN_BATCH_SIZE,
-    FINETUNE_MODE_CHOICES,
+    FINETUNE_MODES,
     FROZEN_ENCODER_LEARNING_RATE,
     FULL_FINETUNE_LEARNING_RATE,
 )
@@ -28,9 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--mode",
         default="full",
-        choices=list(FINETUNE_MODE_CHOICES),
+        choices=list(FINETUNE_MODES),
         help="full fine-tuning; one linear layer on frozen [CLS] / token states; a new pooler and classifier on the "
-        "frozen encoder (linear_probe: its old, deprecated name).",
+        "frozen encoder.",
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS), help="Default: %(default)s.")
     parser.add_argument("--data-dir", default=None, help="Local GLUE files (train.* and validation.*).")

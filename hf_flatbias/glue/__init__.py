@@ -13,8 +13,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .tasks import (
-    DEPRECATED_MODES,
-    FINETUNE_MODE_CHOICES,
     FINETUNE_MODES,
     GLUE_TASKS,
     LINEAR_PROBE_MODES,
@@ -72,9 +70,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "DEPRECATED_MODES",
     "FINETUNE_MODES",
-    "FINETUNE_MODE_CHOICES",
     "GLUE_HUB_DATASET",
     "GLUE_TASKS",
     "LINEAR_PROBE_MODES",

@@ -24,7 +24,7 @@ from .tasks import (
     DEFAULT_MAX_LENGTH,
     DEFAULT_SEEDS,
     DEFAULT_TRAIN_BATCH_SIZE,
-    FINETUNE_MODE_CHOICES,
+    FINETUNE_MODES,
     FROZEN_ENCODER_LEARNING_RATE,
     FULL_FINETUNE_LEARNING_RATE,
     LINEAR_PROBE_MODES,
@@ -44,8 +44,8 @@ class GlueArguments:
         default="full",
         metadata={
             "help": "full fine-tuning; linear_cls / linear_tokens: one linear layer on frozen [CLS] / token states; "
-            "pooler_head: a new pooler and classifier on the frozen encoder (linear_probe: its deprecated name).",
-            "choices": list(FINETUNE_MODE_CHOICES),
+            "pooler_head: a new pooler and classifier on the frozen encoder.",
+            "choices": list(FINETUNE_MODES),
         },
     )
     seeds: list[int] = field(
@@ -193,7 +193,7 @@ def finetune_glue(
         arguments: the mode, seeds and row caps ([`GlueArguments`]); ``mode`` is ``full`` (all weights train),
             ``linear_cls`` / ``linear_tokens`` (one linear layer on the frozen encoder's ``[CLS]`` state / first
             ``probe_positions`` token states, see [`LinearProbeClassifier`]) or ``pooler_head`` (a new pooler and
-            classifier on the frozen encoder, formerly ``linear_probe``); a seed sets the head's initialisation and
+            classifier on the frozen encoder); a seed sets the head's initialisation and
             the data order.
         config: how each run trains ([`GlueConfig`]: learning rate, epochs, batch sizes, and any
             [`FlatBiasConfig`] field such as ``flatness_method="sam"``); its ``output_dir`` and ``seed`` are set

@@ -23,13 +23,13 @@ from .tasks import (
 )
 
 if TYPE_CHECKING:
+    from ..hub import hub_is_reachable
     from ..stats import Interval, mean_interval, paired_difference
     from .data import (
         GLUE_HUB_DATASET,
         LOCAL_GLUE_METRIC_PATH,
         check_labels,
         check_task_text_fits_tokenizer,
-        hub_is_reachable,
         load_glue_dataset,
         load_glue_metric,
     )
@@ -40,13 +40,13 @@ if TYPE_CHECKING:
 # before torch (models) or transformers (finetune: GlueConfig is a TrainingArguments) is imported.
 _MODULE_OF_NAME = {
     **dict.fromkeys(("Interval", "mean_interval", "paired_difference"), "..stats"),
+    "hub_is_reachable": "..hub",
     **dict.fromkeys(
         (
             "GLUE_HUB_DATASET",
             "LOCAL_GLUE_METRIC_PATH",
             "check_labels",
             "check_task_text_fits_tokenizer",
-            "hub_is_reachable",
             "load_glue_dataset",
             "load_glue_metric",
         ),

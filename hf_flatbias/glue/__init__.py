@@ -9,9 +9,9 @@ Modules: `tasks` (the registry and the fine-tuning modes), `data` (datasets, met
 and linear probe), `finetune` (`finetune_glue`), `compare` (checkpoints side by side) and `report` (its files).
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ..lazy_imports import lazy_module_attributes
 from .tasks import (
     FINETUNE_MODES,
     GLUE_TASKS,
@@ -60,14 +60,7 @@ _MODULE_OF_NAME = {
 }
 _SUBMODULES = ("compare", "data", "finetune", "models", "report", "tasks")
 
-
-def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        return importlib.import_module(f".{name}", __name__)
-    if name not in _MODULE_OF_NAME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_MODULE_OF_NAME[name], __name__), name)
-
+__getattr__, __dir__ = lazy_module_attributes(__name__, _MODULE_OF_NAME, _SUBMODULES)
 
 __all__ = [
     "FINETUNE_MODES",

@@ -284,13 +284,15 @@ def test_finetune_glue_reports_every_seed(tiny_checkpoint, mode):
     result = glue.finetune_glue(
         str(tiny_checkpoint),
         "sst2",
-        mode=mode,
-        seeds=[0, 1],
+        glue.GlueArguments(mode=mode, seeds=[0, 1]),
+        glue.GlueConfig(
+            max_steps=20 if mode == "full" else 5,  # only full fine-tuning is checked for learning
+            learning_rate=5e-3,
+            per_device_train_batch_size=8,
+            disable_tqdm=True,
+            use_cpu=True,
+        ),
         dataset=_toy_sst2(),
-        max_steps=20 if mode == "full" else 5,  # only full fine-tuning is checked for learning
-        learning_rate=5e-3,
-        per_device_train_batch_size=8,
-        training_kwargs={"disable_tqdm": True, "use_cpu": True},
     )
     assert result.seeds == [0, 1] and result.metric == "accuracy"
     assert result.scores == [m["accuracy"] for m in result.metrics]
@@ -303,11 +305,11 @@ def test_finetune_glue_reports_every_seed(tiny_checkpoint, mode):
 
 def test_finetune_glue_checks_before_training(tiny_checkpoint):
     with pytest.raises(ValueError, match="mode="):
-        glue.finetune_glue(str(tiny_checkpoint), "sst2", mode="adapter", dataset=_toy_sst2())
+        glue.finetune_glue(str(tiny_checkpoint), "sst2", glue.GlueArguments(mode="adapter"), dataset=_toy_sst2())
     bad = _toy_sst2()
     bad["train"] = bad["train"].map(lambda row: {"label": 5})
     with pytest.raises(ValueError, match="2 classes"):
-        glue.finetune_glue(str(tiny_checkpoint), "sst2", dataset=bad, max_steps=1)
+        glue.finetune_glue(str(tiny_checkpoint), "sst2", config=glue.GlueConfig(max_steps=1), dataset=bad)
 
 
 def test_cli_fine_tunes_from_local_files(tiny_checkpoint, tmp_path, capsys):
@@ -359,11 +361,9 @@ def test_stsb_is_fine_tuned_as_regression(tiny_checkpoint):
     result = glue.finetune_glue(
         str(tiny_checkpoint),
         "stsb",
-        seeds=[0],
+        glue.GlueArguments(seeds=[0]),
+        glue.GlueConfig(max_steps=3, learning_rate=1e-3, disable_tqdm=True, use_cpu=True),
         dataset=DatasetDict(train=pairs, validation=pairs),
-        max_steps=3,
-        learning_rate=1e-3,
-        training_kwargs={"disable_tqdm": True, "use_cpu": True},
     )
     assert result.metric == "pearson" and set(result.metrics[0]) == {"pearson", "spearmanr"}
     assert -1.0 <= result.mean <= 1.0

@@ -6,15 +6,20 @@ After Liu, Xie, Li & Ma, "Same Pre-training Loss, Better Downstream: Implicit Bi
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib.metadata
+from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from .lazy_imports import lazy_module_attributes
 
-# Names are imported on first use, as in transformers and trl: `hf-flatbias --help` then answers without importing
-# torch and transformers (seconds), which only the command that runs needs. The trl names need the `trl` extra: without
-# it they raise an ImportError naming it, the other names are unaffected.
-_import_structure = {
+# pyproject.toml holds the version; a source tree put on the path without being installed has none to report.
+try:
+    __version__: str = importlib.metadata.version("hf_flatbias")
+except importlib.metadata.PackageNotFoundError:
+    __version__ = "0+unknown"
+
+# Names are imported on first use (see lazy_imports). The trl names need the `trl` extra: without it they raise an
+# ImportError naming it, the other names are unaffected.
+_import_structure: dict[str, list[str]] = {
     "callbacks": ["FlatnessCheckpointSelector", "HessianTraceCallback", "SaveOnInterruptCallback"],
     "config": ["FlatBiasConfig", "FlatnessArguments"],
     "corpus": ["CorpusSpec"],
@@ -47,9 +52,9 @@ _import_structure = {
     ],
     "trainer": ["FlatBiasTrainer", "FlatnessTrainerMixin"],
 }
-_module_of_name = {name: module for module, names in _import_structure.items() for name in names}
+_module_of_name: dict[str, str] = {name: f".{module}" for module, names in _import_structure.items() for name in names}
 
-__all__ = sorted(_module_of_name, key=str.lower) + ["__version__"]
+__all__: list[str] = sorted(_module_of_name, key=str.lower) + ["__version__"]
 
 if TYPE_CHECKING:
     from .callbacks import FlatnessCheckpointSelector, HessianTraceCallback, SaveOnInterruptCallback
@@ -85,13 +90,4 @@ if TYPE_CHECKING:
     from .trainer import FlatBiasTrainer, FlatnessTrainerMixin
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _module_of_name:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_module_of_name[name]}", __name__), name)
-    globals()[name] = value  # later look-ups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_module_attributes(__name__, _module_of_name)

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .hub import hub_is_reachable
+
 # The `datasets` builder of each local file type that the package reads (tab-separated files go through "csv").
 DATA_FILE_BUILDERS = {
     ".txt": "text",
@@ -40,8 +42,6 @@ def resolve_dataset(dataset: str) -> str:
     """``auto`` becomes BookCorpus when the Hub answers, else the offline BBC news; any other name stays."""
     if dataset != "auto":
         return dataset
-    from .glue.data import hub_is_reachable
-
     return "bookcorpus" if hub_is_reachable() else OFFLINE_CORPUS
 
 

@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model(model_args, tokenizer)
     logger.info(
         "Model: %.1fM parameters; %d training blocks of %d tokens. On a CPU the training bar moves slowly: see the "
-        "README for the time per step.",
+        "docs/guides/glue.md for the time per step.",
         model.num_parameters() / 1e6,
         len(blocks["train"]),
         model_args.max_seq_length,

@@ -248,11 +248,11 @@ def test_linear_probe_has_exactly_one_trainable_linear_layer(tiny_checkpoint, fe
     assert all(p.grad is None for p in probe.encoder.parameters())
 
 
-def test_old_linear_probe_name_warns_and_runs_the_pooler_head():
-    with pytest.warns(FutureWarning, match="two layers"):
-        assert glue.resolve_finetune_mode("linear_probe") == "pooler_head"
-    with pytest.raises(ValueError, match="mode="):
-        glue.resolve_finetune_mode("adapter")
+def test_finetune_modes_are_checked_by_name():
+    assert [glue.resolve_finetune_mode(mode) for mode in glue.FINETUNE_MODES] == list(glue.FINETUNE_MODES)
+    for unknown in ("linear_probe", "adapter"):  # linear_probe: what pooler_head was called before 0.1.0
+        with pytest.raises(ValueError, match=f"mode='{unknown}' is not supported"):
+            glue.resolve_finetune_mode(unknown)
 
 
 def test_mean_interval_is_the_t_interval():
@@ -284,13 +284,15 @@ def test_finetune_glue_reports_every_seed(tiny_checkpoint, mode):
     result = glue.finetune_glue(
         str(tiny_checkpoint),
         "sst2",
-        mode=mode,
-        seeds=[0, 1],
+        glue.GlueArguments(mode=mode, seeds=[0, 1]),
+        glue.GlueConfig(
+            max_steps=20 if mode == "full" else 5,  # only full fine-tuning is checked for learning
+            learning_rate=5e-3,
+            per_device_train_batch_size=8,
+            disable_tqdm=True,
+            use_cpu=True,
+        ),
         dataset=_toy_sst2(),
-        max_steps=20 if mode == "full" else 5,  # only full fine-tuning is checked for learning
-        learning_rate=5e-3,
-        per_device_train_batch_size=8,
-        training_kwargs={"disable_tqdm": True, "use_cpu": True},
     )
     assert result.seeds == [0, 1] and result.metric == "accuracy"
     assert result.scores == [m["accuracy"] for m in result.metrics]
@@ -303,11 +305,11 @@ def test_finetune_glue_reports_every_seed(tiny_checkpoint, mode):
 
 def test_finetune_glue_checks_before_training(tiny_checkpoint):
     with pytest.raises(ValueError, match="mode="):
-        glue.finetune_glue(str(tiny_checkpoint), "sst2", mode="adapter", dataset=_toy_sst2())
+        glue.finetune_glue(str(tiny_checkpoint), "sst2", glue.GlueArguments(mode="adapter"), dataset=_toy_sst2())
     bad = _toy_sst2()
     bad["train"] = bad["train"].map(lambda row: {"label": 5})
     with pytest.raises(ValueError, match="2 classes"):
-        glue.finetune_glue(str(tiny_checkpoint), "sst2", dataset=bad, max_steps=1)
+        glue.finetune_glue(str(tiny_checkpoint), "sst2", config=glue.GlueConfig(max_steps=1), dataset=bad)
 
 
 def test_cli_fine_tunes_from_local_files(tiny_checkpoint, tmp_path, capsys):
@@ -359,11 +361,9 @@ def test_stsb_is_fine_tuned_as_regression(tiny_checkpoint):
     result = glue.finetune_glue(
         str(tiny_checkpoint),
         "stsb",
-        seeds=[0],
+        glue.GlueArguments(seeds=[0]),
+        glue.GlueConfig(max_steps=3, learning_rate=1e-3, disable_tqdm=True, use_cpu=True),
         dataset=DatasetDict(train=pairs, validation=pairs),
-        max_steps=3,
-        learning_rate=1e-3,
-        training_kwargs={"disable_tqdm": True, "use_cpu": True},
     )
     assert result.metric == "pearson" and set(result.metrics[0]) == {"pearson", "spearmanr"}
     assert -1.0 <= result.mean <= 1.0

@@ -202,13 +202,13 @@ def test_every_method_saves_and_pushes_its_card(hub, tmp_path, method):
     assert hub.files(repo_id)["README.md"] == (tmp_path / "run" / "README.md").read_bytes()
 
 
-def readme_python_block(heading: str) -> str:
-    """The first ```python block of the README's section ``heading``."""
-    section = (REPO_ROOT / "README.md").read_text(encoding="utf-8").split(f"\n## {heading}\n", 1)[1].split("\n## ")[0]
-    return section.split("```python\n", 1)[1].split("\n```", 1)[0]
+def hub_guide_python_block() -> str:
+    """The first ```python block of the Hub guide, which continues the README's Quick start."""
+    guide = (REPO_ROOT / "docs" / "guides" / "hub.md").read_text(encoding="utf-8")
+    return guide.split("```python\n", 1)[1].split("\n```", 1)[0]
 
 
-def test_readme_hub_example_publishes_the_trace_of_the_pushed_weights(hub, tmp_path, monkeypatch, capsys):
+def test_hub_guide_example_publishes_the_trace_of_the_pushed_weights(hub, tmp_path, monkeypatch, capsys):
     model, data = tiny_mlm_setup()
     words = [f"w{i}" for i in range(model.config.vocab_size - 5)]  # ids 5.. are words, as in tiny_mlm_setup's data
     namespace = {
@@ -219,7 +219,7 @@ def test_readme_hub_example_publishes_the_trace_of_the_pushed_weights(hub, tmp_p
         "tokenizer": make_tokenizer(words),
     }
     monkeypatch.chdir(tmp_path)
-    exec(compile(readme_python_block("Model cards and the Hub"), "README.md", "exec"), namespace)
+    exec(compile(hub_guide_python_block(), "docs/guides/hub.md", "exec"), namespace)
 
     trainer = namespace["trainer"]
     final_step = trainer.state.global_step

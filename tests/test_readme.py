@@ -1,16 +1,24 @@
-"""The README's Quick start runs as written: its python blocks, executed in order in an empty folder."""
+"""The README's Quick start and the trl guide's example run as written: their python blocks, executed in order in an
+empty folder; every guide the README links to exists."""
 
+import importlib.util
 import re
+
+import pytest
 
 from hf_flatbias.constants import TRACE_METRIC
 from tests.conftest import REPO
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
 
 
 def quick_start_blocks() -> list[str]:
     readme = (REPO / "README.md").read_text()
     section = readme[readme.index("## Quick start") :]
     section = section[: section.index("\n## ", 1)]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    return python_blocks(section)
 
 
 def test_the_quick_start_runs_as_written(tmp_path, monkeypatch, capsys):
@@ -29,3 +37,24 @@ def test_the_quick_start_runs_as_written(tmp_path, monkeypatch, capsys):
     assert re.search(r"Tr\(F\) = [\d.]+ ± [\d.]+", capsys.readouterr().out)  # per_sample: the Fisher trace
     estimate = namespace["estimate"]
     assert estimate.n_contexts == 500 and estimate.mean > 0
+
+
+def test_every_page_the_readme_links_to_exists():
+    readme = (REPO / "README.md").read_text()
+    targets = {target.split("#")[0] for target in re.findall(r"\]\(([^)]+)\)", readme) if "://" not in target}
+    assert {"docs/guides/training.md", "docs/guides/trl.md", "docs/guides/hub.md"} <= targets
+    assert [target for target in sorted(targets) if not (REPO / target).exists()] == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs the trl extra")
+def test_the_trl_guide_runs_as_written_on_a_cpu(tmp_path, monkeypatch):
+    blocks = python_blocks((REPO / "docs" / "guides" / "trl.md").read_text())
+    assert len(blocks) == 1
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "__trl_guide__"}
+    exec(compile(blocks[0], "docs/guides/trl.md", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert trainer.state.global_step == trainer.args.max_steps
+    logged = {key for entry in trainer.state.log_history for key in entry}
+    assert {"loss", "sam/perturbed_loss", TRACE_METRIC} <= logged  # SAM inside trl, and the trace measured at the end
+    assert (tmp_path / "llama-sft-sam" / "README.md").is_file()

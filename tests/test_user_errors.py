@@ -74,12 +74,20 @@ def test_glue_refuses_text_its_vocabulary_reads_as_unknown_with_the_rule_trace_u
     import datasets
 
     from hf_flatbias.flatness.lm import check_tokenizer_fits_model
-    from hf_flatbias.glue import check_task_text_fits_tokenizer, finetune_glue, get_glue_task, load_tokenizer
+    from hf_flatbias.glue import (
+        GlueConfig,
+        check_task_text_fits_tokenizer,
+        finetune_glue,
+        get_glue_task,
+        load_tokenizer,
+    )
 
     english = datasets.Dataset.from_dict({"sentence": ENGLISH, "label": [0, 1, 1] * 4})
     data = datasets.DatasetDict(train=english, validation=english)
     with pytest.raises(ValueError, match="100% of its tokens are unknown"):
-        finetune_glue(str(language_model), "sst2", dataset=data, max_steps=1, output_dir=tmp_path / "runs")
+        finetune_glue(
+            str(language_model), "sst2", config=GlueConfig(max_steps=1), dataset=data, output_dir=tmp_path / "runs"
+        )
     assert not (tmp_path / "runs").exists()  # refused before any training
     # the same function as trace's: the same message for the same ids
     tokenizer = load_tokenizer(str(language_model))

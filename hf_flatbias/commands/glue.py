@@ -9,7 +9,7 @@ from ..glue.tasks import (
     DEFAULT_MAX_LENGTH,
     DEFAULT_SEEDS,
     DEFAULT_TRAIN_BATCH_SIZE,
-    FINETUNE_MODE_CHOICES,
+    FINETUNE_MODES,
     FROZEN_ENCODER_LEARNING_RATE,
     FULL_FINETUNE_LEARNING_RATE,
 )
@@ -28,9 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--mode",
         default="full",
-        choices=list(FINETUNE_MODE_CHOICES),
+        choices=list(FINETUNE_MODES),
         help="full fine-tuning; one linear layer on frozen [CLS] / token states; a new pooler and classifier on the "
-        "frozen encoder (linear_probe: its old, deprecated name).",
+        "frozen encoder.",
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS), help="Default: %(default)s.")
     parser.add_argument("--data-dir", default=None, help="Local GLUE files (train.* and validation.*).")
@@ -64,28 +64,27 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)  # before torch and transformers load
     model = local_path_or_hub_id(args.model, "MODEL")
     data_dir = None if args.data_dir is None else existing_local_path(args.data_dir, "--data-dir")
-    from ..glue import finetune_glue, get_glue_task
+    from ..glue import GlueArguments, GlueConfig, finetune_glue, get_glue_task
 
     get_glue_task(args.task)  # before transformers loads
     from ..utils import quiet_deepspeed_without_accelerator
 
     quiet_deepspeed_without_accelerator()
 
-    result = finetune_glue(
-        model,
-        args.task,
+    arguments = GlueArguments(
         mode=args.mode,
         seeds=args.seeds,
-        data_dir=data_dir,
-        output_dir=args.output_dir,
-        learning_rate=args.learning_rate,
-        num_train_epochs=args.num_train_epochs,
-        max_steps=args.max_steps,
-        per_device_train_batch_size=args.batch_size,
         max_length=args.max_length,
         max_train_samples=args.max_train_samples,
         max_eval_samples=args.max_eval_samples,
     )
+    config = GlueConfig(
+        learning_rate=args.learning_rate,
+        num_train_epochs=args.num_train_epochs,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+    )
+    result = finetune_glue(model, args.task, arguments, config, data_dir=data_dir, output_dir=args.output_dir)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

@@ -14,14 +14,22 @@ from ..constants import (
     DEFAULT_N_CONTEXTS,
     DEFAULT_SAM_RHO,
     ESTIMATORS,
-    IGNORE_INDEX,
     MEASURES,
     RECOMMENDED_N_DRAWS,
     SPECTRUM_MATRICES,
     TRACE_QUANTITIES,
 )
-from ..corpus import DATA_FILE_BUILDERS, load_data_files
+from ..corpus import DATA_FILE_BUILDERS
 from .paths import check_output_file, local_path_or_hub_id
+from .trace_inputs import (
+    check_token_ids,
+    checked_device,
+    count_labelled,
+    has_tokenizer_files,
+    load_language_model,
+    load_rows,
+    peft_base_model,
+)
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 GROUPED_ESTIMATORS = ("per_sample", "naive")
@@ -280,11 +288,11 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     from ..flatness.contexts import build_masked_contexts
     from ..flatness.lm import check_tokenizer_fits_model, is_causal_lm, output_vocab_size
 
-    device = _checked_device(args.device, torch)
-    rows = _load_rows(args)  # before the model: a bad data file is reported at once
+    device = checked_device(args.device, torch)
+    rows = load_rows(args)  # before the model: a bad data file is reported at once
     if not rows:
         raise ValueError(f"{args.data} holds no rows.")
-    base_model = _peft_base_model(args.model)  # a PEFT adapter folder names the model it adapts
+    base_model = peft_base_model(args.model)  # a PEFT adapter folder names the model it adapts
     config = AutoConfig.from_pretrained(base_model or args.model)
     architectures = list(getattr(config, "architectures", None) or [])
     causal_names, masked_names = (
@@ -305,11 +313,11 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         )
     causal = args.causal or detected_causal
     if "input_ids" in rows[0]:
-        _check_token_ids(rows, config.vocab_size, args.data)  # an id outside the embedding fails deep in torch
-    model = _load_language_model(args.model, base_model, causal)
+        check_token_ids(rows, config.vocab_size, args.data)  # an id outside the embedding fails deep in torch
+    model = load_language_model(args.model, base_model, causal)
     model.to(device)
     vocab_size = output_vocab_size(model)
-    tokenizer_source = args.model if base_model is None or _has_tokenizer_files(args.model) else base_model
+    tokenizer_source = args.model if base_model is None or has_tokenizer_files(args.model) else base_model
     tokenizer = None
     if "input_ids" not in rows[0]:
         if args.text_column not in rows[0]:
@@ -332,7 +340,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     if "labels" in rows[0]:
         # ready-made contexts: each labelled position is one
         contexts = rows
-        n_contexts = min(args.n_contexts, _count_labelled(rows))
+        n_contexts = min(args.n_contexts, count_labelled(rows))
         if n_contexts < args.n_contexts:
             _notice(f"--n-contexts {args.n_contexts}: {args.data} labels {n_contexts} positions; using those.")
     else:
@@ -414,91 +422,3 @@ def _measures_beyond_trace(args: argparse.Namespace, model, contexts, n_contexts
 
 def _notice(text: str) -> None:
     print(f"hf-flatbias trace: {text}", file=sys.stderr, flush=True)
-
-
-def _checked_device(name: str | None, torch) -> str:
-    """``--device``, or cuda when available else cpu; a device this torch cannot use is refused before loading."""
-    if name is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        torch.empty(0, device=name)
-    except (RuntimeError, AssertionError) as error:  # AssertionError: "Torch not compiled with CUDA enabled"
-        raise ValueError(
-            f"--device {name}: this torch cannot use it ({error}); drop --device to use what is available."
-        ) from None
-    return name
-
-
-def _check_token_ids(rows: list[dict[str, Any]], vocab_size: int, source: str) -> None:
-    for index, row in enumerate(rows):
-        ids = [int(token) for token in row["input_ids"]]
-        labels = [int(label) for label in row.get("labels", []) if label != IGNORE_INDEX]
-        bad = [token for token in ids + labels if not 0 <= token < vocab_size]
-        if bad:
-            raise ValueError(
-                f"Row {index} of {source} holds the token id {bad[0]}, outside the model's vocabulary of {vocab_size} "
-                f"(ids 0..{vocab_size - 1}): the data was tokenized for another model."
-            )
-
-
-def _peft_base_model(model: str) -> str | None:
-    """The base model a local PEFT adapter folder (``adapter_config.json``) adapts, else ``None``."""
-    adapter_config = Path(model, "adapter_config.json")
-    if not adapter_config.is_file():
-        return None
-    base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
-    if not base:
-        raise ValueError(f"{adapter_config} names no base_model_name_or_path: the adapter's base model is unknown.")
-    return base
-
-
-def _has_tokenizer_files(folder: str) -> bool:
-    return any(Path(folder, name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"))
-
-
-def _load_language_model(model: str, base_model: str | None, causal: bool):
-    """The checkpoint with its LM head; a PEFT adapter on its base model, the adapter's parameters trainable (the
-    trace is taken over trainable parameters, as for a LoRA run in the trainer)."""
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
-
-    model_class = AutoModelForCausalLM if causal else AutoModelForMaskedLM
-    if base_model is None:
-        return model_class.from_pretrained(model)
-    from peft import PeftModel
-
-    return PeftModel.from_pretrained(model_class.from_pretrained(base_model), model, is_trainable=True)
-
-
-def _count_labelled(rows: list[dict[str, Any]]) -> int:
-    return sum(sum(1 for label in row["labels"] if label != IGNORE_INDEX) for row in rows)
-
-
-def _load_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    import datasets
-
-    path = Path(args.data)
-    if path.is_dir():
-        loaded = datasets.load_from_disk(str(path))
-    elif path.is_file():
-        file_format = DATA_FILE_BUILDERS.get(path.suffix.lower())
-        if file_format is None:
-            raise ValueError(f"--data {args.data}: unknown file type; use one of {sorted(DATA_FILE_BUILDERS)}.")
-        if not path.read_bytes().strip():
-            raise ValueError(f"--data {args.data} is empty; give a file with one text (or row) per line.")
-        try:
-            loaded = load_data_files(str(path))
-        except datasets.exceptions.DatasetGenerationError as error:
-            cause = error.__cause__ or error
-            raise ValueError(
-                f"--data {args.data} could not be read as {file_format} ({type(cause).__name__}: {cause}); check "
-                "the file's format against its extension."
-            ) from error
-    else:
-        loaded = datasets.load_dataset(args.data, args.config_name)
-    if isinstance(loaded, datasets.DatasetDict):
-        split = args.split or ("validation" if "validation" in loaded else "train" if "train" in loaded else None)
-        if split not in loaded:
-            raise ValueError(f"--data {args.data} has splits {list(loaded)}; choose one with --split.")
-        loaded = loaded[split]
-    # rows are reused with other positions when there are fewer than contexts, so more are never needed
-    return [dict(row) for row in loaded.select(range(min(len(loaded), args.n_contexts)))]

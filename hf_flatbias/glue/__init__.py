@@ -9,12 +9,10 @@ Modules: `tasks` (the registry and the fine-tuning modes), `data` (datasets, met
 and linear probe), `finetune` (`finetune_glue`), `compare` (checkpoints side by side) and `report` (its files).
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ..lazy_imports import lazy_module_attributes
 from .tasks import (
-    DEPRECATED_MODES,
-    FINETUNE_MODE_CHOICES,
     FINETUNE_MODES,
     GLUE_TASKS,
     LINEAR_PROBE_MODES,
@@ -25,13 +23,13 @@ from .tasks import (
 )
 
 if TYPE_CHECKING:
+    from ..hub import hub_is_reachable
     from ..stats import Interval, mean_interval, paired_difference
     from .data import (
         GLUE_HUB_DATASET,
         LOCAL_GLUE_METRIC_PATH,
         check_labels,
         check_task_text_fits_tokenizer,
-        hub_is_reachable,
         load_glue_dataset,
         load_glue_metric,
     )
@@ -42,13 +40,13 @@ if TYPE_CHECKING:
 # before torch (models) or transformers (finetune: GlueConfig is a TrainingArguments) is imported.
 _MODULE_OF_NAME = {
     **dict.fromkeys(("Interval", "mean_interval", "paired_difference"), "..stats"),
+    "hub_is_reachable": "..hub",
     **dict.fromkeys(
         (
             "GLUE_HUB_DATASET",
             "LOCAL_GLUE_METRIC_PATH",
             "check_labels",
             "check_task_text_fits_tokenizer",
-            "hub_is_reachable",
             "load_glue_dataset",
             "load_glue_metric",
         ),
@@ -62,19 +60,10 @@ _MODULE_OF_NAME = {
 }
 _SUBMODULES = ("compare", "data", "finetune", "models", "report", "tasks")
 
-
-def __getattr__(name: str) -> Any:
-    if name in _SUBMODULES:
-        return importlib.import_module(f".{name}", __name__)
-    if name not in _MODULE_OF_NAME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_MODULE_OF_NAME[name], __name__), name)
-
+__getattr__, __dir__ = lazy_module_attributes(__name__, _MODULE_OF_NAME, _SUBMODULES)
 
 __all__ = [
-    "DEPRECATED_MODES",
     "FINETUNE_MODES",
-    "FINETUNE_MODE_CHOICES",
     "GLUE_HUB_DATASET",
     "GLUE_TASKS",
     "LINEAR_PROBE_MODES",

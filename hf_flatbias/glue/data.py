@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -14,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..corpus import DATA_FILE_BUILDERS, load_data_files
+from ..hub import hub_is_reachable
 from .tasks import DEFAULT_MAX_LENGTH, GlueTask, get_glue_task
 
 logger = logging.getLogger(__name__)
@@ -22,30 +20,6 @@ GLUE_HUB_DATASET = "nyu-mll/glue"
 LOCAL_GLUE_METRIC_PATH = Path(__file__).parent.parent / "metrics" / "glue"
 # GLUE needs columns: every table format of the corpus module, but not plain text.
 GLUE_FILE_SUFFIXES = tuple(suffix for suffix, builder in DATA_FILE_BUILDERS.items() if builder != "text")
-
-
-@functools.lru_cache(maxsize=1)
-def hub_is_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face Hub answers, asked once per process with a short time-out.
-
-    Offline mode (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE``, at import or now) answers ``False`` with no
-    network call at all.
-    """
-    from huggingface_hub import constants
-
-    offline_now = any(
-        os.environ.get(var, "").upper() in {"1", "ON", "YES", "TRUE"}
-        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
-    if constants.HF_HUB_OFFLINE or offline_now:
-        return False
-    try:
-        with urllib.request.urlopen(urllib.request.Request(constants.ENDPOINT, method="HEAD"), timeout=timeout):
-            return True
-    except urllib.error.HTTPError:
-        return True  # the server answered, only not with 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
 
 
 def load_glue_metric(task: str, *, use_hub: bool | None = None, **load_kwargs: Any):

@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from .tasks import (
     DEFAULT_MAX_LENGTH,
     DEFAULT_SEEDS,
     DEFAULT_TRAIN_BATCH_SIZE,
-    FINETUNE_MODE_CHOICES,
+    FINETUNE_MODES,
     FROZEN_ENCODER_LEARNING_RATE,
     FULL_FINETUNE_LEARNING_RATE,
     LINEAR_PROBE_MODES,
@@ -44,8 +43,8 @@ class GlueArguments:
         default="full",
         metadata={
             "help": "full fine-tuning; linear_cls / linear_tokens: one linear layer on frozen [CLS] / token states; "
-            "pooler_head: a new pooler and classifier on the frozen encoder (linear_probe: its deprecated name).",
-            "choices": list(FINETUNE_MODE_CHOICES),
+            "pooler_head: a new pooler and classifier on the frozen encoder.",
+            "choices": list(FINETUNE_MODES),
         },
     )
     seeds: list[int] = field(
@@ -141,37 +140,6 @@ def _predictions_for_metric(task: GlueTask, logits: np.ndarray) -> np.ndarray:
     return logits.squeeze(-1) if task.is_regression else logits.argmax(-1)
 
 
-def _arguments_and_config(
-    arguments: GlueArguments | None,
-    config: GlueConfig | None,
-    options: Mapping[str, Any],
-    training_kwargs: Mapping[str, Any] | None,
-) -> tuple[GlueArguments, GlueConfig]:
-    """The two dataclasses from either themselves or keyword options (each name goes where it is a field)."""
-    if config is not None and not isinstance(config, GlueConfig):
-        raise TypeError(
-            f"finetune_glue takes a GlueConfig, not a {type(config).__name__}: GlueConfig keeps the learning rate "
-            "unset until the mode chooses it, where another config would carry its own default."
-        )
-    argument_names = {f.name for f in dataclasses.fields(GlueArguments)}
-    config_names = {f.name for f in dataclasses.fields(GlueConfig) if f.init}
-    options = {**options, **(training_kwargs or {})}
-    unknown = sorted(set(options) - argument_names - config_names)
-    if unknown:
-        raise TypeError(f"finetune_glue got unknown options {unknown}: neither GlueArguments nor GlueConfig fields.")
-    argument_options = {k: v for k, v in options.items() if k in argument_names}
-    config_options = {k: v for k, v in options.items() if k not in argument_names}
-    if arguments is not None and argument_options:
-        raise TypeError(f"Give {sorted(argument_options)} in the GlueArguments or as options, not both.")
-    if config is not None and config_options:
-        raise TypeError(f"Give {sorted(config_options)} in the GlueConfig or as options, not both.")
-    if "seeds" in argument_options:
-        argument_options["seeds"] = list(argument_options["seeds"])
-    if config is None:
-        config = GlueConfig(**config_options)
-    return arguments or GlueArguments(**argument_options), config
-
-
 def finetune_glue(
     model_name_or_path: str,
     task: str,
@@ -182,28 +150,24 @@ def finetune_glue(
     data_dir: str | os.PathLike | None = None,
     tokenizer_name_or_path: str | None = None,
     output_dir: str | os.PathLike | None = None,
-    training_kwargs: Mapping[str, Any] | None = None,
-    **options: Any,
 ) -> GlueResult:
     """Fine-tune a checkpoint on a GLUE task once per seed and report the validation metric's mean and std.
 
     Args:
         model_name_or_path: a local folder or Hub id holding the model and its tokenizer.
         task: one of cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli.
-        arguments: the mode, seeds and row caps ([`GlueArguments`]); ``mode`` is ``full`` (all weights train),
-            ``linear_cls`` / ``linear_tokens`` (one linear layer on the frozen encoder's ``[CLS]`` state / first
-            ``probe_positions`` token states, see [`LinearProbeClassifier`]) or ``pooler_head`` (a new pooler and
-            classifier on the frozen encoder, formerly ``linear_probe``); a seed sets the head's initialisation and
-            the data order.
-        config: how each run trains ([`GlueConfig`]: learning rate, epochs, batch sizes, and any
-            [`FlatBiasConfig`] field such as ``flatness_method="sam"``); its ``output_dir`` and ``seed`` are set
+        arguments: the mode, seeds and row caps ([`GlueArguments`]; default: its defaults). ``mode`` is ``full``
+            (all weights train), ``linear_cls`` / ``linear_tokens`` (one linear layer on the frozen encoder's
+            ``[CLS]`` state / first ``probe_positions`` token states, see [`LinearProbeClassifier`]) or
+            ``pooler_head`` (a new pooler and classifier on the frozen encoder); a seed sets the head's
+            initialisation and the data order.
+        config: how each run trains ([`GlueConfig`]; default: its defaults): learning rate, epochs, batch sizes, and
+            any [`FlatBiasConfig`] field such as ``flatness_method="sam"``; its ``output_dir`` and ``seed`` are set
             per run. Its learning rate, when unset, is ``FULL_FINETUNE_LEARNING_RATE`` (2e-5, BERT's recipe) for
             ``full`` and ``FROZEN_ENCODER_LEARNING_RATE`` (1e-3) otherwise.
         dataset: a ``DatasetDict`` to use instead of [`load_glue_dataset`] (``train`` and the task's validation split).
         data_dir: local GLUE files, see [`load_glue_dataset`].
         output_dir: where the runs go (default: a temporary folder, removed at the end).
-        training_kwargs / options: instead of the two dataclasses, their fields by name
-            (``mode="linear_cls", max_steps=20, use_cpu=True``); each name goes to the dataclass that has it.
 
     Returns:
         A [`GlueResult`] with the main metric per seed, its mean and std, and every metric per seed.
@@ -212,7 +176,14 @@ def finetune_glue(
 
     from ..trainer import FlatBiasTrainer
 
-    arguments, config = _arguments_and_config(arguments, config, options, training_kwargs)
+    arguments = GlueArguments() if arguments is None else arguments
+    if config is None:
+        config = GlueConfig()
+    elif not isinstance(config, GlueConfig):
+        raise TypeError(
+            f"finetune_glue takes a GlueConfig, not a {type(config).__name__}: GlueConfig keeps the learning rate "
+            "unset until the mode chooses it, where another config would carry its own default."
+        )
     spec = get_glue_task(task)
     mode = resolve_finetune_mode(arguments.mode)
     seeds = [int(seed) for seed in arguments.seeds]

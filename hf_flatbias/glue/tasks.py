@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 # full: every weight trains. linear_cls / linear_tokens: one linear layer on the frozen encoder's [CLS] state or on
 # its first token states concatenated (the released run_lp.py probes positions 1..18 this way). pooler_head: a new
-# pooler and classifier (two layers) on the frozen encoder, which this package used to call "linear_probe".
+# pooler and classifier (two layers) on the frozen encoder.
 FINETUNE_MODES = ("full", "linear_cls", "linear_tokens", "pooler_head")
-DEPRECATED_MODES = {"linear_probe": "pooler_head"}
 LINEAR_PROBE_MODES = ("linear_cls", "linear_tokens")
-# What a command line accepts: the modes and the deprecated names that still resolve to one.
-FINETUNE_MODE_CHOICES = (*FINETUNE_MODES, *DEPRECATED_MODES)
 
 # Fine-tuning defaults, here rather than in finetune.py so that `hf-flatbias glue` can show them without importing
 # transformers. BERT's GLUE learning rate when every weight trains; a new head on frozen features takes a larger step.
@@ -93,15 +89,7 @@ def parse_glue_tasks(tasks: str | Sequence[str]) -> list[GlueTask]:
 
 
 def resolve_finetune_mode(mode: str) -> str:
-    """``mode`` checked against [`FINETUNE_MODES`]; the old name ``linear_probe`` still works, with a warning."""
-    if mode in DEPRECATED_MODES:
-        warnings.warn(
-            f"mode={mode!r} trains a new pooler and a classifier (two layers), not a linear probe; it is now called "
-            f"{DEPRECATED_MODES[mode]!r}. For one linear layer on frozen features use 'linear_cls' or 'linear_tokens'.",
-            FutureWarning,
-            stacklevel=3,
-        )
-        return DEPRECATED_MODES[mode]
+    """``mode`` checked against [`FINETUNE_MODES`]: a clear ``ValueError`` for any other name."""
     if mode not in FINETUNE_MODES:
         raise ValueError(f"mode={mode!r} is not supported; choose one of {list(FINETUNE_MODES)}.")
     return mode

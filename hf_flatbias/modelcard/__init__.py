@@ -22,14 +22,12 @@ that method used. Nothing here imports torch, transformers or the Trainer.
 from .card import (
     HESSIAN_TRACE_METRIC,
     METHOD_HYPERPARAMETERS,
-    METHOD_TITLES,
     PAPER_CITATION,
     FlatnessCard,
     add_glue_results,
-    format_comparison_table,
     load_flatness_card,
-    measure_summaries,
 )
+from .formatting import METHOD_TITLES, format_comparison_table, measure_summaries
 from .from_trainer import flatness_card_from_trainer, measure_record
 
 __all__ = [

@@ -1,0 +1,128 @@
+"""How a card's numbers read as text: in the rendered card, in `hf-flatbias card` and in `hf-flatbias compare`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .schema import EXTRA_MEASURES
+
+if TYPE_CHECKING:
+    from .card import FlatnessCard
+
+# How the card names each method of `FlatBiasConfig.flatness_method`; its hyperparameters follow in parentheses.
+METHOD_TITLES = {
+    "none": "none (plain optimizer steps)",
+    "sam": "SAM",
+    "asam": "ASAM",
+    "functional_sam": "Functional-SAM",
+    "looksam": "LookSAM",
+    "fisher_penalty": "Fisher-trace penalty",
+    "grad_norm_penalty": "gradient-norm penalty",
+}
+
+
+def format_number(value: float | None, digits: int = 4) -> str:
+    if value is None:
+        return "not measured"
+    return f"{value:.{digits}g}"
+
+
+def format_trace(trace: float | None, stderr: float | None) -> str:
+    if trace is None:
+        return "not measured"
+    return format_number(trace) if stderr is None else f"{format_number(trace)} ± {format_number(stderr, 2)}"
+
+
+def format_method(card: FlatnessCard, *, short: bool = False) -> str:
+    if card.method == "none":
+        return "none" if short else METHOD_TITLES["none"]
+    settings = ", ".join(f"{name} = {value:g}" for name, value in card.method_hyperparameters().items())
+    title = METHOD_TITLES[card.method]
+    return f"{title} ({settings})" if settings else title
+
+
+def glue_rows(glue: Mapping[str, Mapping[str, float]]) -> list[tuple[str, str, str]]:
+    return [(task, metric, f"{glue[task][metric]:.4f}") for task in sorted(glue) for metric in sorted(glue[task])]
+
+
+def measure_summaries(card: FlatnessCard) -> list[tuple[str, str]]:
+    """``(label, text)`` for each measure beyond the trace on the card, as the card, ``card`` and ``compare`` show
+    them."""
+    rows = []
+    eigenvalue = card.measures.get("top_eigenvalue")
+    if eigenvalue is not None:
+        matrix = eigenvalue.get("matrix", "?")
+        text = format_number(eigenvalue["value"])
+        if "residual" in eigenvalue:
+            text += f" (residual {format_number(eigenvalue['residual'], 2)})"
+        rows.append((f"Largest {matrix} eigenvalue", text + _step_text(eigenvalue)))
+    sharpness = card.measures.get("sam_sharpness")
+    if sharpness is not None:
+        text = format_trace(sharpness["value"], sharpness.get("stderr"))
+        settings = [f"rho = {sharpness['rho']:g}" if "rho" in sharpness else None]
+        settings.append("adaptive" if sharpness.get("adaptive") else None)
+        settings.append(f"batches of {sharpness['batch_size']}" if "batch_size" in sharpness else None)
+        text += " (" + ", ".join(s for s in settings if s) + ")" if any(settings) else ""
+        rows.append(("SAM sharpness L(w+e) - L(w) ± standard error", text + _step_text(sharpness)))
+    return rows
+
+
+def _step_text(record: Mapping[str, Any]) -> str:
+    return f", step {record['step']}" if record.get("step") is not None else ""
+
+
+_MEASURE_COLUMNS = {"top_eigenvalue": "top eigenvalue", "sam_sharpness": "SAM sharpness ± stderr"}
+
+
+def format_comparison_table(cards: Sequence[tuple[str, FlatnessCard]]) -> str:
+    """A markdown table comparing checkpoints: loss, trace ± stderr, method, estimator and GLUE metrics.
+
+    Args:
+        cards: ``(label, card)`` pairs in the order of the rows (the label is usually the repo id or path).
+    """
+    glue_columns = sorted({(task, metric) for _, card in cards for task in card.glue for metric in card.glue[task]})
+    measure_columns = [name for name in EXTRA_MEASURES if any(name in card.measures for _, card in cards)]
+    # one column, one quantity: named by the estimators when they all measured the same one
+    quantities = {card.trace_quantity for _, card in cards if card.hessian_trace is not None}
+    trace_header = f"{quantities.pop() if len(quantities) == 1 else 'trace'} ± stderr"
+    header = ["model", "pre-training loss", trace_header, "method", "estimator"]
+    header += [_MEASURE_COLUMNS[name] for name in measure_columns]
+    header += [f"{task}/{metric}" for task, metric in glue_columns]
+    rows = [header, ["---"] * len(header)]
+    for label, card in cards:
+        estimator = "-"
+        if card.estimator or card.n_contexts:
+            estimator = f"{card.estimator or '?'} ({card.n_contexts or '?'}×{card.n_draws or '?'})"
+        row = [
+            label,
+            format_number(card.pretraining_loss) if card.pretraining_loss is not None else "-",
+            format_trace(card.hessian_trace, card.hessian_trace_stderr) if card.hessian_trace is not None else "-",
+            format_method(card, short=True),
+            estimator,
+        ]
+        for name in measure_columns:
+            row.append(_measure_cell(name, card.measures.get(name)))
+        for task, metric in glue_columns:
+            value = card.glue.get(task, {}).get(metric)
+            row.append(f"{value:.4f}" if value is not None else "-")
+        rows.append(row)
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in rows)
+
+
+def _measure_cell(name: str, record: Mapping[str, Any] | None) -> str:
+    if record is None:
+        return "-"
+    if name == "top_eigenvalue":
+        return f"{format_number(record['value'])} ({record.get('matrix', '?')})"
+    return f"{format_trace(record['value'], record.get('stderr'))} (ρ={record.get('rho', float('nan')):g})"
+
+
+__all__ = [
+    "METHOD_TITLES",
+    "format_comparison_table",
+    "format_method",
+    "format_number",
+    "format_trace",
+    "measure_summaries",
+]

@@ -293,12 +293,25 @@ class FlatnessArguments:
     def _check_sam_window_fits_max_steps(self) -> None:
         # sam_start_step past the last update (global steps 0 .. max_steps - 1) trains without a single SAM step,
         # silently. With max_steps = -1 the number of updates comes from the data, which a config does not know.
+        # The window [sam_start_step, sam_end_step) can also hold no multiple of sam_every_k.
+        if "sam_start_step" not in SAM_STEP_OPTIONS.get(self.flatness_method, ()):
+            return
         max_steps = getattr(self, "max_steps", -1)
-        reads_start = "sam_start_step" in SAM_STEP_OPTIONS.get(self.flatness_method, ())
-        if reads_start and isinstance(max_steps, int) and 0 < max_steps <= self.sam_start_step:
+        if isinstance(max_steps, int) and 0 < max_steps <= self.sam_start_step:
             raise ValueError(
                 f"sam_start_step={self.sam_start_step} is not below max_steps={max_steps}: no update would take the "
                 f"{self.flatness_method} step; lower sam_start_step below {max_steps} or raise max_steps."
+            )
+        first = -(-self.sam_start_step // self.sam_every_k) * self.sam_every_k  # first t >= start with t % k == 0
+        stops = {"sam_end_step": self.sam_end_step} if self.sam_end_step != -1 else {}
+        if isinstance(max_steps, int) and max_steps > 0:
+            stops["max_steps"] = max_steps
+        if stops and first >= min(stops.values()):
+            name = min(stops, key=stops.get)
+            raise ValueError(
+                f"no update would take the {self.flatness_method} step: the first update t >= "
+                f"sam_start_step={self.sam_start_step} with t % sam_every_k == 0 (sam_every_k={self.sam_every_k}) is "
+                f"{first}, not below {name}={stops[name]}; lower sam_start_step or sam_every_k, or raise {name}."
             )
 
     def _warn_about_unread_hyperparameters(self) -> None:

@@ -609,6 +609,12 @@ def test_sam_start_step_at_or_past_max_steps_is_refused(tmp_path):
     FlatBiasConfig(str(tmp_path), flatness_method="sam", max_steps=10, sam_start_step=9, report_to="none")
     # epochs decide the number of updates: the data, which a config does not know
     FlatBiasConfig(str(tmp_path), flatness_method="sam", sam_start_step=10**6, report_to="none")
+    # every 4th update from update 5 on: update 8 is the first, past the last update (6) or the window's end (7)
+    every_4th_from_5 = {"flatness_method": "sam", "sam_start_step": 5, "sam_every_k": 4, "report_to": "none"}
+    for stop in ({"max_steps": 7}, {"sam_end_step": 7}):
+        with pytest.raises(ValueError, match=f"is 8, not below {next(iter(stop))}=7"):
+            FlatBiasConfig(str(tmp_path), **every_4th_from_5, **stop)
+    FlatBiasConfig(str(tmp_path), **every_4th_from_5, max_steps=9)
 
 
 def test_the_cheap_flatness_checks_refuse_what_the_config_refuses(tmp_path):

@@ -203,9 +203,9 @@ class FlatnessArguments:
             raise ValueError(
                 f"flatness_method={self.flatness_method!r} is not supported; choose one of {list(FLATNESS_METHODS)}."
             )
-        if not isinstance(self.sam_rho, (int, float)) or not math.isfinite(self.sam_rho) or self.sam_rho <= 0:
+        if not _is_number(self.sam_rho) or not math.isfinite(self.sam_rho) or self.sam_rho <= 0:
             raise ValueError(f"sam_rho must be a finite number > 0 (got {self.sam_rho!r}); the SAM paper uses 0.05.")
-        if not isinstance(self.asam_eta, (int, float)) or not math.isfinite(self.asam_eta) or self.asam_eta < 0:
+        if not _is_number(self.asam_eta) or not math.isfinite(self.asam_eta) or self.asam_eta < 0:
             raise ValueError(f"asam_eta must be a finite number >= 0 (got {self.asam_eta!r}); ASAM uses 0.01.")
         if self.sam_scope not in SAM_SCOPES:
             raise ValueError(f"sam_scope={self.sam_scope!r} is not supported; choose one of {list(SAM_SCOPES)}.")
@@ -227,13 +227,13 @@ class FlatnessArguments:
                 f"sam_every_k={self.sam_every_k} only applies to flatness_method in {list(SAM_METHODS)}, not "
                 f"{self.flatness_method!r}; leave sam_every_k=1."
             )
-        if not isinstance(self.looksam_alpha, (int, float)) or not math.isfinite(self.looksam_alpha):
+        if not _is_number(self.looksam_alpha) or not math.isfinite(self.looksam_alpha):
             raise ValueError(f"looksam_alpha must be a finite number (got {self.looksam_alpha!r}); LookSAM uses 0.7.")
         if self.looksam_alpha < 0:
             raise ValueError(f"looksam_alpha must be >= 0 (got {self.looksam_alpha!r}); LookSAM uses 0.7.")
         for name in ("penalty_lambda", "penalty_fd_step"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0 (got {value!r}); the default is 0.01.")
         if self.flatness_method in (*PENALTY_METHODS, "looksam") and self.sam_scope != "micro_batch":
             raise ValueError(
@@ -252,7 +252,7 @@ class FlatnessArguments:
                 f"sam_rho_schedule={self.sam_rho_schedule!r} is not supported; choose one of {list(SAM_RHO_SCHEDULES)}."
             )
         fraction = self.sam_ascent_fraction
-        if not isinstance(fraction, (int, float)) or not math.isfinite(fraction) or not 0 < fraction <= 1:
+        if not _is_number(fraction) or not math.isfinite(fraction) or not 0 < fraction <= 1:
             raise ValueError(f"sam_ascent_fraction must be in (0, 1] (got {fraction!r}); 1 uses every row.")
         for name, lowest in (("sam_start_step", 0), ("sam_end_step", -1), ("sam_rho_warmup_steps", 0)):
             value = getattr(self, name)
@@ -263,6 +263,7 @@ class FlatnessArguments:
                 f"sam_end_step={self.sam_end_step} must be > sam_start_step={self.sam_start_step} (or -1 for the end "
                 "of training)."
             )
+        self._check_sam_window_fits_max_steps()
         if (self.sam_rho_schedule == "linear_warmup") != (self.sam_rho_warmup_steps > 0):
             raise ValueError(
                 f"sam_rho_schedule={self.sam_rho_schedule!r} with sam_rho_warmup_steps={self.sam_rho_warmup_steps}: "
@@ -288,6 +289,30 @@ class FlatnessArguments:
                     f"optim={optim!r}; "
                     f"use optim in {list(ADAM_OPTIMIZERS)} or sam_preconditioner='none'."
                 )
+
+    def _check_sam_window_fits_max_steps(self) -> None:
+        # sam_start_step past the last update (global steps 0 .. max_steps - 1) trains without a single SAM step,
+        # silently. With max_steps = -1 the number of updates comes from the data, which a config does not know.
+        # The window [sam_start_step, sam_end_step) can also hold no multiple of sam_every_k.
+        if "sam_start_step" not in SAM_STEP_OPTIONS.get(self.flatness_method, ()):
+            return
+        max_steps = getattr(self, "max_steps", -1)
+        if isinstance(max_steps, int) and 0 < max_steps <= self.sam_start_step:
+            raise ValueError(
+                f"sam_start_step={self.sam_start_step} is not below max_steps={max_steps}: no update would take the "
+                f"{self.flatness_method} step; lower sam_start_step below {max_steps} or raise max_steps."
+            )
+        first = -(-self.sam_start_step // self.sam_every_k) * self.sam_every_k  # first t >= start with t % k == 0
+        stops = {"sam_end_step": self.sam_end_step} if self.sam_end_step != -1 else {}
+        if isinstance(max_steps, int) and max_steps > 0:
+            stops["max_steps"] = max_steps
+        if stops and first >= min(stops.values()):
+            name = min(stops, key=stops.get)
+            raise ValueError(
+                f"no update would take the {self.flatness_method} step: the first update t >= "
+                f"sam_start_step={self.sam_start_step} with t % sam_every_k == 0 (sam_every_k={self.sam_every_k}) is "
+                f"{first}, not below {name}={stops[name]}; lower sam_start_step or sam_every_k, or raise {name}."
+            )
 
     def _warn_about_unread_hyperparameters(self) -> None:
         # penalty_lambda=0.1 with flatness_method="sam" is almost always a forgotten method, not a wish
@@ -319,6 +344,11 @@ class FlatnessArguments:
     @property
     def uses_penalty(self) -> bool:
         return self.flatness_method in PENALTY_METHODS
+
+
+def _is_number(value) -> bool:
+    # True and False are ints to Python, never a radius or a weight
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 _NUMERIC_FIELDS = {

@@ -34,6 +34,10 @@ def load_data_files(data_files: str | Mapping[str, str]):
     suffix = first.suffix.lower()
     if suffix not in DATA_FILE_BUILDERS:
         raise ValueError(f"{first}: unsupported file type {suffix!r}; use one of {sorted(DATA_FILE_BUILDERS)}.")
+    from .text_data import check_data_file
+
+    for path in [data_files] if isinstance(data_files, str) else data_files.values():
+        check_data_file(path)  # one line naming the file, not datasets' "corresponds to no data"
     kwargs = {"delimiter": "\t"} if suffix == ".tsv" else {}
     return datasets.load_dataset(DATA_FILE_BUILDERS[suffix], data_files=data_files, **kwargs)
 

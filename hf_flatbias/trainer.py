@@ -23,16 +23,15 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from torch import nn
 from transformers import Trainer, TrainingArguments
-from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
 from .checkpoints import output_dir_lock
 from .config import FlatBiasConfig, FlatnessArguments, as_flatness_config
 from .corpus import CorpusSpec
-from .flatness.lm import is_causal_lm
 from .modelcard import FlatnessCard, flatness_card_from_trainer
 from .modelcard.publishing import (
     card_metadata,
@@ -49,18 +48,14 @@ from .sharpness.engines import (
 from .sharpness.methods import FLATNESS_METHOD_CLASSES, FlatnessMethod
 from .sharpness.sam_options import scheduled_rho
 from .sharpness.step_log import PERTURBED_LOSS, FlatnessLog
-from .sharpness.support import (
-    check_deepspeed_supports_method,
-    check_fsdp_supports,
-    check_fsdp_supports_sam_options,
-)
+from .sharpness.support import check_deepspeed_supports_method, check_fsdp_supports_method
 from .tensors import Perturbation, is_fully_sharded
-from .utils import forward_normalizes_by_num_items, token_weighted_loss
+from .token_weighting import TokenWeightedLossMixin
 
 logger = logging.get_logger(__name__)
 
 
-class FlatnessTrainerMixin:
+class FlatnessTrainerMixin(TokenWeightedLossMixin):
     """Every flatness method of this package for any [`~transformers.Trainer`] subclass.
 
     Put it first among the bases, before the host trainer, so that it owns ``training_step`` and the saves:
@@ -74,6 +69,7 @@ class FlatnessTrainerMixin:
 
     #: The config a plain host config (or ``None``) is converted to: the host's config plus `FlatnessArguments`.
     flatness_config_class: type[FlatnessArguments] = FlatBiasConfig
+
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None, **kwargs: Any):
         args = as_flatness_config(args, self.flatness_config_class)
         if isinstance(model, nn.Module) and not any(p.requires_grad for p in model.parameters()):
@@ -91,7 +87,8 @@ class FlatnessTrainerMixin:
         self._fix_loss_scaling_for_models_ignoring_num_items()
         self._flatness_log = FlatnessLog()
         self._flatness_card_metadata: dict[str, Any] = {}
-        self._check_fsdp_supports_flatness()
+        if self.accelerator.distributed_type == DistributedType.FSDP:
+            check_fsdp_supports_method(self.args, fsdp_version=self.accelerator.state.fsdp_plugin.fsdp_version)
         #: The configured method, with the state it keeps between updates.
         self.flatness_method: FlatnessMethod = FLATNESS_METHOD_CLASSES[self.args.flatness_method](self)
         for callback in self.callback_handler.callbacks:
@@ -130,72 +127,6 @@ class FlatnessTrainerMixin:
         bind = getattr(callback, "bind_trainer", None)
         if callable(bind):
             bind(self)
-
-    def _fix_loss_scaling_for_models_ignoring_num_items(self) -> None:
-        # transformers 5 assumes any forward with **kwargs normalises by num_items_in_batch and then skips the
-        # division by the accumulation steps; for models that ignore it the gradient grows k-fold with k steps.
-        # Masked and causal LM heads get the token-weighted loss transformers gives the models that do normalise
-        # (see compute_loss); any other such model falls back to the mean of micro-batch means.
-        self._token_weighted_loss = False
-        if not (self.model_accepts_loss_kwargs and forward_normalizes_by_num_items(self.model) is False):
-            return
-        module = unwrap_peft_model(self.model)
-        is_causal = is_causal_lm(module)
-        is_language_model = is_causal or module._get_name() in MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()
-        # One micro-batch on one process: the model's own mean is already the token-weighted loss, bit for bit.
-        split_update = self.args.gradient_accumulation_steps > 1 or self.args.world_size > 1
-        loss_is_ours = (
-            self.compute_loss_func is None
-            and self.label_smoother is None
-            and _compute_loss_owner(type(self)) is Trainer
-        )
-        if is_language_model and split_update and loss_is_ours:
-            self._token_weighted_loss = True
-            # Count the labels the loss uses: the loop counts labels[..., 1:] only for losses it knows shift.
-            self._loss_shifts_labels = is_causal
-        else:
-            self.model_accepts_loss_kwargs = False
-
-    def compute_loss(
-        self,
-        model: nn.Module,
-        inputs: dict[str, torch.Tensor | Any],
-        return_outputs: bool = False,
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        """`Trainer.compute_loss`, token-weighted over the whole update for LM heads that ignore
-        ``num_items_in_batch`` (BERT): the summed cross-entropy of the micro-batch over the update's labelled tokens,
-        as transformers computes it for the models that use ``num_items_in_batch``. Accumulation ``k x b`` then
-        trains exactly as one batch of ``k * b``, also across processes."""
-        if not self._token_weighted_loss or num_items_in_batch is None or "labels" not in inputs:
-            return super().compute_loss(
-                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-            )
-        labels = inputs["labels"]
-        outputs = model(**{name: value for name, value in inputs.items() if name != "labels"})
-        logits = outputs.get("logits") if isinstance(outputs, dict) else None
-        if logits is None:
-            raise ValueError(
-                "The token-weighted loss needs the model output to carry 'logits'; pass compute_loss_func or override "
-                "compute_loss to train this model with its own loss."
-            )
-        loss = token_weighted_loss(logits, labels, num_items_in_batch, shift=self._loss_shifts_labels)
-        if self.args.average_tokens_across_devices:
-            # num_items_in_batch counts every process's tokens and DDP averages the gradients: undo the average,
-            # as Trainer.compute_loss does.
-            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
-        return (loss, outputs) if return_outputs else loss
-
-    def _check_fsdp_supports_flatness(self) -> None:
-        from accelerate.utils import DistributedType
-
-        if self.accelerator.distributed_type == DistributedType.FSDP:
-            check_fsdp_supports(
-                self.args.flatness_method,
-                self.args.sam_perturbation,
-                fsdp_version=self.accelerator.state.fsdp_plugin.fsdp_version,
-            )
-            check_fsdp_supports_sam_options(self.args)
 
     def deepspeed_engine(self):
         """The DeepSpeed engine once accelerate has prepared the model, else ``None``."""
@@ -483,16 +414,6 @@ class FlatnessTrainerMixin:
         super()._push_from_checkpoint(checkpoint_folder)
         if rank_zero:
             report_failed_checkpoint_pushes(self.push_in_progress, checkpoint_folder)
-
-
-def _compute_loss_owner(trainer_class: type) -> type:
-    """The class whose ``compute_loss`` the mixin's own falls back to: `Trainer` unless the host trainer (trl's
-    `SFTTrainer`, a user's subclass) computes the loss its own way."""
-    return next(
-        owner
-        for owner in trainer_class.__mro__
-        if owner is not FlatnessTrainerMixin and "compute_loss" in vars(owner)
-    )
 
 
 class FlatBiasTrainer(FlatnessTrainerMixin, Trainer):

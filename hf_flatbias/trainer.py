@@ -29,7 +29,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
-from .checkpoints import output_dir_lock
+from .checkpoints import checkpoint_to_resume, output_dir_lock
 from .config import FlatBiasConfig, FlatnessArguments, as_flatness_config
 from .corpus import CorpusSpec
 from .modelcard import FlatnessCard, flatness_card_from_trainer
@@ -99,20 +99,8 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
         """`Trainer.train`, after checking that the checkpoint to resume from is intact and of this model's shape."""
         if resume_from_checkpoint:
-            from transformers.trainer_utils import get_last_checkpoint
-
-            from .checkpoints import check_resumable
-
-            if resume_from_checkpoint is True:
-                last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
-                if last is None:
-                    raise ValueError(
-                        f"resume_from_checkpoint=True but {self.args.output_dir} holds no checkpoint-* folder; "
-                        "start without resuming or pass the checkpoint's path."
-                    )
-                resume_from_checkpoint = last
             model_config = getattr(unwrap_peft_model(self.accelerator.unwrap_model(self.model)), "config", None)
-            check_resumable(resume_from_checkpoint, model_config)
+            resume_from_checkpoint = checkpoint_to_resume(resume_from_checkpoint, self.args.output_dir, model_config)
         if not self.is_world_process_zero():
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         with output_dir_lock(self.args.output_dir):  # a second training into the same folder is refused
@@ -128,29 +116,7 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
         if callable(bind):
             bind(self)
 
-    def deepspeed_engine(self):
-        """The DeepSpeed engine once accelerate has prepared the model, else ``None``."""
-        wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
-        return None if wrapped is None else wrapped.engine
-
     # ------------------------------------------------------------------ training step
-
-    def is_sam_update(self) -> bool:
-        """Whether this optimizer update takes the SAM second pass (every ``sam_every_k``-th, starting with 0,
-        inside the window ``[sam_start_step, sam_end_step)``)."""
-        return self.state.global_step % self.args.sam_every_k == 0 and self.sam_rho() is not None
-
-    def sam_rho(self) -> float | None:
-        """The radius of this update's perturbation (``sam_rho_schedule``), ``None`` outside the SAM window."""
-        args = self.args
-        return scheduled_rho(
-            args.sam_rho,
-            self.state.global_step,
-            start=args.sam_start_step,
-            end=args.sam_end_step,
-            schedule=args.sam_rho_schedule,
-            warmup_steps=args.sam_rho_warmup_steps,
-        )
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -186,6 +152,28 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
     def prepare_flatness_inputs(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         """The micro-batch on the device, with what both passes of a step share (`_add_values_shared_by_passes`)."""
         return self._prepare_inputs(self._add_values_shared_by_passes(model, inputs))
+
+    def is_sam_update(self) -> bool:
+        """Whether this optimizer update takes the SAM second pass (every ``sam_every_k``-th, starting with 0,
+        inside the window ``[sam_start_step, sam_end_step)``)."""
+        return self.state.global_step % self.args.sam_every_k == 0 and self.sam_rho() is not None
+
+    def sam_rho(self) -> float | None:
+        """The radius of this update's perturbation (``sam_rho_schedule``), ``None`` outside the SAM window."""
+        args = self.args
+        return scheduled_rho(
+            args.sam_rho,
+            self.state.global_step,
+            start=args.sam_start_step,
+            end=args.sam_end_step,
+            schedule=args.sam_rho_schedule,
+            warmup_steps=args.sam_rho_warmup_steps,
+        )
+
+    def deepspeed_engine(self):
+        """The DeepSpeed engine once accelerate has prepared the model, else ``None``."""
+        wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+        return None if wrapped is None else wrapped.engine
 
     # Hooks for host trainers whose loss does more than a forward (trl's): each defaults to the plain Trainer's.
 

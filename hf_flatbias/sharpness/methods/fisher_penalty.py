@@ -19,6 +19,7 @@ from ..penalties import (
     sample_model_labels,
     sampled_label_loss,
 )
+from .base import FlatnessHost
 from .finite_difference import FiniteDifferencePenalty
 
 
@@ -54,7 +55,7 @@ class FisherPenalty(FiniteDifferencePenalty):
 
     checkpointed_state = "the Fisher penalty's label draws"
 
-    def __init__(self, host):
+    def __init__(self, host: FlatnessHost):
         super().__init__(host)
         self.sampled_labels = SampledLabelSource(seed=host.args.seed + 7919 * host.args.process_index)
 

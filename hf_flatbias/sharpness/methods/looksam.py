@@ -12,7 +12,7 @@ from torch import nn
 from ...tensors import perturb_weights, squared_norm, trainable_parameters
 from ..engines import PerturbableParameters, average_across_processes
 from ..penalties import add_looksam_component, orthogonal_direction
-from .base import FlatnessMethod
+from .base import FlatnessHost, FlatnessMethod
 
 
 @dataclasses.dataclass
@@ -32,7 +32,7 @@ class LookSam(FlatnessMethod):
 
     checkpointed_state = "LookSAM's direction"
 
-    def __init__(self, host):
+    def __init__(self, host: FlatnessHost):
         super().__init__(host)
         self.memory = LookSamMemory()
 

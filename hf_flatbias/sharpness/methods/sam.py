@@ -15,7 +15,7 @@ from ...tensors import Perturbation
 from ..engines import perturbable_parameters
 from ..functional_sam import functional_surrogate, logit_cotangent
 from ..sam_options import adam_preconditioner, ascent_rows, select_sam_parameters
-from .base import FlatnessMethod
+from .base import FlatnessHost, FlatnessMethod
 
 
 @dataclasses.dataclass
@@ -35,7 +35,7 @@ class SamFamily(FlatnessMethod):
     """``sam``, ``asam`` and ``functional_sam``: the SAM step on every ``sam_every_k``-th update inside the SAM
     window, the host's plain step on the others."""
 
-    def __init__(self, host):
+    def __init__(self, host: FlatnessHost):
         super().__init__(host)
         self.batch_scope = BatchScopeState()
         # A selection that matches nothing fails here, before any compute. Not kept: preparing the model (FSDP2's

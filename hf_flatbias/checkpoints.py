@@ -70,6 +70,23 @@ def checkpoint_problem(checkpoint: str | Path, model_config: Any | None = None) 
     return None
 
 
+def checkpoint_to_resume(resume_from_checkpoint: str | bool, output_dir: str, model_config: Any | None = None) -> str:
+    """The checkpoint folder `Trainer.train` is asked to resume from (``True``: the last one in ``output_dir``),
+    checked with `check_resumable` before any state is loaded."""
+    if resume_from_checkpoint is True:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+        if last is None:
+            raise ValueError(
+                f"resume_from_checkpoint=True but {output_dir} holds no checkpoint-* folder; start without resuming "
+                "or pass the checkpoint's path."
+            )
+        resume_from_checkpoint = last
+    check_resumable(resume_from_checkpoint, model_config)
+    return resume_from_checkpoint
+
+
 def check_resumable(checkpoint: str | Path, model_config: Any | None = None) -> None:
     """Raise `CheckpointError` naming the damaged or mismatched file and the newest intact earlier checkpoint."""
     problem = checkpoint_problem(checkpoint, model_config)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from transformers import TrainingArguments
 
@@ -374,3 +374,20 @@ class FlatBiasConfig(FlatnessArguments, TrainingArguments):
     Every field can be given on the command line through [`~transformers.HfArgumentParser`] or in a YAML config,
     like any other training argument.
     """
+
+
+def as_flatness_config(args: TrainingArguments | None, config_class: type[FlatnessArguments]) -> FlatnessArguments:
+    """``args`` as ``config_class``: ``None`` gives its defaults; a config without the flatness fields means "no
+    flatness method", with every value the user set kept."""
+    if args is None:
+        return config_class(output_dir="trainer_output")
+    if isinstance(args, FlatnessArguments):
+        return args
+    if isinstance(args, TrainingArguments):
+        init_fields = {f.name for f in fields(args) if f.init}
+        accepted = {f.name for f in fields(config_class) if f.init}
+        values = {name: getattr(args, name) for name in init_fields & accepted}
+        return config_class(**values)
+    raise TypeError(
+        f"args must be a {config_class.__name__} or TrainingArguments, got {type(args).__name__}."
+    )

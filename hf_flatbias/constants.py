@@ -1,10 +1,9 @@
 """Names every part of hf_flatbias shares: one definition each."""
 
-# Here, not in config.py, so that reading a model card needs neither torch nor transformers.
-SAM_METHODS = ("sam", "asam", "functional_sam", "looksam")
-PENALTY_METHODS = ("fisher_penalty", "grad_norm_penalty")
-FLATNESS_METHODS = ("none", *SAM_METHODS, *PENALTY_METHODS)
-# The fields below that each method reads: a model card records these and no others (no sam_rho on a penalty run).
+# The flatness methods by name, here rather than beside their classes (hf_flatbias.sharpness.methods) so that reading
+# a model card needs neither torch nor transformers; a test checks that both tables name the same methods.
+# Each method's entry lists the fields it reads: a model card records these and no others (no sam_rho on a penalty
+# run).
 FLATNESS_METHOD_HYPERPARAMETERS: dict[str, tuple[str, ...]] = {
     "none": (),
     "sam": ("sam_rho", "sam_every_k"),
@@ -14,6 +13,9 @@ FLATNESS_METHOD_HYPERPARAMETERS: dict[str, tuple[str, ...]] = {
     "fisher_penalty": ("penalty_lambda", "penalty_fd_step"),
     "grad_norm_penalty": ("penalty_lambda", "penalty_fd_step"),
 }
+FLATNESS_METHODS = tuple(FLATNESS_METHOD_HYPERPARAMETERS)
+SAM_METHODS = ("sam", "asam", "functional_sam", "looksam")
+PENALTY_METHODS = ("fisher_penalty", "grad_norm_penalty")
 # The options of the SAM step itself (the perturbation's geometry, rows, parameters, window and radius schedule) and
 # the methods that read them; the card records them with the training settings of a run whose method reads them.
 SAM_STEP_OPTION_NAMES = (

@@ -1,9 +1,11 @@
 """`FlatnessTrainerMixin`, the flatness-seeking steps for any `Trainer` subclass, and `FlatBiasTrainer` = the mixin on
 the transformers `Trainer`.
 
-This module orchestrates: ``training_step`` dispatches to the method's step in `hf_flatbias.sharpness.steps`, and
-the mixin keeps what the host trainer's loop needs around it (the passes' loss scaling and backward, logging,
-checkpointed step state, cards on every save, the hooks trl's trainers fill in). A SAM step inside the Trainer loop:
+This module orchestrates: ``training_step`` hands each micro-batch to the configured method (a `FlatnessMethod` of
+`hf_flatbias.sharpness.methods`), and the mixin is the `FlatnessHost` the methods call for what the host trainer's
+loop owns (the passes' loss scaling and backward, logging, the methods' checkpointed state, the hooks trl's trainers
+fill in); the flatness card on every save and push comes from `hf_flatbias.modelcard.publishing`. A SAM step inside
+the Trainer loop:
 
 1. first gradient ``g`` on the *unwrapped* model with ``torch.autograd.grad`` (no DDP/DeepSpeed hook fires, no
    ``.grad`` is written, the optimizer is not involved), averaged over processes when ``sam_perturbation="global"``;
@@ -16,63 +18,44 @@ checkpointed step state, cards on every save, the hooks trl's trainers fill in).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import os
-from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-from huggingface_hub.errors import HfHubHTTPError
+from accelerate.utils import DistributedType
 from torch import nn
 from transformers import Trainer, TrainingArguments
-from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
-from .checkpoints import output_dir_lock
-from .config import FlatBiasConfig, FlatnessArguments
+from .checkpoints import checkpoint_to_resume, output_dir_lock
+from .config import FlatBiasConfig, FlatnessArguments, as_flatness_config
 from .corpus import CorpusSpec
-from .flatness.lm import is_causal_lm
 from .modelcard import FlatnessCard, flatness_card_from_trainer
+from .modelcard.publishing import (
+    card_metadata,
+    card_ready_for_checkpoint_push,
+    explained_push_failures,
+    report_failed_checkpoint_pushes,
+    save_card_beside_weights,
+)
 from .sharpness.engines import (
     PerturbableParameters,
     deepspeed_backward,
     sync_gradients_every_backward,
 )
-from .sharpness.sam import scheduled_rho, select_parameters
-from .sharpness.steps import (
-    BatchScopeSam,
-    LookSamState,
-    SampledLabelSource,
-    fisher_penalty_step,
-    grad_norm_penalty_step,
-    looksam_step,
-    sam_step,
-)
-from .sharpness.support import (
-    check_deepspeed_supports_method,
-    check_fsdp_supports,
-    check_fsdp_supports_sam_options,
-)
+from .sharpness.methods import FLATNESS_METHOD_CLASSES, FlatnessMethod
+from .sharpness.sam_options import scheduled_rho
+from .sharpness.step_log import PERTURBED_LOSS, FlatnessLog
+from .sharpness.support import check_deepspeed_supports_method, check_fsdp_supports_method
 from .tensors import Perturbation, is_fully_sharded
-from .utils import forward_normalizes_by_num_items, token_weighted_loss
+from .token_weighting import TokenWeightedLossMixin
 
 logger = logging.get_logger(__name__)
 
-#: The loss at ``w + e`` of the SAM-family steps, logged beside the clean ``loss``.
-PERTURBED_LOSS = "sam/perturbed_loss"
 
-#: The methods whose every micro-batch takes their own step; the SAM family steps only on SAM updates.
-_METHOD_STEPS = {
-    "fisher_penalty": fisher_penalty_step,
-    "grad_norm_penalty": grad_norm_penalty_step,
-    "looksam": looksam_step,
-}
-
-
-class FlatnessTrainerMixin:
+class FlatnessTrainerMixin(TokenWeightedLossMixin):
     """Every flatness method of this package for any [`~transformers.Trainer`] subclass.
 
     Put it first among the bases, before the host trainer, so that it owns ``training_step`` and the saves:
@@ -86,8 +69,9 @@ class FlatnessTrainerMixin:
 
     #: The config a plain host config (or ``None``) is converted to: the host's config plus `FlatnessArguments`.
     flatness_config_class: type[FlatnessArguments] = FlatBiasConfig
+
     def __init__(self, model: nn.Module | None = None, args: TrainingArguments | None = None, **kwargs: Any):
-        args = _as_flatness_config(args, self.flatness_config_class)
+        args = as_flatness_config(args, self.flatness_config_class)
         if isinstance(model, nn.Module) and not any(p.requires_grad for p in model.parameters()):
             raise ValueError(
                 "The model has no trainable parameter (every requires_grad is False): unfreeze some parameters or "
@@ -101,16 +85,12 @@ class FlatnessTrainerMixin:
         if self.accelerator.state.deepspeed_plugin is not None:  # again, with what accelerate filled in
             check_deepspeed_supports_method(self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args)
         self._fix_loss_scaling_for_models_ignoring_num_items()
-        self._flatness_log = _FlatnessLog()
-        self._batch_sam = BatchScopeSam()
-        self._looksam = LookSamState()
-        # Seeded per process: ranks draw different labels for their different rows, reproducibly.
-        self._sampled_labels = SampledLabelSource(seed=self.args.seed + 7919 * self.args.process_index)
-        self._check_fsdp_supports_flatness()
-        if self.args.uses_sam:
-            # A selection that matches nothing fails here, before any compute. Not cached: preparing the model
-            # (FSDP2's fully_shard) replaces its parameters with sharded ones.
-            self._select_sam_parameters(self.model)
+        self._flatness_log = FlatnessLog()
+        self._flatness_card_metadata: dict[str, Any] = {}
+        if self.accelerator.distributed_type == DistributedType.FSDP:
+            check_fsdp_supports_method(self.args, fsdp_version=self.accelerator.state.fsdp_plugin.fsdp_version)
+        #: The configured method, with the state it keeps between updates.
+        self.flatness_method: FlatnessMethod = FLATNESS_METHOD_CLASSES[self.args.flatness_method](self)
         for callback in self.callback_handler.callbacks:
             self._bind_callback(callback)
 
@@ -119,20 +99,8 @@ class FlatnessTrainerMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
         """`Trainer.train`, after checking that the checkpoint to resume from is intact and of this model's shape."""
         if resume_from_checkpoint:
-            from transformers.trainer_utils import get_last_checkpoint
-
-            from .checkpoints import check_resumable
-
-            if resume_from_checkpoint is True:
-                last = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
-                if last is None:
-                    raise ValueError(
-                        f"resume_from_checkpoint=True but {self.args.output_dir} holds no checkpoint-* folder; "
-                        "start without resuming or pass the checkpoint's path."
-                    )
-                resume_from_checkpoint = last
             model_config = getattr(unwrap_peft_model(self.accelerator.unwrap_model(self.model)), "config", None)
-            check_resumable(resume_from_checkpoint, model_config)
+            resume_from_checkpoint = checkpoint_to_resume(resume_from_checkpoint, self.args.output_dir, model_config)
         if not self.is_world_process_zero():
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
         with output_dir_lock(self.args.output_dir):  # a second training into the same folder is refused
@@ -148,106 +116,49 @@ class FlatnessTrainerMixin:
         if callable(bind):
             bind(self)
 
-    def _fix_loss_scaling_for_models_ignoring_num_items(self) -> None:
-        # transformers 5 assumes any forward with **kwargs normalises by num_items_in_batch and then skips the
-        # division by the accumulation steps; for models that ignore it the gradient grows k-fold with k steps.
-        # Masked and causal LM heads get the token-weighted loss transformers gives the models that do normalise
-        # (see compute_loss); any other such model falls back to the mean of micro-batch means.
-        self._token_weighted_loss = False
-        if not (self.model_accepts_loss_kwargs and forward_normalizes_by_num_items(self.model) is False):
-            return
-        module = unwrap_peft_model(self.model)
-        is_causal = is_causal_lm(module)
-        is_language_model = is_causal or module._get_name() in MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()
-        # One micro-batch on one process: the model's own mean is already the token-weighted loss, bit for bit.
-        split_update = self.args.gradient_accumulation_steps > 1 or self.args.world_size > 1
-        loss_is_ours = (
-            self.compute_loss_func is None
-            and self.label_smoother is None
-            and _compute_loss_owner(type(self)) is Trainer
-        )
-        if is_language_model and split_update and loss_is_ours:
-            self._token_weighted_loss = True
-            # Count the labels the loss uses: the loop counts labels[..., 1:] only for losses it knows shift.
-            self._loss_shifts_labels = is_causal
-        else:
-            self.model_accepts_loss_kwargs = False
+    # ------------------------------------------------------------------ training step
 
-    def compute_loss(
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self.flatness_method.keep_update_batches(batch_samples)
+        return batch_samples, num_items_in_batch
+
+    def training_step(
         self,
         model: nn.Module,
         inputs: dict[str, torch.Tensor | Any],
-        return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        """`Trainer.compute_loss`, token-weighted over the whole update for LM heads that ignore
-        ``num_items_in_batch`` (BERT): the summed cross-entropy of the micro-batch over the update's labelled tokens,
-        as transformers computes it for the models that use ``num_items_in_batch``. Accumulation ``k x b`` then
-        trains exactly as one batch of ``k * b``, also across processes."""
-        if not self._token_weighted_loss or num_items_in_batch is None or "labels" not in inputs:
-            return super().compute_loss(
-                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-            )
-        labels = inputs["labels"]
-        outputs = model(**{name: value for name, value in inputs.items() if name != "labels"})
-        logits = outputs.get("logits") if isinstance(outputs, dict) else None
-        if logits is None:
-            raise ValueError(
-                "The token-weighted loss needs the model output to carry 'logits'; pass compute_loss_func or override "
-                "compute_loss to train this model with its own loss."
-            )
-        loss = token_weighted_loss(logits, labels, num_items_in_batch, shift=self._loss_shifts_labels)
-        if self.args.average_tokens_across_devices:
-            # num_items_in_batch counts every process's tokens and DDP averages the gradients: undo the average,
-            # as Trainer.compute_loss does.
-            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
-        return (loss, outputs) if return_outputs else loss
+    ) -> torch.Tensor:
+        return self.flatness_method.training_step(model, inputs, num_items_in_batch)
 
-    def _check_fsdp_supports_flatness(self) -> None:
-        from accelerate.utils import DistributedType
+    # ------------------------------------------------------------------ what the methods call (`FlatnessHost`)
 
-        if self.accelerator.distributed_type == DistributedType.FSDP:
-            check_fsdp_supports(
-                self.args.flatness_method,
-                self.args.sam_perturbation,
-                fsdp_version=self.accelerator.state.fsdp_plugin.fsdp_version,
-            )
-            check_fsdp_supports_sam_options(self.args)
+    def plain_training_step(
+        self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], num_items_in_batch
+    ) -> torch.Tensor:
+        """The host trainer's own step: one forward/backward at ``w`` and no flatness pass."""
+        return super().training_step(model, inputs, num_items_in_batch)
 
-    def _sam_parameters(self, module: nn.Module) -> list[nn.Parameter]:
-        """The trainable parameters the SAM step perturbs (``sam_parameters``), in ``module``'s order."""
-        cached = getattr(self, "_sam_parameter_cache", None)
-        if cached is None or cached[0] is not module:
-            self._sam_parameter_cache = (module, self._select_sam_parameters(module))
-        return self._sam_parameter_cache[1]
+    def start_flatness_step(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        """What `Trainer.training_step` does before its forward: train mode (model and schedule-free optimizers),
+        inputs on the device; plus what both passes of the step share (`prepare_flatness_inputs`)."""
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        if is_fully_sharded(model):
+            sync_gradients_every_backward(model)
+        return self.prepare_flatness_inputs(model, inputs)
 
-    def _select_sam_parameters(self, module: nn.Module) -> list[nn.Parameter]:
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        output_layer = ()
-        if self.args.sam_parameters.strip() == "output_layer":
-            get_output = getattr(unwrap_peft_model(module), "get_output_embeddings", None)
-            head = get_output() if callable(get_output) else None
-            if head is None:
-                raise ValueError(
-                    f"sam_parameters='output_layer' but {type(module).__name__}.get_output_embeddings() returns no "
-                    "layer; name the parameters with fnmatch patterns instead (e.g. 'classifier.*')."
-                )
-            output_layer = tuple(head.parameters())
-        return select_parameters(named, self.args.sam_parameters, output_layer=output_layer)
+    def prepare_flatness_inputs(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        """The micro-batch on the device, with what both passes of a step share (`_add_values_shared_by_passes`)."""
+        return self._prepare_inputs(self._add_values_shared_by_passes(model, inputs))
 
-    def _deepspeed_engine(self):
-        """The DeepSpeed engine once accelerate has prepared the model, else ``None``."""
-        wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
-        return None if wrapped is None else wrapped.engine
-
-    # ------------------------------------------------------------------ training step
-
-    def _is_sam_update(self) -> bool:
+    def is_sam_update(self) -> bool:
         """Whether this optimizer update takes the SAM second pass (every ``sam_every_k``-th, starting with 0,
         inside the window ``[sam_start_step, sam_end_step)``)."""
-        return self.state.global_step % self.args.sam_every_k == 0 and self._sam_rho() is not None
+        return self.state.global_step % self.args.sam_every_k == 0 and self.sam_rho() is not None
 
-    def _sam_rho(self) -> float | None:
+    def sam_rho(self) -> float | None:
         """The radius of this update's perturbation (``sam_rho_schedule``), ``None`` outside the SAM window."""
         args = self.args
         return scheduled_rho(
@@ -259,42 +170,10 @@ class FlatnessTrainerMixin:
             warmup_steps=args.sam_rho_warmup_steps,
         )
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        # The loop prefetches every micro-batch of an update; "batch"-scope SAM needs all of them before the first
-        # backward, so keep them for the first training_step of the update.
-        keep = self.args.uses_sam and self.args.sam_scope == "batch" and self._is_sam_update()
-        self._batch_sam.micro_batches = batch_samples if keep else None
-        return batch_samples, num_items_in_batch
-
-    def training_step(
-        self,
-        model: nn.Module,
-        inputs: dict[str, torch.Tensor | Any],
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ) -> torch.Tensor:
-        step = _METHOD_STEPS.get(self.args.flatness_method)
-        if step is not None:
-            return step(self, model, inputs, num_items_in_batch)
-        if self.args.uses_sam and self._is_sam_update():
-            return sam_step(self, model, inputs, num_items_in_batch)
-        return self._plain_training_step(model, inputs, num_items_in_batch)
-
-    def _plain_training_step(
-        self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], num_items_in_batch
-    ) -> torch.Tensor:
-        """The host trainer's own step: one forward/backward at ``w`` and no flatness pass."""
-        return super().training_step(model, inputs, num_items_in_batch)
-
-    def _start_step(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
-        """What `Trainer.training_step` does before its forward: train mode (model and schedule-free optimizers),
-        inputs on the device; plus what both passes of the step share (`_add_values_shared_by_passes`)."""
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        if is_fully_sharded(model):
-            sync_gradients_every_backward(model)
-        return self._prepare_inputs(self._add_values_shared_by_passes(model, inputs))
+    def deepspeed_engine(self):
+        """The DeepSpeed engine once accelerate has prepared the model, else ``None``."""
+        wrapped = getattr(self.accelerator, "deepspeed_engine_wrapped", None)
+        return None if wrapped is None else wrapped.engine
 
     # Hooks for host trainers whose loss does more than a forward (trl's): each defaults to the plain Trainer's.
 
@@ -304,30 +183,28 @@ class FlatnessTrainerMixin:
         batch so that a ``sam_scope="batch"`` update, whose first pass runs every micro-batch, computes it once."""
         return inputs
 
-    def _host_metrics_suspended(self) -> contextlib.AbstractContextManager:
+    def host_metrics_suspended(self) -> contextlib.AbstractContextManager:
         """The context of a step's second pass (at ``w + e`` or ``w + h u``), and of `HessianTraceCallback`'s logs: a
         host whose ``compute_loss`` records metrics (trl's token accuracy, rewards, token counts) records them in the
         first pass only and logs them with the training loss."""
         return contextlib.nullcontext()
 
-    def _loss_and_outputs(
+    def loss_and_outputs(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch
     ) -> tuple[torch.Tensor, Any]:
         """The loss and the model outputs with differentiable ``logits`` (the Fisher penalty samples from them)."""
         return self.compute_loss(model, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch)
 
-    # ------------------------------------------------------------------ what the steps' passes call
-
-    def _scaled_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
+    def scaled_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
         """The loss exactly as `Trainer.training_step` scales it before backward."""
         with self.compute_loss_context_manager():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        return self._scale_for_accumulation(loss, num_items_in_batch)
+        return self.scale_for_accumulation(loss, num_items_in_batch)
 
-    def _scaled_loss_and_logits(
+    def scaled_loss_and_logits(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_scaled_loss` and the logits it was computed from (Functional-SAM differentiates through them)."""
+        """`scaled_loss` and the logits it was computed from (Functional-SAM differentiates through them)."""
         with self.compute_loss_context_manager():
             loss, outputs = self.compute_loss(
                 model, dict(inputs), return_outputs=True, num_items_in_batch=num_items_in_batch
@@ -338,9 +215,9 @@ class FlatnessTrainerMixin:
                 "flatness_method='functional_sam' needs the model output to carry 'logits' (a ModelOutput or dict): "
                 "its update differentiates the logits against dL/dF."
             )
-        return self._scale_for_accumulation(loss, num_items_in_batch), logits
+        return self.scale_for_accumulation(loss, num_items_in_batch), logits
 
-    def _scale_for_accumulation(self, loss: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+    def scale_for_accumulation(self, loss: torch.Tensor, num_items_in_batch) -> torch.Tensor:
         if self.args.n_gpu > 1:
             loss = loss.mean()
         if self.loss_is_scaled_for_ga is not None:
@@ -353,21 +230,21 @@ class FlatnessTrainerMixin:
             loss = loss / self.current_gradient_accumulation_steps
         return loss
 
-    def _step_deepspeed_after_restore(self) -> None:
-        """Under DeepSpeed, the optimizer step `_backward` left out; only once ``w`` is back (ZeRO-0 steps the
-        module's own weights)."""
-        engine = self._deepspeed_engine()
+    def step_deepspeed_after_restore(self) -> None:
+        """Under DeepSpeed, the optimizer step `flatness_backward` left out; only once ``w`` is back (ZeRO-0 steps
+        the module's own weights)."""
+        engine = self.deepspeed_engine()
         if engine is not None and self.accelerator.sync_gradients:
             engine.step()
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        engine = self._deepspeed_engine()
+    def flatness_backward(self, loss: torch.Tensor) -> None:
+        engine = self.deepspeed_engine()
         if engine is not None:
             deepspeed_backward(engine, loss, is_boundary=self.accelerator.sync_gradients)
         else:
             self.accelerator.backward(loss)
 
-    def _first_gradient(
+    def first_gradient(
         self, losses: torch.Tensor | Iterable[torch.Tensor], perturbable: PerturbableParameters
     ) -> list[torch.Tensor]:
         return perturbable.first_gradient(
@@ -376,24 +253,27 @@ class FlatnessTrainerMixin:
             average_over_processes=self.args.sam_perturbation == "global",
         )
 
-    def _record_perturbation(self, perturbation: Perturbation, n_micro_batches: int) -> None:
+    def record_flatness_metric(self, key: str, value: float) -> None:
+        self._flatness_log.record(key, value)
+
+    def record_perturbation(self, perturbation: Perturbation, n_micro_batches: int) -> None:
         # The first gradient is of the micro-batches' share of the update's loss: scaled back to a whole update, the
         # norm does not depend on how many micro-batches the update is cut into.
         share = n_micro_batches / self.current_gradient_accumulation_steps
         self._flatness_log.record("sam/first_grad_norm", perturbation.grad_norm / share)
         self._flatness_log.record("sam/perturbation_norm", perturbation.norm)
 
-    def _record_perturbed_loss(self, loss: torch.Tensor) -> None:
+    def record_perturbed_loss(self, loss: torch.Tensor) -> None:
         """Sum the scaled second-pass losses over the update, as the Trainer sums ``loss``, and log the sum."""
         self._flatness_log.add_to_update(PERTURBED_LOSS, float(loss.detach()))
         if self.accelerator.sync_gradients:
             self._flatness_log.close_update()
 
-    def _count_flos_of_extra_pass(self, inputs: dict[str, Any]) -> None:
+    def count_flos_of_extra_pass(self, inputs: dict[str, Any]) -> None:
         """The Trainer counts one forward/backward per micro-batch; a flatness step took a second one."""
         self.current_flos += float(self.floating_point_ops(inputs))
 
-    def _warn_skipped_perturbation(self, consequence: str) -> None:
+    def warn_skipped_perturbation(self, consequence: str) -> None:
         self._flatness_log.skipped_perturbations += 1
         logger.warning(
             "%s: the first gradient is zero or not finite at step %d; %s (%d skipped so far).",
@@ -404,9 +284,9 @@ class FlatnessTrainerMixin:
         )
 
     # ------------------------------------------------------------------ checkpoints
-    # The flatness steps carry state from one update to the next (LookSAM's direction, the Fisher penalty's label
-    # generator); it travels with the optimizer's state so that a resumed run takes the very steps of an
-    # uninterrupted one. One file per process, as the Trainer keeps RNG states: each rank draws its own labels.
+    # A method's state (LookSAM's direction, the Fisher penalty's label generator) travels with the optimizer's so
+    # that a resumed run takes the very steps of an uninterrupted one. One file per process, as the Trainer keeps RNG
+    # states: each rank draws its own labels.
 
     def _flatness_state_file(self, checkpoint: str) -> str:
         name = f"flatness_state_{self.args.process_index}.pt" if self.args.world_size > 1 else "flatness_state.pt"
@@ -414,10 +294,7 @@ class FlatnessTrainerMixin:
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        state = {
-            "looksam_direction": self._looksam.direction,
-            "label_generator": self._sampled_labels.state(),
-        }
+        state = self.flatness_method.state_dict()
         if any(value is not None for value in state.values()):
             torch.save(state, self._flatness_state_file(output_dir))
 
@@ -426,20 +303,13 @@ class FlatnessTrainerMixin:
         if checkpoint is None:
             return
         path = self._flatness_state_file(checkpoint)
-        if not os.path.isfile(path):
-            if self.args.flatness_method in ("looksam", "fisher_penalty"):
-                logger.warning(
-                    f"{path} is missing: the {self.args.flatness_method} run resumes without its step state (LookSAM's "
-                    "direction, the Fisher penalty's label draws) and will not repeat an uninterrupted run exactly."
-                )
-            return
-        state = torch.load(path, weights_only=True)
-        direction = state.get("looksam_direction")
-        if direction is not None:
-            device = self.args.device
-            direction = [tensor.to(device) for tensor in direction]
-        self._looksam.direction = direction
-        self._sampled_labels.restore(state.get("label_generator"))
+        if os.path.isfile(path):
+            self.flatness_method.load_state_dict(torch.load(path, weights_only=True))
+        elif self.flatness_method.checkpointed_state is not None:
+            logger.warning(
+                f"{path} is missing: the {self.args.flatness_method} run resumes without "
+                f"{self.flatness_method.checkpointed_state} and will not repeat an uninterrupted run exactly."
+            )
 
     # ------------------------------------------------------------------ logging
 
@@ -456,13 +326,10 @@ class FlatnessTrainerMixin:
         return self.accelerator.reduce(values.to(self.args.device), reduction="sum").cpu()
 
     # ------------------------------------------------------------------ flatness model card
-    # transformers' own card keeps only whitelisted metric names and would drop the Hessian trace, so every card
-    # this trainer writes (checkpoints, final save, pushes) is the flatness card of `hf_flatbias.modelcard`.
 
     def flatness_card(self, **card_kwargs: Any) -> FlatnessCard:
         """The flatness card of the current state (trace, loss, method, GLUE); see `flatness_card_from_trainer`."""
-        kwargs = {**getattr(self, "_flatness_card_kwargs", {}), **card_kwargs}
-        return flatness_card_from_trainer(self, **kwargs)
+        return flatness_card_from_trainer(self, **{**self._flatness_card_metadata, **card_kwargs})
 
     def create_model_card(
         self,
@@ -486,18 +353,17 @@ class FlatnessTrainerMixin:
         """
         if not self.is_world_process_zero():
             return
-        given = {
-            "language": language,
-            "license": license,
-            "tags": tags,
-            "model_name": model_name,
-            "finetuned_from": finetuned_from,
-            "dataset": dataset if dataset is not None else dataset_tags,
-            "glue_results": glue_results,
-            "pretraining_corpus": pretraining_corpus,
-        }
-        remembered = getattr(self, "_flatness_card_kwargs", {})
-        self._flatness_card_kwargs = {**remembered, **{k: v for k, v in given.items() if v is not None}}
+        given = dict(
+            language=language,
+            license=license,
+            tags=tags,
+            model_name=model_name,
+            finetuned_from=finetuned_from,
+            dataset=dataset if dataset is not None else dataset_tags,
+            glue_results=glue_results,
+            pretraining_corpus=pretraining_corpus,
+        )
+        self._flatness_card_metadata = card_metadata(given, self._flatness_card_metadata)
         self.flatness_card().save(self.args.output_dir)
 
     def push_to_hub(
@@ -511,9 +377,8 @@ class FlatnessTrainerMixin:
     ):
         # Refuse a card with a non-finite trace before the weights are saved again and anything is uploaded.
         if self.is_world_process_zero():
-            card_kwargs = {k: v for k, v in kwargs.items() if k in _CARD_KWARGS and v is not None}
-            self.flatness_card(**card_kwargs).validate()
-        try:
+            self.flatness_card(**card_metadata(kwargs)).validate()
+        with explained_push_failures(self.hub_model_id, self.args.output_dir):
             return super().push_to_hub(
                 commit_message=commit_message,
                 blocking=blocking,
@@ -522,154 +387,21 @@ class FlatnessTrainerMixin:
                 private=private,
                 **kwargs,
             )
-        except HfHubHTTPError as error:
-            error.append_to_message(self._failed_push_advice())
-            raise
-        except _hub_transport_errors() as error:
-            # No answer from the Hub at all (refused, timed out): the transport's bare error says nothing of the
-            # state the run is in.
-            raise ConnectionError(f"Could not reach the Hub: {error}{self._failed_push_advice()}") from error
-
-    def _failed_push_advice(self) -> str:
-        return (
-            f"\nThe push to {self.hub_model_id} did not complete; the saved model in {self.args.output_dir} is "
-            "intact. Call trainer.push_to_hub() again to retry (files the Hub already has are skipped)."
-        )
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         # Every save path of the 5.x Trainer (checkpoints, save_model, push_to_hub, DeepSpeed, FSDP full state)
         # ends in _save, so the card always sits next to the weights it describes.
         super()._save(output_dir, state_dict=state_dict)
-        if not self.is_world_process_zero():
-            return
-        try:
-            self.flatness_card().save(output_dir if output_dir is not None else self.args.output_dir)
-        except ValueError as error:
-            # A local checkpoint is never lost over its card; pushes re-check and refuse (see _push_from_checkpoint).
-            logger.warning(f"Saved the checkpoint without a flatness card: {error}")
+        if self.is_world_process_zero():
+            save_card_beside_weights(self.flatness_card, output_dir if output_dir is not None else self.args.output_dir)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        # hub_strategy pushes upload output_dir (its README.md included) besides the checkpoint folder, whose card
-        # _save wrote; a non-finite trace stops the push with the card's ValueError before any upload starts.
-        if self.is_world_process_zero() and self.args.hub_strategy != "end":
-            previous = getattr(self, "push_in_progress", None)
-            if previous is not None and not previous.is_done():
-                # A background push still reads output_dir: huggingface_hub hashes each file when the upload starts
-                # and reads it again to send it (LFS) or to commit it (README.md). This push overwrites those files
-                # (the new weights, the new card), so the earlier push would send bytes that do not match their
-                # sha256 (the Hub rejects the upload) or commit one step's weights with another's card.
-                if not self.args.hub_always_push:
-                    return  # transformers skips this push; leave the files of the running one alone
-                self._finish_current_push()  # push every checkpoint, each intact: one after the other
-            self.flatness_card().save(self.args.output_dir)
-        super()._push_from_checkpoint(checkpoint_folder)
-        # transformers runs these pushes in the background and never reads their result, so a failed upload would
-        # go unnoticed: report it as soon as it happens. Only world rank 0 pushes and has `push_in_progress`.
-        if not self.is_world_process_zero() or self.push_in_progress is None:
+        rank_zero = self.is_world_process_zero()  # only world rank 0 pushes and has `push_in_progress`
+        if rank_zero and self.args.hub_strategy != "end" and not card_ready_for_checkpoint_push(self):
             return
-        for job in self.push_in_progress.jobs:
-            if not getattr(job, "_flatbias_watched", False):
-                job._flatbias_watched = True
-                job.add_done_callback(functools.partial(_report_failed_push, checkpoint_folder=checkpoint_folder))
-
-
-def _report_failed_push(job, checkpoint_folder: str) -> None:
-    error = None if job.cancelled() else job.exception()
-    if error is not None:
-        logger.warning(
-            f"Pushing checkpoint {checkpoint_folder} to the Hub failed: {error}\nThe checkpoint on disk is intact; the "
-            "next checkpoint push or trainer.push_to_hub() uploads the current state again."
-        )
-
-
-@functools.cache
-def _hub_transport_errors() -> tuple[type[BaseException], ...]:
-    """The exceptions huggingface_hub's HTTP client raises when no answer arrives (its transport is a dependency
-    of huggingface_hub and has changed between versions)."""
-    import importlib
-
-    errors: list[type[BaseException]] = []
-    for module_name in ("httpx2", "httpx", "requests"):
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        error = getattr(module, "TransportError", None) or getattr(module, "ConnectionError", None)
-        if isinstance(error, type):
-            errors.append(error)
-    return tuple(errors)
-
-
-_CARD_KWARGS = (
-    "language",
-    "license",
-    "tags",
-    "model_name",
-    "finetuned_from",
-    "dataset",
-    "glue_results",
-    "pretraining_corpus",
-)
-
-
-@dataclasses.dataclass
-class _FlatnessLog:
-    """The flatness metrics of the steps since the last logged ``loss`` (averaged when logged)."""
-
-    metrics: dict[str, list[float]] = dataclasses.field(default_factory=lambda: defaultdict(list))
-    skipped_perturbations: int = 0
-    #: Sums over the micro-batches of the current update, recorded as one value each when it ends.
-    update_sums: dict[str, float] = dataclasses.field(default_factory=lambda: defaultdict(float))
-
-    def record(self, key: str, value: float) -> None:
-        self.metrics[key].append(value)
-
-    def add_to_update(self, key: str, value: float) -> None:
-        self.update_sums[key] += value
-
-    def close_update(self) -> None:
-        for key, value in self.update_sums.items():
-            self.record(key, value)
-        self.update_sums.clear()
-
-    def average_over_processes(self, key: str, sum_over_processes: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """Replace this process's values of ``key`` by their mean over every process's values (a collective: every
-        process must call it, with or without values of its own)."""
-        values = self.metrics.get(key, [])
-        total, count = sum_over_processes(torch.tensor([sum(values), len(values)], dtype=torch.float64)).tolist()
-        if count > 0:
-            self.metrics[key] = [total / count]
-
-    def drain_into(self, logs: dict[str, float]) -> None:
-        for key, values in self.metrics.items():
-            logs[key] = sum(values) / len(values)
-        self.metrics.clear()
-
-
-def _compute_loss_owner(trainer_class: type) -> type:
-    """The class whose ``compute_loss`` the mixin's own falls back to: `Trainer` unless the host trainer (trl's
-    `SFTTrainer`, a user's subclass) computes the loss its own way."""
-    return next(
-        owner
-        for owner in trainer_class.__mro__
-        if owner is not FlatnessTrainerMixin and "compute_loss" in vars(owner)
-    )
-
-
-def _as_flatness_config(args: TrainingArguments | None, config_class: type[FlatnessArguments]) -> FlatnessArguments:
-    if args is None:
-        return config_class(output_dir="trainer_output")
-    if isinstance(args, FlatnessArguments):
-        return args
-    if isinstance(args, TrainingArguments):
-        # A config without the flatness fields means "no flatness method"; keep every value the user set.
-        init_fields = {f.name for f in dataclasses.fields(args) if f.init}
-        accepted = {f.name for f in dataclasses.fields(config_class) if f.init}
-        values = {name: getattr(args, name) for name in init_fields & accepted}
-        return config_class(**values)
-    raise TypeError(
-        f"args must be a {config_class.__name__} or TrainingArguments, got {type(args).__name__}."
-    )
+        super()._push_from_checkpoint(checkpoint_folder)
+        if rank_zero:
+            report_failed_checkpoint_pushes(self.push_in_progress, checkpoint_folder)
 
 
 class FlatBiasTrainer(FlatnessTrainerMixin, Trainer):

@@ -117,7 +117,10 @@ class DataArguments:
 
 
 @dataclass
-class FlatnessArguments:
+class TraceArguments:
+    """How the recipe measures the Hessian trace during and after training (and whether the run is a smoke test);
+    the flatness method itself is chosen with FlatBiasConfig's fields."""
+
     trace_contexts: int = field(
         default=DEFAULT_N_CONTEXTS,
         metadata={"help": "Masked contexts of the Hessian-trace estimate (paper: 10,000); 0: no trace at all."},
@@ -279,10 +282,10 @@ def _recipe_checks(values: dict[str, list[str]]) -> None:
     dropout = number("dropout", ModelArguments.dropout)
     if not 0 <= dropout < 1:
         raise ValueError(f"--dropout must be in [0, 1), got {dropout}.")
-    contexts = number("trace_contexts", FlatnessArguments.trace_contexts, int)
-    if contexts < 0 or number("trace_draws", FlatnessArguments.trace_draws, int) < 1:
+    contexts = number("trace_contexts", TraceArguments.trace_contexts, int)
+    if contexts < 0 or number("trace_draws", TraceArguments.trace_draws, int) < 1:
         raise ValueError("--trace_contexts must be >= 0 (0 skips the trace) and --trace_draws >= 1.")
-    if number("trace_every_n_steps", FlatnessArguments.trace_every_n_steps, int) > 0 and contexts == 0:
+    if number("trace_every_n_steps", TraceArguments.trace_every_n_steps, int) > 0 and contexts == 0:
         raise ValueError("--trace_every_n_steps needs --trace_contexts > 0.")
     if not values.get("output_dir"):
         raise ValueError("Pass --output_dir (where checkpoints, the model and its summary go).")
@@ -307,8 +310,8 @@ def main(argv: list[str] | None = None) -> dict:
     check_arguments(argv)
     from hf_flatbias.config import FlatBiasConfig
 
-    model_args, data_args, flatness, training_args = parse_dataclass_args(
-        (ModelArguments, DataArguments, FlatnessArguments, FlatBiasConfig),
+    model_args, data_args, trace_args, training_args = parse_dataclass_args(
+        (ModelArguments, DataArguments, TraceArguments, FlatBiasConfig),
         argv,
         smoke_settings=SMOKE_SETTINGS,
         description=__doc__,
@@ -371,17 +374,17 @@ def main(argv: list[str] | None = None) -> dict:
     )
     callbacks = [SaveOnInterruptCallback()]  # Ctrl-C saves a checkpoint that the next run resumes from
     trace_callback = None
-    if flatness.trace_contexts:
+    if trace_args.trace_contexts:
         from hf_flatbias.callbacks import HessianTraceCallback
 
         # The callback masks one position per held-out block itself, with a fixed seed: every measurement, the
         # final one included, uses the same contexts and draws, so the logged curve and the summary agree.
         trace_callback = HessianTraceCallback(
             eval_dataset=blocks["validation"],
-            n_contexts=flatness.trace_contexts,
-            n_draws=flatness.trace_draws,
-            every_n_steps=flatness.trace_every_n_steps or None,
-            estimator=flatness.trace_estimator,
+            n_contexts=trace_args.trace_contexts,
+            n_draws=trace_args.trace_draws,
+            every_n_steps=trace_args.trace_every_n_steps or None,
+            estimator=trace_args.trace_estimator,
             seed=training_args.seed,
         )
         callbacks.append(trace_callback)

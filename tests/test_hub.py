@@ -159,7 +159,7 @@ def test_failed_background_checkpoint_push_is_reported(hub, tmp_path, caplog):
     args = tiny_args(tmp_path / "run", push_to_hub=True, hub_model_id="user/bg", hub_strategy="checkpoint")
     trainer = FlatBiasTrainer(model=model, args=args, train_dataset=data, callbacks=[FixedTraceCallback(3.0)])
     hub.fail_next("commit")
-    with caplog.at_level(logging.WARNING, logger="hf_flatbias.trainer"):
+    with caplog.at_level(logging.WARNING, logger="hf_flatbias.modelcard.publishing"):
         trainer.train()
         trainer.push_to_hub()
     assert any("Pushing checkpoint" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records)

@@ -41,7 +41,7 @@ def argument_types(bert_bookcorpus):
     return (
         bert_bookcorpus.ModelArguments,
         bert_bookcorpus.DataArguments,
-        bert_bookcorpus.FlatnessArguments,
+        bert_bookcorpus.TraceArguments,
         FlatBiasConfig,
     )
 

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_flatbias import FlatBiasTrainer
 from hf_flatbias.modelcard import flatness_card_from_trainer
-from hf_flatbias.sharpness.sam import adam_preconditioner
+from hf_flatbias.sharpness.sam_options import adam_preconditioner
 from tests.helpers.tiny_models import (
     SEQ_LEN,
     TINY_DECODER,

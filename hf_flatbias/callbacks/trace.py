@@ -281,7 +281,7 @@ class HessianTraceCallback(TrainerCallback):
         trainer = self._trainer
         should_log = trainer.control.should_log
         # trl's log adds (and clears) the metrics its loss collected: they belong with the next training loss
-        with getattr(trainer, "_host_metrics_suspended", contextlib.nullcontext)():
+        with getattr(trainer, "host_metrics_suspended", contextlib.nullcontext)():
             trainer.log(logs)
         trainer.control.should_log = should_log
 

@@ -64,12 +64,12 @@ class _TrlTrainerMixin:
         super().__init__(model=model, args=args, **kwargs)
 
     def flatness_card(self, **card_kwargs: Any):
-        given = card_kwargs.get("tags") or getattr(self, "_flatness_card_kwargs", {}).get("tags") or []
+        given = card_kwargs.get("tags") or self._flatness_card_metadata.get("tags") or []
         card_kwargs["tags"] = [*self._tag_names, *([given] if isinstance(given, str) else given)]
         return super().flatness_card(**card_kwargs)
 
     @contextlib.contextmanager
-    def _host_metrics_suspended(self) -> Iterator[None]:
+    def host_metrics_suspended(self) -> Iterator[None]:
         metrics, total_tokens = self._metrics, self._total_train_tokens
         self._metrics = {mode: defaultdict(list) for mode in metrics}
         try:
@@ -105,7 +105,7 @@ class FlatBiasSFTTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, SFTTrainer):
             start += length
         return documents
 
-    def _loss_and_outputs(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch):
+    def loss_and_outputs(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch):
         loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
         # SFT's fused head returns no logits; without `fused_lm_head` the model runs its own forward
         outputs = model(**{key: value for key, value in inputs.items() if key != "labels"}, use_cache=False)

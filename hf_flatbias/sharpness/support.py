@@ -100,6 +100,12 @@ def check_fsdp_supports(flatness_method: str, sam_perturbation: str, *, fsdp_ver
         )
 
 
+def check_fsdp_supports_method(args: FlatnessArguments, *, fsdp_version: int) -> None:
+    """Raise a ``ValueError`` naming the fix when the method and options of ``args`` cannot run exactly under FSDP."""
+    check_fsdp_supports(args.flatness_method, args.sam_perturbation, fsdp_version=fsdp_version)
+    check_fsdp_supports_sam_options(args)
+
+
 def check_deepspeed_supports_method(deepspeed_config: dict, args: FlatnessArguments) -> None:
     """Raise a ``ValueError`` naming the fix when the method and options of ``args`` cannot run exactly under a
     DeepSpeed ``deepspeed_config``."""

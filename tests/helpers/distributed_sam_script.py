@@ -244,7 +244,7 @@ def run_trace_case(case: Case, values: dict) -> dict:
         "estimate": estimate.to_dict(),
         "per_context_values": summarized[0].values,
         "world_size": trainer.args.world_size,
-        "zero_stage": deepspeed_zero_stage(trainer._deepspeed_engine()),
+        "zero_stage": deepspeed_zero_stage(trainer.deepspeed_engine()),
     }
 
 
@@ -356,7 +356,7 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
     result["log_history"] = trainer.state.log_history
     result["token_weighted_loss"] = trainer._token_weighted_loss
     result["world_size"] = trainer.args.world_size
-    result["zero_stage"] = deepspeed_zero_stage(trainer._deepspeed_engine())
+    result["zero_stage"] = deepspeed_zero_stage(trainer.deepspeed_engine())
     return result
 
 

@@ -1,5 +1,5 @@
-"""What a SAM step chooses around its perturbation, as pure functions: the Adam preconditioner (Singh et al., ICML
-2025), the radius schedule, which parameters are perturbed, and which rows take the ascent. The move to ``w + e``
+"""The options of the SAM step (``SAM_STEP_OPTION_NAMES``) as pure functions: the Adam preconditioner (Singh et al.,
+ICML 2025), the radius schedule, which parameters are perturbed, and which rows take the ascent. The move to ``w + e``
 itself is `hf_flatbias.tensors.perturb_weights`, shared with the trace's sharpness estimate.
 """
 
@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from transformers.trainer_utils import unwrap_peft_model
 
 
 def adam_preconditioner(
@@ -93,6 +94,23 @@ def select_parameters(
             f"{names}); use 'all', 'output_layer' or fnmatch patterns of these names."
         )
     return selected
+
+
+def select_sam_parameters(module: torch.nn.Module, spec: str) -> list[torch.nn.Parameter]:
+    """`select_parameters` among the trainable parameters of ``module``, in its order; ``"output_layer"`` is the
+    layer ``get_output_embeddings()`` returns (of the base model under peft)."""
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    output_layer = ()
+    if spec.strip() == "output_layer":
+        get_output = getattr(unwrap_peft_model(module), "get_output_embeddings", None)
+        head = get_output() if callable(get_output) else None
+        if head is None:
+            raise ValueError(
+                f"sam_parameters='output_layer' but {type(module).__name__}.get_output_embeddings() returns no "
+                "layer; name the parameters with fnmatch patterns instead (e.g. 'classifier.*')."
+            )
+        output_layer = tuple(head.parameters())
+    return select_parameters(named, spec, output_layer=output_layer)
 
 
 def ascent_rows(inputs: dict, fraction: float) -> dict:

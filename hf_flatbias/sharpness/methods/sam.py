@@ -1,0 +1,175 @@
+"""SAM, ASAM and Functional-SAM: a first pass for the gradient at ``w``, the move to ``w + e``, the second pass there,
+``w`` restored. Per micro-batch, or with one perturbation held across the update (``sam_scope="batch"``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...flatness.lm import is_causal_lm
+from ...tensors import Perturbation
+from ..engines import perturbable_parameters
+from ..functional_sam import functional_surrogate, logit_cotangent
+from ..sam_options import adam_preconditioner, ascent_rows, select_sam_parameters
+from .base import FlatnessHost, FlatnessMethod
+
+
+@dataclasses.dataclass
+class BatchScopeState:
+    """``sam_scope="batch"``: the update's micro-batches until its first step perturbs, then that perturbation,
+    held across the update's micro-batches until the last one restores ``w``."""
+
+    micro_batches: list[dict[str, Any]] | None = None
+    perturbation: Perturbation | None = None
+    #: The loss at ``w`` of each micro-batch not yet stepped (the first pass computed them all).
+    clean_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    #: Functional-SAM: each of those micro-batches' ``dL/dF`` at ``w``.
+    cotangents: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+
+class SamFamily(FlatnessMethod):
+    """``sam``, ``asam`` and ``functional_sam``: the SAM step on every ``sam_every_k``-th update inside the SAM
+    window, the host's plain step on the others."""
+
+    def __init__(self, host: FlatnessHost):
+        super().__init__(host)
+        self.batch_scope = BatchScopeState()
+        # A selection that matches nothing fails here, before any compute. Not kept: preparing the model (FSDP2's
+        # fully_shard) replaces its parameters with sharded ones.
+        select_sam_parameters(host.model, host.args.sam_parameters)
+        self._selected: tuple[nn.Module, list[nn.Parameter]] | None = None
+
+    def perturbed_parameters(self, module: nn.Module) -> list[nn.Parameter]:
+        """The trainable parameters of ``module`` the step perturbs (``sam_parameters``), chosen once per module."""
+        if self._selected is None or self._selected[0] is not module:
+            self._selected = (module, select_sam_parameters(module, self.host.args.sam_parameters))
+        return self._selected[1]
+
+    def keep_update_batches(self, micro_batches: list[dict[str, Any]]) -> None:
+        # The loop prefetches every micro-batch of an update; "batch"-scope SAM needs all of them before the first
+        # backward, so keep them for the first training_step of the update.
+        keep = self.host.args.sam_scope == "batch" and self.host.is_sam_update()
+        self.batch_scope.micro_batches = micro_batches if keep else None
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch) -> torch.Tensor:
+        """One micro-batch of a SAM/ASAM update: the first gradient, the step to ``w + e``, backward there, ``w``.
+
+        Returns the loss at ``w`` (the first pass), so that ``loss`` means the same for every method; the loss at
+        ``w + e`` is logged as ``sam/perturbed_loss``.
+        """
+        host = self.host
+        if not host.is_sam_update():
+            return host.plain_training_step(model, inputs, num_items_in_batch)
+        inputs = host.start_flatness_step(model, inputs)
+        batch_scope = self.batch_scope
+        if host.args.sam_scope == "batch":
+            if batch_scope.micro_batches is not None:
+                micro_batches = [host.prepare_flatness_inputs(model, batch) for batch in batch_scope.micro_batches]
+                batch_scope.micro_batches = None
+                batch_scope.perturbation, batch_scope.clean_losses, batch_scope.cotangents = self.perturb(
+                    model, micro_batches, num_items_in_batch
+                )
+            perturbation = batch_scope.perturbation
+            clean_loss = batch_scope.clean_losses.pop(0)
+            cotangent = batch_scope.cotangents.pop(0) if batch_scope.cotangents else None
+            restore_now = host.accelerator.sync_gradients
+        else:
+            perturbation, (clean_loss,), cotangents = self.perturb(model, [inputs], num_items_in_batch)
+            cotangent = cotangents[0] if cotangents else None
+            restore_now = True
+
+        try:
+            with host.host_metrics_suspended():
+                if cotangent is None:
+                    loss = host.scaled_loss(model, inputs, num_items_in_batch)
+                else:
+                    # Functional-SAM: the Jacobian at w + e against dL/dF at w; the loss at w + e is only logged
+                    loss, logits = host.scaled_loss_and_logits(model, inputs, num_items_in_batch)
+            host.flatness_backward(loss if cotangent is None else functional_surrogate(logits, cotangent))
+        except BaseException:
+            restore_now = True
+            raise
+        finally:
+            if perturbation is not None and restore_now:
+                perturbation.restore()
+                batch_scope.perturbation = None
+        host.step_deepspeed_after_restore()
+        host.record_perturbed_loss(loss)
+        fraction = host.args.sam_ascent_fraction
+        host.count_flos_of_extra_pass(inputs if fraction == 1 else ascent_rows(inputs, fraction))
+        return clean_loss
+
+    def perturb(
+        self, model: nn.Module, micro_batches: list[dict[str, Any]], num_items_in_batch
+    ) -> tuple[Perturbation | None, list[torch.Tensor], list[torch.Tensor]]:
+        """Compute the first gradient over ``micro_batches`` and move the weights to ``w + e``.
+
+        Returns the perturbation (``None`` when skipped), each micro-batch's loss at ``w``, scaled as
+        `Trainer.training_step` scales the loss it returns, and (Functional-SAM only, else empty) each micro-batch's
+        ``dL/dF`` at ``w`` of that same scaled loss.
+        """
+        host = self.host
+        args = host.args
+        module = host.accelerator.unwrap_model(model)
+        params = self.perturbed_parameters(module)
+        perturbable = perturbable_parameters(module, host.deepspeed_engine(), params=params)
+        functional = args.flatness_method == "functional_sam"
+        fraction = args.sam_ascent_fraction
+        clean_losses: list[torch.Tensor] = []
+        cotangents: list[torch.Tensor] = []
+
+        def losses() -> Iterable[torch.Tensor]:
+            for batch in micro_batches:
+                if functional:
+                    loss, logits = host.scaled_loss_and_logits(module, batch, num_items_in_batch)
+                    cotangents.append(logit_cotangent(loss, logits))
+                elif fraction < 1:
+                    rows = ascent_rows(batch, fraction)
+                    loss = host.scaled_loss(module, rows, num_items_in_batch)
+                    clean_losses.append(loss.detach() * self.ascent_loss_scale(batch, rows, num_items_in_batch))
+                    yield loss
+                    continue
+                else:
+                    loss = host.scaled_loss(module, batch, num_items_in_batch)
+                clean_losses.append(loss.detach())
+                yield loss
+
+        grads = host.first_gradient(losses(), perturbable)
+        rho = host.sam_rho()
+        preconditioner = None
+        if args.sam_preconditioner == "adam":
+            optimizer = getattr(host.optimizer, "optimizer", host.optimizer)  # accelerate's wrapper holds the state
+            # at the scale of a whole update's gradient, the scale Adam's second moment was built from
+            share = len(micro_batches) / host.current_gradient_accumulation_steps
+            preconditioner = adam_preconditioner(optimizer, perturbable.params, torch._foreach_div(grads, share))
+        perturbation = perturbable.perturb(
+            grads,
+            rho,
+            adaptive=args.flatness_method == "asam",
+            eta=args.asam_eta,
+            preconditioner=preconditioner,
+        )
+        if perturbation is None:
+            host.warn_skipped_perturbation("this step is taken without perturbation")
+        else:
+            host.record_perturbation(perturbation, len(micro_batches))
+            host.record_flatness_metric("sam/rho", rho)
+        return perturbation, clean_losses, cotangents
+
+    def ascent_loss_scale(self, batch: dict[str, Any], rows: dict[str, Any], num_items_in_batch) -> float:
+        """What turns the ascent rows' scaled loss into an estimate of the whole micro-batch's: a loss summed over
+        the update's labelled tokens (``num_items_in_batch``) scales with the labels counted, a mean does not."""
+        host = self.host
+        if num_items_in_batch is None or not host.model_accepts_loss_kwargs or "labels" not in batch:
+            return 1.0
+        shift = is_causal_lm(host.accelerator.unwrap_model(host.model))
+
+        def count(labels: torch.Tensor) -> int:
+            return int(((labels[..., 1:] if shift else labels) != -100).sum())
+
+        in_rows = count(rows["labels"])
+        return count(batch["labels"]) / in_rows if in_rows else 1.0

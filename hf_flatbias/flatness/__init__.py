@@ -19,6 +19,9 @@ from .spectrum import (
     estimate_top_eigenvalues,
 )
 
+# isort: split
+from .critical_sharpness import CriticalSharpness, ProposedUpdate, estimate_critical_sharpness, proposed_update
+
 __all__ = [
     "ESTIMATORS",
     "FisherDiagonal",
@@ -44,4 +47,8 @@ __all__ = [
     "parameter_groups",
     "per_context_fisher_traces",
     "summarize_trace_samples",
+    "CriticalSharpness",
+    "ProposedUpdate",
+    "estimate_critical_sharpness",
+    "proposed_update",
 ]

@@ -253,6 +253,24 @@ def test_proposed_update_is_the_step_the_optimizer_then_takes():
     assert proposed.learning_rate == 0.01 and proposed.params == list(model.parameters())
 
 
+def test_the_trainers_accelerated_optimizer_is_looked_through():
+    from accelerate import Accelerator
+
+    model = TwoLinear()
+    x, y = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    optimizer = Accelerator(cpu=True).prepare(torch.optim.AdamW(model.parameters(), lr=0.01))
+    assert type(optimizer).__name__ == "AcceleratedOptimizer"
+    model(x, y).backward()
+    optimizer.step()
+    model(x, y).backward()
+    before = _state_bits(optimizer.optimizer)
+    proposed = proposed_update(optimizer)
+    assert _state_bits(optimizer.optimizer) == before and proposed.learning_rate == 0.01
+    weights = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    assert all(torch.equal(p - w, u) for p, w, u in zip(model.parameters(), weights, proposed.updates, strict=True))
+
+
 def test_the_first_step_of_a_fresh_optimizer_leaves_no_state_behind():
     model = TwoLinear()
     model(torch.randn(4, 6), torch.tensor([0, 1, 2, 0])).backward()

@@ -1,14 +1,24 @@
 """The paper's flatness measure, the trace of the Hessian of the pre-training loss: estimators, exact references and
-the contexts they run on; and the measures beyond it, the top eigenvalues, the spectral density and SAM's sharpness
-(`spectrum`). Nothing here knows about the Trainer."""
+the contexts they run on; the measures beyond it (top eigenvalues, spectral density, SAM's and critical sharpness);
+and what flatness is judged to buy (weight-noise and quantization sensitivity, forgetting). Nothing here knows about
+the Trainer."""
 
 from ..constants import ESTIMATORS
 from .api import estimate_hessian_trace
 from .contexts import TraceContexts, build_masked_contexts
+from .critical_sharpness import CriticalSharpness, ProposedUpdate, estimate_critical_sharpness, proposed_update
 from .diagonal import FisherDiagonal, estimate_fisher_diagonal
 from .estimators import TraceSettings, compute_trace_samples
 from .exact import exact_fisher_diagonal, exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
+from .forgetting import ForgettingResult, measure_forgetting
 from .groups import default_group_of, parameter_groups
+from .quantization import (
+    QuantizationPoint,
+    QuantizationSensitivity,
+    estimate_quantization_sensitivity,
+    quantized_weight_matrices,
+    round_to_nearest,
+)
 from .results import FlatnessRecord, GroupTrace, TraceEstimate, TraceSamples, summarize_trace_samples
 from .spectrum import (
     SharpnessEstimate,
@@ -18,24 +28,18 @@ from .spectrum import (
     estimate_spectral_density,
     estimate_top_eigenvalues,
 )
-
-# isort: split
-# robustness measures (issue 37): appended, so that the import list above stays as it is
-from .forgetting import ForgettingResult, measure_forgetting
-from .quantization import (
-    QuantizationPoint,
-    QuantizationSensitivity,
-    estimate_quantization_sensitivity,
-    quantized_weight_matrices,
-    round_to_nearest,
-)
 from .weight_noise import WeightNoisePoint, WeightNoiseSensitivity, estimate_weight_noise_sensitivity, weight_noise
 
 __all__ = [
     "ESTIMATORS",
+    "CriticalSharpness",
     "FisherDiagonal",
     "FlatnessRecord",
+    "ForgettingResult",
     "GroupTrace",
+    "ProposedUpdate",
+    "QuantizationPoint",
+    "QuantizationSensitivity",
     "SharpnessEstimate",
     "SpectralDensity",
     "TopEigenvalues",
@@ -43,29 +47,28 @@ __all__ = [
     "TraceEstimate",
     "TraceSamples",
     "TraceSettings",
+    "WeightNoisePoint",
+    "WeightNoiseSensitivity",
     "build_masked_contexts",
     "compute_trace_samples",
     "default_group_of",
+    "estimate_critical_sharpness",
     "estimate_fisher_diagonal",
     "estimate_hessian_trace",
+    "estimate_quantization_sensitivity",
     "estimate_sam_sharpness",
     "estimate_spectral_density",
     "estimate_top_eigenvalues",
+    "estimate_weight_noise_sensitivity",
     "exact_fisher_diagonal",
     "exact_fisher_trace",
     "exact_hessian_trace",
+    "measure_forgetting",
     "parameter_groups",
     "per_context_fisher_traces",
-    "summarize_trace_samples",
-    "ForgettingResult",
-    "measure_forgetting",
-    "QuantizationPoint",
-    "QuantizationSensitivity",
-    "estimate_quantization_sensitivity",
+    "proposed_update",
     "quantized_weight_matrices",
     "round_to_nearest",
-    "WeightNoisePoint",
-    "WeightNoiseSensitivity",
-    "estimate_weight_noise_sensitivity",
+    "summarize_trace_samples",
     "weight_noise",
 ]

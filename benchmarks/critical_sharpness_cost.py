@@ -1,0 +1,96 @@
+"""Cost of one critical-sharpness measurement relative to one training step, on a ~15M BERT masked LM, in one run.
+
+A training step is forward + backward + AdamW step on one batch. A measurement is `proposed_update` (one optimizer
+step run and undone) plus `estimate_critical_sharpness` on the same batch (forward passes only, default tolerance
+1e-3). The first search starts from the learning rate; the later ones from the previous ``eta_c``
+(``initial_eta=``), as a callback measuring every N steps would. Training steps and measurements alternate, so load
+on a shared machine hits both alike; medians are reported.
+
+    python benchmarks/critical_sharpness_cost.py [--quick] [--repeats N]
+
+The last line is ``critical_sharpness_ratio=X`` (median measurement time / median training-step time).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from _common import build_model, choose_sizes, masked_lm_rows, timing_parser  # noqa: E402
+
+from hf_flatbias.flatness import estimate_critical_sharpness, proposed_update  # noqa: E402
+
+HEAD_SIZE = 64
+
+
+def main() -> None:
+    args = timing_parser(__doc__, "a ~3M model and fewer repeats (under a minute)").parse_args()
+    sizes, repeats, _, batch_size = choose_sizes(
+        args,
+        quick=(dict(hidden=128, layers=2, vocab=8000, seq_len=64), 3, 0, 8),
+        full=(dict(hidden=384, layers=6, vocab=8000, seq_len=128), 5, 0, 8),
+    )
+    model = build_model(**sizes, head_size=HEAD_SIZE)
+    n_params = sum(p.numel() for p in model.parameters())
+    rows = masked_lm_rows(batch_size * (repeats + 2), sizes["seq_len"], sizes["vocab"])
+    batches = [
+        {k: torch.stack([r[k] for r in rows[i : i + batch_size]]) for k in rows[0]}
+        for i in range(0, len(rows), batch_size)
+    ]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.train()
+
+    def train_step(batch) -> float:
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        model(**batch).loss.backward()
+        optimizer.step()
+        return time.perf_counter() - start
+
+    for batch in batches[:2]:  # warm-up: allocation, AdamW's state
+        train_step(batch)
+    forward_times, step_times, update_times, search_times, passes, lambdas = [], [], [], [], [], []
+    previous_eta_c = None
+    for batch in batches[2:]:
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(**batch)
+        forward_times.append(time.perf_counter() - start)
+        optimizer.zero_grad()
+        model(**batch).loss.backward()
+        start = time.perf_counter()
+        proposed = proposed_update(optimizer)
+        update_times.append(time.perf_counter() - start)
+        result = estimate_critical_sharpness(model, batch, proposed, initial_eta=previous_eta_c)
+        previous_eta_c = result.eta_c if result.converged else None
+        search_times.append(result.seconds)
+        passes.append(result.n_forward_passes)
+        lambdas.append(result.lambda_c)
+        step_times.append(train_step(batch))
+    step = statistics.median(step_times)
+    update, search = statistics.median(update_times), statistics.median(search_times[1:] or search_times)
+    print(
+        f"model: BERT-MLM {n_params / 1e6:.2f}M parameters, batch {batch_size} x {sizes['seq_len']} tokens, AdamW, "
+        f"torch threads {torch.get_num_threads()}, {len(step_times)} measurements"
+    )
+    print(
+        f"forward passes per measurement: {passes} (the first from lr, then from the previous eta_c; median of "
+        f"the warm-started {statistics.median(passes[1:] or passes)})"
+    )
+    print(f"lambda_c: {[round(x, 2) for x in lambdas]}")
+    print(
+        f"median seconds: training step {step:.3f}, no-grad forward {statistics.median(forward_times):.3f}, "
+        f"proposed_update {update:.3f}, line search {search:.3f} (warm-started; the first, from lr: "
+        f"{search_times[0]:.3f})"
+    )
+    print(f"proposed_update_ratio={update / step:.3f}")
+    print(f"line_search_ratio={search / step:.3f}")
+    print(f"critical_sharpness_ratio={(update + search) / step:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -39,16 +39,29 @@ def time_run(engine: str, method: str, steps: int, launch_environment: dict[str,
     reset_accelerate(launch_environment)
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as out:
-        values = dict(output_dir=out, flatness_method=method, max_steps=steps, per_device_train_batch_size=8,
-                      learning_rate=1e-4, report_to="none", save_strategy="no", disable_tqdm=True, seed=0,
-                      optim="adamw_torch")
+        values = dict(
+            output_dir=out,
+            flatness_method=method,
+            max_steps=steps,
+            per_device_train_batch_size=8,
+            learning_rate=1e-4,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            optim="adamw_torch",
+        )
         if engine == "ddp":
             values["use_cpu"] = True
         else:
             values["deepspeed"] = deepspeed_config(int(engine[len("zero")]), {})
         model = build_model(hidden=64, layers=2, vocab=VOCAB, seq_len=SEQ_LEN, head_size=32)
-        trainer = FlatBiasTrainer(model=model, args=FlatBiasConfig(**values),
-                                  train_dataset=masked_lm_rows(16 * steps, SEQ_LEN, VOCAB), callbacks=[timer])
+        trainer = FlatBiasTrainer(
+            model=model,
+            args=FlatBiasConfig(**values),
+            train_dataset=masked_lm_rows(16 * steps, SEQ_LEN, VOCAB),
+            callbacks=[timer],
+        )
         trainer.train()
     return timer.durations[2:]  # the first steps warm up allocators and the engine
 
@@ -60,8 +73,15 @@ def main() -> None:
     options = parser.parse_args()
     launch_environment = dict(os.environ)
     work_around_accelerate_cpu_world_size()
-    runs = [("ddp", "none"), ("ddp", "sam"), ("zero2", "none"), ("zero2", "sam"), ("zero3", "none"),
-            ("zero3", "sam"), ("zero3-engine-release", "sam")]
+    runs = [
+        ("ddp", "none"),
+        ("ddp", "sam"),
+        ("zero2", "none"),
+        ("zero2", "sam"),
+        ("zero3", "none"),
+        ("zero3", "sam"),
+        ("zero3-engine-release", "sam"),
+    ]
     durations: dict[tuple[str, str], list[float]] = {run: [] for run in runs}
     original_release = engines.ZeroStage3Parameters.release_gathered
 

@@ -388,6 +388,4 @@ def as_flatness_config(args: TrainingArguments | None, config_class: type[Flatne
         accepted = {f.name for f in fields(config_class) if f.init}
         values = {name: getattr(args, name) for name in init_fields & accepted}
         return config_class(**values)
-    raise TypeError(
-        f"args must be a {config_class.__name__} or TrainingArguments, got {type(args).__name__}."
-    )
+    raise TypeError(f"args must be a {config_class.__name__} or TrainingArguments, got {type(args).__name__}.")

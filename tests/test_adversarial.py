@@ -188,4 +188,3 @@ def test_zero_weight_trains_the_encoder_like_plain_mlm():
 def test_bad_settings_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AdversarialPretrainingModel(tiny_mlm(), **kwargs)
-

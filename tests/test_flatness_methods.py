@@ -29,8 +29,14 @@ def test_the_trainer_is_a_host_for_every_method():
 
 
 # Set by Trainer.__init__ (or the training loop) rather than defined on the class.
-_INSTANCE_ATTRIBUTES = {"args", "accelerator", "model", "optimizer", "model_accepts_loss_kwargs",
-                        "current_gradient_accumulation_steps"}
+_INSTANCE_ATTRIBUTES = {
+    "args",
+    "accelerator",
+    "model",
+    "optimizer",
+    "model_accepts_loss_kwargs",
+    "current_gradient_accumulation_steps",
+}
 
 
 @pytest.mark.parametrize("method", FLATNESS_METHODS)

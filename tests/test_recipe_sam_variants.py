@@ -39,8 +39,15 @@ def test_smoke_run_writes_every_run_and_resumes(recipe, tmp_path):
 def test_verdicts_follow_the_stated_rule():
     def runs(method, kls):
         return [
-            {"model": "bert", "method": method, "seed": s, "held_out_kl": kl, "fisher_trace": 1.0,
-             "train_seconds": 1.0, "train_cpu_seconds": 1.0}
+            {
+                "model": "bert",
+                "method": method,
+                "seed": s,
+                "held_out_kl": kl,
+                "fisher_trace": 1.0,
+                "train_seconds": 1.0,
+                "train_cpu_seconds": 1.0,
+            }
             for s, kl in enumerate(kls)
         ]
 

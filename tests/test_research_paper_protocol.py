@@ -139,7 +139,6 @@ def test_c1_verdict_fails_undecides_and_falls_back_to_matched_as_stated():
     assert c1_verdict({str(s): records for s in range(5)})["regime"] == "matched, not saturated"
 
 
-
 def test_build_model_heads_default_and_override():
     assert build_model(20, hidden=64, layers=1).config.num_attention_heads == 2  # hidden // 32, as before
     assert build_model(20, hidden=64, layers=1, heads=4).config.num_attention_heads == 4

@@ -381,8 +381,13 @@ def test_resume_from_checkpoint_continues_identically(tmp_path):
         ("functional_sam", {"sam_scope": "batch", "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2}),
         (
             "functional_sam",
-            {"sam_preconditioner": "adam", "sam_start_step": 1, "sam_rho_schedule": "linear_warmup",
-             "sam_rho_warmup_steps": 3, "sam_parameters": "cls.*"},
+            {
+                "sam_preconditioner": "adam",
+                "sam_start_step": 1,
+                "sam_rho_schedule": "linear_warmup",
+                "sam_rho_warmup_steps": 3,
+                "sam_parameters": "cls.*",
+            },
         ),
         ("sam", {"sam_ascent_fraction": 0.5, "sam_preconditioner": "adam", "sam_end_step": 4}),
         ("looksam", {"sam_every_k": 3}),

@@ -143,5 +143,3 @@ def _mean_and_stderr(estimate: Any) -> tuple[float, float | None]:
     if isinstance(estimate, tuple | list) and len(estimate) == 2:
         return float(estimate[0]), None if estimate[1] is None else float(estimate[1])
     return float(estimate), None
-
-

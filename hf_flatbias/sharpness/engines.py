@@ -294,9 +294,7 @@ class FullyShardedParameters(PerturbableParameters):
                 n_losses += 1
             if n_losses == 0:
                 raise ValueError("first_gradient needs at least one loss.")
-            grads = [
-                torch.zeros_like(p.to_local()) if p.grad is None else p.grad.to_local() for p in self.params
-            ]
+            grads = [torch.zeros_like(p.to_local()) if p.grad is None else p.grad.to_local() for p in self.params]
         finally:
             for param, grad in zip(self.params, accumulated, strict=True):
                 param.grad = grad

@@ -137,9 +137,7 @@ def check_fsdp_supports_sam_options(args: FlatnessArguments) -> None:
             "DeepSpeed ZeRO-2/3."
         )
     changed = [
-        name
-        for name in SAM_STEP_OPTION_NAMES
-        if getattr(args, name) != type(args).__dataclass_fields__[name].default
+        name for name in SAM_STEP_OPTION_NAMES if getattr(args, name) != type(args).__dataclass_fields__[name].default
     ]
     if changed:
         raise ValueError(

@@ -39,11 +39,14 @@ SAM_CASES = {
     "sam_micro_acc1": {},
     "sam_batch_acc2": {"sam_scope": "batch", "gradient_accumulation_steps": 2},
     "asam_micro_acc2": {"flatness_method": "asam", "sam_rho": 0.5, "gradient_accumulation_steps": 2},
-    "asam_batch_acc2": {"flatness_method": "asam", "sam_rho": 0.5, "sam_scope": "batch",
-                        "gradient_accumulation_steps": 2},
+    "asam_batch_acc2": {
+        "flatness_method": "asam",
+        "sam_rho": 0.5,
+        "sam_scope": "batch",
+        "gradient_accumulation_steps": 2,
+    },
     "sam_per_rank_acc2": {"sam_perturbation": "per_rank", "gradient_accumulation_steps": 2},
-    "sam_per_rank_batch_acc2": {"sam_perturbation": "per_rank", "sam_scope": "batch",
-                                "gradient_accumulation_steps": 2},
+    "sam_per_rank_batch_acc2": {"sam_perturbation": "per_rank", "sam_scope": "batch", "gradient_accumulation_steps": 2},
 }
 ENGINES = ["ddp", "zero0", "zero1", "zero2", "zero3"] if HAS_DEEPSPEED else ["ddp"]
 
@@ -62,18 +65,30 @@ if HAS_DEEPSPEED:
     TWO_PROCESS_CASES += [
         {"name": "zero3-plain", "engine": "zero3", "args": {"flatness_method": "none"}},
         {"name": "zero2-resume", "engine": "zero2", "resume_from_step": 2},
-        {"name": "zero3-resume", "engine": "zero3", "args": {"sam_scope": "batch", "gradient_accumulation_steps": 2},
-         "resume_from_step": 2},
+        {
+            "name": "zero3-resume",
+            "engine": "zero3",
+            "args": {"sam_scope": "batch", "gradient_accumulation_steps": 2},
+            "resume_from_step": 2,
+        },
         {"name": "zero3-per_rank-rejected", "engine": "zero3", "args": {"sam_perturbation": "per_rank"}},
         {"name": "zero2-bf16-rejected", "engine": "zero2", "deepspeed_overrides": {"bf16.enabled": True}},
     ]
 # grad_norm_penalty with penalty_lambda = penalty_fd_step = h is the SAM step with rho = h (an exact reference);
 # fisher_penalty samples labels, so its DeepSpeed runs are compared with its DDP run.
 PENALTY_CASES = {
-    "grad_norm_penalty_acc2": {"flatness_method": "grad_norm_penalty", "penalty_lambda": 0.05,
-                               "penalty_fd_step": 0.05, "gradient_accumulation_steps": 2},
-    "fisher_penalty_acc2": {"flatness_method": "fisher_penalty", "penalty_lambda": 0.1, "penalty_fd_step": 0.01,
-                            "gradient_accumulation_steps": 2},
+    "grad_norm_penalty_acc2": {
+        "flatness_method": "grad_norm_penalty",
+        "penalty_lambda": 0.05,
+        "penalty_fd_step": 0.05,
+        "gradient_accumulation_steps": 2,
+    },
+    "fisher_penalty_acc2": {
+        "flatness_method": "fisher_penalty",
+        "penalty_lambda": 0.1,
+        "penalty_fd_step": 0.01,
+        "gradient_accumulation_steps": 2,
+    },
 }
 PENALTY_ENGINES = ["ddp", "zero1", "zero2"] if HAS_DEEPSPEED else ["ddp"]
 PENALTY_TWO_PROCESS_CASES = [
@@ -83,8 +98,11 @@ PENALTY_TWO_PROCESS_CASES = [
 ]
 if HAS_DEEPSPEED:
     PENALTY_TWO_PROCESS_CASES += [
-        {"name": "zero3-grad_norm_penalty-rejected", "engine": "zero3",
-         "args": PENALTY_CASES["grad_norm_penalty_acc2"]},
+        {
+            "name": "zero3-grad_norm_penalty-rejected",
+            "engine": "zero3",
+            "args": PENALTY_CASES["grad_norm_penalty_acc2"],
+        },
         {"name": "zero2-looksam-rejected", "engine": "zero2", "args": {"flatness_method": "looksam"}},
     ]
 TWO_PROCESS_CASES += PENALTY_TWO_PROCESS_CASES
@@ -94,20 +112,42 @@ TRACE_CASES = [
 ]
 if HAS_DEEPSPEED:
     TRACE_CASES += [
-        {"name": "trace-zero2-per_sample", "engine": "zero2", "kind": "trace",
-         "trace": {"n_draws": 2, "batch_size": 2}},
-        {"name": "trace-zero3-naive", "engine": "zero3", "kind": "trace",
-         "trace": {"n_draws": 2, "estimator": "naive"}},
-        {"name": "trace-zero3-per_sample", "engine": "zero3", "kind": "trace",
-         "trace": {"n_draws": 2, "batch_size": 2, "by_group": True}},
+        {
+            "name": "trace-zero2-per_sample",
+            "engine": "zero2",
+            "kind": "trace",
+            "trace": {"n_draws": 2, "batch_size": 2},
+        },
+        {
+            "name": "trace-zero3-naive",
+            "engine": "zero3",
+            "kind": "trace",
+            "trace": {"n_draws": 2, "estimator": "naive"},
+        },
+        {
+            "name": "trace-zero3-per_sample",
+            "engine": "zero3",
+            "kind": "trace",
+            "trace": {"n_draws": 2, "batch_size": 2, "by_group": True},
+        },
     ]
-TRACE_CALLBACK_CASE = {"name": "tracecb-ddp", "engine": "ddp", "kind": "trace_callback",
-                       # no time budget: every context is measured, as the one-process estimate is
-                       "trace": {"n_contexts": 7, "n_draws": 2, "batch_size": 2, "max_overhead": None}}
+TRACE_CALLBACK_CASE = {
+    "name": "tracecb-ddp",
+    "engine": "ddp",
+    "kind": "trace_callback",
+    # no time budget: every context is measured, as the one-process estimate is
+    "trace": {"n_contexts": 7, "n_draws": 2, "batch_size": 2, "max_overhead": None},
+}
 TWO_PROCESS_CASES += [*TRACE_CASES, TRACE_CALLBACK_CASE]
 if HAS_DEEPSPEED:
-    TWO_PROCESS_CASES.append({"name": "tracecb-zero3-summed-rejected", "engine": "zero3", "kind": "trace_callback",
-                              "trace": {"n_contexts": 7, "n_draws": 2, "estimator": "summed"}})
+    TWO_PROCESS_CASES.append(
+        {
+            "name": "tracecb-zero3-summed-rejected",
+            "engine": "zero3",
+            "kind": "trace_callback",
+            "trace": {"n_contexts": 7, "n_draws": 2, "estimator": "summed"},
+        }
+    )
 # BERT's masked LM ignores num_items_in_batch: its loss is weighted by the update's tokens over both ranks, which hold
 # unequal label counts. Each is compared with the one-process step on the same 8 rows (reference_token_weighted_sgd).
 TOKEN_WEIGHTED_VARIANTS = {
@@ -125,8 +165,12 @@ TOKEN_WEIGHTED_CASES = [
 ]
 # Without the token count summed over ranks, each rank weighs its own tokens: the average of per-rank means, which
 # the tolerance of the token-weighted tests must tell apart from the one-process step.
-PER_RANK_TOKENS_CASE = {"name": "ddp-mlm-sam_batch_acc2-per_rank_tokens", "engine": "ddp", "task": "masked_lm",
-                        "args": {**TOKEN_WEIGHTED_VARIANTS["sam_batch_acc2"], "average_tokens_across_devices": False}}
+PER_RANK_TOKENS_CASE = {
+    "name": "ddp-mlm-sam_batch_acc2-per_rank_tokens",
+    "engine": "ddp",
+    "task": "masked_lm",
+    "args": {**TOKEN_WEIGHTED_VARIANTS["sam_batch_acc2"], "average_tokens_across_devices": False},
+}
 TWO_PROCESS_CASES += [*TOKEN_WEIGHTED_CASES, PER_RANK_TOKENS_CASE]
 SAM_TWO_PROCESS_CASES = [c for c in TWO_PROCESS_CASES if c.get("kind", "sam") == "sam"]
 SAM_REFERENCE_CASES = [
@@ -157,12 +201,24 @@ def launch(config: str, cases: list[dict], out_dir: Path) -> Path:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     # a free port, not the config's: other test sessions on the machine may be launching at the same time
     port = free_port()
-    env.update(PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1",
-               MASTER_PORT=str(port))
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-               "--main_process_port", str(port), str(SCRIPT), str(cases_file), str(out_dir)]
-    completed = subprocess.run(command, env=env, cwd=REPO_ROOT, capture_output=True, text=True,
-                               timeout=LAUNCH_TIMEOUT_S)
+    env.update(
+        PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1", MASTER_PORT=str(port)
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(CONFIGS / config),
+        "--main_process_port",
+        str(port),
+        str(SCRIPT),
+        str(cases_file),
+        str(out_dir),
+    ]
+    completed = subprocess.run(
+        command, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S
+    )
     (out_dir / "launch.log").write_text(completed.stdout + completed.stderr)
     if completed.returncode != 0:
         pytest.fail(f"launch failed ({completed.returncode}):\n{completed.stderr[-4000:]}")
@@ -215,8 +271,14 @@ def load(runs: Path | TwoProcessRuns, name: str, rank: int = 0) -> dict[str, dic
 
 
 def reference_sam_sgd(
-    *, world_size: int, flatness_method: str = "sam", sam_rho: float = 0.05, sam_scope: str = "micro_batch",
-    gradient_accumulation_steps: int = 1, sam_perturbation: str = "global", eta: float = 0.01,
+    *,
+    world_size: int,
+    flatness_method: str = "sam",
+    sam_rho: float = 0.05,
+    sam_scope: str = "micro_batch",
+    gradient_accumulation_steps: int = 1,
+    sam_perturbation: str = "global",
+    eta: float = 0.01,
 ) -> dict[str, torch.Tensor]:
     """SGD with SAM/ASAM on ``world_size`` simulated ranks, as the textbook and the options define it.
 
@@ -235,7 +297,7 @@ def reference_sam_sgd(
 
     def batch(micro_index: int, rank: int) -> dict[str, torch.Tensor]:
         start = (micro_index * world_size + rank) * PER_DEVICE
-        chunk = rows[start: start + PER_DEVICE]
+        chunk = rows[start : start + PER_DEVICE]
         return {key: torch.stack([row[key] for row in chunk]) for key in chunk[0]}
 
     def grad(b) -> list[torch.Tensor]:
@@ -291,8 +353,13 @@ def reference_sam_sgd(
 
 
 def reference_token_weighted_sgd(
-    *, flatness_method: str = "sam", sam_scope: str = "micro_batch", gradient_accumulation_steps: int = 1,
-    sam_rho: float = 0.05, world_size: int = 2, **ignored,
+    *,
+    flatness_method: str = "sam",
+    sam_scope: str = "micro_batch",
+    gradient_accumulation_steps: int = 1,
+    sam_rho: float = 0.05,
+    world_size: int = 2,
+    **ignored,
 ) -> tuple[dict[str, torch.Tensor], list[tuple[float, float]]]:
     """SGD with SAM on one process, the loss of each update being the mean over all its labelled tokens.
 
@@ -329,7 +396,7 @@ def reference_token_weighted_sgd(
 
     losses = []
     for step in range(STEPS):
-        micro = [stack(rows[(step * k + j) * size: (step * k + j + 1) * size]) for j in range(k)]
+        micro = [stack(rows[(step * k + j) * size : (step * k + j + 1) * size]) for j in range(k)]
         n_update = sum(n_labels(b) for b in micro)
         scopes = [micro] if sam_scope == "batch" or flatness_method == "none" else [[b] for b in micro]
         total, clean, perturbed = [torch.zeros_like(p) for p in params], 0.0, 0.0
@@ -360,8 +427,12 @@ def marks_for(engine: str) -> list:
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in SAM_REFERENCE_CASES
-             if "rejected" not in c["name"] and "resume" not in c["name"]],
+    "case",
+    [
+        pytest.param(c, id=c["name"], marks=marks_for(c["engine"]))
+        for c in SAM_REFERENCE_CASES
+        if "rejected" not in c["name"] and "resume" not in c["name"]
+    ],
 )
 def test_two_processes_match_reference(two_process_runs, case):
     params = load(two_process_runs, case["name"])["params"]
@@ -370,8 +441,12 @@ def test_two_processes_match_reference(two_process_runs, case):
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in SAM_TWO_PROCESS_CASES
-             if "rejected" not in c["name"]],
+    "case",
+    [
+        pytest.param(c, id=c["name"], marks=marks_for(c["engine"]))
+        for c in SAM_TWO_PROCESS_CASES
+        if "rejected" not in c["name"]
+    ],
 )
 def test_ranks_end_bit_identical(two_process_runs, case):
     rank0, rank1 = load(two_process_runs, case["name"], 0), load(two_process_runs, case["name"], 1)
@@ -380,7 +455,8 @@ def test_ranks_end_bit_identical(two_process_runs, case):
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in ONE_PROCESS_CASES],
+    "case",
+    [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in ONE_PROCESS_CASES],
 )
 def test_one_process_matches_reference(one_process_runs, case):
     params = load(one_process_runs, case["name"])["params"]
@@ -431,7 +507,8 @@ def test_unsupported_deepspeed_setups_fail_at_start(two_process_runs, name, matc
 
 @pytest.mark.deepspeed
 @pytest.mark.parametrize(
-    "case", [c for c in TWO_PROCESS_CASES if c["engine"].startswith("zero") and "rejected" not in c["name"]],
+    "case",
+    [c for c in TWO_PROCESS_CASES if c["engine"].startswith("zero") and "rejected" not in c["name"]],
     ids=lambda c: c["name"],
 )
 def test_runs_used_the_engine_they_asked_for(two_process_runs, case):
@@ -451,8 +528,8 @@ def test_accelerate_launch_with_the_zero3_recipe_config(launcher_runs):
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in TRACE_CASES
-             if "rejected" not in c["name"]],
+    "case",
+    [pytest.param(c, id=c["name"], marks=marks_for(c["engine"])) for c in TRACE_CASES if "rejected" not in c["name"]],
 )
 def test_trace_across_processes_equals_one_process(two_process_runs, case):
     """Each rank measured its share of the contexts; the gathered estimate is the one-process estimate."""
@@ -481,9 +558,7 @@ def test_trace_across_processes_equals_one_process(two_process_runs, case):
     torch.testing.assert_close(gathered, reference.values, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize(
-    "engine", [pytest.param(e, marks=marks_for(e)) for e in PENALTY_ENGINES]
-)
+@pytest.mark.parametrize("engine", [pytest.param(e, marks=marks_for(e)) for e in PENALTY_ENGINES])
 def test_grad_norm_penalty_with_lambda_equal_to_step_is_sam(two_process_runs, engine):
     name = f"{engine}-grad_norm_penalty_acc2"
     params = load(two_process_runs, name)["params"]
@@ -511,8 +586,9 @@ def test_trace_callback_logs_the_one_process_estimate(two_process_runs):
     infos = [json.loads((two_process_runs(name) / f"{name}.rank{rank}.json").read_text()) for rank in (0, 1)]
     assert infos[0]["world_size"] == 2 and infos[0]["logged_trace"] == infos[1]["logged_trace"]
     trace = TRACE_CALLBACK_CASE["trace"]
-    one_process = estimate_hessian_trace(tiny_masked_lm(), infos[0]["contexts"], n_draws=trace["n_draws"],
-                                         batch_size=trace["batch_size"])
+    one_process = estimate_hessian_trace(
+        tiny_masked_lm(), infos[0]["contexts"], n_draws=trace["n_draws"], batch_size=trace["batch_size"]
+    )
     assert infos[0]["estimate"]["n_contexts"] == one_process.n_contexts == trace["n_contexts"]
     assert infos[0]["logged_trace"] == [pytest.approx(one_process.mean, rel=1e-6)]
 
@@ -530,7 +606,7 @@ def test_ranks_hold_unequal_label_counts():
         for j in range(k):
             for rank in (0, 1):
                 start = (step * k + j) * size + rank * PER_DEVICE
-                counts[rank] += sum(int((row["labels"] != -100).sum()) for row in rows[start: start + PER_DEVICE])
+                counts[rank] += sum(int((row["labels"] != -100).sum()) for row in rows[start : start + PER_DEVICE])
         assert counts[0] != counts[1], (step, counts)
 
 

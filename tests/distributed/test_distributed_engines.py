@@ -55,7 +55,7 @@ def fake_zero3_parameter(full: torch.Tensor, rank: int, world_size: int) -> torc
     padded = torch.zeros(size * world_size)
     padded[: full.numel()] = full.reshape(-1)
     param = torch.nn.Parameter(torch.empty(0))
-    param.ds_tensor = padded[rank * size: (rank + 1) * size].clone()
+    param.ds_tensor = padded[rank * size : (rank + 1) * size].clone()
     return param
 
 
@@ -79,7 +79,7 @@ def test_zero3_gradient_shards_tile_the_flat_gradient():
     for i, grad in enumerate(grads):
         joined = torch.cat([shards[0][i], shards[1][i]])
         assert torch.equal(joined[: grad.numel()], grad.reshape(-1))
-        assert torch.count_nonzero(joined[grad.numel():]) == 0
+        assert torch.count_nonzero(joined[grad.numel() :]) == 0
     squared = sum(float((s**2).sum()) for rank_shards in shards for s in rank_shards)
     assert squared == pytest.approx(sum(float((g**2).sum()) for g in grads), rel=1e-6)
 

@@ -24,20 +24,43 @@ PER_DEVICE, WORLD, STEPS = 2, 2, 3
 
 VARIANTS = {
     "functional_micro_acc2": {"flatness_method": "functional_sam", "gradient_accumulation_steps": 2},
-    "functional_batch_acc2": {"flatness_method": "functional_sam", "sam_scope": "batch",
-                              "gradient_accumulation_steps": 2},
-    "functional_precond_acc2": {"flatness_method": "functional_sam", "sam_preconditioner": "adam",
-                                "optim": "adamw_torch", "learning_rate": 1e-2, "gradient_accumulation_steps": 2},
-    "sam_precond_batch_acc2": {"sam_preconditioner": "adam", "sam_scope": "batch", "optim": "adamw_torch",
-                               "learning_rate": 1e-2, "gradient_accumulation_steps": 2},
+    "functional_batch_acc2": {
+        "flatness_method": "functional_sam",
+        "sam_scope": "batch",
+        "gradient_accumulation_steps": 2,
+    },
+    "functional_precond_acc2": {
+        "flatness_method": "functional_sam",
+        "sam_preconditioner": "adam",
+        "optim": "adamw_torch",
+        "learning_rate": 1e-2,
+        "gradient_accumulation_steps": 2,
+    },
+    "sam_precond_batch_acc2": {
+        "sam_preconditioner": "adam",
+        "sam_scope": "batch",
+        "optim": "adamw_torch",
+        "learning_rate": 1e-2,
+        "gradient_accumulation_steps": 2,
+    },
 }
 DDP_CASES = [{"name": f"ddp-{v}", "engine": "ddp", "task": "masked_lm", "args": a} for v, a in VARIANTS.items()]
 DEEPSPEED_CASES = [
-    {"name": f"{engine}-functional_batch_acc2", "engine": engine, "task": "masked_lm",
-     "args": VARIANTS["functional_batch_acc2"]}
+    {
+        "name": f"{engine}-functional_batch_acc2",
+        "engine": engine,
+        "task": "masked_lm",
+        "args": VARIANTS["functional_batch_acc2"],
+    }
     for engine in ("zero2", "zero3")
-] + [{"name": "zero2-precond-rejected", "engine": "zero2", "task": "masked_lm",
-      "args": VARIANTS["functional_precond_acc2"]}]
+] + [
+    {
+        "name": "zero2-precond-rejected",
+        "engine": "zero2",
+        "task": "masked_lm",
+        "args": VARIANTS["functional_precond_acc2"],
+    }
+]
 
 
 def reference(args: dict) -> dict[str, torch.Tensor]:

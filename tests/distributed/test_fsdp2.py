@@ -57,24 +57,40 @@ FISHER_CASES = [
     {"name": "fsdp2-fisher_penalty_acc2", "engine": "launcher", "args": {**FISHER_PENALTY, **ACC2}},
     {"name": "ddp-fisher_penalty_acc2", "engine": "ddp", "args": {**FISHER_PENALTY, **ACC2}},
 ]
-RESUME_CASE = {"name": "fsdp2-resume-sam_batch_acc2", "engine": "launcher", "args": {"sam_scope": "batch", **ACC2},
-               "resume_from_step": 2}
+RESUME_CASE = {
+    "name": "fsdp2-resume-sam_batch_acc2",
+    "engine": "launcher",
+    "args": {"sam_scope": "batch", **ACC2},
+    "resume_from_step": 2,
+}
 REJECTED_CASES = {
     "fsdp2-per_rank-rejected": ({"sam_perturbation": "per_rank"}, "per_rank"),
     "fsdp2-looksam-rejected": ({"flatness_method": "looksam", "sam_every_k": 2}, "looksam"),
 }
 # The trace is over the trainable parameters: with LoRA, the adapters'.
-LLAMA_LORA = {"r": 2, "lora_alpha": 4, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"],
-              "init_lora_weights": False}
+LLAMA_LORA = {
+    "r": 2,
+    "lora_alpha": 4,
+    "lora_dropout": 0.0,
+    "target_modules": ["q_proj", "v_proj", "down_proj"],
+    "init_lora_weights": False,
+}
 TRACE_CASES = [
     {"name": "trace-fsdp2-per_sample", "kind": "trace", "trace": {"n_draws": 2, "batch_size": 2}},
     {"name": "trace-fsdp2-naive", "kind": "trace", "trace": {"n_draws": 2, "estimator": "naive"}},
-    {"name": "trace-fsdp2-lora-per_sample", "kind": "trace", "trace": {"n_draws": 2, "batch_size": 2},
-     "lora": LLAMA_LORA},
+    {
+        "name": "trace-fsdp2-lora-per_sample",
+        "kind": "trace",
+        "trace": {"n_draws": 2, "batch_size": 2},
+        "lora": LLAMA_LORA,
+    },
 ]
-TRACE_CALLBACK_CASE = {"name": "tracecb-fsdp2", "kind": "trace_callback",
-                       # no time budget: every context is measured, as the one-process estimate is
-                       "trace": {"n_contexts": 7, "n_draws": 2, "batch_size": 2, "max_overhead": None}}
+TRACE_CALLBACK_CASE = {
+    "name": "tracecb-fsdp2",
+    "kind": "trace_callback",
+    # no time budget: every context is measured, as the one-process estimate is
+    "trace": {"n_contexts": 7, "n_draws": 2, "batch_size": 2, "max_overhead": None},
+}
 
 CASES = (
     [{"engine": "launcher", **case} for case in MATCHED_CASES]
@@ -102,8 +118,9 @@ def one_process_run(tmp_path: Path, case: dict) -> dict[str, torch.Tensor]:
     values = base_arguments(str(tmp_path))
     values.update(case["args"], per_device_train_batch_size=2 * PER_DEVICE, use_cpu=True)
     model, rows = TRAINING_TASKS[case.get("task", "classification")]
-    trainer = FlatBiasTrainer(model=with_lora(model(), case.get("lora")), args=FlatBiasConfig(**values),
-                              train_dataset=rows())
+    trainer = FlatBiasTrainer(
+        model=with_lora(model(), case.get("lora")), args=FlatBiasConfig(**values), train_dataset=rows()
+    )
     trainer.train()
     return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
 
@@ -200,8 +217,9 @@ def test_trace_across_fsdp2_processes_equals_one_process(fsdp2_runs, case):
     assert estimates[0]["mean"] == pytest.approx(one_process.mean, rel=1e-6)
     assert estimates[0]["stderr"] == pytest.approx(one_process.stderr, rel=1e-5)
     gathered = load(fsdp2_runs, case["name"])["per_context_values"]
-    reference = compute_trace_samples(model.eval(), TraceContexts.from_rows(causal_rows(), causal=True),
-                                      **case["trace"])
+    reference = compute_trace_samples(
+        model.eval(), TraceContexts.from_rows(causal_rows(), causal=True), **case["trace"]
+    )
     torch.testing.assert_close(gathered, reference.values, rtol=1e-6, atol=0)
 
 
@@ -220,6 +238,7 @@ def test_trace_callback_under_fsdp2_logs_the_one_process_estimate(fsdp2_runs):
     infos = [info(fsdp2_runs, name, rank) for rank in (0, 1)]
     assert infos[0]["world_size"] == 2 and infos[0]["logged_trace"] == infos[1]["logged_trace"]
     trace = TRACE_CALLBACK_CASE["trace"]
-    one_process = estimate_hessian_trace(tiny_causal_lm(), infos[0]["contexts"], n_draws=trace["n_draws"],
-                                         batch_size=trace["batch_size"])
+    one_process = estimate_hessian_trace(
+        tiny_causal_lm(), infos[0]["contexts"], n_draws=trace["n_draws"], batch_size=trace["batch_size"]
+    )
     assert infos[0]["logged_trace"] == [pytest.approx(one_process.mean, rel=1e-6)]

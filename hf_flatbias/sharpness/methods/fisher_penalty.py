@@ -101,9 +101,7 @@ class FisherPenalty(FiniteDifferencePenalty):
             penalty_part = coefficient * (
                 shifted_direction_loss - linear_term(perturbable.differentiable_tensors, first_gradient)
             )
-            host.record_flatness_metric(
-                "fisher_penalty/trace", fisher_trace_from_mean_gradient(grad_norm**2, n_labels)
-            )
+            host.record_flatness_metric("fisher_penalty/trace", fisher_trace_from_mean_gradient(grad_norm**2, n_labels))
             accumulation = host.current_gradient_accumulation_steps
             return host.scale_for_accumulation(shifted_loss, num_items_in_batch) + penalty_part / accumulation
 

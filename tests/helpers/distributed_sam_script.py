@@ -294,6 +294,13 @@ def record_perturbation_bytes() -> list[int]:
     return held
 
 
+def tiny_causal_lm_float64(seed: int = 0) -> torch.nn.Module:
+    """`tiny_causal_lm` in float64: its wide initialisation makes SAM amplify float32 rounding to ~1e-6 between
+    reduction orders (DDP's all-reduce, FSDP2's reduce-scatter, one process's sum); in float64 that noise is ~1e-15,
+    so the layouts can be held to each other tightly."""
+    return tiny_causal_lm(seed).double()
+
+
 def causal_training_rows(n: int = N_ROWS) -> list[dict[str, torch.Tensor]]:
     """`causal_rows` enough for training: one label per row, so ranks and micro-batches hold equal counts."""
     return causal_rows(n)
@@ -304,6 +311,7 @@ TRAINING_TASKS = {
     "classification": (tiny_classifier, classification_rows),
     "masked_lm": (tiny_models.tiny_mlm, token_weighted_rows),
     "causal_lm": (tiny_causal_lm, causal_training_rows),
+    "causal_lm_float64": (tiny_causal_lm_float64, causal_training_rows),
 }
 
 
@@ -324,7 +332,7 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
         values.update(save_strategy="steps", save_steps=case.resume_from_step)
     # accelerate 1.15 cannot shard a BERT by its own _no_split_modules (BertEmbeddings holds the word embedding it
     # carves out again): its layers are named, as a user sets fsdp_transformer_layer_cls_to_wrap
-    if case.kind == "sam" and case.task != "causal_lm":
+    if case.kind == "sam" and not case.task.startswith("causal_lm"):
         os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = "BertLayer"
     else:
         os.environ.pop("FSDP_TRANSFORMER_CLS_TO_WRAP", None)

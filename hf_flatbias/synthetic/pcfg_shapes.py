@@ -4,12 +4,9 @@ grammar."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Self
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from .pcfg import PCFG
 
 
 class RandomPCFGs:
@@ -28,7 +25,7 @@ class RandomPCFGs:
         rule_lengths: Sequence[Sequence[int]] | None = None,
         words_per_preterminal: int = 6,
         concentration: float = 1.0,
-    ) -> PCFG:
+    ) -> Self:
         """A random grammar, the same for the same arguments.
 
         The default has 4 sentence types, each rewriting into 2-6 level-1 nonterminals; levels 1 and 2 are binary, so
@@ -108,7 +105,7 @@ class RandomPCFGs:
         n_words: int = 200,
         emitters_per_word: tuple[int, int] = (2, 8),
         concentration: float = 1.0,
-    ) -> PCFG:
+    ) -> Self:
         """A random grammar with the shape of the paper's released grammar (``pcfg/rule_deep_mlm.txt``).
 
         The released grammar has 9 sentence types, each with one rule into two level-1 symbols; 4 levels of 10

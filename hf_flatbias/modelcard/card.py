@@ -104,8 +104,9 @@ class FlatnessCard:
         trace_seconds: how long the trace estimate took.
         hessian_trace_by_group: the trace split by parameter group, ``{group: {"mean": ..., "stderr": ...}}``
             (`hf_flatbias.flatness.TraceEstimate.by_group`), when it was measured.
-        measures: the measures beyond the trace that were taken, by name (``"top_eigenvalue"``,
-            ``"sam_sharpness"``): ``{"value": ..., "step": ..., settings...}`` (see `measure_record`).
+        measures: the measures beyond the trace that were taken, by their names in
+            `hf_flatbias.measures.MEASURE_TABLE`: ``{"value": ..., "stderr": ..., settings..., "step": ...}`` (see
+            `measure_record`).
         global_step, epoch: where in training the card was written.
         model_type, num_parameters: the architecture (``config.model_type``) and its size.
         training_hyperparameters: learning rate, batch sizes, schedule, seed... as recorded from the arguments.
@@ -139,7 +140,7 @@ class FlatnessCard:
     hessian_trace_by_group: dict[str, dict[str, float]] | None = card_field(
         read=read_groups, write=write_groups, check=check_groups
     )
-    # one key per measure taken (top_eigenvalue, sam_sharpness)
+    # one key per measure taken (hf_flatbias.measures.MEASURE_TABLE)
     measures: dict[str, dict[str, Any]] = card_field(
         key=None, read=read_measures, write=write_measures, check=check_measures, default_factory=dict
     )

@@ -187,7 +187,10 @@ def run_series(args: argparse.Namespace) -> int:
     check_arguments(args)
     if plot and Path(plot).suffix.lower() not in PLOT_SUFFIXES:
         raise ValueError(f"--plot {plot}: use a file ending in one of {list(PLOT_SUFFIXES)}.")
+    from ..corpus import DATA_FILE_BUILDERS
+
     model = local_path_or_hub_id(args.model, "MODEL")
+    args.data = local_path_or_hub_id(args.data, "--data", file_suffixes=tuple(DATA_FILE_BUILDERS))
     if Path(model).exists():
         raise ValueError(f"--revisions needs a Hub repository; {model} is a local folder (measure it without them).")
     output = Path(DEFAULT_SERIES_OUTPUT if args.output == DEFAULT_OUTPUT else args.output)

@@ -172,7 +172,7 @@ def test_one_revision_and_bad_revision_flags(hub, checkpoints, tmp_path, capsys)
     output = tmp_path / "one.json"
     assert main(_trace_args(data, output, "--revision", "v1")) == 0
     written = json.loads(output.read_text())
-    assert written["revision"] == "v1"
+    assert written["revision"] == "v1" and f"Tr(F) of {REPO}@v1: " in capsys.readouterr().out
     assert written["estimate"]["mean"] == pytest.approx(_library_trace(folders[1], tokenizer, lines), rel=1e-6)
 
     assert main(_trace_args(data, output, "--revision", "step20", "--revisions", "step100")) == 2

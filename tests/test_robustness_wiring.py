@@ -304,3 +304,26 @@ def test_bad_measure_settings_fail_when_the_callback_is_made():
         HessianTraceCallback(also_measure=("weight_noise",), measure_settings={"sigma": 0.1})
     with pytest.raises(ValueError, match="also_measure"):
         HessianTraceCallback(also_measure=("forgetting",))
+
+
+def test_a_measure_without_a_finite_value_is_left_off_the_trainers_card(tmp_path):
+    from types import SimpleNamespace
+
+    from hf_flatbias.flatness import FlatnessRecord
+    from hf_flatbias.flatness.beyond_trace import CriticalSharpnessEstimate
+    from tests.test_modelcard import tiny_args
+
+    never = CriticalSharpnessEstimate(
+        mean=math.nan, stderr=math.nan, direction="AdamW", learning_rate=1e-3, rtol=1e-3, batch_size=4, n_contexts=8,
+        n_batches=2, n_converged=0, n_forward_passes=64, seconds=0.1, per_batch=[math.nan, math.nan],
+    )  # fmt: skip
+    record = FlatnessRecord().with_measure("critical_sharpness", never, 5)
+    trainer = SimpleNamespace(
+        args=tiny_args(tmp_path),
+        state=SimpleNamespace(log_history=[], global_step=5, epoch=1.0),
+        model=None,
+        callback_handler=SimpleNamespace(callbacks=[SimpleNamespace(flatness_record=record)]),
+    )
+    card = flatness_card_from_trainer(trainer)
+    assert card.measures == {}
+    card.save(tmp_path / "card")  # the save does not fail over it

@@ -34,7 +34,7 @@ from .trace_measures import (
     measure_lines,
     measures_beyond_trace,
 )
-from .trace_series import add_series_arguments, hub_revision, run_series
+from .trace_series import add_series_arguments, hub_revision, model_label, run_series
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 GROUPED_ESTIMATORS = ("per_sample", "naive")
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
             print(format_group_table(estimate))
         quantity = TRACE_QUANTITIES[estimate["estimator"]]
         print(
-            f"{quantity} of {args.model}: {estimate['mean']:.6g} +- {estimate['stderr']:.3g} (standard error; "
+            f"{quantity} of {model_label(args)}: {estimate['mean']:.6g} +- {estimate['stderr']:.3g} (standard error; "
             f"{estimate['estimator']}, {estimate['n_contexts']} contexts x {estimate['n_draws']} draws, "
             f"{estimate['seconds']:.1f} s)"
         )

@@ -68,6 +68,12 @@ def hub_revision(args: argparse.Namespace, base_model: str | None) -> str | None
     return revision
 
 
+def model_label(args: argparse.Namespace) -> str:
+    """``MODEL`` or ``MODEL@REVISION`` in printed lines."""
+    revision = getattr(args, "revision", None)
+    return f"{args.model}@{revision}" if revision else args.model
+
+
 def parse_step(revision: str) -> int | None:
     """The training step a revision's name carries (``step1000``, ``step-1000``, ``checkpoint_500``), else None."""
     match = STEP_PATTERN.search(revision)

@@ -3,6 +3,7 @@ and callbacks duck-typed, so nothing here imports the Trainer and the card can b
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -151,11 +152,16 @@ def measure_record(result: Any, step: int | None = None, *, name: str | None = N
 
 
 def _measures_from_records(records: Iterable[FlatnessRecord]) -> dict[str, dict[str, Any]]:
+    """The card's record of each measure the callbacks took. One without a finite value (a critical-sharpness
+    search that found no bracket on any batch) is left off the card, as an unknown: the card refuses non-finite
+    numbers, and a save must not fail over a measure; its logged value says what happened."""
     measures: dict[str, dict[str, Any]] = {}
     for record in records:
         for name, result in record.measures.items():
             if result is not None and name not in measures:
-                measures[name] = measure_record(result, record.measure_steps.get(name), name=name)
+                entry = measure_record(result, record.measure_steps.get(name), name=name)
+                if math.isfinite(entry["value"]):
+                    measures[name] = entry
     return measures
 
 

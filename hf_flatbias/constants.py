@@ -90,9 +90,8 @@ TRACE_METRIC = "flatness/hessian_trace"
 TRACE_STDERR_METRIC = "flatness/hessian_trace_stderr"
 """The logged name of the trace's standard error."""
 
-MEASURES = ("trace", "top_eigenvalue", "sam_sharpness")
-"""Flatness measures a checkpoint can be given: the Hessian (Fisher) trace, the largest eigenvalue of the Fisher or
-Hessian (`hf_flatbias.flatness.spectrum.estimate_top_eigenvalues`) and SAM's sharpness (``estimate_sam_sharpness``)."""
+# The measures beyond the trace (their names, functions, settings, log keys) are one table:
+# `hf_flatbias.measures.MEASURE_TABLE`, torch-free like this module.
 
 SPECTRUM_MATRICES = ("fisher", "hessian")
 """The matrices whose eigenvalues can be measured: the Fisher (Gauss-Newton) matrix, whose trace is the paper's

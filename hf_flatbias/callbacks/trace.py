@@ -12,18 +12,13 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..constants import (
-    SAM_SHARPNESS_METRIC,
-    SAM_SHARPNESS_STDERR_METRIC,
-    TOP_EIGENVALUE_METRIC,
-    TRACE_METRIC,
-    TRACE_STDERR_METRIC,
-)
+from ..constants import TRACE_METRIC, TRACE_STDERR_METRIC
 from ..flatness.api import estimate_hessian_trace
 from ..flatness.contexts import build_masked_contexts
 from ..flatness.estimators import per_context_estimators
 from ..flatness.lm import check_tokenizer_fits_model, is_causal_lm, output_vocab_size
 from ..flatness.results import FlatnessRecord, TraceEstimate
+from ..measures import MEASURE_TABLE
 from .trace_config import TraceCallbackConfig
 
 _CONTEXT_COLUMNS = ("input_ids", "attention_mask", "token_type_ids", "completion_mask")
@@ -62,7 +57,8 @@ class HessianTraceCallback(TrainerCallback):
 
     Measuring does not change training: the model is put in ``eval()`` and every module back in its own mode after,
     draws use their own generators and the global random streams are restored, no ``.grad`` is written
-    (``torch.autograd.grad`` only), the optimizer is never touched and parameters stay where they are.
+    (``torch.autograd.grad`` only; ``critical_sharpness`` sets it for the optimizer's proposed step and puts the
+    previous one back), the optimizer's state is left as it was and parameters stay where they are.
 
     `FlatBiasTrainer` binds the callback to itself. With a plain `transformers.Trainer`, call
     ``callback.bind_trainer(trainer)`` after building the trainer.
@@ -72,12 +68,16 @@ class HessianTraceCallback(TrainerCallback):
             when ``None``. Existing labels are ignored: contexts are re-masked one position per row.
         **settings: the fields of `TraceCallbackConfig` (``n_contexts``, ``n_draws``, ``every_n_steps``,
             ``on_evaluate``, ``measure_at_end``, ``estimator``, ``seed``, ``batch_size``, ``mask_token_id``,
-            ``by_group``, ``also_measure``, ``eigenvalue_matrix``, ``sam_rho``, ``max_overhead``), documented and
-            checked there; they are kept in `config`. ``also_measure`` measures are logged as
-            ``flatness/top_eigenvalue`` and ``flatness/sam_sharpness`` (with ``..._stderr``), kept in
-            `flatness_record` and recorded on the card with their settings and step; every process computes them
-            whole (they are not split across processes). ``sam_rho``'s batches are the trainer's
-            ``per_device_train_batch_size`` contexts, each taking its own ascent step as SAM does in training.
+            ``by_group``, ``also_measure``, ``eigenvalue_matrix``, ``sam_rho``, ``measure_settings``,
+            ``max_overhead``), documented and checked there; they are kept in `config`. ``also_measure`` names
+            measures of `hf_flatbias.measures.MEASURE_TABLE` (top_eigenvalue, sam_sharpness, weight_noise,
+            quantization, critical_sharpness), logged under their entry's keys (``flatness/<name>`` with
+            ``..._stderr``), kept in `flatness_record` and recorded on the card with their settings and step;
+            every process computes them whole (they are not split across processes). ``sam_rho``'s batches are
+            the trainer's ``per_device_train_batch_size`` contexts, each taking its own ascent step as SAM does in
+            training. ``critical_sharpness`` searches along the trainer's optimizer's next update for each batch's
+            gradient (`hf_flatbias.flatness.proposed_update`): weights, optimizer state, ``.grad`` and random
+            streams are left bit for bit as they were.
             ``by_group`` logs each group's trace as ``flatness/hessian_trace/<group>``.
     """
 
@@ -137,6 +137,12 @@ class HessianTraceCallback(TrainerCallback):
                 f"HessianTraceCallback(also_measure={list(self.config.also_measure)}) does not support DeepSpeed "
                 "ZeRO-3 (each process computes these measures on the whole model); leave also_measure empty under "
                 "ZeRO-3."
+            )
+        if plugin is not None and "critical_sharpness" in self.config.also_measure:
+            raise ValueError(
+                "HessianTraceCallback(also_measure=['critical_sharpness']) does not support DeepSpeed: its engine "
+                "keeps the optimizer's state outside torch's optimizer, so the next update cannot be proposed and "
+                "undone; drop critical_sharpness from also_measure under DeepSpeed."
             )
         several_processes = stage == 3 or self._trainer.args.world_size > 1
         if several_processes and self.config.estimator not in per_context_estimators():
@@ -248,31 +254,27 @@ class HessianTraceCallback(TrainerCallback):
         return estimate
 
     def _measure_beyond_trace(self, step: int, n_contexts: int) -> None:
-        from ..flatness.spectrum import estimate_sam_sharpness, estimate_top_eigenvalues
-
-        model, logs = self._trainer.model, {}
-        if "top_eigenvalue" in self.config.also_measure:
-            eigenvalues = estimate_top_eigenvalues(
-                model,
+        # one loop over the table: each measure's function, settings, record and log keys come from its entry
+        settings = self.config.settings()
+        if settings.sam_batch_size is None:  # SAM's batches are the training batches it would perturb
+            settings = replace(settings, sam_batch_size=self._trainer.args.per_device_train_batch_size)
+        logs = {}
+        for name in self.config.also_measure:
+            spec = MEASURE_TABLE[name]
+            result = spec.function()(
+                self._trainer.model,
                 self._contexts,
-                matrix=self.config.eigenvalue_matrix,
                 n_contexts=n_contexts,
+                settings=settings,
                 seed=self.config.seed,
                 batch_size=self.config.batch_size,
+                optimizer=self._trainer.optimizer,
             )
-            self.flatness_record = replace(self.flatness_record, top_eigenvalues=eigenvalues, top_eigenvalues_step=step)
-            logs[TOP_EIGENVALUE_METRIC] = eigenvalues.top
-        if "sam_sharpness" in self.config.also_measure:
-            sharpness = estimate_sam_sharpness(
-                model,
-                self._contexts,
-                self.config.sam_rho,
-                batch_size=self._trainer.args.per_device_train_batch_size,
-                n_contexts=n_contexts,
-            )
-            self.flatness_record = replace(self.flatness_record, sam_sharpness=sharpness, sam_sharpness_step=step)
-            logs[SAM_SHARPNESS_METRIC] = sharpness.mean
-            logs[SAM_SHARPNESS_STDERR_METRIC] = sharpness.stderr
+            self.flatness_record = self.flatness_record.with_measure(name, result, step)
+            record = spec.record(result)
+            logs[spec.metric] = record["value"]
+            if spec.stderr_metric is not None and "stderr" in record:
+                logs[spec.stderr_metric] = record["stderr"]
         self._log(logs)
 
     def _log(self, logs: dict[str, float]) -> None:

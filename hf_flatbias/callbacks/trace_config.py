@@ -4,7 +4,7 @@ which may come hours into training."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 from typing import Any
 
@@ -13,13 +13,10 @@ from ..constants import (
     DEFAULT_ESTIMATOR,
     DEFAULT_SAM_RHO,
     ESTIMATORS,
-    MEASURES,
     RECOMMENDED_N_DRAWS,
     SPECTRUM_MATRICES,
 )
-
-EXTRA_MEASURES = tuple(name for name in MEASURES if name != "trace")
-"""What ``also_measure`` may name: the measures taken with the trace."""
+from ..measures import EXTRA_MEASURES, MeasureSettings
 
 
 @dataclass(frozen=True)
@@ -66,6 +63,14 @@ class TraceCallbackConfig:
         default="fisher", metadata={"help": f"The matrix of top_eigenvalue: {' or '.join(SPECTRUM_MATRICES)}."}
     )
     sam_rho: float = field(default=DEFAULT_SAM_RHO, metadata={"help": "The radius of sam_sharpness."})
+    measure_settings: dict[str, Any] = field(
+        default_factory=dict,
+        metadata={
+            "help": "Settings of the also_measure measures by the names of hf_flatbias.measures.MeasureSettings "
+            "(noise_sigmas, noise_scale, noise_draws, quantization_bits, quantization_group_size, critical_rtol, "
+            "critical_batch_size, top_k, sam_batch_size)."
+        },
+    )
     max_overhead: float | None = field(
         default=0.05,
         metadata={"help": "The share of the training time measuring may take; None measures every context always."},
@@ -93,8 +98,22 @@ class TraceCallbackConfig:
             raise ValueError(f"eigenvalue_matrix={self.eigenvalue_matrix!r}; choose one of {list(SPECTRUM_MATRICES)}.")
         if not (_is_number(self.sam_rho) and self.sam_rho > 0):
             raise ValueError(f"sam_rho must be a number > 0 (got {self.sam_rho!r}).")
+        settings = dict(self.measure_settings or {})
+        for name in ("eigenvalue_matrix", "sam_rho"):
+            if name in settings:
+                raise ValueError(f"measure_settings={{{name!r}: ...}}: pass {name}= to the callback itself.")
+        known = {f.name for f in fields(MeasureSettings)}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ValueError(f"measure_settings: {unknown} unknown; choose from {sorted(known)}.")
+        object.__setattr__(self, "measure_settings", settings)
+        self.settings()  # checks every value now
         if self.max_overhead is not None and not (_is_number(self.max_overhead) and self.max_overhead > 0):
             raise ValueError(f"max_overhead must be a number > 0 or None for no budget (got {self.max_overhead!r}).")
+
+    def settings(self) -> MeasureSettings:
+        """The `MeasureSettings` of the measures beyond the trace."""
+        return MeasureSettings(eigenvalue_matrix=self.eigenvalue_matrix, sam_rho=self.sam_rho, **self.measure_settings)
 
 
 def _check_int(name: str, value: Any, *, minimum: int | None = None, optional: bool = False) -> None:

@@ -18,8 +18,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Read the flatness metadata of a local checkpoint folder, a README.md, or a Hub repository "
         "(HF_ENDPOINT is honoured) and print it.",
     )
-    parser.add_argument("repo_or_path", help="Checkpoint folder, card file, or Hub repo id (user/model).")
-    parser.add_argument("--revision", default=None, help="Branch, tag or commit of a Hub repository.")
+    parser.add_argument(
+        "repo_or_path", help="Checkpoint folder, card file, or Hub repo id (user/model, or user/model@REV)."
+    )
+    parser.add_argument(
+        "--revision", default=None, help="Branch, tag or commit of a Hub repository (the same as REPO@REV)."
+    )
     parser.add_argument("--json", action="store_true", help="Print the card as JSON instead of a table.")
     parser.set_defaults(func=run)
 

@@ -15,7 +15,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Read each flatness card (local folder, card file or Hub repo id) and print a markdown table of "
         "pre-training loss, Hessian trace ± standard error, flatness method, estimator and GLUE metrics.",
     )
-    parser.add_argument("models", nargs="+", metavar="REPO_OR_PATH", help="Checkpoint folders, cards or repo ids.")
+    parser.add_argument(
+        "models",
+        nargs="+",
+        metavar="REPO_OR_PATH",
+        help="Checkpoint folders, cards or repo ids; REPO@REV reads a branch, tag or commit (user/model@step1000).",
+    )
+    parser.add_argument(
+        "--revision", default=None, help="Branch, tag or commit of every Hub repo given without @REV (default: main)."
+    )
     parser.add_argument(
         "--sort",
         choices=("none", "trace", "loss"),
@@ -33,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from .card import read_card_reporting_warnings
 
     cards = [
-        (name, read_card_reporting_warnings("hf-flatbias compare", load_flatness_card, source))
+        (name, read_card_reporting_warnings("hf-flatbias compare", load_flatness_card, source, _revision(source, args)))
         for name, source in zip(args.models, sources, strict=True)
     ]
     if args.sort != "none":
@@ -41,6 +49,13 @@ def run(args: argparse.Namespace) -> int:
         cards.sort(key=lambda item: _unknown_last(getattr(item[1], field)))
     print(format_comparison_table(cards))
     return 0
+
+
+def _revision(source: str, args: argparse.Namespace) -> str | None:
+    """``--revision`` for a Hub repo without its own ``@REV``; a local path takes none."""
+    from pathlib import Path
+
+    return None if "@" in source or Path(source).exists() else args.revision
 
 
 def _unknown_last(value: float | None) -> tuple[bool, float]:

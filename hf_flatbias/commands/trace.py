@@ -12,11 +12,8 @@ from ..constants import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_ESTIMATOR,
     DEFAULT_N_CONTEXTS,
-    DEFAULT_SAM_RHO,
     ESTIMATORS,
-    MEASURES,
     RECOMMENDED_N_DRAWS,
-    SPECTRUM_MATRICES,
     TRACE_QUANTITIES,
 )
 from ..corpus import DATA_FILE_BUILDERS
@@ -30,6 +27,14 @@ from .trace_inputs import (
     load_rows,
     peft_base_model,
 )
+from .trace_measures import (
+    add_measure_arguments,
+    check_measure_arguments,
+    contexts_fingerprint,
+    measure_lines,
+    measures_beyond_trace,
+)
+from .trace_series import add_series_arguments, hub_revision, model_label, run_series
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 GROUPED_ESTIMATORS = ("per_sample", "naive")
@@ -112,41 +117,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=True,
         help="Show a progress bar with the time left on stderr (default: shown).",
     )
-    parser.add_argument(
-        "--measures",
-        type=_measure_list,
-        default=("trace",),
-        help=f"Comma-separated measures to take, of {','.join(MEASURES)} (default: trace). top_eigenvalue: the largest "
-        "eigenvalue(s) of the Fisher or Hessian by Lanczos; sam_sharpness: L(w + rho g/||g||) - L(w) per batch.",
-    )
-    parser.add_argument(
-        "--eigenvalue-matrix",
-        default="fisher",
-        choices=list(SPECTRUM_MATRICES),
-        help="Matrix of top_eigenvalue (default: %(default)s, whose trace is the paper's measure).",
-    )
-    parser.add_argument("--top-k", type=int, default=1, help="How many of the largest eigenvalues (default: 1).")
-    parser.add_argument(
-        "--sam-rho", type=float, default=DEFAULT_SAM_RHO, help="Radius of sam_sharpness (default: %(default)s)."
-    )
-    parser.add_argument(
-        "--sam-batch-size",
-        type=int,
-        default=None,
-        help="Contexts per ascent step of sam_sharpness, as the training batch (default: --batch-size).",
-    )
+    add_measure_arguments(parser)
+    add_series_arguments(parser)
     parser.set_defaults(func=run)
 
 
-def _measure_list(text: str) -> tuple[str, ...]:
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in MEASURES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"{text!r}: choose a comma-separated list of {', '.join(MEASURES)}.")
-    return names
-
-
 def run(args: argparse.Namespace) -> int:
+    if args.revisions:
+        return run_series(args)
     check_arguments(args)  # before torch and transformers load (seconds) and before any data is read
     args.model = local_path_or_hub_id(args.model, "MODEL")
     args.data = local_path_or_hub_id(args.data, "--data", file_suffixes=tuple(DATA_FILE_BUILDERS))
@@ -160,27 +138,14 @@ def run(args: argparse.Namespace) -> int:
             print(format_group_table(estimate))
         quantity = TRACE_QUANTITIES[estimate["estimator"]]
         print(
-            f"{quantity} of {args.model}: {estimate['mean']:.6g} +- {estimate['stderr']:.3g} (standard error; "
+            f"{quantity} of {model_label(args)}: {estimate['mean']:.6g} +- {estimate['stderr']:.3g} (standard error; "
             f"{estimate['estimator']}, {estimate['n_contexts']} contexts x {estimate['n_draws']} draws, "
             f"{estimate['seconds']:.1f} s)"
         )
         if estimate.get("suggested_n_draws"):
             print(f"Draws per context with the least error per second on this model: {estimate['suggested_n_draws']}")
-    eigenvalues = result.get("top_eigenvalues")
-    if eigenvalues is not None:
-        values = ", ".join(f"{v:.6g}" for v in eigenvalues["eigenvalues"])
-        print(
-            f"Largest {eigenvalues['matrix']} eigenvalue(s): {values} (residuals "
-            f"{', '.join(f'{r:.2g}' for r in eigenvalues['residuals'])}; {eigenvalues['n_contexts']} contexts, "
-            f"{eigenvalues['n_matvecs']} products, {eigenvalues['seconds']:.1f} s)"
-        )
-    sharpness = result.get("sam_sharpness")
-    if sharpness is not None:
-        print(
-            f"SAM sharpness (rho={sharpness['rho']:g}): {sharpness['mean']:.6g} +- {sharpness['stderr']:.3g} "
-            f"(standard error over {len(sharpness['per_batch'])} batches of {sharpness['batch_size']} contexts, "
-            f"{sharpness['seconds']:.1f} s)"
-        )
+    for line in measure_lines(result):
+        print(line)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     print(f"Wrote {args.output}")
@@ -212,12 +177,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError("--plot draws the per-group trace: drop --no-by-group.")
     if args.plot and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
         raise ValueError(f"--plot {args.plot}: use a file ending in one of {list(PLOT_SUFFIXES)}.")
-    if args.top_k < 1:
-        raise ValueError(f"--top-k must be >= 1 (got {args.top_k}).")
-    if not args.sam_rho > 0:
-        raise ValueError(f"--sam-rho must be > 0 (got {args.sam_rho}).")
-    if args.sam_batch_size is not None and args.sam_batch_size < 1:
-        raise ValueError(f"--sam-batch-size must be >= 1 (got {args.sam_batch_size}).")
+    check_measure_arguments(args)
     if args.plot and "trace" not in args.measures:
         raise ValueError("--plot draws the per-group trace: add trace to --measures.")
 
@@ -293,7 +253,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     if not rows:
         raise ValueError(f"{args.data} holds no rows.")
     base_model = peft_base_model(args.model)  # a PEFT adapter folder names the model it adapts
-    config = AutoConfig.from_pretrained(base_model or args.model)
+    revision = hub_revision(args, base_model)
+    config = AutoConfig.from_pretrained(base_model or args.model, revision=revision)
     architectures = list(getattr(config, "architectures", None) or [])
     causal_names, masked_names = (
         set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()),
@@ -314,7 +275,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     causal = args.causal or detected_causal
     if "input_ids" in rows[0]:
         check_token_ids(rows, config.vocab_size, args.data)  # an id outside the embedding fails deep in torch
-    model = load_language_model(args.model, base_model, causal)
+    model = load_language_model(args.model, base_model, causal, revision=revision)
     model.to(device)
     vocab_size = output_vocab_size(model)
     tokenizer_source = args.model if base_model is None or has_tokenizer_files(args.model) else base_model
@@ -325,7 +286,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 f"Rows of {args.data} have neither input_ids nor a {args.text_column!r} column (columns: "
                 f"{sorted(rows[0])}); name the text column with --text-column."
             )
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, revision=revision)
         texts = [row[args.text_column] for row in rows if row[args.text_column] and row[args.text_column].strip()]
         if not texts:
             raise ValueError(f"The {args.text_column!r} column of {args.data} holds no text.")
@@ -345,7 +306,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             _notice(f"--n-contexts {args.n_contexts}: {args.data} labels {n_contexts} positions; using those.")
     else:
         if tokenizer is None and not causal:
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, revision=revision)
             check_tokenizer_fits_model(
                 tokenizer,
                 vocab_size,
@@ -373,6 +334,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         )
         n_contexts = None
     result = {"model": args.model, "data": args.data, "split": args.split, "seed": args.seed, "device": device}
+    if revision is not None:
+        result["revision"] = revision
+    result["contexts_sha256"] = contexts_fingerprint(contexts, n_contexts)
     if base_model is not None:
         result["base_model"] = base_model  # the trace is over the adapter's parameters, the trainable ones
     if "trace" in args.measures:
@@ -389,35 +353,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             progress=args.progress,
         )
         result["estimate"] = estimate.to_dict()
-    result.update(_measures_beyond_trace(args, model, contexts, n_contexts, causal))
+    result.update(measures_beyond_trace(args, model, contexts, n_contexts, causal))
     return result
-
-
-def _measures_beyond_trace(args: argparse.Namespace, model, contexts, n_contexts, causal: bool) -> dict[str, Any]:
-    from ..flatness.spectrum import estimate_sam_sharpness, estimate_top_eigenvalues
-
-    results: dict[str, Any] = {}
-    if "top_eigenvalue" in args.measures:
-        results["top_eigenvalues"] = estimate_top_eigenvalues(
-            model,
-            contexts,
-            k=args.top_k,
-            matrix=args.eigenvalue_matrix,
-            n_contexts=n_contexts,
-            seed=args.seed,
-            batch_size=args.batch_size,
-            causal=causal,
-        ).to_dict()
-    if "sam_sharpness" in args.measures:
-        results["sam_sharpness"] = estimate_sam_sharpness(
-            model,
-            contexts,
-            args.sam_rho,
-            batch_size=args.sam_batch_size or args.batch_size,
-            n_contexts=n_contexts,
-            causal=causal,
-        ).to_dict()
-    return results
 
 
 def _notice(text: str) -> None:

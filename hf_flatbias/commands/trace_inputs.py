@@ -52,14 +52,15 @@ def has_tokenizer_files(folder: str) -> bool:
     return any(Path(folder, name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"))
 
 
-def load_language_model(model: str, base_model: str | None, causal: bool):
-    """The checkpoint with its LM head; a PEFT adapter on its base model, the adapter's parameters trainable (the
-    trace is taken over trainable parameters, as for a LoRA run in the trainer)."""
+def load_language_model(model: str, base_model: str | None, causal: bool, *, revision: str | None = None):
+    """The checkpoint with its LM head (at ``revision`` of a Hub repo); a PEFT adapter on its base model, the
+    adapter's parameters trainable (the trace is taken over trainable parameters, as for a LoRA run in the
+    trainer)."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     model_class = AutoModelForCausalLM if causal else AutoModelForMaskedLM
     if base_model is None:
-        return model_class.from_pretrained(model)
+        return model_class.from_pretrained(model, revision=revision)
     from peft import PeftModel
 
     return PeftModel.from_pretrained(model_class.from_pretrained(base_model), model, is_trainable=True)

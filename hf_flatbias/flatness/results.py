@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,18 +61,36 @@ class FlatnessRecord:
 
     Attributes:
         trace, trace_step: the latest trace estimate.
-        top_eigenvalues, top_eigenvalues_step: the latest largest eigenvalues (``also_measure="top_eigenvalue"``).
-        sam_sharpness, sam_sharpness_step: the latest SAM sharpness (``also_measure="sam_sharpness"``).
+        measures: the latest result of each measure beyond the trace taken (``also_measure``), by its name in
+            `hf_flatbias.measures.MEASURE_TABLE`; ``measure_steps`` the step of each.
 
-    A measure never taken is ``None``, with its step; a step may be ``None`` when it is not known.
+    A measure never taken is absent (the trace ``None``); a step may be ``None`` when it is not known.
     """
 
     trace: TraceEstimate | None = None
     trace_step: int | None = None
-    top_eigenvalues: TopEigenvalues | None = None
-    top_eigenvalues_step: int | None = None
-    sam_sharpness: SharpnessEstimate | None = None
-    sam_sharpness_step: int | None = None
+    measures: dict[str, Any] = field(default_factory=dict)
+    measure_steps: dict[str, int | None] = field(default_factory=dict)
+
+    def with_measure(self, name: str, result: Any, step: int | None) -> FlatnessRecord:
+        """A copy with measure ``name``'s latest result."""
+        return replace(self, measures={**self.measures, name: result}, measure_steps={**self.measure_steps, name: step})
+
+    @property
+    def top_eigenvalues(self) -> TopEigenvalues | None:
+        return self.measures.get("top_eigenvalue")
+
+    @property
+    def top_eigenvalues_step(self) -> int | None:
+        return self.measure_steps.get("top_eigenvalue")
+
+    @property
+    def sam_sharpness(self) -> SharpnessEstimate | None:
+        return self.measures.get("sam_sharpness")
+
+    @property
+    def sam_sharpness_step(self) -> int | None:
+        return self.measure_steps.get("sam_sharpness")
 
 
 @dataclass

@@ -104,8 +104,9 @@ class FlatnessCard:
         trace_seconds: how long the trace estimate took.
         hessian_trace_by_group: the trace split by parameter group, ``{group: {"mean": ..., "stderr": ...}}``
             (`hf_flatbias.flatness.TraceEstimate.by_group`), when it was measured.
-        measures: the measures beyond the trace that were taken, by name (``"top_eigenvalue"``,
-            ``"sam_sharpness"``): ``{"value": ..., "step": ..., settings...}`` (see `measure_record`).
+        measures: the measures beyond the trace that were taken, by their names in
+            `hf_flatbias.measures.MEASURE_TABLE`: ``{"value": ..., "stderr": ..., settings..., "step": ...}`` (see
+            `measure_record`).
         global_step, epoch: where in training the card was written.
         model_type, num_parameters: the architecture (``config.model_type``) and its size.
         training_hyperparameters: learning rate, batch sizes, schedule, seed... as recorded from the arguments.
@@ -139,7 +140,7 @@ class FlatnessCard:
     hessian_trace_by_group: dict[str, dict[str, float]] | None = card_field(
         read=read_groups, write=write_groups, check=check_groups
     )
-    # one key per measure taken (top_eigenvalue, sam_sharpness)
+    # one key per measure taken (hf_flatbias.measures.MEASURE_TABLE)
     measures: dict[str, dict[str, Any]] = card_field(
         key=None, read=read_measures, write=write_measures, check=check_measures, default_factory=dict
     )
@@ -344,8 +345,10 @@ def load_flatness_card(
 
     Args:
         repo_id_or_path: a folder holding ``README.md``, the path of a card file, or a Hub repo id
-            (``"user/model"``), downloaded with `huggingface_hub.hf_hub_download` (honours ``HF_ENDPOINT``).
-        revision: branch, tag or commit of the Hub repository (ignored for local paths).
+            (``"user/model"``, or ``"user/model@revision"``), downloaded with `huggingface_hub.hf_hub_download`
+            (honours ``HF_ENDPOINT``).
+        revision: branch, tag or commit of the Hub repository (ignored for local paths); the same as ``@revision``
+            after the repo id (giving two different ones is refused).
         token: Hub token, as for `hf_hub_download`.
         cache_dir: Hub cache folder, as for `hf_hub_download`.
 
@@ -365,7 +368,7 @@ def load_flatness_card(
     elif local.is_file():
         card_path = local
     else:
-        name = str(repo_id_or_path)
+        name, revision = split_revision(str(repo_id_or_path), revision)
         if not _looks_like_repo_id(name):
             raise ValueError(f"{name!r} is neither an existing file or folder nor a Hub repo id like 'user/model'.")
         from huggingface_hub import hf_hub_download
@@ -397,6 +400,19 @@ def add_glue_results(path: str | os.PathLike, glue_results: Mapping[str, Mapping
     card_path = Path(path) / CARD_FILENAME if Path(path).is_dir() else Path(path)
     card_path.write_text(card.render(), encoding="utf-8")
     return card
+
+
+def split_revision(name: str, revision: str | None = None) -> tuple[str, str | None]:
+    """``"user/model@rev"`` -> ``("user/model", "rev")``; without ``@``, ``(name, revision)``. `ValueError` when
+    ``revision`` names another revision than the one after ``@``, or ``@`` has nothing after it."""
+    if "@" not in name:
+        return name, revision
+    repo_id, _, own = name.partition("@")
+    if not own:
+        raise ValueError(f"{name!r}: name a branch, tag or commit after '@' (e.g. {repo_id}@main).")
+    if revision is not None and revision != own:
+        raise ValueError(f"{name!r} and revision={revision!r} name two revisions; give one.")
+    return repo_id, own
 
 
 def _looks_like_repo_id(name: str) -> bool:

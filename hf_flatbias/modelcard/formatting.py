@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .schema import EXTRA_MEASURES
+from ..measures import EXTRA_MEASURES, MEASURE_TABLE
 
 if TYPE_CHECKING:
     from .card import FlatnessCard
@@ -47,32 +47,25 @@ def glue_rows(glue: Mapping[str, Mapping[str, float]]) -> list[tuple[str, str, s
 
 
 def measure_summaries(card: FlatnessCard) -> list[tuple[str, str]]:
-    """``(label, text)`` for each measure beyond the trace on the card, as the card, ``card`` and ``compare`` show
-    them."""
+    """``(label, text)`` for each measure beyond the trace on the card, as the card and ``card`` show them, in the
+    order of `hf_flatbias.measures.MEASURE_TABLE`."""
     rows = []
-    eigenvalue = card.measures.get("top_eigenvalue")
-    if eigenvalue is not None:
-        matrix = eigenvalue.get("matrix", "?")
-        text = format_number(eigenvalue["value"])
-        if "residual" in eigenvalue:
-            text += f" (residual {format_number(eigenvalue['residual'], 2)})"
-        rows.append((f"Largest {matrix} eigenvalue", text + _step_text(eigenvalue)))
-    sharpness = card.measures.get("sam_sharpness")
-    if sharpness is not None:
-        text = format_trace(sharpness["value"], sharpness.get("stderr"))
-        settings = [f"rho = {sharpness['rho']:g}" if "rho" in sharpness else None]
-        settings.append("adaptive" if sharpness.get("adaptive") else None)
-        settings.append(f"batches of {sharpness['batch_size']}" if "batch_size" in sharpness else None)
-        text += " (" + ", ".join(s for s in settings if s) + ")" if any(settings) else ""
-        rows.append(("SAM sharpness L(w+e) - L(w) ± standard error", text + _step_text(sharpness)))
+    for name, spec in MEASURE_TABLE.items():
+        record = card.measures.get(name)
+        if record is not None:
+            rows.append((spec.title(record), measure_text(name, record)))
     return rows
+
+
+def measure_text(name: str, record: Mapping[str, Any]) -> str:
+    """A measure's value (± its standard error), its settings in parentheses and its step."""
+    text = format_trace(record["value"], record.get("stderr"))
+    details = MEASURE_TABLE[name].details(record)
+    return text + (f" ({details})" if details else "") + _step_text(record)
 
 
 def _step_text(record: Mapping[str, Any]) -> str:
     return f", step {record['step']}" if record.get("step") is not None else ""
-
-
-_MEASURE_COLUMNS = {"top_eigenvalue": "top eigenvalue", "sam_sharpness": "SAM sharpness ± stderr"}
 
 
 def format_comparison_table(cards: Sequence[tuple[str, FlatnessCard]]) -> str:
@@ -87,7 +80,7 @@ def format_comparison_table(cards: Sequence[tuple[str, FlatnessCard]]) -> str:
     quantities = {card.trace_quantity for _, card in cards if card.hessian_trace is not None}
     trace_header = f"{quantities.pop() if len(quantities) == 1 else 'trace'} ± stderr"
     header = ["model", "pre-training loss", trace_header, "method", "estimator"]
-    header += [_MEASURE_COLUMNS[name] for name in measure_columns]
+    header += [MEASURE_TABLE[name].column for name in measure_columns]
     header += [f"{task}/{metric}" for task, metric in glue_columns]
     rows = [header, ["---"] * len(header)]
     for label, card in cards:
@@ -113,9 +106,7 @@ def format_comparison_table(cards: Sequence[tuple[str, FlatnessCard]]) -> str:
 def _measure_cell(name: str, record: Mapping[str, Any] | None) -> str:
     if record is None:
         return "-"
-    if name == "top_eigenvalue":
-        return f"{format_number(record['value'])} ({record.get('matrix', '?')})"
-    return f"{format_trace(record['value'], record.get('stderr'))} (ρ={record.get('rho', float('nan')):g})"
+    return f"{format_trace(record['value'], record.get('stderr'))} ({MEASURE_TABLE[name].describe(record)})"
 
 
 __all__ = [
@@ -125,4 +116,5 @@ __all__ = [
     "format_number",
     "format_trace",
     "measure_summaries",
+    "measure_text",
 ]

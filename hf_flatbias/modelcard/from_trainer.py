@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, SAM_STEP_OPTIONS, TRACE_METRIC, TRACE_STDERR_METRIC
+from ..measures import MEASURE_TABLE
+from ..measures import measure_record as table_measure_record
 from .card import FlatnessCard
 from .schema import read_integer, schema
 
@@ -45,7 +47,7 @@ def flatness_card_from_trainer(
     - method and its hyperparameters: the arguments' ``flatness_method`` (``"none"`` for a plain
       ``TrainingArguments``) and the arguments that method reads (``FLATNESS_METHOD_HYPERPARAMETERS``);
     - GLUE: ``glue_results`` (``{"sst2": {"accuracy": 0.91}}``) merged over ``glue/<task>/<metric>`` log entries;
-    - other measures: the records' ``top_eigenvalues`` / ``sam_sharpness``, with their steps;
+    - other measures: the records' ``measures`` (`hf_flatbias.measures.MEASURE_TABLE`), with their steps;
     - pre-training corpus: ``pretraining_corpus``, a `CorpusSpec` (or the mapping a card records).
     """
     args = trainer.args
@@ -132,45 +134,34 @@ def _trace_from_records(records: Iterable[FlatnessRecord]) -> dict[str, Any] | N
     }
 
 
-def measure_record(result: Any, step: int | None = None) -> dict[str, Any]:
-    """A card's record of a measure beyond the trace, from its result (read duck-typed): a `TopEigenvalues`
-    (``eigenvalues``...) or a `SharpnessEstimate` (``rho``...), and the training step of the weights measured."""
-    if hasattr(result, "eigenvalues"):
-        record = {
-            "value": float(result.eigenvalues[0]),
-            "residual": float(result.residuals[0]),
-            "matrix": result.matrix,
-            "k": len(result.eigenvalues),
-            "eigenvalues": [float(v) for v in result.eigenvalues] if len(result.eigenvalues) > 1 else None,
-            "n_contexts": int(result.n_contexts),
-            "n_matvecs": int(result.n_matvecs),
-            "seconds": float(result.seconds),
-        }
-    elif hasattr(result, "rho"):
-        record = {
-            "value": float(result.mean),
-            "stderr": float(result.stderr) if math.isfinite(result.stderr) else None,
-            "rho": float(result.rho),
-            "adaptive": bool(result.adaptive),
-            "batch_size": int(result.batch_size),
-            "n_contexts": int(result.n_contexts),
-            "seconds": float(result.seconds),
-        }
-    else:
-        raise TypeError(f"measure_record takes a TopEigenvalues or a SharpnessEstimate, not {type(result).__name__}.")
-    record["step"] = int(step) if step is not None else None
-    return {key: value for key, value in record.items() if value is not None}
+def measure_record(result: Any, step: int | None = None, *, name: str | None = None) -> dict[str, Any]:
+    """A card's record of a measure beyond the trace, from its result: the record function of measure ``name``'s
+    entry in `hf_flatbias.measures.MEASURE_TABLE` (value, standard error, settings), and the training step of the
+    weights measured. Without ``name``, a `TopEigenvalues` or a `SharpnessEstimate` is recognised by its fields."""
+    if name is None:
+        if hasattr(result, "eigenvalues"):
+            name = "top_eigenvalue"
+        elif hasattr(result, "rho"):
+            name = "sam_sharpness"
+        else:
+            raise TypeError(
+                f"measure_record cannot tell which measure a {type(result).__name__} is: pass name= one of "
+                f"{list(MEASURE_TABLE)}."
+            )
+    return table_measure_record(name, result, step)
 
 
 def _measures_from_records(records: Iterable[FlatnessRecord]) -> dict[str, dict[str, Any]]:
+    """The card's record of each measure the callbacks took. One without a finite value (a critical-sharpness
+    search that found no bracket on any batch) is left off the card, as an unknown: the card refuses non-finite
+    numbers, and a save must not fail over a measure; its logged value says what happened."""
     measures: dict[str, dict[str, Any]] = {}
     for record in records:
-        for name, result, step in (
-            ("top_eigenvalue", record.top_eigenvalues, record.top_eigenvalues_step),
-            ("sam_sharpness", record.sam_sharpness, record.sam_sharpness_step),
-        ):
+        for name, result in record.measures.items():
             if result is not None and name not in measures:
-                measures[name] = measure_record(result, step)
+                entry = measure_record(result, record.measure_steps.get(name), name=name)
+                if math.isfinite(entry["value"]):
+                    measures[name] = entry
     return measures
 
 

@@ -14,19 +14,14 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS, MEASURES
+from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS
 from ..corpus import CorpusSpec
+from ..measures import EXTRA_MEASURES, MEASURE_TABLE
 
 FLATNESS_TAG = "hf_flatbias"
 GLUE_DATASET = "glue"
-# The measures besides the trace, each recorded as {"value": ..., settings..., "step": ...}; numbers in these keys
-# are read back as numbers, integers where named here.
-EXTRA_MEASURES = tuple(name for name in MEASURES if name != "trace")
-MEASURE_NUMBERS = {
-    "top_eigenvalue": ("value", "residual", "k", "n_contexts", "n_matvecs", "seconds", "step"),
-    "sam_sharpness": ("value", "stderr", "rho", "eta", "batch_size", "n_contexts", "seconds", "step"),
-}
-MEASURE_INTEGERS = ("k", "n_contexts", "n_matvecs", "batch_size", "step")
+# The measures besides the trace (hf_flatbias.measures.MEASURE_TABLE), each recorded as {"value": ..., "stderr": ...,
+# settings..., "step": ...}; the keys its entry names are read back as numbers, whole numbers or lists of numbers.
 
 FLATNESS = "flatness"
 """The block of the README's front matter that hf_flatbias owns."""
@@ -316,15 +311,17 @@ def read_measure_record(value: Any, name: str, source: str) -> dict[str, Any] | 
     if not isinstance(value, Mapping):
         raise ValueError(f"{source}: flatness.{name} is {value!r}, not a mapping with a value and its settings.")
     record = dict(value)
-    for key in MEASURE_NUMBERS[name]:
+    spec = MEASURE_TABLE[name]
+    for key in spec.numbers:
         if key in record:
-            record[key] = read_number(record[key], f"flatness.{name}.{key}", source, integer=key in MEASURE_INTEGERS)
+            record[key] = read_number(record[key], f"flatness.{name}.{key}", source, integer=key in spec.integers)
     if record.get("value") is None:
         return None
-    if "eigenvalues" in record:
-        record["eigenvalues"] = [
-            read_number(v, f"flatness.{name}.eigenvalues", source) for v in record["eigenvalues"] or []
-        ]
+    for key in spec.lists:
+        if key in record:
+            if not isinstance(record[key], list):
+                raise ValueError(f"{source}: flatness.{name}.{key} is {record[key]!r}, not a list of numbers.")
+            record[key] = [read_number(v, f"flatness.{name}.{key}", source) for v in record[key]]
     return {key: v for key, v in record.items() if v is not None}
 
 
@@ -384,7 +381,7 @@ def check_measure_record(name: str, record: Mapping[str, Any]) -> None:
             f"Refusing to write a flatness card with {name}={value!r}: the number is not finite. Measure it again, or "
             f"leave {name} out of FlatnessCard.measures."
         )
-    for key in MEASURE_NUMBERS[name]:
+    for key in MEASURE_TABLE[name].numbers:
         number = record.get(key)
         if number is not None and (not isinstance(number, (int, float)) or not math.isfinite(number)):
             raise ValueError(f"FlatnessCard.measures[{name!r}][{key!r}] is {number!r}, not a finite number.")

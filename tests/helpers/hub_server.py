@@ -6,7 +6,9 @@ metadata validation), ``model_info``, ``list_repo_tree``, ``hf_hub_download`` an
 status codes and error headers the client dispatches on: 409 with the repo ``url`` for an existing repo, 404 with
 ``X-Error-Code: EntryNotFound`` for a missing file, ``RepoNotFound`` and ``RevisionNotFound`` likewise.
 
-Repositories live in memory with a linear history on ``main``; every commit is addressable by its sha. Faults can
+Repositories live in memory: commits on ``main`` or on other branches (``create_branch``, commits with
+``revision=<branch>``), tags (``create_tag``), ``list_repo_refs``; every commit is addressable by its sha, a branch or
+tag by its name (or ``refs/heads/...``, ``refs/tags/...``). Faults can
 be injected per endpoint (``fail_next``) to test what a client does when the Hub fails in the middle of a push, and
 answers delayed (``delay_next``) to test what it does while a push is still under way.
 
@@ -69,15 +71,23 @@ class Repo:
     repo_type: str
     private: bool
     commits: list[Commit] = field(default_factory=list)
+    # branch and tag names -> commit sha; "main" follows the last commit unless branches say otherwise
+    branches: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
 
     @property
     def head(self) -> Commit:
-        return self.commits[-1]
+        return self.at("main") if "main" in self.branches else self.commits[-1]
 
     def at(self, revision: str) -> Commit | None:
-        if revision in ("main", "refs/heads/main"):
-            return self.head
-        return next((c for c in self.commits if c.sha == revision), None)
+        name = revision.removeprefix("refs/heads/").removeprefix("refs/tags/")
+        sha = self.branches.get(name) or self.tags.get(name)
+        if sha is None and name == "main":
+            return self.commits[-1]
+        return next((c for c in self.commits if c.sha == (sha or revision)), None)
+
+    def is_branch(self, revision: str) -> bool:
+        return revision.removeprefix("refs/heads/") in self.branches or revision in ("main", "refs/heads/main")
 
 
 class HubError(Exception):
@@ -248,6 +258,9 @@ class HubRequestHandler(BaseHTTPRequestHandler):
             (rf"/api/{kind}/{repo}/preupload/(?P<revision>[^/]+)", ("POST",), HubRequestHandler.preupload),
             (rf"/api/{kind}/{repo}/commit/(?P<revision>[^/]+)", ("POST",), HubRequestHandler.commit),
             (rf"/api/{kind}/{repo}/tree/(?P<revision>[^/]+)(?:/(?P<subpath>.*))?", ("GET",), HubRequestHandler.tree),
+            (rf"/api/{kind}/{repo}/refs", ("GET",), HubRequestHandler.list_refs),
+            (rf"/api/{kind}/{repo}/branch/(?P<branch>[^/]+)", ("POST",), HubRequestHandler.create_branch),
+            (rf"/api/{kind}/{repo}/tag/(?P<revision>[^/]+)", ("POST",), HubRequestHandler.create_tag),
             (rf"/api/{kind}/{repo}(?:/revision/(?P<revision>[^/]+))?", ("GET",), HubRequestHandler.repo_info),
             (
                 rf"/(?:(?P<kind>datasets|spaces)/)?{repo}\.git/info/lfs/objects/batch",
@@ -295,6 +308,7 @@ class HubRequestHandler(BaseHTTPRequestHandler):
                     _now(),
                 )
             )
+            repo.branches["main"] = repo.commits[-1].sha
             self.state.repos[(repo_type, repo_id)] = repo
         self._json(200, {"url": self._repo_url(repo), "name": repo_id, "id": repo_id})
 
@@ -355,6 +369,9 @@ class HubRequestHandler(BaseHTTPRequestHandler):
         header = lines[0]["value"]
         with self.state.lock:
             parent = self.state.commit_at(repo, revision)
+            branch = unquote(revision).removeprefix("refs/heads/")
+            if not repo.is_branch(branch):
+                raise HubError(400, f"Commits go on a branch; {revision} is not one", "RevisionNotFound")
             if header.get("parentCommit") not in (None, parent.sha):
                 raise HubError(412, "A commit has happened since. Please refresh and try again.")
             files = dict(parent.files)
@@ -377,9 +394,40 @@ class HubRequestHandler(BaseHTTPRequestHandler):
                     raise HubError(400, f"Unknown commit operation {key!r}")
             commit = Commit(uuid.uuid4().hex + uuid.uuid4().hex[:8], header["summary"], files, _now())
             repo.commits.append(commit)
+            repo.branches[branch] = commit.sha
         self._json(
             200, {"success": True, "commitOid": commit.sha, "commitUrl": f"{self._repo_url(repo)}/commit/{commit.sha}"}
         )
+
+    def list_refs(self, method: str, query: dict, kind: str, repo_id: str) -> None:
+        repo = self.state.repo(self._repo_type(kind), repo_id)
+        with self.state.lock:
+            branches = [
+                {"name": name, "ref": f"refs/heads/{name}", "targetCommit": sha} for name, sha in repo.branches.items()
+            ]
+            tags = [{"name": name, "ref": f"refs/tags/{name}", "targetCommit": sha} for name, sha in repo.tags.items()]
+        self._json(200, {"branches": branches, "tags": tags, "converts": [], "pullRequests": []})
+
+    def create_branch(self, method: str, query: dict, kind: str, repo_id: str, branch: str) -> None:
+        repo = self.state.repo(self._repo_type(kind), repo_id)
+        payload = json.loads(self._body() or b"{}")
+        with self.state.lock:
+            if branch in repo.branches or branch in repo.tags:
+                raise HubError(409, f"Reference {branch} already exists")
+            start = self.state.commit_at(repo, payload.get("startingPoint") or "main")
+            repo.branches[branch] = start.sha
+        self._json(200, {})
+
+    def create_tag(self, method: str, query: dict, kind: str, repo_id: str, revision: str) -> None:
+        repo = self.state.repo(self._repo_type(kind), repo_id)
+        tag = json.loads(self._body() or b"{}").get("tag")
+        if not tag:
+            raise HubError(400, "A tag name is required")
+        with self.state.lock:
+            if tag in repo.branches or tag in repo.tags:
+                raise HubError(409, f"Reference {tag} already exists")
+            repo.tags[tag] = self.state.commit_at(repo, revision).sha
+        self._json(200, {})
 
     def repo_info(self, method: str, query: dict, kind: str, repo_id: str, revision: str | None = None) -> None:
         self._check_fault("model_info")

@@ -1,0 +1,106 @@
+"""``hf-flatbias trace --measures``: the flags, checks, computation and printed lines of the measures beyond the trace,
+each read from `hf_flatbias.measures.MEASURE_TABLE` (the parser stays torch-free: the functions load on use)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from ..measures import EXTRA_MEASURES, MEASURE_TABLE, MEASURES, MeasureSettings
+
+
+def measure_list(text: str) -> tuple[str, ...]:
+    """``--measures``: a comma-separated list of `MEASURES`."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in MEASURES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: choose a comma-separated list of {', '.join(MEASURES)}.")
+    return names
+
+
+def add_measure_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--measures`` and one flag per `MeasureSettings` field (``--noise-sigmas`` for ``noise_sigmas``...)."""
+    described = "; ".join(f"{spec.name}: {spec.help}" for spec in MEASURE_TABLE.values())
+    parser.add_argument(
+        "--measures",
+        type=measure_list,
+        default=("trace",),
+        help=f"Comma-separated measures to take, of {','.join(MEASURES)} (default: trace). {described}. Each is "
+        "written with its standard error and settings.",
+    )
+    for item in dataclasses.fields(MeasureSettings):
+        parser.add_argument(
+            "--" + item.name.replace("_", "-"),
+            dest=item.name,
+            type=item.metadata["parse"],
+            default=item.default,
+            choices=list(item.metadata["choices"]) if item.metadata.get("choices") else None,
+            help=item.metadata["help"],
+        )
+
+
+def check_measure_arguments(args: argparse.Namespace) -> MeasureSettings:
+    """The measures' settings of the flags, or `ValueError` naming the flag."""
+    try:
+        return MeasureSettings.from_namespace(args)
+    except ValueError as error:
+        name = str(error).split("=")[0].split(" ")[0]
+        raise ValueError(f"--{name.replace('_', '-')}: {error}") from None
+
+
+def measures_beyond_trace(
+    args: argparse.Namespace, model: Any, contexts: Any, n_contexts: int | None, causal: bool
+) -> dict[str, Any]:
+    """Each measure of ``args.measures`` beyond the trace: its result under the entry's ``result_key`` and its
+    record (value, standard error, settings) under ``measures``. ``critical_sharpness`` has no optimizer here: it
+    searches along the negative gradient (plain gradient descent)."""
+    settings = check_measure_arguments(args)
+    results: dict[str, Any] = {}
+    records: dict[str, Any] = {}
+    for name in EXTRA_MEASURES:
+        if name not in args.measures:
+            continue
+        spec = MEASURE_TABLE[name]
+        result = spec.function()(
+            model,
+            contexts,
+            n_contexts=n_contexts,
+            settings=settings,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            causal=causal,
+            optimizer=None,
+        )
+        results[spec.result_key] = result.to_dict()
+        records[name] = spec.record(result)
+    if records:
+        results["measures"] = records
+    return results
+
+
+def contexts_fingerprint(contexts: Any, n_contexts: int | None) -> str:
+    """A SHA-256 of the contexts measured (their ids, masks and labels), so that rows of a series can be checked to
+    share them."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for row in contexts:
+        for key in ("input_ids", "attention_mask", "labels"):
+            if key in row:
+                values = row[key].tolist() if hasattr(row[key], "tolist") else list(row[key])
+                digest.update(f"{key}:{values};".encode())
+    digest.update(f"n={n_contexts}".encode())
+    return digest.hexdigest()
+
+
+def measure_lines(result: dict[str, Any]) -> list[str]:
+    """One printed line per measure beyond the trace in ``result``: value ± standard error, settings, seconds."""
+    from ..modelcard.formatting import measure_text
+
+    lines = []
+    for name, record in (result.get("measures") or {}).items():
+        spec = MEASURE_TABLE[name]
+        seconds = f" ({record['seconds']:.1f} s)" if "seconds" in record else ""
+        lines.append(f"{spec.title(record)}: {measure_text(name, record)}{seconds}")
+    return lines

@@ -1,0 +1,224 @@
+"""The functions of `hf_flatbias.measures.MEASURE_TABLE`: each measure beyond the trace computed from a model, its
+contexts and `MeasureSettings`, with one signature, so that the callback and the command line call them alike.
+
+``critical_sharpness`` is the one measure that needs an optimizer to mean what training would do: with one (the
+callback passes the trainer's), each batch's line search runs along the update the optimizer would apply to that
+batch's gradient (`proposed_update`, undone bit for bit); without one (the command line) along the negative
+gradient, plain gradient descent, where ``lambda_c`` is the gradient's Rayleigh quotient ``g^T H g / g^T g``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..constants import DEFAULT_BATCH_SIZE
+from ..measures import MeasureSettings
+from .critical_sharpness import estimate_critical_sharpness, proposed_update
+from .lm import evaluation_mode, preserved_global_rng
+from .quantization import estimate_quantization_sensitivity
+from .spectrum import _data_label_loss, _prepare, estimate_sam_sharpness, estimate_top_eigenvalues
+from .weight_noise import estimate_weight_noise_sensitivity
+
+GRADIENT_DESCENT = "gradient_descent"
+"""The direction of ``critical_sharpness`` without an optimizer: ``-g``."""
+
+
+def _fixed(batch_size: int | str) -> int:
+    """A batch size for the measures that take no ``"auto"`` (the command line's ``--batch-size auto``)."""
+    return batch_size if isinstance(batch_size, int) else DEFAULT_BATCH_SIZE
+
+
+def top_eigenvalue(
+    model, contexts, *, n_contexts, settings: MeasureSettings, seed, batch_size, causal=None, optimizer=None
+):
+    return estimate_top_eigenvalues(
+        model,
+        contexts,
+        k=settings.top_k,
+        matrix=settings.eigenvalue_matrix,
+        n_contexts=n_contexts,
+        seed=seed,
+        batch_size=batch_size,
+        causal=causal,
+    )
+
+
+def sam_sharpness(
+    model, contexts, *, n_contexts, settings: MeasureSettings, seed, batch_size, causal=None, optimizer=None
+):
+    return estimate_sam_sharpness(
+        model,
+        contexts,
+        settings.sam_rho,
+        batch_size=settings.sam_batch_size or _fixed(batch_size),
+        n_contexts=n_contexts,
+        causal=causal,
+    )
+
+
+def weight_noise(
+    model, contexts, *, n_contexts, settings: MeasureSettings, seed, batch_size, causal=None, optimizer=None
+):
+    return estimate_weight_noise_sensitivity(
+        model,
+        contexts,
+        settings.noise_sigmas,
+        scale=settings.noise_scale,
+        n_draws=settings.noise_draws,
+        seed=seed,
+        n_contexts=n_contexts,
+        batch_size=_fixed(batch_size),
+        causal=causal,
+    )
+
+
+def quantization(
+    model, contexts, *, n_contexts, settings: MeasureSettings, seed, batch_size, causal=None, optimizer=None
+):
+    return estimate_quantization_sensitivity(
+        model,
+        contexts,
+        settings.quantization_bits,
+        group_size=settings.quantization_group_size,
+        n_contexts=n_contexts,
+        batch_size=_fixed(batch_size),
+        causal=causal,
+    )
+
+
+@dataclass
+class CriticalSharpnessEstimate:
+    """Critical sharpness ``2 / eta_c`` averaged over batches of contexts, each batch's line search along its own
+    next update.
+
+    Attributes:
+        mean, stderr: over the batches whose search found a bracket (``nan`` error with one).
+        direction: the optimizer's class name (its next update), or ``"gradient_descent"`` (``-g``).
+        learning_rate: the optimizer's learning rate (``eta_c / learning_rate`` says how far the step is from the
+            edge); ``None`` for gradient descent, whose ``eta`` is on the scale of ``-g``.
+        rtol, batch_size, n_contexts: the settings.
+        n_batches, n_converged: batches searched, and those that found a bracket within ``rtol``.
+        n_forward_passes: forward passes of all searches.
+        per_batch: each batch's ``lambda_c`` (``nan`` without a bracket); statuses: each search's status.
+        seconds: wall-clock time.
+    """
+
+    mean: float
+    stderr: float
+    direction: str
+    learning_rate: float | None
+    rtol: float
+    batch_size: int
+    n_contexts: int
+    n_batches: int
+    n_converged: int
+    n_forward_passes: int
+    seconds: float
+    per_batch: list[float] = field(default_factory=list)
+    statuses: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def critical_sharpness(
+    model: nn.Module,
+    contexts,
+    *,
+    n_contexts: int | None,
+    settings: MeasureSettings,
+    seed: int = 0,
+    batch_size: int,
+    causal: bool | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> CriticalSharpnessEstimate:
+    """``lambda_c = 2 / eta_c`` per batch of ``settings.critical_batch_size or batch_size`` contexts, along the
+    optimizer's next update for that batch's gradient (``optimizer``) or along ``-g``; mean and standard error over
+    batches.
+
+    The gradient is taken in ``eval()`` mode with ``torch.autograd.grad``; with an optimizer it is put in ``.grad``
+    only for `proposed_update` and the previous ``.grad`` tensors are put back (the same objects), the optimizer's
+    state and hyper-parameters are restored by `proposed_update`, the weights by the line search, the global random
+    streams and module modes here. Training continues as if nothing had run.
+    """
+    start_time = time.perf_counter()
+    size = settings.critical_batch_size or _fixed(batch_size)
+    prepared, params, n_used = _prepare(model, contexts, n_contexts, causal)
+    values, statuses, passes = [], [], 0
+    with evaluation_mode(model), preserved_global_rng():
+        for start in range(0, n_used, size):
+            indices = list(range(start, min(start + size, n_used)))
+            with torch.enable_grad():
+                loss = _data_label_loss(model, prepared, indices)
+                grads = torch.autograd.grad(loss, params, allow_unused=True)
+            grads = [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads, strict=True)]
+
+            def loss_fn(m: nn.Module, indices: Sequence[int] = indices) -> float:
+                return float(_data_label_loss(m, prepared, indices).double())
+
+            if optimizer is None:
+                result = estimate_critical_sharpness(
+                    model,
+                    loss_fn,
+                    [-g for g in grads],
+                    learning_rate=1.0,
+                    parameters=params,
+                    rtol=settings.critical_rtol,
+                )
+            else:
+                update = _optimizer_update(optimizer, params, grads)
+                result = estimate_critical_sharpness(model, loss_fn, update, rtol=settings.critical_rtol)
+            values.append(result.lambda_c)
+            statuses.append(result.status)
+            passes += result.n_forward_passes
+    found = torch.tensor([v for v in values if math.isfinite(v)], dtype=torch.float64)
+    mean = float(found.mean()) if found.numel() else math.nan
+    stderr = float(found.std() / math.sqrt(found.numel())) if found.numel() > 1 else math.nan
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return CriticalSharpnessEstimate(
+        mean=mean,
+        stderr=stderr,
+        direction=GRADIENT_DESCENT if optimizer is None else type(inner).__name__,
+        learning_rate=None if optimizer is None else float(_learning_rate(inner)),
+        rtol=float(settings.critical_rtol),
+        batch_size=size,
+        n_contexts=n_used,
+        n_batches=len(values),
+        n_converged=sum(status == "converged" for status in statuses),
+        n_forward_passes=passes,
+        seconds=time.perf_counter() - start_time,
+        per_batch=values,
+        statuses=statuses,
+    )
+
+
+def _learning_rate(optimizer: torch.optim.Optimizer) -> float:
+    return float(optimizer.param_groups[0]["lr"])
+
+
+def _optimizer_update(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]):
+    """The optimizer's next update for ``grads``: set as ``.grad`` for `proposed_update`, then the previous ``.grad``
+    objects put back (``None`` stays ``None``). A group at learning rate 0 (the end of a linear schedule) would
+    propose no step at all: it is measured at learning rate 1 instead, the same direction per unit of learning rate
+    for SGD and Adam(W), and its 0 put back."""
+    saved = [p.grad for p in params]
+    inner = getattr(optimizer, "optimizer", optimizer)
+    zero_groups = [group for group in inner.param_groups if not float(group["lr"]) > 0]
+    for group in zero_groups:
+        group["lr"] = 1.0
+    try:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        return proposed_update(optimizer)
+    finally:
+        for p, g in zip(params, saved, strict=True):
+            p.grad = g
+        for group in zero_groups:
+            group["lr"] = 0.0

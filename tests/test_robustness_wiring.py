@@ -1,0 +1,329 @@
+"""The measures beyond the trace wired from one table (`hf_flatbias.measures.MEASURE_TABLE`): weight noise,
+quantization and critical sharpness through the callback, the command line, the card and compare, each read back
+with its standard error and settings; critical sharpness in training along the trainer's optimizer's next update,
+leaving weights, optimizer state, gradients and random streams bit for bit as they were."""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from transformers import BertForMaskedLM
+
+from hf_flatbias.callbacks import HessianTraceCallback
+from hf_flatbias.cli import build_parser, main
+from hf_flatbias.flatness import build_masked_contexts, estimate_critical_sharpness
+from hf_flatbias.flatness.quantization import estimate_quantization_sensitivity
+from hf_flatbias.flatness.spectrum import _data_label_loss
+from hf_flatbias.flatness.weight_noise import estimate_weight_noise_sensitivity
+from hf_flatbias.measures import EXTRA_MEASURES, MEASURE_TABLE, MEASURES, MeasureSettings
+from hf_flatbias.modelcard import flatness_card_from_trainer, format_comparison_table, load_flatness_card
+from tests.test_cli_trace import checkpoint  # noqa: F401 - the fixture
+from tests.test_modelcard import front_matter, full_card
+from tests.test_trace_callback import _train, tokenizer  # noqa: F401 - the fixture
+
+NEW = ("weight_noise", "quantization", "critical_sharpness")
+RECORDS = {
+    "weight_noise": {"value": 0.0125, "stderr": 0.0025, "sigma": 0.02, "scale": "rms", "antithetic": True,
+                     "n_draws": 8, "seed": 0, "base_loss": 2.5, "n_contexts": 64, "seconds": 1.5, "step": 40,
+                     "sigmas": [0.01, 0.02], "means": [0.003, 0.0125], "stderrs": [0.001, 0.0025]},
+    "quantization": {"value": 0.25, "stderr": 0.03125, "bits": 4, "granularity": "per_group", "group_size": 8,
+                     "include_embeddings": True, "relative_weight_error": 0.125, "base_loss": 2.5, "n_contexts": 64,
+                     "seconds": 0.5, "step": 40, "bit_widths": [8, 4], "increases": [0.001, 0.25],
+                     "stderrs": [0.0005, 0.03125]},
+    "critical_sharpness": {"value": 42.5, "stderr": 3.5, "direction": "AdamW", "learning_rate": 0.001, "rtol": 0.001,
+                           "batch_size": 8, "n_batches": 8, "n_converged": 7, "n_forward_passes": 96,
+                           "n_contexts": 64, "seconds": 0.75, "step": 40},
+}  # fmt: skip
+
+
+def test_the_table_names_every_measure_and_the_command_line_offers_them_without_torch():
+    assert EXTRA_MEASURES == ("top_eigenvalue", "sam_sharpness", *NEW)
+    assert MEASURES == ("trace", *EXTRA_MEASURES)
+    for name, spec in MEASURE_TABLE.items():
+        assert callable(spec.function()), name  # "module:function" resolves
+        assert set(spec.settings) <= {f for f in MeasureSettings.__dataclass_fields__}, name
+        assert spec.metric == f"flatness/{name}"
+    arguments = build_parser().parse_args(["trace", "m/x", "--data", "d", "--measures", ",".join(NEW)])
+    assert arguments.measures == NEW and arguments.noise_sigmas == (0.01,) and arguments.quantization_bits == (8, 4)
+    with pytest.raises(ValueError, match="noise_sigmas"):
+        MeasureSettings(noise_sigmas=(0.0,))
+    with pytest.raises(ValueError, match="quantization_bits"):
+        MeasureSettings(quantization_bits=(16,))
+
+
+def test_card_records_each_measure_with_its_error_and_settings_and_compare_shows_them(tmp_path, capsys):
+    card = full_card(measures=copy.deepcopy(RECORDS))
+    path = card.save(tmp_path)
+    flatness = front_matter(path)["flatness"]
+    for name in NEW:
+        assert flatness[name] == RECORDS[name]
+    loaded = load_flatness_card(tmp_path)
+    assert loaded.measures == RECORDS and loaded == card
+    assert isinstance(loaded.measures["quantization"]["bits"], int)
+    text = path.read_text()
+    assert "| Weight-noise loss increase ± standard error | 0.0125 ± 0.0025 (sigma = 0.02, rms noise" in text
+    assert "| Quantization loss increase ± standard error | 0.25 ± 0.031 (4 bit, per-group, groups of 8)" in text
+    assert "42.5 ± 3.5 (along AdamW's next update, batches of 8, 7/8 searches converged), step 40" in text
+
+    table = format_comparison_table([("a", loaded), ("b", full_card())]).splitlines()
+    for name in NEW:
+        assert MEASURE_TABLE[name].column in table[0]
+    assert "| 0.0125 ± 0.0025 (σ=0.02 rms) | 0.25 ± 0.031 (4 bit, per-group) | 42.5 ± 3.5 (AdamW) |" in table[2]
+    assert "| per_sample (64×2) | - | - | - |" in table[3]
+
+    assert main(["compare", str(tmp_path)]) == 0
+    assert "critical sharpness ± stderr" in capsys.readouterr().out
+    assert main(["card", str(tmp_path)]) == 0
+    assert "Critical sharpness 2/η_c ± standard error" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "record", [{"value": math.inf}, {"value": 1.0, "stderr": -1.0}, {"value": 1.0, "n_batches": math.nan}]
+)
+def test_bad_records_are_refused(tmp_path, record):
+    with pytest.raises(ValueError, match="critical_sharpness"):
+        full_card(measures={"critical_sharpness": record}).save(tmp_path)
+
+
+def test_trace_command_takes_the_robustness_measures(checkpoint, tmp_path, capsys):  # noqa: F811
+    folder, data, text_tokenizer, lines = checkpoint
+    output = tmp_path / "robust.json"
+    assert (
+        main(
+            [
+                "trace",
+                str(folder),
+                "--data",
+                str(data),
+                "--n-contexts",
+                "6",
+                "--seed",
+                "2",
+                "--output",
+                str(output),
+                "--measures",
+                ",".join(NEW),
+                "--noise-sigmas",
+                "0.01,0.05",
+                "--noise-draws",
+                "3",
+                "--quantization-bits",
+                "8,3",
+                "--batch-size",
+                "3",
+                "--no-progress",
+            ]
+        )  # fmt: skip
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "Weight-noise loss increase" in printed and "gradient_descent" in printed
+    written = json.loads(output.read_text())
+    assert "estimate" not in written and set(written["measures"]) == set(NEW)
+
+    model = BertForMaskedLM.from_pretrained(folder)
+    encoded = text_tokenizer(lines[:6], truncation=True, max_length=128)
+    rows = [
+        {"input_ids": i, "attention_mask": m}
+        for i, m in zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
+    ]
+    contexts = build_masked_contexts(
+        rows, mask_token_id=text_tokenizer.mask_token_id, n_contexts=6, seed=2,
+        special_token_ids=text_tokenizer.all_special_ids,
+    )  # fmt: skip
+    noise = estimate_weight_noise_sensitivity(model, contexts, (0.01, 0.05), n_draws=3, seed=2, batch_size=3)
+    assert written["weight_noise"]["points"][1]["mean"] == pytest.approx(noise.points[1].mean, rel=1e-6)
+    record = written["measures"]["weight_noise"]
+    assert record["value"] == pytest.approx(noise.points[1].mean, rel=1e-6) and record["sigma"] == 0.05
+    assert record["stderr"] == pytest.approx(noise.points[1].stderr, rel=1e-6) and record["n_draws"] == 3
+    quantized = estimate_quantization_sensitivity(model, contexts, (8, 3), batch_size=3)
+    assert written["measures"]["quantization"]["value"] == pytest.approx(quantized.points[1].loss_increase, rel=1e-6)
+    assert written["measures"]["quantization"]["bit_widths"] == [8, 3]
+
+    # critical sharpness without an optimizer: along -g of each batch of 3 contexts, plain gradient descent
+    critical = written["critical_sharpness"]
+    assert critical["direction"] == "gradient_descent" and critical["n_batches"] == 2
+    params = [p for p in model.parameters() if p.requires_grad]
+    from hf_flatbias.flatness.contexts import TraceContexts
+
+    prepared = TraceContexts.from_rows(contexts, causal=False)
+    model.eval()
+    for batch, indices in enumerate(([0, 1, 2], [3, 4, 5])):
+        grads = torch.autograd.grad(_data_label_loss(model, prepared, indices), params, allow_unused=True)
+        update = [-(torch.zeros_like(p) if g is None else g) for p, g in zip(params, grads, strict=True)]
+        expected = estimate_critical_sharpness(
+            model, lambda m, i=indices: float(_data_label_loss(m, prepared, i)), update, learning_rate=1.0
+        )
+        assert critical["per_batch"][batch] == pytest.approx(expected.lambda_c, rel=1e-9)
+    assert written["measures"]["critical_sharpness"]["stderr"] > 0
+
+    with pytest.raises(SystemExit):
+        main(["trace", str(folder), "--data", str(data), "--measures", "trace,noise"])
+    assert "choose a comma-separated list" in capsys.readouterr().err
+    assert main(["trace", str(folder), "--data", str(data), "--measures", "weight_noise", "--noise-sigmas", "-1"]) == 2
+    assert "--noise-sigmas" in capsys.readouterr().err
+
+
+def _snapshot(trainer):
+    inner = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    state = {
+        id(p): {k: v.clone() if torch.is_tensor(v) else copy.deepcopy(v) for k, v in inner.state[p].items()}
+        for group in inner.param_groups
+        for p in group["params"]
+    }
+    groups = [{k: copy.deepcopy(v) for k, v in group.items() if k != "params"} for group in inner.param_groups]
+    return {
+        "params": [p.detach().clone() for p in trainer.model.parameters()],
+        "grads": [None if p.grad is None else p.grad.clone() for p in trainer.model.parameters()],
+        "state": state,
+        "groups": groups,
+        "rng": torch.random.get_rng_state(),
+        "training": [m.training for m in trainer.model.modules()],
+    }
+
+
+def _assert_identical(before, after):
+    assert all(torch.equal(a, b) for a, b in zip(before["params"], after["params"], strict=True))
+    assert all(
+        (a is None and b is None) or torch.equal(a, b) for a, b in zip(before["grads"], after["grads"], strict=True)
+    )
+    assert before["state"].keys() == after["state"].keys()
+    for key, state in before["state"].items():
+        assert state.keys() == after["state"][key].keys()
+        for name, value in state.items():
+            other = after["state"][key][name]
+            assert torch.equal(value, other) if torch.is_tensor(value) else value == other
+    assert before["groups"] == after["groups"]
+    assert torch.equal(before["rng"], after["rng"])
+    assert before["training"] == after["training"]
+
+
+def test_callback_logs_the_robustness_measures_and_training_is_bit_identical(tmp_path, tokenizer):  # noqa: F811
+    plain = _train(tmp_path / "plain", tokenizer, [])
+    callback = HessianTraceCallback(
+        n_contexts=6,
+        n_draws=1,
+        every_n_steps=3,
+        batch_size=3,
+        max_overhead=None,
+        also_measure=NEW,
+        measure_settings={"noise_sigmas": (0.05,), "noise_draws": 2, "quantization_bits": (4,)},
+    )
+    measured = _train(tmp_path / "measured", tokenizer, [callback])
+
+    # dropout, the data collator's masking and AdamW's moments would all show a consumed random number or a
+    # touched state here: the losses and final weights are those of the run without the callback
+    def losses(trainer):
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    assert losses(plain) == losses(measured)
+    for p, q in zip(plain.model.parameters(), measured.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+    logged = [entry for entry in measured.state.log_history if "flatness/critical_sharpness" in entry]
+    assert [entry["step"] for entry in logged] == [3, 6]
+    for name in NEW:
+        spec = MEASURE_TABLE[name]
+        assert spec.metric in logged[-1] and spec.stderr_metric in logged[-1], name
+    record = callback.flatness_record
+    assert all(record.measure_steps[name] == 6 for name in NEW)
+    critical = record.measures["critical_sharpness"]
+    assert critical.direction == "AdamW" and critical.n_batches == 2
+    assert critical.learning_rate == 0.0  # the end of the linear schedule: measured per unit learning rate
+
+    card = flatness_card_from_trainer(measured)
+    assert card.measures["weight_noise"]["sigma"] == 0.05 and card.measures["weight_noise"]["n_draws"] == 2
+    assert card.measures["quantization"]["bits"] == 4 and "stderr" in card.measures["quantization"]
+    assert card.measures["critical_sharpness"]["direction"] == "AdamW"
+    card.save(tmp_path / "card")
+    assert load_flatness_card(tmp_path / "card").measures == card.measures
+
+
+def test_critical_sharpness_through_the_callback_follows_the_optimizer_and_restores_everything(tmp_path, tokenizer):  # noqa: F811
+    callback = HessianTraceCallback(
+        n_contexts=6, n_draws=1, batch_size=3, also_measure=("critical_sharpness",), on_evaluate=False,
+        measure_at_end=False, max_overhead=None,
+    )  # fmt: skip
+    trainer = _train(tmp_path / "run", tokenizer, [callback])
+    inner = trainer.optimizer.optimizer
+    for group in inner.param_groups:
+        group["lr"] = 1e-3  # a learning rate mid-schedule, so the optimizer's step is its own
+    trainer.model.train()  # as the trainer leaves it between steps
+    torch.manual_seed(123)
+    before = _snapshot(trainer)
+    callback.measure(step=6)
+    _assert_identical(before, _snapshot(trainer))
+    measured = callback.flatness_record.measures["critical_sharpness"]
+    assert measured.direction == "AdamW" and measured.learning_rate == 1e-3
+
+    # the same search by hand: the update a copy of the optimizer applies to the first batch's gradient
+    from hf_flatbias.flatness.contexts import TraceContexts
+
+    model = trainer.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    prepared = TraceContexts.from_rows(callback._contexts, causal=False)
+    model.eval()
+    grads = torch.autograd.grad(_data_label_loss(model, prepared, [0, 1, 2]), params, allow_unused=True)
+    twin = copy.deepcopy(model)
+    twin_params = [p for p in twin.parameters() if p.requires_grad]
+    index = {id(p): i for i, p in enumerate(params)}
+    twin_optimizer = type(inner)(
+        [
+            {
+                **{k: v for k, v in group.items() if k != "params"},
+                "params": [twin_params[index[id(p)]] for p in group["params"]],
+            }
+            for group in inner.param_groups
+        ]
+    )
+    twin_optimizer.load_state_dict(inner.state_dict())
+    for p, g in zip(twin_params, grads, strict=True):
+        p.grad = torch.zeros_like(p) if g is None else g.clone()
+    twin_optimizer.step()
+    update = [(q - p).detach() for p, q in zip(params, twin_params, strict=True)]
+    expected = estimate_critical_sharpness(
+        model, lambda m: float(_data_label_loss(m, prepared, [0, 1, 2])), update, learning_rate=1e-3
+    )
+    assert measured.per_batch[0] == pytest.approx(expected.lambda_c, rel=1e-9)
+    # and it is not plain gradient descent's number
+    descent = estimate_critical_sharpness(
+        model,
+        lambda m: float(_data_label_loss(m, prepared, [0, 1, 2])),
+        [-(torch.zeros_like(p) if g is None else g) for p, g in zip(params, grads, strict=True)],
+        learning_rate=1.0,
+    )
+    assert not measured.per_batch[0] == pytest.approx(descent.lambda_c, rel=1e-2)
+
+
+def test_bad_measure_settings_fail_when_the_callback_is_made():
+    with pytest.raises(ValueError, match="noise_draws"):
+        HessianTraceCallback(also_measure=("weight_noise",), measure_settings={"noise_draws": 0})
+    with pytest.raises(ValueError, match="unknown"):
+        HessianTraceCallback(also_measure=("weight_noise",), measure_settings={"sigma": 0.1})
+    with pytest.raises(ValueError, match="also_measure"):
+        HessianTraceCallback(also_measure=("forgetting",))
+
+
+def test_a_measure_without_a_finite_value_is_left_off_the_trainers_card(tmp_path):
+    from types import SimpleNamespace
+
+    from hf_flatbias.flatness import FlatnessRecord
+    from hf_flatbias.flatness.beyond_trace import CriticalSharpnessEstimate
+    from tests.test_modelcard import tiny_args
+
+    never = CriticalSharpnessEstimate(
+        mean=math.nan, stderr=math.nan, direction="AdamW", learning_rate=1e-3, rtol=1e-3, batch_size=4, n_contexts=8,
+        n_batches=2, n_converged=0, n_forward_passes=64, seconds=0.1, per_batch=[math.nan, math.nan],
+    )  # fmt: skip
+    record = FlatnessRecord().with_measure("critical_sharpness", never, 5)
+    trainer = SimpleNamespace(
+        args=tiny_args(tmp_path),
+        state=SimpleNamespace(log_history=[], global_step=5, epoch=1.0),
+        model=None,
+        callback_handler=SimpleNamespace(callbacks=[SimpleNamespace(flatness_record=record)]),
+    )
+    card = flatness_card_from_trainer(trainer)
+    assert card.measures == {}
+    card.save(tmp_path / "card")  # the save does not fail over it

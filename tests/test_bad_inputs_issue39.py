@@ -1,0 +1,96 @@
+"""Issue 39, the rest: the bad inputs of a newcomer's third pass, each refused in one line that names the fix, before
+anything costly loads, and never a silent wrong answer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hf_flatbias import cli
+from tests.test_user_errors import WORDS, _masked_lm_folder, _one_error_line, _write_rows
+
+POSITIONS = 32  # max_position_embeddings of `_masked_lm_folder`'s model
+
+
+@pytest.fixture(scope="module")
+def language_model(tmp_path_factory) -> Path:
+    return _masked_lm_folder(tmp_path_factory.mktemp("models") / "mlm")
+
+
+def _trace(model: Path, data: Path, output: Path, *extra: str) -> int:
+    argv = ["trace", str(model), "--data", str(data), "--n-contexts", "4", "--no-progress", "--no-by-group"]
+    return cli.main([*argv, "--output", str(output), *extra])
+
+
+# ---------------------------------------------------------------------------------------------- trace's token ids
+
+
+def test_rows_longer_than_the_models_positions_are_cut_with_a_notice(language_model, tmp_path, capsys):
+    """Before: a 70-line traceback ("The expanded size of the tensor (100) must match the existing size")."""
+    long_rows = [{"input_ids": [2, *[5 + (i + j) % 20 for j in range(98)], 3]} for i in range(4)]
+    cut_rows = [{"input_ids": row["input_ids"][:POSITIONS]} for row in long_rows]
+    assert _trace(language_model, _write_rows(tmp_path / "long.jsonl", long_rows), tmp_path / "long.json") == 0
+    err = capsys.readouterr().err
+    assert f"4 of 4 rows of {tmp_path / 'long.jsonl'} hold more than {POSITIONS} token ids (the model's" in err
+    # the same number as rows cut by hand: the cut is the only change
+    assert _trace(language_model, _write_rows(tmp_path / "cut.jsonl", cut_rows), tmp_path / "cut.json") == 0
+    assert "cut to" not in capsys.readouterr().err
+    long, cut = (json.loads((tmp_path / f"{name}.json").read_text())["estimate"] for name in ("long", "cut"))
+    assert long["mean"] == cut["mean"]
+    # --max-length cuts ids as it cuts text, and says so
+    assert _trace(language_model, tmp_path / "cut.jsonl", tmp_path / "ten.json", "--max-length", "10") == 0
+    assert "hold more than 10 token ids (--max-length 10); cut to 10." in capsys.readouterr().err
+
+
+def test_text_longer_than_the_models_positions_is_cut_at_them(language_model, tmp_path, capsys):
+    text = tmp_path / "long.txt"
+    text.write_text("".join(" ".join(WORDS * 3) + "\n" for _ in range(4)))  # 60 words a line, 32 positions
+    assert _trace(language_model, text, tmp_path / "trace.json") == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "ids,expected",
+    [
+        ([2, 5.5, 6.0, 3], "input_ids holds 5.5, not an integer token id; write the ids as integers"),
+        (["2", "5", "3"], "input_ids holds '2', not an integer token id"),
+        ("2 5 6 3", "input_ids is '2 5 6 3', not a list of token ids; write it as a list of integers"),
+    ],
+)
+def test_token_ids_that_are_not_integers_are_refused(language_model, tmp_path, capsys, ids, expected):
+    """Before: floats were truncated silently (5.5 read as 5) and a string gave `invalid literal for int()`."""
+    data = _write_rows(tmp_path / "rows.jsonl", [{"input_ids": ids}] * 4)
+    assert _trace(language_model, data, tmp_path / "trace.json") == 2
+    line = _one_error_line(capsys.readouterr().err, "hf-flatbias trace")
+    assert f"Row 0 of {data}: {expected}" in line
+    assert not (tmp_path / "trace.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------- bounded requests
+
+
+@pytest.mark.parametrize(
+    "flag,value,expected",
+    [
+        ("--n-draws", "1000000000", "--n-draws 1000000000 is outside the sane range 1..10,000 (2 is recommended"),
+        ("--n-contexts", "1000000000", "--n-contexts 1000000000 is outside the sane range 1..1,000,000"),
+    ],
+)
+def test_a_request_beyond_the_sane_range_is_one_line(language_model, tmp_path, capsys, flag, value, expected):
+    """Before: --n-draws 1000000000 was accepted; the process grew to 14.5 GB and the kernel killed it."""
+    data = _write_rows(tmp_path / "rows.jsonl", [{"input_ids": [2, 5, 6, 3]}])
+    argv = ["trace", str(language_model), "--data", str(data), flag, value, "--output", str(tmp_path / "t.json")]
+    assert cli.main(argv) == 2
+    assert expected in _one_error_line(capsys.readouterr().err, "hf-flatbias trace")
+
+
+def test_a_request_whose_draws_outgrow_the_memory_is_refused_before_allocating():
+    from hf_flatbias.commands.trace_inputs import check_request_size, request_bytes
+
+    # 1,000 contexts x 10,000 draws hold 80 MB of float64 values at least
+    assert request_bytes(1000, 10_000, 128, 32) >= 8 * 1000 * 10_000
+    with pytest.raises(ValueError, match=r"--n-contexts 1000 x --n-draws 10000 needs at least 0\.1 GiB .* lower"):
+        check_request_size(1000, 10_000, 128, 32, available=2**20)
+    check_request_size(1000, 10_000, 128, 32, available=2**30)
+    check_request_size(1000, 2, 128, "auto")  # the defaults, against this machine's memory

@@ -94,3 +94,69 @@ def test_a_request_whose_draws_outgrow_the_memory_is_refused_before_allocating()
         check_request_size(1000, 10_000, 128, 32, available=2**20)
     check_request_size(1000, 10_000, 128, 32, available=2**30)
     check_request_size(1000, 2, 128, "auto")  # the defaults, against this machine's memory
+
+
+# ---------------------------------------------------------------------------------------------- impossible cards
+
+
+def _card(folder: Path, edit: tuple[str, str] | None = None, **fields) -> Path:
+    """A card saved by FlatnessCard, then one line of its ``flatness:`` block edited by hand, as a user might."""
+    from hf_flatbias.modelcard import FlatnessCard
+
+    values = {"hessian_trace": 12.5, "hessian_trace_stderr": 0.5, "trace_step": 100, "estimator": "per_sample"}
+    values.update(pretraining_loss=2.5, global_step=100, method="sam", sam_rho=0.05)
+    FlatnessCard("run", **{**values, **fields}).save(folder)
+    if edit is not None:
+        readme = folder / "README.md"
+        old, new = edit
+        assert f"\n  {old}\n" in readme.read_text()
+        readme.write_text(readme.read_text().replace(f"\n  {old}\n", f"\n  {new}\n"))
+    return folder
+
+
+IMPOSSIBLE_CARDS = {
+    "negative Fisher trace": (
+        ("hessian_trace: 12.5", "hessian_trace: -5.0"),
+        "hessian_trace is -5.0, but a Fisher trace Tr(F) (estimator per_sample) cannot be negative",
+    ),
+    "negative standard error": (
+        ("hessian_trace_stderr: 0.5", "hessian_trace_stderr: -1.0"),
+        "hessian_trace_stderr must be >= 0 (got -1.0): a standard error is not negative",
+    ),
+    "negative pre-training loss": (
+        ("pretraining_loss: 2.5", "pretraining_loss: -3.0"),
+        "pretraining_loss must be >= 0 (got -3.0): a cross-entropy is not negative",
+    ),
+    "trace after the last step": (
+        ("trace_step: 100", "trace_step: 900"),
+        "trace_step 900 is past the run's last step, global_step 100",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IMPOSSIBLE_CARDS))
+def test_an_impossible_card_is_one_line_in_card_and_compare(name, tmp_path, capsys):
+    """Before: `card` printed `-5 ± -1` and `compare --sort trace` ranked the card flattest."""
+    edit, expected = IMPOSSIBLE_CARDS[name]
+    bad, good = _card(tmp_path / "bad", edit), _card(tmp_path / "good")
+    assert cli.main(["card", str(bad)]) == 2
+    captured = capsys.readouterr()
+    assert expected in _one_error_line(captured.err, "hf-flatbias card") and captured.out == ""
+    assert cli.main(["compare", str(good), str(bad), "--sort", "trace"]) == 2
+    captured = capsys.readouterr()
+    assert expected in _one_error_line(captured.err, "hf-flatbias compare") and captured.out == ""
+    assert f"{bad / 'README.md'}: " in captured.err and "Fix the card's metadata" in captured.err
+
+
+def test_a_negative_hutchinson_trace_is_a_possible_card(tmp_path, capsys):
+    """The data-label Hessian's trace is negative away from the optimum (-73.0 against a Fisher trace of 82.1 on a
+    tiny untrained BERT): a card of the hutchinson estimator may hold it, and writing one is not refused."""
+    for estimator in ("hutchinson", "hutchpp"):
+        folder = _card(tmp_path / estimator, hessian_trace=-73.0, estimator=estimator)
+        assert cli.main(["card", str(folder)]) == 0
+        assert "| Hessian trace Tr(H) ± stderr | -73 ± 0.5 |" in capsys.readouterr().out
+    from hf_flatbias.modelcard import FlatnessCard
+
+    with pytest.raises(ValueError, match="a Fisher trace Tr\\(F\\) \\(estimator naive\\) cannot be negative"):
+        FlatnessCard("run", hessian_trace=-1.0, estimator="naive").save(tmp_path / "naive")
+    assert not (tmp_path / "naive").exists()

@@ -4,12 +4,16 @@ anything costly loads, and never a silent wrong answer."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from hf_flatbias import cli
-from tests.test_user_errors import WORDS, _masked_lm_folder, _one_error_line, _write_rows
+from tests.conftest import REPO
+from tests.test_user_errors import CHEAP_CHECKS, WORDS, _masked_lm_folder, _one_error_line, _write_rows
 
 POSITIONS = 32  # max_position_embeddings of `_masked_lm_folder`'s model
 
@@ -160,3 +164,73 @@ def test_a_negative_hutchinson_trace_is_a_possible_card(tmp_path, capsys):
     with pytest.raises(ValueError, match="a Fisher trace Tr\\(F\\) \\(estimator naive\\) cannot be negative"):
         FlatnessCard("run", hessian_trace=-1.0, estimator="naive").save(tmp_path / "naive")
     assert not (tmp_path / "naive").exists()
+
+
+# ---------------------------------------------------------------------------------------------- checks before loading
+
+
+def _damaged_checkpoints(folder: Path, model: Path) -> tuple[Path, Path]:
+    """A checkpoint whose config.json is not JSON, and a LoRA adapter whose base folder has gone."""
+    garbage = folder / "garbage"
+    garbage.mkdir()
+    (garbage / "config.json").write_text("not json {")
+    adapter = folder / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(folder / "gone")}))
+    return garbage, adapter
+
+
+def test_checks_that_waited_for_a_full_load_come_before_torch(language_model, tmp_path):
+    """Issue 39: each of these took 10-13 CPU seconds (torch, transformers and datasets loaded first, the demo's
+    "writing to ..." printed); in one process they now all fail with neither torch nor transformers imported."""
+    empty, header = tmp_path / "empty.txt", tmp_path / "header.csv"
+    empty.write_text("")
+    header.write_text("text\n")
+    sst2 = tmp_path / "sst2"
+    sst2.mkdir()
+    (sst2 / "train.csv").write_text("")
+    (sst2 / "validation.csv").write_text("sentence,label\nw1 w2,0\n")
+    garbage, adapter = _damaged_checkpoints(tmp_path, language_model)
+    (tmp_path / "regular_file").write_text("kept\n")
+    trace = ["trace", str(language_model), "--output", str(tmp_path / "t.json"), "--data"]
+    cases = {
+        "empty data file": ([*trace, str(empty)], f"{empty} is empty; put text in it, or point --data at another"),
+        "header-only data file": ([*trace, str(header)], f"{header} has a header line and no rows"),
+        "empty GLUE file": (
+            ["glue", str(language_model), "--task", "sst2", "--data-dir", str(sst2)],
+            f"{sst2 / 'train.csv'} is empty",
+        ),
+        "unknown GLUE task": (["glue", str(language_model), "--task", "sst3"], "Unknown GLUE task 'sst3'"),
+        "GLUE task offline without data": (["glue", str(language_model), "--task", "rte"], "--data-dir on the command"),
+        "garbage config.json in trace": (
+            ["trace", str(garbage), "--data", str(empty)],
+            f"{garbage / 'config.json'} is not valid JSON",
+        ),
+        "garbage config.json in glue": (["glue", str(garbage), "--task", "sst2"], "is not valid JSON"),
+        "adapter without its base": (
+            ["trace", str(adapter), "--data", str(empty)],
+            f"{adapter / 'adapter_config.json'}, base_model_name_or_path {tmp_path / 'gone'}: no such file or folder",
+        ),
+        "n-draws beyond the range": ([*trace, str(empty), "--n-draws", "1000000000"], "outside the sane range"),
+        "demo below a regular file": (
+            ["demo", "--output-dir", str(tmp_path / "regular_file" / "demo")],
+            "regular_file is a file, so no folder can be made there",
+        ),
+    }
+    completed = subprocess.run(
+        [sys.executable, "-c", CHEAP_CHECKS, json.dumps([argv for argv, _ in cases.values()])],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
+        timeout=120,
+    )
+    report = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert report["codes"] == [2] * len(cases), completed.stderr
+    assert not report["torch"] and not report["transformers"]
+    errors = [line for line in completed.stderr.splitlines() if line.strip()]
+    assert len(errors) == len(cases) and "Traceback" not in completed.stderr, completed.stderr
+    for (name, (argv, expected)), line in zip(cases.items(), errors, strict=True):
+        assert line.startswith(f"hf-flatbias {argv[0]}: error: ") and expected in line, (name, line)
+    assert "writing to" not in completed.stdout
+    assert (tmp_path / "regular_file").read_text() == "kept\n" and not (tmp_path / "t.json").exists()

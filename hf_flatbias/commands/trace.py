@@ -20,7 +20,8 @@ from ..constants import (
     TRACE_QUANTITIES,
 )
 from ..corpus import DATA_FILE_BUILDERS
-from .paths import check_output_file, local_path_or_hub_id
+from ..text_data import check_data_file
+from .paths import check_local_checkpoint, check_output_file, local_path_or_hub_id
 from .trace_inputs import (
     check_request_size,
     checked_device,
@@ -157,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)  # before torch and transformers load (seconds) and before any data is read
     args.model = local_path_or_hub_id(args.model, "MODEL")
     args.data = local_path_or_hub_id(args.data, "--data", file_suffixes=tuple(DATA_FILE_BUILDERS))
+    check_local_checkpoint(args.model, "MODEL")  # a damaged config.json, an adapter's missing base: before loading
+    check_data_file(args.data, flag="--data")  # an empty file: before torch and datasets load
     check_output_file(args.output, "--output")
     if args.plot:
         check_output_file(args.plot, "--plot")

@@ -174,8 +174,6 @@ def load_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         file_format = DATA_FILE_BUILDERS.get(path.suffix.lower())
         if file_format is None:
             raise ValueError(f"--data {args.data}: unknown file type; use one of {sorted(DATA_FILE_BUILDERS)}.")
-        if not path.read_bytes().strip():
-            raise ValueError(f"--data {args.data} is empty; give a file with one text (or row) per line.")
         try:
             loaded = load_data_files(str(path))
         except datasets.exceptions.DatasetGenerationError as error:

@@ -81,6 +81,13 @@ DEFAULT_N_CONTEXTS = 1000
 """Contexts of a one-off trace measurement (``hf-flatbias trace``, the recipes' final trace); the paper used 10,000.
 The callback, which measures again at every evaluation, takes fewer by default."""
 
+MAX_N_DRAWS = 10_000
+"""The most draws per context a measurement takes: 200x the paper's 50; past a few draws the error is the contexts'
+(see `RECOMMENDED_N_DRAWS`), and each draw costs a backward per context."""
+
+MAX_N_CONTEXTS = 1_000_000
+"""The most contexts a measurement takes: 100x the paper's 10,000."""
+
 DEFAULT_SAM_RHO = 0.05
 """SAM's neighbourhood radius when none is given: the value of Foret et al. (2021) and of every recipe here."""
 

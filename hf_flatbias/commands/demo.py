@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..constants import DEFAULT_SAM_RHO, RECOMMENDED_N_DRAWS, TRACE_METRIC, TRACE_STDERR_METRIC
+from .paths import check_output_folder
 
 RUNS = {"adamw": "none", "sam": "sam"}  # run label -> flatness_method
 
@@ -54,6 +55,7 @@ def run_demo(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)}).")
     if not args.sam_rho > 0:
         raise ValueError(f"--sam-rho must be > 0 (got {args.sam_rho}).")
+    check_output_folder(args.output_dir, "--output-dir")  # before "writing to ..." and the minute of training
     output_dir = Path(args.output_dir)
     earlier = sorted(str(path) for label in RUNS for path in (output_dir / label).glob("checkpoint-*"))
     if earlier:

@@ -13,7 +13,7 @@ from ..glue.tasks import (
     FROZEN_ENCODER_LEARNING_RATE,
     FULL_FINETUNE_LEARNING_RATE,
 )
-from .paths import existing_local_path, local_path_or_hub_id
+from .paths import check_local_checkpoint, existing_local_path, local_path_or_hub_id
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,9 +64,11 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)  # before torch and transformers load
     model = local_path_or_hub_id(args.model, "MODEL")
     data_dir = None if args.data_dir is None else existing_local_path(args.data_dir, "--data-dir")
-    from ..glue import GlueArguments, GlueConfig, finetune_glue, get_glue_task
+    check_local_checkpoint(model, "MODEL")
+    from ..glue.data import glue_data_source
 
-    get_glue_task(args.task)  # before transformers loads
+    glue_data_source(args.task, data_dir=data_dir)  # an unknown task, no data offline, empty files: before transformers
+    from ..glue import GlueArguments, GlueConfig, finetune_glue
     from ..utils import quiet_deepspeed_without_accelerator
 
     quiet_deepspeed_without_accelerator()

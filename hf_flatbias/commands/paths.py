@@ -7,6 +7,7 @@ for half a minute and then blames the connection. Hub ids are ``name`` or ``name
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -58,10 +59,52 @@ def check_output_file(value: str, label: str) -> None:
     path = Path(value).expanduser()
     if path.is_dir():
         raise IsADirectoryError(f"{label} {value} is a folder; name a file.")
-    folder = path.parent
+    _check_can_make(path.parent, value, label)
+
+
+def check_output_folder(value: str, label: str) -> None:
+    """Raise naming ``label`` when ``value`` cannot be (or become) a folder written into: it is a file, a file stands
+    where one of its folders would be, or the nearest existing folder is not writable. Nothing is made."""
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{label} {value} is a file; name a folder.")
+    _check_can_make(path, value, label)
+
+
+def _check_can_make(folder: Path, value: str, label: str) -> None:
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():
         raise NotADirectoryError(f"{label} {value}: {folder} is a file, so no folder can be made there.")
     if not os.access(folder, os.W_OK):
         raise PermissionError(f"{label} {value}: {folder} is not writable.")
+
+
+CHECKPOINT_JSON_FILES = ("config.json", "adapter_config.json")
+
+
+def check_local_checkpoint(path: str, label: str) -> None:
+    """Read a local checkpoint's ``config.json`` and ``adapter_config.json`` before transformers loads (seconds):
+    one that is not JSON, or an adapter whose base model is a missing folder, raises `ValueError` naming the file.
+    A Hub id, or a folder without these files, passes: loading says what is wrong with it."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return
+    for name in CHECKPOINT_JSON_FILES:
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            content = json.loads(file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(
+                f"{label} {path}: {file} is not valid JSON ({error}); the checkpoint is damaged: save it again "
+                "(model.save_pretrained) or point at another checkpoint."
+            ) from None
+        if not isinstance(content, dict):
+            raise ValueError(f"{label} {path}: {file} holds {type(content).__name__}, not a JSON object of settings.")
+    adapter = folder / "adapter_config.json"
+    if adapter.is_file():
+        base = json.loads(adapter.read_text(encoding="utf-8")).get("base_model_name_or_path")
+        if isinstance(base, str) and base:
+            local_path_or_hub_id(base, f"{label} {path}: the base model in {adapter}, base_model_name_or_path")

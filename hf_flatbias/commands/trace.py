@@ -17,15 +17,18 @@ from ..constants import (
     TRACE_QUANTITIES,
 )
 from ..corpus import DATA_FILE_BUILDERS
-from .paths import check_output_file, local_path_or_hub_id
+from ..text_data import check_data_file
+from .paths import check_local_checkpoint, check_output_file, local_path_or_hub_id
 from .trace_inputs import (
-    check_token_ids,
+    check_request_size,
     checked_device,
+    checked_token_rows,
     count_labelled,
     has_tokenizer_files,
     load_language_model,
     load_rows,
     peft_base_model,
+    token_limit,
 )
 from .trace_measures import (
     add_measure_arguments,
@@ -73,7 +76,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--split", default=None, help="Dataset split (default: validation if present, else train).")
     parser.add_argument("--config-name", default=None, help="Hub dataset configuration (e.g. wikitext-2-raw-v1).")
     parser.add_argument("--text-column", default="text", help="Column holding raw text (default: text).")
-    parser.add_argument("--max-length", type=int, default=128, help="Truncate tokenized text to this many tokens.")
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=128,
+        help="Cut each row (tokenized text, or input_ids) to this many tokens, and to the model's positions.",
+    )
     parser.add_argument(
         "--n-contexts", type=int, default=DEFAULT_N_CONTEXTS, help="Contexts to average over (the paper: 10,000)."
     )
@@ -128,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)  # before torch and transformers load (seconds) and before any data is read
     args.model = local_path_or_hub_id(args.model, "MODEL")
     args.data = local_path_or_hub_id(args.data, "--data", file_suffixes=tuple(DATA_FILE_BUILDERS))
+    check_local_checkpoint(args.model, "MODEL")  # a damaged config.json, an adapter's missing base: before loading
+    check_data_file(args.data, flag="--data")  # an empty file: before torch and datasets load
     check_output_file(args.output, "--output")
     if args.plot:
         check_output_file(args.plot, "--plot")
@@ -166,6 +176,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     ):
         if value < 1:
             raise ValueError(f"{flag} must be >= 1 (got {value}).")
+    check_request_size(args.n_contexts, args.n_draws, args.max_length, args.batch_size)  # before it is allocated
     if args.by_group is None:
         args.by_group = args.estimator in GROUPED_ESTIMATORS
     if (args.by_group or args.plot) and args.estimator not in GROUPED_ESTIMATORS:
@@ -274,7 +285,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         )
     causal = args.causal or detected_causal
     if "input_ids" in rows[0]:
-        check_token_ids(rows, config.vocab_size, args.data)  # an id outside the embedding fails deep in torch
+        # ids outside the embedding, or past its positions, fail deep in torch; floats and strings would be cast
+        rows = checked_token_rows(rows, config, args.max_length, args.data, _notice)
     model = load_language_model(args.model, base_model, causal, revision=revision)
     model.to(device)
     vocab_size = output_vocab_size(model)
@@ -290,7 +302,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         texts = [row[args.text_column] for row in rows if row[args.text_column] and row[args.text_column].strip()]
         if not texts:
             raise ValueError(f"The {args.text_column!r} column of {args.data} holds no text.")
-        encoded = tokenizer(texts, truncation=True, max_length=args.max_length)
+        encoded = tokenizer(texts, truncation=True, max_length=token_limit(args.max_length, config))
         check_tokenizer_fits_model(
             tokenizer, vocab_size, source=tokenizer_source, input_ids=encoded["input_ids"], text_source=args.data
         )

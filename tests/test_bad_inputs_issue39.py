@@ -1,0 +1,236 @@
+"""Issue 39, the rest: the bad inputs of a newcomer's third pass, each refused in one line that names the fix, before
+anything costly loads, and never a silent wrong answer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_flatbias import cli
+from tests.conftest import REPO
+from tests.test_user_errors import CHEAP_CHECKS, WORDS, _masked_lm_folder, _one_error_line, _write_rows
+
+POSITIONS = 32  # max_position_embeddings of `_masked_lm_folder`'s model
+
+
+@pytest.fixture(scope="module")
+def language_model(tmp_path_factory) -> Path:
+    return _masked_lm_folder(tmp_path_factory.mktemp("models") / "mlm")
+
+
+def _trace(model: Path, data: Path, output: Path, *extra: str) -> int:
+    argv = ["trace", str(model), "--data", str(data), "--n-contexts", "4", "--no-progress", "--no-by-group"]
+    return cli.main([*argv, "--output", str(output), *extra])
+
+
+# ---------------------------------------------------------------------------------------------- trace's token ids
+
+
+def test_rows_longer_than_the_models_positions_are_cut_with_a_notice(language_model, tmp_path, capsys):
+    """Before: a 70-line traceback ("The expanded size of the tensor (100) must match the existing size")."""
+    long_rows = [{"input_ids": [2, *[5 + (i + j) % 20 for j in range(98)], 3]} for i in range(4)]
+    cut_rows = [{"input_ids": row["input_ids"][:POSITIONS]} for row in long_rows]
+    assert _trace(language_model, _write_rows(tmp_path / "long.jsonl", long_rows), tmp_path / "long.json") == 0
+    err = capsys.readouterr().err
+    assert f"4 of 4 rows of {tmp_path / 'long.jsonl'} hold more than {POSITIONS} token ids (the model's" in err
+    # the same number as rows cut by hand: the cut is the only change
+    assert _trace(language_model, _write_rows(tmp_path / "cut.jsonl", cut_rows), tmp_path / "cut.json") == 0
+    assert "cut to" not in capsys.readouterr().err
+    long, cut = (json.loads((tmp_path / f"{name}.json").read_text())["estimate"] for name in ("long", "cut"))
+    assert long["mean"] == cut["mean"]
+    # --max-length cuts ids as it cuts text, and says so
+    assert _trace(language_model, tmp_path / "cut.jsonl", tmp_path / "ten.json", "--max-length", "10") == 0
+    assert "hold more than 10 token ids (--max-length 10); cut to 10." in capsys.readouterr().err
+
+
+def test_text_longer_than_the_models_positions_is_cut_at_them(language_model, tmp_path, capsys):
+    text = tmp_path / "long.txt"
+    text.write_text("".join(" ".join(WORDS * 3) + "\n" for _ in range(4)))  # 60 words a line, 32 positions
+    assert _trace(language_model, text, tmp_path / "trace.json") == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "ids,expected",
+    [
+        ([2, 5.5, 6.0, 3], "input_ids holds 5.5, not an integer token id; write the ids as integers"),
+        (["2", "5", "3"], "input_ids holds '2', not an integer token id"),
+        ("2 5 6 3", "input_ids is '2 5 6 3', not a list of token ids; write it as a list of integers"),
+    ],
+)
+def test_token_ids_that_are_not_integers_are_refused(language_model, tmp_path, capsys, ids, expected):
+    """Before: floats were truncated silently (5.5 read as 5) and a string gave `invalid literal for int()`."""
+    data = _write_rows(tmp_path / "rows.jsonl", [{"input_ids": ids}] * 4)
+    assert _trace(language_model, data, tmp_path / "trace.json") == 2
+    line = _one_error_line(capsys.readouterr().err, "hf-flatbias trace")
+    assert f"Row 0 of {data}: {expected}" in line
+    assert not (tmp_path / "trace.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------- bounded requests
+
+
+@pytest.mark.parametrize(
+    "flag,value,expected",
+    [
+        ("--n-draws", "1000000000", "--n-draws 1000000000 is outside the sane range 1..10,000 (2 is recommended"),
+        ("--n-contexts", "1000000000", "--n-contexts 1000000000 is outside the sane range 1..1,000,000"),
+    ],
+)
+def test_a_request_beyond_the_sane_range_is_one_line(language_model, tmp_path, capsys, flag, value, expected):
+    """Before: --n-draws 1000000000 was accepted; the process grew to 14.5 GB and the kernel killed it."""
+    data = _write_rows(tmp_path / "rows.jsonl", [{"input_ids": [2, 5, 6, 3]}])
+    argv = ["trace", str(language_model), "--data", str(data), flag, value, "--output", str(tmp_path / "t.json")]
+    assert cli.main(argv) == 2
+    assert expected in _one_error_line(capsys.readouterr().err, "hf-flatbias trace")
+
+
+def test_a_request_whose_draws_outgrow_the_memory_is_refused_before_allocating():
+    from hf_flatbias.commands.trace_inputs import check_request_size, request_bytes
+
+    # 1,000 contexts x 10,000 draws hold 80 MB of float64 values at least
+    assert request_bytes(1000, 10_000, 128, 32) >= 8 * 1000 * 10_000
+    with pytest.raises(ValueError, match=r"--n-contexts 1000 x --n-draws 10000 needs at least 0\.1 GiB .* lower"):
+        check_request_size(1000, 10_000, 128, 32, available=2**20)
+    check_request_size(1000, 10_000, 128, 32, available=2**30)
+    check_request_size(1000, 2, 128, "auto")  # the defaults, against this machine's memory
+
+
+# ---------------------------------------------------------------------------------------------- impossible cards
+
+
+def _card(folder: Path, edit: tuple[str, str] | None = None, **fields) -> Path:
+    """A card saved by FlatnessCard, then one line of its ``flatness:`` block edited by hand, as a user might."""
+    from hf_flatbias.modelcard import FlatnessCard
+
+    values = {"hessian_trace": 12.5, "hessian_trace_stderr": 0.5, "trace_step": 100, "estimator": "per_sample"}
+    values.update(pretraining_loss=2.5, global_step=100, method="sam", sam_rho=0.05)
+    FlatnessCard("run", **{**values, **fields}).save(folder)
+    if edit is not None:
+        readme = folder / "README.md"
+        old, new = edit
+        assert f"\n  {old}\n" in readme.read_text()
+        readme.write_text(readme.read_text().replace(f"\n  {old}\n", f"\n  {new}\n"))
+    return folder
+
+
+IMPOSSIBLE_CARDS = {
+    "negative Fisher trace": (
+        ("hessian_trace: 12.5", "hessian_trace: -5.0"),
+        "hessian_trace is -5.0, but a Fisher trace Tr(F) (estimator per_sample) cannot be negative",
+    ),
+    "negative standard error": (
+        ("hessian_trace_stderr: 0.5", "hessian_trace_stderr: -1.0"),
+        "hessian_trace_stderr must be >= 0 (got -1.0): a standard error is not negative",
+    ),
+    "negative pre-training loss": (
+        ("pretraining_loss: 2.5", "pretraining_loss: -3.0"),
+        "pretraining_loss must be >= 0 (got -3.0): a cross-entropy is not negative",
+    ),
+    "trace after the last step": (
+        ("trace_step: 100", "trace_step: 900"),
+        "trace_step 900 is past the run's last step, global_step 100",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IMPOSSIBLE_CARDS))
+def test_an_impossible_card_is_one_line_in_card_and_compare(name, tmp_path, capsys):
+    """Before: `card` printed `-5 ± -1` and `compare --sort trace` ranked the card flattest."""
+    edit, expected = IMPOSSIBLE_CARDS[name]
+    bad, good = _card(tmp_path / "bad", edit), _card(tmp_path / "good")
+    assert cli.main(["card", str(bad)]) == 2
+    captured = capsys.readouterr()
+    assert expected in _one_error_line(captured.err, "hf-flatbias card") and captured.out == ""
+    assert cli.main(["compare", str(good), str(bad), "--sort", "trace"]) == 2
+    captured = capsys.readouterr()
+    assert expected in _one_error_line(captured.err, "hf-flatbias compare") and captured.out == ""
+    assert f"{bad / 'README.md'}: " in captured.err and "Fix the card's metadata" in captured.err
+
+
+def test_a_negative_hutchinson_trace_is_a_possible_card(tmp_path, capsys):
+    """The data-label Hessian's trace is negative away from the optimum (-73.0 against a Fisher trace of 82.1 on a
+    tiny untrained BERT): a card of the hutchinson estimator may hold it, and writing one is not refused."""
+    for estimator in ("hutchinson", "hutchpp"):
+        folder = _card(tmp_path / estimator, hessian_trace=-73.0, estimator=estimator)
+        assert cli.main(["card", str(folder)]) == 0
+        assert "| Hessian trace Tr(H) ± stderr | -73 ± 0.5 |" in capsys.readouterr().out
+    from hf_flatbias.modelcard import FlatnessCard
+
+    with pytest.raises(ValueError, match="a Fisher trace Tr\\(F\\) \\(estimator naive\\) cannot be negative"):
+        FlatnessCard("run", hessian_trace=-1.0, estimator="naive").save(tmp_path / "naive")
+    assert not (tmp_path / "naive").exists()
+
+
+# ---------------------------------------------------------------------------------------------- checks before loading
+
+
+def _damaged_checkpoints(folder: Path, model: Path) -> tuple[Path, Path]:
+    """A checkpoint whose config.json is not JSON, and a LoRA adapter whose base folder has gone."""
+    garbage = folder / "garbage"
+    garbage.mkdir()
+    (garbage / "config.json").write_text("not json {")
+    adapter = folder / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(folder / "gone")}))
+    return garbage, adapter
+
+
+def test_checks_that_waited_for_a_full_load_come_before_torch(language_model, tmp_path):
+    """Issue 39: each of these took 10-13 CPU seconds (torch, transformers and datasets loaded first, the demo's
+    "writing to ..." printed); in one process they now all fail with neither torch nor transformers imported."""
+    empty, header = tmp_path / "empty.txt", tmp_path / "header.csv"
+    empty.write_text("")
+    header.write_text("text\n")
+    sst2 = tmp_path / "sst2"
+    sst2.mkdir()
+    (sst2 / "train.csv").write_text("")
+    (sst2 / "validation.csv").write_text("sentence,label\nw1 w2,0\n")
+    garbage, adapter = _damaged_checkpoints(tmp_path, language_model)
+    (tmp_path / "regular_file").write_text("kept\n")
+    trace = ["trace", str(language_model), "--output", str(tmp_path / "t.json"), "--data"]
+    cases = {
+        "empty data file": ([*trace, str(empty)], f"{empty} is empty; put text in it, or point --data at another"),
+        "header-only data file": ([*trace, str(header)], f"{header} has a header line and no rows"),
+        "empty GLUE file": (
+            ["glue", str(language_model), "--task", "sst2", "--data-dir", str(sst2)],
+            f"{sst2 / 'train.csv'} is empty",
+        ),
+        "unknown GLUE task": (["glue", str(language_model), "--task", "sst3"], "Unknown GLUE task 'sst3'"),
+        "GLUE task offline without data": (["glue", str(language_model), "--task", "rte"], "--data-dir on the command"),
+        "garbage config.json in trace": (
+            ["trace", str(garbage), "--data", str(empty)],
+            f"{garbage / 'config.json'} is not valid JSON",
+        ),
+        "garbage config.json in glue": (["glue", str(garbage), "--task", "sst2"], "is not valid JSON"),
+        "adapter without its base": (
+            ["trace", str(adapter), "--data", str(empty)],
+            f"{adapter / 'adapter_config.json'}, base_model_name_or_path {tmp_path / 'gone'}: no such file or folder",
+        ),
+        "n-draws beyond the range": ([*trace, str(empty), "--n-draws", "1000000000"], "outside the sane range"),
+        "demo below a regular file": (
+            ["demo", "--output-dir", str(tmp_path / "regular_file" / "demo")],
+            "regular_file is a file, so no folder can be made there",
+        ),
+    }
+    completed = subprocess.run(
+        [sys.executable, "-c", CHEAP_CHECKS, json.dumps([argv for argv, _ in cases.values()])],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
+        timeout=120,
+    )
+    report = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert report["codes"] == [2] * len(cases), completed.stderr
+    assert not report["torch"] and not report["transformers"]
+    errors = [line for line in completed.stderr.splitlines() if line.strip()]
+    assert len(errors) == len(cases) and "Traceback" not in completed.stderr, completed.stderr
+    for (name, (argv, expected)), line in zip(cases.items(), errors, strict=True):
+        assert line.startswith(f"hf-flatbias {argv[0]}: error: ") and expected in line, (name, line)
+    assert "writing to" not in completed.stdout
+    assert (tmp_path / "regular_file").read_text() == "kept\n" and not (tmp_path / "t.json").exists()

@@ -37,6 +37,7 @@ SERIES_SETTINGS = (
     "n_draws",
     "estimator",
     "seed",
+    "batch_size",
     "causal",
     "measures",
 )

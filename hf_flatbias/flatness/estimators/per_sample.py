@@ -2,14 +2,17 @@
 and one backward per draw, with ghost norms (`hf_flatbias.flatness.ghost`).
 
 The LM head runs only at the predicted position, and the output layer's own term is replaced by its exact expectation
-over ``y`` (``(1 - ||p||^2)(||h||^2 + 1)``), which removes most of the draw noise at no cost. The first batch is
-checked against a plain backward (`naive`), so that a parameter the hooks cannot see fails loudly.
+over ``y`` (``(1 - ||p||^2)(||h||^2 + 1)``), which removes most of the draw noise at no cost. The first batch of the
+first estimate on a model is checked against a plain backward (`naive`), so that a parameter the hooks cannot see fails
+loudly; the check runs again whenever the model's structure (its parameters, their shapes, dtypes, devices and
+``requires_grad``, its hooks, its mode) or the measured parameters change (`model_signature`).
 """
 
 from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -37,10 +40,15 @@ class PerSampleEstimator(TraceEstimator):
         batches = length_sorted_batches(contexts, indices, resolved_batch_size(model, contexts, indices, settings))
         forward_seconds = draw_seconds = 0.0
         parts, group_parts = [], []
-        for number, batch in enumerate(batches):
+        signature = model_signature(model, params)
+        validate = _CHECKED.get(model) != signature
+        for batch in batches:
             values, group_values, forward_s, draw_s = _per_sample_batch(
-                model, contexts, batch, params, settings, validate=number == 0, groups=groups, diagonal=diagonal
+                model, contexts, batch, params, settings, validate=validate, groups=groups, diagonal=diagonal
             )
+            if validate:  # the check passed (it raises otherwise): not again on this model as it is
+                _CHECKED[model] = signature
+                validate = False
             parts.append(values)
             group_parts.append(group_values)
             forward_seconds += forward_s
@@ -59,6 +67,46 @@ class PerSampleEstimator(TraceEstimator):
             group_values=torch.cat(group_parts)[order] if groups is not None else None,
             group_names=groups.names if groups is not None else (),
         )
+
+
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+"""The `model_signature` under which each model last passed the check against a plain backward."""
+
+
+def model_signature(model: nn.Module, params: Sequence[nn.Parameter]) -> tuple:
+    """What the one-context check against a plain backward depends on, cheap to form (no pass): every parameter's
+    name, identity, shape, dtype, device and ``requires_grad``, which of them are measured, every module's class,
+    mode and registered hooks (a hook may use a weight outside its module), and the global module hooks.
+
+    A model whose signature is unchanged since it passed the check is not checked again; any change (a layer added,
+    resized or frozen, a hook registered, another dtype) checks it again on the next estimate."""
+    measured = frozenset(id(p) for p in params)
+    parameters = tuple(
+        (name, id(p), tuple(p.shape), p.dtype, p.device, p.requires_grad, id(p) in measured)
+        for name, p in model.named_parameters(remove_duplicate=False)
+    )
+    modules = tuple(
+        (
+            name,
+            type(module),
+            module.training,
+            tuple(module._forward_hooks),
+            tuple(module._forward_pre_hooks),
+            tuple(module._backward_hooks),
+            tuple(getattr(module, "_backward_pre_hooks", {})),
+        )
+        for name, module in model.named_modules(remove_duplicate=False)
+    )
+    global_hooks = tuple(
+        tuple(getattr(torch.nn.modules.module, name, {}))
+        for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
+    )
+    return (type(model), len(measured), parameters, modules, global_hooks)
+
+
+def forget_self_checks() -> None:
+    """Check every model against a plain backward again on its next `per_sample` estimate."""
+    _CHECKED.clear()
 
 
 def _per_sample_batch(

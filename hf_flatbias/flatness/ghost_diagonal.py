@@ -23,24 +23,24 @@ def _dense_per_sample(factors: OuterFactors, rows: slice) -> torch.Tensor:
 def _dense_squared_sum(
     uses: Sequence[OuterFactors], shape: tuple[int, int], excluded: Sequence[OuterFactors] = ()
 ) -> torch.Tensor:
-    """``sum_b (sum_u G_{u,b})^2 - (sum_x X_{x,b})^2`` elementwise (float64) over the dense uses ``uses`` and
+    """``sum_b (sum_u G_{u,b})^2 - (sum_x X_{x,b})^2`` elementwise over the dense uses ``uses`` and
     ``excluded``: the squares of the per-sample gradients of every use, less the excluded uses' own terms (their
     cross terms with the others stay).
 
     A single use at one position per sample (the decoder at the predicted position) is rank one per sample:
     ``sum_b l_b^2 (r_b^2)^T``, one matrix product of the squared factors. Otherwise the per-sample gradients are
     materialised a few samples at a time by batched matrix products in the factors' dtype, squared and summed in
-    place, and each chunk's sum is added into the float64 total (a float32 sum over at most a chunk of samples).
+    place, and summed over the batch in that dtype (float32 at least): the caller adds the batch's sum into its
+    float64 total.
     """
-    device = (uses or excluded)[0].right.device
     if not excluded and len(uses) == 1 and uses[0].right.shape[1] == 1:
         left, right = uses[0].left[:, 0], uses[0].right[:, 0]  # (B, rows), (B, cols)
         dtype = torch.promote_types(left.dtype, torch.float32)
-        return (left.to(dtype).square().T @ right.to(dtype).square()).double().reshape(shape)
+        return (left.to(dtype).square().T @ right.to(dtype).square()).reshape(shape)
     batch = (uses or excluded)[0].right.shape[0]
-    total = torch.zeros(shape, dtype=torch.float64, device=device)
     if not uses:
-        return total
+        return torch.zeros(shape, dtype=torch.float64, device=excluded[0].right.device)
+    total = None
     step = max(1, _DENSE_CHUNK_ELEMENTS // (shape[0] * shape[1]))
     for start in range(0, batch, step):
         rows = slice(start, start + step)
@@ -58,7 +58,8 @@ def _dense_squared_sum(
             per_sample *= doubled
         else:
             per_sample.square_()
-        total += per_sample.sum(dim=0).double()
+        chunk = per_sample.sum(dim=0)
+        total = chunk if total is None else total.add_(chunk)
     return total
 
 
@@ -90,7 +91,7 @@ def _dense_rows(factors: OuterFactors, samples: torch.Tensor, ids: torch.Tensor)
 
 
 def _squared_gradient_sum(param: nn.Parameter, use: ParamUses, excluded: LayerCall | None) -> torch.Tensor:
-    """``sum_b g_b^2`` elementwise (shaped like ``param``, float64) for the per-sample gradients ``g_b`` of one
+    """``sum_b g_b^2`` elementwise (shaped like ``param``; float32 at least) for the per-sample gradients ``g_b`` of one
     parameter over all its uses, less ``sum_b o_b^2`` of the use by call ``excluded`` (its cross terms stay)."""
     if use.vectors:
         total = sum(vector for _, vector in use.vectors).double()
@@ -114,7 +115,7 @@ def _squared_gradient_sum(param: nn.Parameter, use: ParamUses, excluded: LayerCa
         crossed = rows.square()
         for factors in kept + dropped:
             crossed += 2 * rows * _dense_rows(factors, samples, ids)
-        total.index_add_(0, ids, crossed)
+        total.index_add_(0, ids, crossed.to(total.dtype))
     return total
 
 
@@ -140,4 +141,4 @@ def add_squared_gradients(
         value = _squared_gradient_sum(use.param, use, exclude_self_terms_of)
         if key not in totals:
             totals[key] = torch.zeros(use.param.shape, dtype=torch.float64, device=value.device)
-        totals[key] += weight * value
+        totals[key].add_(value, alpha=weight)

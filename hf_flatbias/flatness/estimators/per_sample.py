@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..contexts import TraceContexts
+from ..contexts import TraceContexts, context_generator
 from ..ghost import GhostNormRecorder
 from ..ghost_diagonal import add_squared_gradients
 from ..groups import ParameterGroups
@@ -132,6 +132,7 @@ def _per_sample_batch(
         logits = logits_at_positions(model, batch, positions)
     probs = torch.softmax(logits.detach()[:, 0].double(), dim=-1)
     labels = sample_labels(probs, indices, n_draws, settings.seed)
+    signs = _output_signs(indices, n_draws, probs.shape[1], settings.seed, probs.device, kind=settings.output_probe)
     outputs = recorder.outputs()
     decoder = check_lm_model(model)
     decoder_call = next((c for c in recorder.calls if c.module is decoder and _are_the_logits(c.output, logits)), None)
@@ -153,11 +154,27 @@ def _per_sample_batch(
     values = torch.empty(len(indices), n_draws, dtype=torch.float64)
     group_values = None if groups is None else torch.empty(len(indices), n_draws, len(groups), dtype=torch.float64)
     for k in range(n_draws):
-        cotangent = -probs.clone()
-        cotangent[torch.arange(len(indices)), labels[:, k]] += 1.0
-        grad_logits = cotangent.to(logits.dtype).unsqueeze(1)
         if validate and k == 0:
+            grad_logits = _label_cotangent(probs, labels[:, 0]).to(logits.dtype).unsqueeze(1)
             recorder.check_unsupported_unused(logits, grad_logits)
+            if signs is not None:
+                # the check against a plain backward is of a sampled label's gradient: one more backward, once
+                grads = (
+                    torch.autograd.grad(logits, outputs, grad_outputs=grad_logits, retain_graph=True, allow_unused=True)
+                    if outputs
+                    else []
+                )
+                recorder.set_grad_outputs(grads)
+                _validate_against_autograd(model, contexts, indices[0], params, int(labels[0, 0]), recorder)
+                validate = False
+        if signs is None:
+            cotangent = _label_cotangent(probs, labels[:, k])
+        else:
+            # E[c c^T] = diag(p) - p p^T, as for e_y - p: the same Fisher, in expectation draw for draw
+            root = probs.sqrt()
+            z = signs[:, k]
+            cotangent = root * z - probs * (root * z).sum(dim=1, keepdim=True)
+        grad_logits = cotangent.to(logits.dtype).unsqueeze(1)
         # no recorded output: none of the parameters reaches the logits, and every norm is zero
         grads = (
             torch.autograd.grad(
@@ -190,6 +207,28 @@ def _per_sample_batch(
     for call in recorder.calls:  # drop references to the graph
         call.grad_output = None
     return values, group_values, forward_seconds, time.perf_counter() - start
+
+
+def _label_cotangent(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``e_y - p`` per row: the gradient of ``log p_y`` with respect to the logits."""
+    cotangent = -probs.clone()
+    cotangent[torch.arange(len(labels)), labels] += 1.0
+    return cotangent
+
+
+def _output_signs(
+    indices: Sequence[int], n_draws: int, vocab: int, seed: int, device: torch.device, *, kind: str = "label"
+) -> torch.Tensor | None:
+    """(B, n_draws, V) random signs for ``output_probe="rademacher"``, row ``b`` from context ``indices[b]``'s own
+    stream (after its labels), or ``None`` for sampled labels."""
+    if kind == "label":
+        return None
+    signs = []
+    for i in indices:
+        generator = context_generator(seed, i)
+        torch.rand(n_draws, generator=generator, dtype=torch.float64)  # the labels' uniforms come first
+        signs.append(torch.randint(0, 2, (n_draws, vocab), generator=generator))
+    return torch.stack(signs).to(device=device, dtype=torch.float64) * 2 - 1
 
 
 def _add_expected_output_diagonal(

@@ -1,5 +1,6 @@
 """Hutch++ against exact traces: explicit matrices, and the exact Hessian trace of a tiny model."""
 
+import math
 import statistics
 
 import pytest
@@ -92,3 +93,27 @@ def test_hutchpp_has_less_error_than_hutchinson_at_equal_products_on_a_fitted_mo
             errors[estimator].append((estimate.mean - exact) ** 2)
     # measured: 8.0 against 2454 (0.3%)
     assert statistics.mean(errors["hutchpp"]) < 0.2 * statistics.mean(errors["hutchinson"])
+
+
+def test_one_batch_gets_a_standard_error_from_its_probes_that_covers_the_error():
+    # every context in one batch: a single sampling unit, whose standard error can only come from its probes; it
+    # is the error of the trace of these contexts, so it is checked against their exact trace over seeds
+    model, rows = _model_and_rows(8)
+    model = _fitted(model, rows)
+    exact = exact_hessian_trace(model, rows)
+    for estimator in ("hutchinson", "hutchpp"):
+        z = []
+        for seed in range(20):
+            estimate = estimate_hessian_trace(model, rows, n_draws=15, estimator=estimator, batch_size=8, seed=seed)
+            assert math.isfinite(estimate.stderr) and estimate.stderr > 0
+            assert "single sampling unit" in estimate.stderr_note
+            z.append(abs(estimate.mean - exact) / estimate.stderr)
+        # |z| of a t-distribution with 4-14 degrees of freedom has a median of 0.69-0.74; an error off by 2x either
+        # way moves it out of this range
+        assert 0.35 < statistics.median(z) < 1.4, (estimator, statistics.median(z))
+    # several batches: the usual error over batches, with no note
+    several = estimate_hessian_trace(model, rows, n_draws=3, estimator="hutchinson", batch_size=2, seed=0)
+    assert math.isfinite(several.stderr) and several.stderr_note is None
+    # one batch and one probe: no error can be formed, and the note says why
+    single = estimate_hessian_trace(model, rows, n_draws=1, estimator="hutchinson", batch_size=8, seed=0)
+    assert math.isnan(single.stderr) and single.stderr_note.startswith("undefined")

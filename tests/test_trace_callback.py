@@ -180,6 +180,20 @@ def test_a_spent_budget_skips_evaluation_measurements_but_not_the_last(tmp_path,
     assert [e["n_contexts"] for e in generous.measurement_history] == [2, 6]
 
 
+def test_full_final_measurement_takes_every_context_at_the_end_whatever_the_budget(tmp_path, tokenizer):
+    trace = HessianTraceCallback(n_contexts=6, n_draws=2, batch_size=2, max_overhead=1e-9, full_final_measurement=True)
+    trainer = _train(tmp_path, tokenizer, [trace])
+    # the interim measurement follows the (spent) budget; the last one, on the card, takes all 6 contexts, once
+    assert [(e["step"], e["n_contexts"]) for e in trace.measurement_history] == [(3, 2), (6, 6)]
+    reference = estimate_hessian_trace(trainer.model, trace._contexts, n_contexts=6, n_draws=2, batch_size=2)
+    assert (trace.last_estimate.mean, trace.last_estimate.n_contexts) == (reference.mean, 6)
+    # a smaller measurement already taken on the final weights (an evaluation at the last step) is taken again whole
+    trace.measurement_history = [{"step": 6, "n_contexts": 2, "seconds": 1.0}]
+    assert trace._needs_full_final()
+    with pytest.raises(ValueError, match="full_final_measurement must be True or False"):
+        HessianTraceCallback(full_final_measurement="yes")
+
+
 def test_flatbias_trainer_binds_the_callback_itself(tmp_path, tokenizer):
     trace = HessianTraceCallback(n_contexts=4, n_draws=1, on_evaluate=False, every_n_steps=6)
     trainer = _train(tmp_path, tokenizer, [trace], trainer_class=FlatBiasTrainer, bind=False)

@@ -50,7 +50,10 @@ class HessianTraceCallback(TrainerCallback):
     caps the time it spends as a share of the training time so far: each measurement uses as many of the
     ``n_contexts`` contexts as fit in what is left of that share, judged from the seconds per context of the
     previous measurement (the first uses one batch), and never fewer than one batch; a measurement after an
-    evaluation that does not fit is skipped. Measurements at ``every_n_steps`` and at the end are always taken. The
+    evaluation that does not fit is skipped. Measurements at ``every_n_steps`` and at the end are always taken.
+    With ``full_final_measurement=True`` the final measurement (the one on the card) uses all ``n_contexts``
+    contexts whatever the budget leaves (one full estimate on top of it), even when an interim measurement at the
+    same step was smaller. The
     logged standard error is that of the contexts actually used, which are always the first ones of the same fixed
     set, with the same draws: a smaller measurement is noisier, never biased. `measurement_history` records each
     measurement's step, contexts and seconds.
@@ -68,16 +71,16 @@ class HessianTraceCallback(TrainerCallback):
             when ``None``. Existing labels are ignored: contexts are re-masked one position per row.
         **settings: the fields of `TraceCallbackConfig` (``n_contexts``, ``n_draws``, ``every_n_steps``,
             ``on_evaluate``, ``measure_at_end``, ``estimator``, ``seed``, ``batch_size``, ``mask_token_id``,
-            ``by_group``, ``also_measure``, ``eigenvalue_matrix``, ``sam_rho``, ``measure_settings``,
-            ``max_overhead``), documented and checked there; they are kept in `config`. ``also_measure`` names
-            measures of `hf_flatbias.measures.MEASURE_TABLE` (top_eigenvalue, sam_sharpness, weight_noise,
-            quantization, critical_sharpness), logged under their entry's keys (``flatness/<name>`` with
-            ``..._stderr``), kept in `flatness_record` and recorded on the card with their settings and step;
-            every process computes them whole (they are not split across processes). ``sam_rho``'s batches are
-            the trainer's ``per_device_train_batch_size`` contexts, each taking its own ascent step as SAM does in
-            training. ``critical_sharpness`` searches along the trainer's optimizer's next update for each batch's
-            gradient (`hf_flatbias.flatness.proposed_update`): weights, optimizer state, ``.grad`` and random
-            streams are left bit for bit as they were.
+            ``by_group``, ``also_measure``, ``eigenvalue_matrix``, ``sam_rho``, ``measure_settings``, ``max_overhead``,
+            ``full_final_measurement``), documented and checked there; they are kept in `config`. ``also_measure`` names
+            measures of `hf_flatbias.measures.MEASURE_TABLE` (top_eigenvalue, sam_sharpness, weight_noise, quantization,
+            critical_sharpness), logged under their entry's keys (``flatness/<name>`` with ``..._stderr``), kept in
+            `flatness_record` and recorded on the card with their settings and step; every process computes them whole
+            (they are not split across processes). ``sam_rho``'s batches are the trainer's
+            ``per_device_train_batch_size`` contexts, each taking its own ascent step as SAM does in training.
+            ``critical_sharpness`` searches along the trainer's optimizer's next update for each batch's gradient
+            (`hf_flatbias.flatness.proposed_update`): weights, optimizer state, ``.grad`` and random streams are left
+            bit for bit as they were.
             ``by_group`` logs each group's trace as ``flatness/hessian_trace/<group>``.
     """
 
@@ -156,7 +159,7 @@ class HessianTraceCallback(TrainerCallback):
         # the last step's checkpoint is saved right after on_step_end: measuring here puts its trace on its card
         last = self.config.measure_at_end and state.max_steps > 0 and state.global_step >= state.max_steps
         if scheduled or last:
-            self._measure_once_at(state.global_step, required=True)
+            self._measure_once_at(state.global_step, required=True, final=last)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         # a run stopped early (e.g. EarlyStoppingCallback) ends before max_steps; the final save and push follow
@@ -165,19 +168,28 @@ class HessianTraceCallback(TrainerCallback):
         step = state.global_step
         if args.load_best_model_at_end and state.best_model_checkpoint and state.best_global_step is not None:
             step = state.best_global_step  # the Trainer has just loaded that checkpoint's weights
-        self._measure_once_at(step, required=True)
+        self._measure_once_at(step, required=True, final=True)
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if self.config.on_evaluate:
             self._measure_once_at(state.global_step, required=False)
 
-    def _measure_once_at(self, step: int, *, required: bool) -> None:
+    def _measure_once_at(self, step: int, *, required: bool, final: bool = False) -> None:
         # an evaluation right after a scheduled measurement sees the same weights: measuring again only costs time
-        if self._measured_step == step:
+        if self._measured_step == step and not (final and self._needs_full_final()):
             return
-        n_contexts = self._contexts_within_budget(required)
+        if final and self.config.full_final_measurement:
+            n_contexts = len(self._contexts) if self._contexts is not None else self.config.n_contexts
+        else:
+            n_contexts = self._contexts_within_budget(required)
         if n_contexts > 0:
             self.measure(step=step, n_contexts=n_contexts)
+
+    def _needs_full_final(self) -> bool:
+        """Whether the latest measurement is smaller than the full one ``full_final_measurement`` asks for."""
+        if not self.config.full_final_measurement or not self.measurement_history or self._contexts is None:
+            return False
+        return self.measurement_history[-1]["n_contexts"] < len(self._contexts)
 
     def _contexts_within_budget(self, required: bool) -> int:
         """Contexts the next measurement may use under ``max_overhead`` (0: skip it), the same on every process."""

@@ -43,6 +43,7 @@ def estimate_hessian_trace(
     exact_output_expectation: bool = True,
     causal: bool | None = None,
     probe: str = "rademacher",
+    output_probe: str = "label",
     by_group: bool | GroupOf = False,
     across_processes: bool = False,
     progress: bool | None = None,
@@ -72,6 +73,10 @@ def estimate_hessian_trace(
             ``naive``.
         causal: whether the model is a causal LM; detected from the model class by default.
         probe: the probe distribution of ``hutchinson`` and ``hutchpp``, ``"rademacher"`` (default) or ``"gaussian"``.
+        output_probe: with ``per_sample``, the cotangent at the logits of each draw: ``"label"`` (default) the
+            sampled label's ``e_y - p``, ``"rademacher"`` (opt-in) ``sqrt(p) * z - p (sqrt(p) . z)`` with random signs
+            ``z``, of the same covariance ``diag(p) - p p^T``: unbiased for the same Fisher trace, with less draw
+            noise when the model is confident (a draw no longer hits one label).
         by_group: also split the trace by parameter group (`TraceEstimate.by_group`): ``True`` for embeddings,
             each block, final norm, LM head and the decoder's own output-layer term
             (`hf_flatbias.flatness.groups`), or a function from parameter name to group name. ``per_sample`` and
@@ -100,6 +105,7 @@ def estimate_hessian_trace(
         batch_size=batch_size,
         exact_output_expectation=exact_output_expectation,
         probe=probe,
+        output_probe=output_probe,
         by_group=by_group,
     )
     _, contexts, indices = contexts_to_measure(model, dataset, n_contexts=n_contexts, causal=causal)

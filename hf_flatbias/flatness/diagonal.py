@@ -62,6 +62,7 @@ def estimate_fisher_diagonal(
     exact_output_expectation: bool = True,
     causal: bool | None = None,
     group_of: GroupOf | None = None,
+    output_probe: str = "label",
 ) -> FisherDiagonal:
     """Estimate the diagonal of the Fisher of the pre-training loss, and its trace from the same draws.
 
@@ -70,6 +71,7 @@ def estimate_fisher_diagonal(
             `estimate_hessian_trace` (the same contexts and draws give the same trace).
         estimator: ``"per_sample"`` (default: the squared per-sample gradients from the trace's own backward; dense
             layers cost about one weight gradient per draw more) or ``"naive"`` (one backward per draw, any model).
+        output_probe: as for `estimate_hessian_trace` (``per_sample`` only).
         group_of: the grouping rule of ``trace.by_group`` (`hf_flatbias.flatness.groups.default_group_of` by
             default).
 
@@ -92,6 +94,7 @@ def estimate_fisher_diagonal(
             seed=seed,
             batch_size=batch_size,
             exact_output_expectation=exact_output_expectation,
+            output_probe=output_probe,
             by_group=True if group_of is None else group_of,
             diagonal=sums,
         )

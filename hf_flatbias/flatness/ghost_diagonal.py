@@ -15,19 +15,51 @@ _DENSE_CHUNK_ELEMENTS = 2**24
 
 
 def _dense_per_sample(factors: OuterFactors, rows: slice) -> torch.Tensor:
-    """(b, rows, cols) per-sample gradients ``sum_t left_t right_t^T`` of the samples ``rows``."""
-    return torch.einsum("btr,btc->brc", factors.left[rows], factors.right[rows])
+    """(b, rows, cols) per-sample gradients ``sum_t left_t right_t^T`` of the samples ``rows``, in the factors'
+    dtype."""
+    return torch.bmm(factors.left[rows].transpose(1, 2), factors.right[rows])
 
 
-def _dense_squared_sum(uses: Sequence[OuterFactors], shape: tuple[int, int]) -> torch.Tensor:
-    """``sum_b (sum_u G_{u,b})^2`` elementwise over the dense uses ``uses``, materialised a few samples at a time."""
-    batch = uses[0].right.shape[0]
+def _dense_squared_sum(
+    uses: Sequence[OuterFactors], shape: tuple[int, int], excluded: Sequence[OuterFactors] = ()
+) -> torch.Tensor:
+    """``sum_b (sum_u G_{u,b})^2 - (sum_x X_{x,b})^2`` elementwise over the dense uses ``uses`` and
+    ``excluded``: the squares of the per-sample gradients of every use, less the excluded uses' own terms (their
+    cross terms with the others stay).
+
+    A single use at one position per sample (the decoder at the predicted position) is rank one per sample:
+    ``sum_b l_b^2 (r_b^2)^T``, one matrix product of the squared factors. Otherwise the per-sample gradients are
+    materialised a few samples at a time by batched matrix products in the factors' dtype, squared and summed in
+    place, and summed over the batch in that dtype (float32 at least): the caller adds the batch's sum into its
+    float64 total.
+    """
+    if not excluded and len(uses) == 1 and uses[0].right.shape[1] == 1:
+        left, right = uses[0].left[:, 0], uses[0].right[:, 0]  # (B, rows), (B, cols)
+        dtype = torch.promote_types(left.dtype, torch.float32)
+        return (left.to(dtype).square().T @ right.to(dtype).square()).reshape(shape)
+    batch = (uses or excluded)[0].right.shape[0]
+    if not uses:
+        return torch.zeros(shape, dtype=torch.float64, device=excluded[0].right.device)
+    total = None
     step = max(1, _DENSE_CHUNK_ELEMENTS // (shape[0] * shape[1]))
-    total = torch.zeros(shape, dtype=torch.float64, device=uses[0].right.device)
     for start in range(0, batch, step):
         rows = slice(start, start + step)
-        per_sample = sum(_dense_per_sample(factors, rows) for factors in uses)
-        total += per_sample.double().square().sum(dim=0)
+        per_sample = _dense_per_sample(uses[0], rows)
+        if per_sample.dtype not in (torch.float32, torch.float64):
+            per_sample = per_sample.float()  # squares summed in bfloat16 or float16 would lose the small entries
+        for factors in uses[1:]:
+            per_sample += _dense_per_sample(factors, rows)
+        if excluded:
+            # (K + X)^2 - X^2 = K (K + 2 X)
+            doubled = 2 * _dense_per_sample(excluded[0], rows)
+            for factors in excluded[1:]:
+                doubled += 2 * _dense_per_sample(factors, rows)
+            doubled += per_sample
+            per_sample *= doubled
+        else:
+            per_sample.square_()
+        chunk = per_sample.sum(dim=0)
+        total = chunk if total is None else total.add_(chunk)
     return total
 
 
@@ -59,7 +91,7 @@ def _dense_rows(factors: OuterFactors, samples: torch.Tensor, ids: torch.Tensor)
 
 
 def _squared_gradient_sum(param: nn.Parameter, use: ParamUses, excluded: LayerCall | None) -> torch.Tensor:
-    """``sum_b g_b^2`` elementwise (shaped like ``param``, float64) for the per-sample gradients ``g_b`` of one
+    """``sum_b g_b^2`` elementwise (shaped like ``param``; float32 at least) for the per-sample gradients ``g_b`` of one
     parameter over all its uses, less ``sum_b o_b^2`` of the use by call ``excluded`` (its cross terms stay)."""
     if use.vectors:
         total = sum(vector for _, vector in use.vectors).double()
@@ -69,18 +101,21 @@ def _squared_gradient_sum(param: nn.Parameter, use: ParamUses, excluded: LayerCa
                 squared -= vector.double().square().sum(dim=0)
         return squared.reshape(param.shape)
     shape = (param.shape[0], param.shape[1])
-    dense = [factors for _, factors in use.outer if factors.left is not None]
-    sparse = [factors for _, factors in use.outer if factors.left_ids is not None]
-    total = _dense_squared_sum(dense, shape) if dense else torch.zeros(shape, dtype=torch.float64, device=param.device)
+    kept = [factors for call, factors in use.outer if factors.left is not None and call is not excluded]
+    dropped = [factors for call, factors in use.outer if factors.left is not None and call is excluded]
+    sparse = [factors for call, factors in use.outer if factors.left_ids is not None]
+    if any(call is excluded for call, factors in use.outer if factors.left_ids is not None):
+        raise ValueError("the output layer's own terms cannot be left out of an embedding lookup")
+    if kept or dropped:
+        total = _dense_squared_sum(kept, shape, dropped)
+    else:
+        total = torch.zeros(shape, dtype=torch.float64, device=param.device)
     if sparse:
         samples, ids, rows = _sparse_rows(sparse, shape[0])
         crossed = rows.square()
-        for factors in dense:
+        for factors in kept + dropped:
             crossed += 2 * rows * _dense_rows(factors, samples, ids)
-        total.index_add_(0, ids, crossed)
-    for call, factors in use.outer:
-        if call is excluded:
-            total -= _dense_squared_sum([factors], shape)
+        total.index_add_(0, ids, crossed.to(total.dtype))
     return total
 
 
@@ -106,4 +141,4 @@ def add_squared_gradients(
         value = _squared_gradient_sum(use.param, use, exclude_self_terms_of)
         if key not in totals:
             totals[key] = torch.zeros(use.param.shape, dtype=torch.float64, device=value.device)
-        totals[key] += weight * value
+        totals[key].add_(value, alpha=weight)

@@ -45,8 +45,28 @@ def hutchpp_trace(
 ) -> float:
     """Hutch++'s estimate of ``tr(A)`` from exactly ``n_matvecs`` products ``matvec(v) = A v`` (``A`` symmetric).
 
-    Holds ``n_matvecs // 3`` vectors of ``dimension`` entries besides the probe in use.
+    Holds ``n_matvecs // 3`` vectors of ``dimension`` entries besides the probe in use. The mean of
+    `hutchpp_samples`.
     """
+    return float(
+        hutchpp_samples(matvec, dimension, n_matvecs, generator=generator, probe=probe, dtype=dtype, device=device)
+        .mean()
+    )  # fmt: skip
+
+
+def hutchpp_samples(
+    matvec: Callable[[torch.Tensor], torch.Tensor],
+    dimension: int,
+    n_matvecs: int,
+    *,
+    generator: torch.Generator,
+    probe: str = "rademacher",
+    dtype: torch.dtype = torch.float64,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """One value per residual probe (float64): ``tr(Q^T A Q) + v^T (I - QQ^T) A (I - QQ^T) v``. Given the sketch
+    ``Q`` they are independent and each is unbiased for ``tr(A)``, so their mean is Hutch++'s estimate and their
+    spread over ``sqrt(n)`` its standard error (of this matrix's trace)."""
     if n_matvecs < 1:
         raise ValueError(f"n_matvecs must be >= 1 (got {n_matvecs}).")
     device = torch.device(device)
@@ -62,10 +82,10 @@ def hutchpp_trace(
         )
         basis = torch.linalg.qr(sketched.T.double()).Q.T.to(dtype)  # (k, dimension), orthonormal rows
         trace += float(sum(q.double() @ matvec(q).double() for q in basis))
-    residual = 0.0
-    for _ in range(n_probes):
+    residuals = torch.empty(n_probes, dtype=torch.float64)
+    for k in range(n_probes):
         v = random_probes(1, dimension, kind=probe, generator=generator, dtype=dtype, device=device)[0]
         if basis is not None:
             v = v - basis.T @ (basis @ v)
-        residual += float(v.double() @ matvec(v).double())
-    return trace + residual / n_probes
+        residuals[k] = float(v.double() @ matvec(v).double())
+    return trace + residuals

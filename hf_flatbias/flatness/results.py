@@ -24,7 +24,10 @@ class TraceEstimate:
     Attributes:
         mean: the estimate.
         stderr: its standard error, from the spread of per-unit means over contexts, so it counts both the
-            variation between contexts and the draw noise; ``nan`` with a single unit.
+            variation between contexts and the draw noise. With a single unit (one batch of ``hutchinson`` or
+            ``hutchpp``, one context) it comes from the spread of that unit's draws (probes): the error of the
+            trace of these contexts, not of the population they were drawn from (``stderr_note`` says so); ``nan``
+            with a single unit and a single draw (``stderr_note`` says why).
         n_contexts: contexts used.
         n_draws: draws of ``y`` (or of ``v`` for ``hutchinson``) per context.
         estimator: which estimator produced it.
@@ -37,6 +40,8 @@ class TraceEstimate:
         by_group: with ``by_group`` asked of the estimator, the trace of each parameter group (see
             `hf_flatbias.flatness.groups`) with its standard error, in the forward's order; the means add up to
             ``mean``. ``None`` otherwise.
+        stderr_note: ``None`` when ``stderr`` counts both sources of error; otherwise what it leaves out, or why
+            it is ``nan``.
     """
 
     mean: float
@@ -49,6 +54,7 @@ class TraceEstimate:
     context_variance: float | None = None
     suggested_n_draws: int | None = None
     by_group: dict[str, GroupTrace] | None = None
+    stderr_note: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -152,6 +158,22 @@ def summarize_trace_samples(samples: TraceSamples, *, seconds: float = float("na
     weights = samples.weights.double()
     n_units = unit_means.numel()
     mean, stderr = _weighted_mean_and_stderr(unit_means, weights)
+    stderr_note = None
+    n_draws = samples.values.shape[1]
+    if n_units == 1 and n_draws >= 2:
+        # one unit: its draws (probes) are independent given its contexts, so their spread is the honest error of
+        # the trace of these contexts; the variation between contexts cannot be seen from one unit
+        stderr = float(samples.values.double().std() / math.sqrt(n_draws))
+        stderr_note = (
+            f"from the {n_draws} draws of a single sampling unit ({int(samples.weights.sum())} contexts): the error "
+            "of the trace of these contexts only; the variation between contexts is not counted (use a batch "
+            "size below the number of contexts for an error that counts it)"
+        )
+    elif n_units == 1:
+        stderr_note = (
+            "undefined: a single sampling unit with a single draw; use n_draws >= 2, or a batch size below the "
+            "number of contexts"
+        )
     by_group = None
     if samples.group_values is not None:
         group_means = samples.group_values.double().mean(dim=1)
@@ -159,6 +181,10 @@ def summarize_trace_samples(samples: TraceSamples, *, seconds: float = float("na
             name: GroupTrace(*_weighted_mean_and_stderr(group_means[:, g], weights))
             for g, name in enumerate(samples.group_names)
         }
+        if n_units == 1 and samples.values.shape[1] >= 2:  # as for the total, below
+            for g, group in enumerate(by_group.values()):
+                draws = samples.group_values[0, :, g].double()
+                group.stderr = float(draws.std() / math.sqrt(len(draws)))
     draw_variance = context_variance = suggested = None
     per_context_units = bool((samples.weights == 1).all())
     if per_context_units and samples.values.shape[1] >= 2 and n_units >= 2:
@@ -180,4 +206,5 @@ def summarize_trace_samples(samples: TraceSamples, *, seconds: float = float("na
         context_variance=context_variance,
         suggested_n_draws=suggested,
         by_group=by_group,
+        stderr_note=stderr_note,
     )

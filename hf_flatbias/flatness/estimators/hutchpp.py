@@ -2,7 +2,8 @@
 
 A third of the products sketch the dominant eigenvectors, whose part of the trace is then taken exactly, and
 Hutchinson's estimator covers the rest: less error than ``hutchinson`` at equal products when a few eigenvalues
-dominate, one value per batch, and ``n_draws // 3`` parameter-sized vectors held per batch.
+dominate. One value per residual probe of a batch (their mean is the batch's estimate, their spread its error), and
+``n_draws // 3`` parameter-sized vectors held per batch.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from ..contexts import TraceContexts, context_generator
-from ..hutchpp import hutchpp_trace
+from ..hutchpp import hutchpp_samples
 from .base import BatchEstimator
 from .hutchinson import data_loss_gradients
 
@@ -45,7 +46,7 @@ class HutchppEstimator(BatchEstimator):
                  for p, h in zip(params, hvp, strict=True)]
             )  # fmt: skip
 
-        value = hutchpp_trace(
+        values = hutchpp_samples(
             hessian_times,
             sum(sizes),
             settings.n_draws,
@@ -54,7 +55,9 @@ class HutchppEstimator(BatchEstimator):
             dtype=params[0].dtype,
             device=params[0].device,
         )
-        return torch.tensor([[value / len(indices)]], dtype=torch.float64)
+        # one value per residual probe, each unbiased given the sketch: their mean is Hutch++'s estimate, their spread
+        # its error on this batch
+        return (values / len(indices)).unsqueeze(0)
 
 
 ESTIMATOR = HutchppEstimator()

@@ -28,6 +28,7 @@ def compute_trace_samples(
     batch_size: int | str = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,
     probe: str = "rademacher",
+    output_probe: str = "label",
     by_group: bool | GroupOf = False,
     progress: bool = False,
     diagonal: dict[int, torch.Tensor] | None = None,
@@ -48,6 +49,7 @@ def compute_trace_samples(
         batch_size=batch_size,
         exact_output_expectation=exact_output_expectation,
         probe=probe,
+        output_probe=output_probe,
         by_group=by_group,
     )
     return trace_samples(model, contexts, settings, indices=indices, progress=progress, diagonal=diagonal)

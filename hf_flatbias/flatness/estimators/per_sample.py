@@ -2,21 +2,24 @@
 and one backward per draw, with ghost norms (`hf_flatbias.flatness.ghost`).
 
 The LM head runs only at the predicted position, and the output layer's own term is replaced by its exact expectation
-over ``y`` (``(1 - ||p||^2)(||h||^2 + 1)``), which removes most of the draw noise at no cost. The first batch is
-checked against a plain backward (`naive`), so that a parameter the hooks cannot see fails loudly.
+over ``y`` (``(1 - ||p||^2)(||h||^2 + 1)``), which removes most of the draw noise at no cost. The first batch of the
+first estimate on a model is checked against a plain backward (`naive`), so that a parameter the hooks cannot see fails
+loudly; the check runs again whenever the model's structure (its parameters, their shapes, dtypes, devices and
+``requires_grad``, its hooks, its mode) or the measured parameters change (`model_signature`).
 """
 
 from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ..contexts import TraceContexts
+from ..contexts import TraceContexts, context_generator
 from ..ghost import GhostNormRecorder
 from ..ghost_diagonal import add_squared_gradients
 from ..groups import ParameterGroups
@@ -37,10 +40,15 @@ class PerSampleEstimator(TraceEstimator):
         batches = length_sorted_batches(contexts, indices, resolved_batch_size(model, contexts, indices, settings))
         forward_seconds = draw_seconds = 0.0
         parts, group_parts = [], []
-        for number, batch in enumerate(batches):
+        signature = model_signature(model, params)
+        validate = _CHECKED.get(model) != signature
+        for batch in batches:
             values, group_values, forward_s, draw_s = _per_sample_batch(
-                model, contexts, batch, params, settings, validate=number == 0, groups=groups, diagonal=diagonal
+                model, contexts, batch, params, settings, validate=validate, groups=groups, diagonal=diagonal
             )
+            if validate:  # the check passed (it raises otherwise): not again on this model as it is
+                _CHECKED[model] = signature
+                validate = False
             parts.append(values)
             group_parts.append(group_values)
             forward_seconds += forward_s
@@ -59,6 +67,46 @@ class PerSampleEstimator(TraceEstimator):
             group_values=torch.cat(group_parts)[order] if groups is not None else None,
             group_names=groups.names if groups is not None else (),
         )
+
+
+_CHECKED: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+"""The `model_signature` under which each model last passed the check against a plain backward."""
+
+
+def model_signature(model: nn.Module, params: Sequence[nn.Parameter]) -> tuple:
+    """What the one-context check against a plain backward depends on, cheap to form (no pass): every parameter's
+    name, identity, shape, dtype, device and ``requires_grad``, which of them are measured, every module's class,
+    mode and registered hooks (a hook may use a weight outside its module), and the global module hooks.
+
+    A model whose signature is unchanged since it passed the check is not checked again; any change (a layer added,
+    resized or frozen, a hook registered, another dtype) checks it again on the next estimate."""
+    measured = frozenset(id(p) for p in params)
+    parameters = tuple(
+        (name, id(p), tuple(p.shape), p.dtype, p.device, p.requires_grad, id(p) in measured)
+        for name, p in model.named_parameters(remove_duplicate=False)
+    )
+    modules = tuple(
+        (
+            name,
+            type(module),
+            module.training,
+            tuple(module._forward_hooks),
+            tuple(module._forward_pre_hooks),
+            tuple(module._backward_hooks),
+            tuple(getattr(module, "_backward_pre_hooks", {})),
+        )
+        for name, module in model.named_modules(remove_duplicate=False)
+    )
+    global_hooks = tuple(
+        tuple(getattr(torch.nn.modules.module, name, {}))
+        for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
+    )
+    return (type(model), len(measured), parameters, modules, global_hooks)
+
+
+def forget_self_checks() -> None:
+    """Check every model against a plain backward again on its next `per_sample` estimate."""
+    _CHECKED.clear()
 
 
 def _per_sample_batch(
@@ -84,6 +132,7 @@ def _per_sample_batch(
         logits = logits_at_positions(model, batch, positions)
     probs = torch.softmax(logits.detach()[:, 0].double(), dim=-1)
     labels = sample_labels(probs, indices, n_draws, settings.seed)
+    signs = _output_signs(indices, n_draws, probs.shape[1], settings.seed, probs.device, kind=settings.output_probe)
     outputs = recorder.outputs()
     decoder = check_lm_model(model)
     decoder_call = next((c for c in recorder.calls if c.module is decoder and _are_the_logits(c.output, logits)), None)
@@ -105,11 +154,27 @@ def _per_sample_batch(
     values = torch.empty(len(indices), n_draws, dtype=torch.float64)
     group_values = None if groups is None else torch.empty(len(indices), n_draws, len(groups), dtype=torch.float64)
     for k in range(n_draws):
-        cotangent = -probs.clone()
-        cotangent[torch.arange(len(indices)), labels[:, k]] += 1.0
-        grad_logits = cotangent.to(logits.dtype).unsqueeze(1)
         if validate and k == 0:
+            grad_logits = _label_cotangent(probs, labels[:, 0]).to(logits.dtype).unsqueeze(1)
             recorder.check_unsupported_unused(logits, grad_logits)
+            if signs is not None:
+                # the check against a plain backward is of a sampled label's gradient: one more backward, once
+                grads = (
+                    torch.autograd.grad(logits, outputs, grad_outputs=grad_logits, retain_graph=True, allow_unused=True)
+                    if outputs
+                    else []
+                )
+                recorder.set_grad_outputs(grads)
+                _validate_against_autograd(model, contexts, indices[0], params, int(labels[0, 0]), recorder)
+                validate = False
+        if signs is None:
+            cotangent = _label_cotangent(probs, labels[:, k])
+        else:
+            # E[c c^T] = diag(p) - p p^T, as for e_y - p: the same Fisher, in expectation draw for draw
+            root = probs.sqrt()
+            z = signs[:, k]
+            cotangent = root * z - probs * (root * z).sum(dim=1, keepdim=True)
+        grad_logits = cotangent.to(logits.dtype).unsqueeze(1)
         # no recorded output: none of the parameters reaches the logits, and every norm is zero
         grads = (
             torch.autograd.grad(
@@ -142,6 +207,28 @@ def _per_sample_batch(
     for call in recorder.calls:  # drop references to the graph
         call.grad_output = None
     return values, group_values, forward_seconds, time.perf_counter() - start
+
+
+def _label_cotangent(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``e_y - p`` per row: the gradient of ``log p_y`` with respect to the logits."""
+    cotangent = -probs.clone()
+    cotangent[torch.arange(len(labels)), labels] += 1.0
+    return cotangent
+
+
+def _output_signs(
+    indices: Sequence[int], n_draws: int, vocab: int, seed: int, device: torch.device, *, kind: str = "label"
+) -> torch.Tensor | None:
+    """(B, n_draws, V) random signs for ``output_probe="rademacher"``, row ``b`` from context ``indices[b]``'s own
+    stream (after its labels), or ``None`` for sampled labels."""
+    if kind == "label":
+        return None
+    signs = []
+    for i in indices:
+        generator = context_generator(seed, i)
+        torch.rand(n_draws, generator=generator, dtype=torch.float64)  # the labels' uniforms come first
+        signs.append(torch.randint(0, 2, (n_draws, vocab), generator=generator))
+    return torch.stack(signs).to(device=device, dtype=torch.float64) * 2 - 1
 
 
 def _add_expected_output_diagonal(

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, ESTIMATORS, HUTCHINSON_PROBES, RECOMMENDED_N_DRAWS
+from ...constants import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_ESTIMATOR,
+    ESTIMATORS,
+    HUTCHINSON_PROBES,
+    OUTPUT_PROBES,
+    RECOMMENDED_N_DRAWS,
+)
 from ..groups import GroupOf
 from .registry import ESTIMATOR_REGISTRY, probed_estimators
 
@@ -36,6 +43,11 @@ class TraceSettings:
         default="rademacher",
         metadata={"help": f"Probe distribution of hutchinson and hutchpp: {', '.join(HUTCHINSON_PROBES)}."},
     )
+    output_probe: str = field(
+        default="label",
+        metadata={"help": "per_sample: the cotangent at the logits per draw, 'label' (a sampled label, e_y - p) or "
+                  "'rademacher' (random signs with the same covariance diag(p) - pp^T: unbiased, less draw noise)."},
+    )  # fmt: skip
     by_group: bool | GroupOf = field(
         default=False,
         metadata={"help": "Also split the trace by parameter group: True for the default groups, or a function from "
@@ -51,6 +63,15 @@ class TraceSettings:
             probed = " or ".join(repr(name) for name in probed_estimators())
             raise ValueError(
                 f"probe={self.probe!r} applies to estimator={probed} only (got estimator={self.estimator!r})."
+            )
+        if self.output_probe not in OUTPUT_PROBES:
+            raise ValueError(
+                f"output_probe={self.output_probe!r} is not supported; choose one of {list(OUTPUT_PROBES)}."
+            )
+        if self.output_probe != "label" and self.estimator != "per_sample":
+            raise ValueError(
+                f"output_probe={self.output_probe!r} applies to estimator='per_sample' only (got "
+                f"estimator={self.estimator!r})."
             )
         if not isinstance(self.n_draws, int) or self.n_draws < 1:
             raise ValueError(

@@ -47,7 +47,7 @@ from .sharpness.engines import (
     sync_gradients_every_backward,
 )
 from .sharpness.methods import FLATNESS_METHOD_CLASSES, FlatnessMethod
-from .sharpness.sam_options import scheduled_rho
+from .sharpness.sam_options import check_preconditioner_supports_optimizer, scheduled_rho
 from .sharpness.step_log import PERTURBED_LOSS, FlatnessLog
 from .sharpness.support import (
     check_deepspeed_supports_method,
@@ -89,6 +89,9 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
             check_deepspeed_supports_method(args.deepspeed_plugin.deepspeed_config, args)
         super().__init__(model=model, args=args, **kwargs)
         self._check_requested_engine_is_active()
+        if self.args.sam_preconditioner == "adam":
+            given_cls = self.optimizer_cls_and_kwargs[0] if self.optimizer_cls_and_kwargs is not None else None
+            check_preconditioner_supports_optimizer(self.optimizer, given_cls)
         if self.accelerator.state.deepspeed_plugin is not None:  # again, with what accelerate filled in
             check_deepspeed_supports_method(self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args)
         self._fix_loss_scaling_for_models_ignoring_num_items()

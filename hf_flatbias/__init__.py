@@ -45,6 +45,7 @@ _import_structure: dict[str, list[str]] = {
     "glue": ["GlueResult", "finetune_glue", "load_glue_dataset", "load_glue_metric"],
     "integrations.trl": ["FlatBiasDPOConfig", "FlatBiasDPOTrainer", "FlatBiasSFTConfig", "FlatBiasSFTTrainer"],
     "modelcard": ["FlatnessCard", "add_glue_results", "format_comparison_table", "load_flatness_card"],
+    "optimizers": ["MuonWithAdamW"],
     "selection": [
         "CheckpointRecord",
         "CheckpointSelection",
@@ -82,6 +83,7 @@ if TYPE_CHECKING:
     from .glue import GlueResult, finetune_glue, load_glue_dataset, load_glue_metric
     from .integrations.trl import FlatBiasDPOConfig, FlatBiasDPOTrainer, FlatBiasSFTConfig, FlatBiasSFTTrainer
     from .modelcard import FlatnessCard, add_glue_results, format_comparison_table, load_flatness_card
+    from .optimizers import MuonWithAdamW
     from .selection import (
         CheckpointRecord,
         CheckpointSelection,

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate.utils import DistributedType
 from torch import nn
 from transformers import Trainer, TrainingArguments
@@ -46,9 +47,14 @@ from .sharpness.engines import (
     sync_gradients_every_backward,
 )
 from .sharpness.methods import FLATNESS_METHOD_CLASSES, FlatnessMethod
-from .sharpness.sam_options import scheduled_rho
+from .sharpness.sam_options import check_preconditioner_supports_optimizer, scheduled_rho
 from .sharpness.step_log import PERTURBED_LOSS, FlatnessLog
-from .sharpness.support import check_deepspeed_supports_method, check_fsdp_supports_method
+from .sharpness.support import (
+    check_deepspeed_supports_method,
+    check_fsdp_supports_method,
+    check_requested_engine_is_active,
+    requested_engine,
+)
 from .tensors import Perturbation, is_fully_sharded
 from .token_weighting import TokenWeightedLossMixin
 
@@ -82,6 +88,10 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
         if args.deepspeed_plugin is not None:
             check_deepspeed_supports_method(args.deepspeed_plugin.deepspeed_config, args)
         super().__init__(model=model, args=args, **kwargs)
+        self._check_requested_engine_is_active()
+        if self.args.sam_preconditioner == "adam":
+            given_cls = self.optimizer_cls_and_kwargs[0] if self.optimizer_cls_and_kwargs is not None else None
+            check_preconditioner_supports_optimizer(self.optimizer, given_cls)
         if self.accelerator.state.deepspeed_plugin is not None:  # again, with what accelerate filled in
             check_deepspeed_supports_method(self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args)
         self._fix_loss_scaling_for_models_ignoring_num_items()
@@ -95,6 +105,20 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
             self._bind_callback(callback)
 
     # ------------------------------------------------------------------ setup
+
+    def _check_requested_engine_is_active(self) -> None:
+        """Refuse an FSDP/DeepSpeed launch that accelerate did not start as such (see
+        `check_requested_engine_is_active`), before any rank takes a step or the output folder's lock."""
+        if dist.is_available() and dist.is_initialized():
+            launched = dist.get_world_size()
+        else:
+            launched = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        check_requested_engine_is_active(
+            requested_engine(os.environ, fsdp=self.args.fsdp, deepspeed=self.args.deepspeed),
+            self.accelerator.distributed_type.name,
+            accelerate_processes=self.accelerator.num_processes,
+            launched_processes=launched,
+        )
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
         """`Trainer.train`, after checking that the checkpoint to resume from is intact and of this model's shape."""

@@ -50,6 +50,30 @@ def adam_preconditioner(
     return denominators
 
 
+def check_preconditioner_supports_optimizer(optimizer: object = None, optimizer_cls: object = None) -> None:
+    """Raise a one-line ``ValueError`` when ``sam_preconditioner='adam'`` meets an optimizer given to the Trainer
+    (``optimizers=``, or the class of ``optimizer_cls_and_kwargs``) that holds no Adam second moment for every
+    parameter; ``None`` for either means not given (``optim`` is checked with the arguments)."""
+    given = optimizer if optimizer is not None else optimizer_cls
+    if given is None:
+        return
+    kind = given if isinstance(given, type) else type(given)
+    if issubclass(kind, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    name = kind.__name__
+    if "Muon" in name:
+        raise ValueError(
+            f"sam_preconditioner='adam' is not defined for {name}: Muon keeps a momentum buffer and no "
+            "per-coordinate second moment for its matrices (its update is the orthogonalised momentum, a "
+            "spectral-norm geometry, not Adam's diagonal one), so there is no P = sqrt(v_hat) + eps to take; use "
+            "sam_preconditioner='none' with Muon."
+        )
+    raise ValueError(
+        f"sam_preconditioner='adam' reads Adam's second moment from the optimizer's state, but the Trainer was "
+        f"given a {name}; give it torch.optim.Adam/AdamW or use sam_preconditioner='none'."
+    )
+
+
 def scheduled_rho(
     rho: float, step: int, *, start: int = 0, end: int = -1, schedule: str = "constant", warmup_steps: int = 0
 ) -> float | None:

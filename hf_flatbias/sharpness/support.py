@@ -3,6 +3,7 @@ arguments before any compute is spent, each refusal a one-line error that names 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ..constants import SAM_STEP_OPTION_NAMES
@@ -144,4 +145,65 @@ def check_fsdp_supports_sam_options(args: FlatnessArguments) -> None:
             f"{', '.join(changed)} not supported under FSDP2 yet: the step edits local shards, and these options "
             "(Adam state per shard, row subsets, parameter selection, window) have no exact test there. Use DDP or "
             "leave them at their defaults."
+        )
+
+
+_TRUE = ("1", "true", "yes", "on", "y")
+#: The section of the training guide that explains a requested engine accelerate did not start, and how to fix it.
+ENGINE_NOT_ACTIVE_GUIDE = "'FSDP or DeepSpeed requested but not active' in docs/guides/training.md"
+
+
+def requested_engine(environ: Mapping[str, str], *, fsdp: object = None, deepspeed: object = None) -> str | None:
+    """The sharding engine the launch or the arguments ask for: ``"FSDP"``, ``"DeepSpeed"`` or ``None``.
+
+    ``environ`` is the process environment (``accelerate launch`` sets ``ACCELERATE_USE_FSDP`` /
+    ``ACCELERATE_USE_DEEPSPEED`` from its config); ``fsdp`` and ``deepspeed`` are the training arguments of those names.
+    """
+    if deepspeed or str(environ.get("ACCELERATE_USE_DEEPSPEED", "")).strip().lower() in _TRUE:
+        return "DeepSpeed"
+    if fsdp or str(environ.get("ACCELERATE_USE_FSDP", "")).strip().lower() in _TRUE:
+        return "FSDP"
+    return None
+
+
+def check_requested_engine_is_active(
+    requested: str | None, active: str, *, accelerate_processes: int, launched_processes: int
+) -> None:
+    """Raise a one-line ``ValueError`` naming the cause and the fix when the run is not the engine and the processes
+    the launch asked for.
+
+    Args:
+        requested: `requested_engine`'s answer.
+        active: the distributed type accelerate settled on (``"FSDP"``, ``"DEEPSPEED"``, ``"MULTI_CPU"``, ``"NO"``...).
+        accelerate_processes: the number of processes accelerate counts (``accelerator.num_processes``).
+        launched_processes: the number the launch started (``torch.distributed``'s world size, else ``WORLD_SIZE``).
+
+    accelerate 1.15/1.16 on a machine without a GPU picks no backend for FSDP and DeepSpeed launches: it counts one
+    process while the process group holds all of them, so every rank believes it is the main process and trains
+    alone (the output folder's lock then refuses all but one, and SAM's first all-reduce waits for ranks that never
+    join). With ``use_cpu=True`` it runs DDP over gloo instead of FSDP, also silently. One process is one process
+    whatever the engine: nothing is refused there.
+    """
+    if launched_processes > accelerate_processes:
+        counted = (
+            f"{launched_processes} processes were launched, but accelerate counts {accelerate_processes} (distributed "
+            f"type {active}), so each would train alone as the main one"
+        )
+        if requested is None:
+            raise ValueError(
+                f"{counted}: on a machine without a GPU accelerate picks no backend unless use_cpu=True. Set "
+                f"use_cpu=True for DDP over gloo, or launch on GPUs (see {ENGINE_NOT_ACTIVE_GUIDE})."
+            )
+        raise ValueError(
+            f"{requested} was requested and {counted}: accelerate 1.15/1.16 picks no backend for {requested} on a "
+            f"machine without a GPU. Launch on GPUs, train with DDP over gloo instead (no {requested} config, "
+            f"use_cpu=True), or make accelerate answer gloo before the training arguments are built (see "
+            f"{ENGINE_NOT_ACTIVE_GUIDE})."
+        )
+    expected = {"FSDP": "FSDP", "DeepSpeed": "DEEPSPEED"}.get(requested or "")
+    if expected is not None and launched_processes > 1 and active != expected:
+        raise ValueError(
+            f"{requested} was requested but accelerate runs {active} over the {launched_processes} processes (on a "
+            f"machine without a GPU use_cpu=True turns an FSDP launch into DDP over gloo): set use_cpu=False, drop "
+            f"the {requested} config to train with DDP on purpose, or see {ENGINE_NOT_ACTIVE_GUIDE}."
         )

@@ -15,6 +15,8 @@ from hf_flatbias.sharpness.support import (
     check_deepspeed_supports_penalty,
     check_deepspeed_supports_sam,
     check_fsdp_supports,
+    check_requested_engine_is_active,
+    requested_engine,
 )
 
 
@@ -160,3 +162,54 @@ def test_fsdp2_parameters_must_be_sharded():
 
     with pytest.raises(ValueError, match="fsdp_version 2"):
         FullyShardedParameters([torch.nn.Parameter(torch.ones(2))])
+
+
+@pytest.mark.parametrize(
+    "environ,fsdp,deepspeed,expected",
+    [
+        ({}, None, None, None),
+        ({"ACCELERATE_USE_FSDP": "true"}, None, None, "FSDP"),
+        ({"ACCELERATE_USE_FSDP": "false"}, None, None, None),
+        ({}, True, None, "FSDP"),
+        ({"ACCELERATE_USE_DEEPSPEED": "1"}, None, None, "DeepSpeed"),
+        ({}, None, "ds_config.json", "DeepSpeed"),
+    ],
+)
+def test_the_requested_engine_comes_from_the_launch_or_the_arguments(environ, fsdp, deepspeed, expected):
+    assert requested_engine(environ, fsdp=fsdp, deepspeed=deepspeed) == expected
+
+
+@pytest.mark.parametrize(
+    "requested,active,processes",
+    [
+        (None, "NO", (1, 1)),
+        (None, "MULTI_CPU", (2, 2)),
+        ("FSDP", "FSDP", (2, 2)),
+        ("DeepSpeed", "DEEPSPEED", (2, 2)),
+        ("FSDP", "NO", (1, 1)),  # one process trains the same numbers with or without FSDP
+        ("DeepSpeed", "NO", (1, 1)),
+    ],
+)
+def test_engines_that_run_as_requested_are_accepted(requested, active, processes):
+    accelerate_processes, launched_processes = processes
+    check_requested_engine_is_active(
+        requested, active, accelerate_processes=accelerate_processes, launched_processes=launched_processes
+    )
+
+
+@pytest.mark.parametrize(
+    "requested,active,processes,match",
+    [
+        ("FSDP", "NO", (1, 2), "FSDP was requested and 2 processes were launched, but accelerate counts 1"),
+        ("DeepSpeed", "DEEPSPEED", (1, 2), "DeepSpeed was requested and 2 processes.*use_cpu=True"),
+        (None, "NO", (1, 2), "^2 processes were launched.*Set use_cpu=True"),
+        ("FSDP", "MULTI_CPU", (2, 2), "FSDP was requested but accelerate runs MULTI_CPU.*use_cpu=False"),
+    ],
+)
+def test_an_engine_accelerate_did_not_start_is_refused_in_one_line(requested, active, processes, match):
+    accelerate_processes, launched_processes = processes
+    with pytest.raises(ValueError, match=match) as refused:
+        check_requested_engine_is_active(
+            requested, active, accelerate_processes=accelerate_processes, launched_processes=launched_processes
+        )
+    assert "\n" not in str(refused.value) and "docs/guides/training.md" in str(refused.value)

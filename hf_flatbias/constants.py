@@ -64,11 +64,15 @@ TRACE_QUANTITIES = {
 """What each estimator measures, as cards and printed lines name it: "Fisher trace Tr(F)" or "Hessian trace Tr(H)"."""
 
 HUTCHINSON_PROBES = ("rademacher", "gaussian")
+"""Probe distributions of the ``hutchinson`` and ``hutchpp`` estimators; Rademacher (the default) has the smaller
+variance."""
+
+PROBED_ESTIMATORS = ("hutchinson", "hutchpp")
+"""The estimators that draw probe vectors (``probe=``) rather than labels."""
+
 OUTPUT_PROBES = ("label", "rademacher")
 """``per_sample``'s cotangent at the logits per draw: a sampled label's ``e_y - p`` (default), or a random-sign
 combination ``sqrt(p) * z - p (sqrt(p) . z)`` of the same covariance ``diag(p) - p p^T`` (opt-in)."""
-"""Probe distributions of the ``hutchinson`` and ``hutchpp`` estimators; Rademacher (the default) has the smaller
-variance."""
 
 DEFAULT_BATCH_SIZE = 32
 """Contexts per forward pass of a trace estimate."""

@@ -108,3 +108,13 @@ def check_local_checkpoint(path: str, label: str) -> None:
         base = json.loads(adapter.read_text(encoding="utf-8")).get("base_model_name_or_path")
         if isinstance(base, str) and base:
             local_path_or_hub_id(base, f"{label} {path}: the base model in {adapter}, base_model_name_or_path")
+
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+"""The figure formats ``--plot`` writes (matplotlib picks the format by the ending)."""
+
+
+def check_plot_file(path: str | None) -> None:
+    """``--plot FILE``: refuse an ending matplotlib would not write as a figure, before anything is measured."""
+    if path and Path(path).suffix.lower() not in PLOT_SUFFIXES:
+        raise ValueError(f"--plot {path}: use a file ending in one of {list(PLOT_SUFFIXES)}.")

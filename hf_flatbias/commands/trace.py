@@ -18,7 +18,7 @@ from ..constants import (
 )
 from ..corpus import DATA_FILE_BUILDERS
 from ..text_data import check_data_file
-from .paths import check_local_checkpoint, check_output_file, local_path_or_hub_id
+from .paths import check_local_checkpoint, check_output_file, check_plot_file, local_path_or_hub_id
 from .trace_inputs import (
     check_request_size,
     checked_device,
@@ -39,7 +39,6 @@ from .trace_measures import (
 )
 from .trace_series import add_series_arguments, hub_revision, model_label, run_series
 
-PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 GROUPED_ESTIMATORS = ("per_sample", "naive")
 """The estimators that split the trace by parameter group (per-context ones)."""
 
@@ -132,7 +131,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.revisions:
-        return run_series(args)
+        return run_series(args, measure=measure, check_arguments=check_arguments)
     check_arguments(args)  # before torch and transformers load (seconds) and before any data is read
     args.model = local_path_or_hub_id(args.model, "MODEL")
     args.data = local_path_or_hub_id(args.data, "--data", file_suffixes=tuple(DATA_FILE_BUILDERS))
@@ -186,8 +185,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         )
     if args.plot and not args.by_group:
         raise ValueError("--plot draws the per-group trace: drop --no-by-group.")
-    if args.plot and Path(args.plot).suffix.lower() not in PLOT_SUFFIXES:
-        raise ValueError(f"--plot {args.plot}: use a file ending in one of {list(PLOT_SUFFIXES)}.")
+    check_plot_file(args.plot)
     check_measure_arguments(args)
     if args.plot and "trace" not in args.measures:
         raise ValueError("--plot draws the per-group trace: add trace to --measures.")

@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,18 +183,22 @@ def row_values(row: dict[str, Any]) -> dict[str, tuple[float, float | None]]:
     return values
 
 
-def run_series(args: argparse.Namespace) -> int:
-    """Measure each revision of ``--revisions`` in turn, one row each; see the module's docstring."""
-    from .paths import check_output_file, local_path_or_hub_id
-    from .trace import PLOT_SUFFIXES, check_arguments, measure
+def run_series(
+    args: argparse.Namespace,
+    *,
+    measure: Callable[[argparse.Namespace], dict[str, Any]],
+    check_arguments: Callable[[argparse.Namespace], None],
+) -> int:
+    """Measure each revision of ``--revisions`` in turn, one row each; see the module's docstring. ``measure`` and
+    ``check_arguments`` are the trace command's, which measures one revision."""
+    from .paths import check_output_file, check_plot_file, local_path_or_hub_id
 
     if args.revision is not None:
         raise ValueError("--revision and --revisions: give one revision with --revision or several with --revisions.")
     plot = args.plot
     args.plot = None  # --plot draws the series here, not the per-group trace
     check_arguments(args)
-    if plot and Path(plot).suffix.lower() not in PLOT_SUFFIXES:
-        raise ValueError(f"--plot {plot}: use a file ending in one of {list(PLOT_SUFFIXES)}.")
+    check_plot_file(plot)
     from ..corpus import DATA_FILE_BUILDERS
 
     model = local_path_or_hub_id(args.model, "MODEL")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
+from ...constants import PROBED_ESTIMATORS
 from ..contexts import TraceContexts, context_generator
 from ..groups import ParameterGroups
 from ..memory import auto_batch_size
@@ -28,8 +29,11 @@ class TraceEstimator(ABC):
     """Whether its sampling unit is one context: only then can the trace be split by parameter group, the Fisher
     diagonal be filled from the same draws, and the contexts be shared across processes."""
 
-    reads_probe: ClassVar[bool] = False
-    """Whether it draws probe vectors (``probe``) rather than labels."""
+    @property
+    def reads_probe(self) -> bool:
+        """Whether it draws probe vectors (``probe``) rather than labels (`hf_flatbias.constants.PROBED_ESTIMATORS`,
+        which settings are checked against without importing the estimators)."""
+        return self.name in PROBED_ESTIMATORS
 
     @abstractmethod
     def measure(

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 class HutchinsonEstimator(BatchEstimator):
     name = "hutchinson"
-    reads_probe = True
 
     def measure_batch(
         self,

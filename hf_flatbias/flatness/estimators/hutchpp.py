@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 
 class HutchppEstimator(BatchEstimator):
     name = "hutchpp"
-    reads_probe = True
 
     def measure_batch(
         self,

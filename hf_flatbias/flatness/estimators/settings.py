@@ -10,10 +10,10 @@ from ...constants import (
     ESTIMATORS,
     HUTCHINSON_PROBES,
     OUTPUT_PROBES,
+    PROBED_ESTIMATORS,
     RECOMMENDED_N_DRAWS,
 )
 from ..groups import GroupOf
-from .registry import ESTIMATOR_REGISTRY, probed_estimators
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,8 @@ class TraceSettings:
             raise ValueError(f"estimator={self.estimator!r} is not supported; choose one of {list(ESTIMATORS)}.")
         if self.probe not in HUTCHINSON_PROBES:
             raise ValueError(f"probe={self.probe!r} is not supported; choose one of {list(HUTCHINSON_PROBES)}.")
-        if self.probe != "rademacher" and not ESTIMATOR_REGISTRY[self.estimator].reads_probe:
-            probed = " or ".join(repr(name) for name in probed_estimators())
+        if self.probe != "rademacher" and self.estimator not in PROBED_ESTIMATORS:
+            probed = " or ".join(repr(name) for name in PROBED_ESTIMATORS)
             raise ValueError(
                 f"probe={self.probe!r} applies to estimator={probed} only (got estimator={self.estimator!r})."
             )

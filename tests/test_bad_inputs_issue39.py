@@ -234,3 +234,155 @@ def test_checks_that_waited_for_a_full_load_come_before_torch(language_model, tm
         assert line.startswith(f"hf-flatbias {argv[0]}: error: ") and expected in line, (name, line)
     assert "writing to" not in completed.stdout
     assert (tmp_path / "regular_file").read_text() == "kept\n" and not (tmp_path / "t.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------- smaller items
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    from tests.helpers.hub_server import HubServer, point_hub_client_at
+
+    with HubServer() as server:
+        point_hub_client_at(server.url, monkeypatch, str(tmp_path / "hf_home"))
+        yield server
+
+
+def test_a_missing_hub_repo_revision_or_card_is_one_line(hub, tmp_path, capsys):
+    """Before: huggingface_hub's 404 text, seven lines, printed after `error:`."""
+    from huggingface_hub import HfApi
+
+    HfApi().create_repo("user/no-card")
+    _card(tmp_path / "card")
+    HfApi().create_repo("user/card")
+    HfApi().upload_folder(repo_id="user/card", folder_path=tmp_path / "card", commit_message="card")
+    cases = [
+        (["card", "user/never-created"], "user/never-created: no such repository on the Hub"),
+        (["compare", "user/card", "user/never-created"], "user/never-created: no such repository on the Hub"),
+        (["card", "user/card", "--revision", "v9"], "user/card has no revision 'v9' on the Hub"),
+        (["card", "user/no-card"], "user/no-card has no README.md on the Hub"),
+    ]
+    for argv, expected in cases:
+        assert cli.main(argv) == 2
+        captured = capsys.readouterr()
+        assert captured.err.count("\n") == 1 and expected in _one_error_line(captured.err, f"hf-flatbias {argv[0]}")
+    assert cli.main(["card", "user/card"]) == 0  # the Hub itself works
+
+
+def test_offline_card_and_compare_say_that_hf_hub_offline_is_set(monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for command in (["card", "user/model"], ["compare", "user/model"]):
+        assert cli.main(command) == 2
+        line = _one_error_line(capsys.readouterr().err, f"hf-flatbias {command[0]}")
+        assert "user/model: HF_HUB_OFFLINE is set, so nothing is downloaded" in line and "unset HF_HUB_OFFLINE" in line
+
+
+def test_the_demos_output_folder_as_a_model_or_card_names_its_runs(language_model, tmp_path, capsys):
+    demo = tmp_path / "flatbias-demo"
+    for run in ("adamw", "sam"):
+        _card(demo / run)
+    (demo / "demo.json").write_text("{}")
+    data = _write_rows(tmp_path / "rows.jsonl", [{"input_ids": [2, 5, 6, 3]}])
+    for argv in (
+        ["card", str(demo)],
+        ["compare", str(demo / "sam"), str(demo)],
+        ["trace", str(demo), "--data", str(data), "--output", str(tmp_path / "t.json")],
+        ["glue", str(demo), "--task", "sst2"],
+        ["select", str(demo)],
+    ):
+        assert cli.main(argv) == 2
+        line = _one_error_line(capsys.readouterr().err, f"hf-flatbias {argv[0]}")
+        assert (
+            f"{demo} is the demo's output folder, one run per optimizer: pick {demo / 'adamw'} or {demo / 'sam'}."
+            in line
+        )
+
+
+def test_demo_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, default in {
+        "--output-dir": "flatbias-demo", "--sam-rho": "0.05", "--steps": "600", "--eval-every": "100",
+        "--n-train": "20000", "--trace-contexts": "256", "--n-probe": "500", "--seed": "0",
+    }.items():  # fmt: skip
+        assert flag in text and f"(default: {default})" in text.split(flag, 2)[-1].split(" --", 1)[0], flag
+
+
+def _llama_folder(folder: Path) -> Path:
+    """A tiny Llama saved without a tokenizer, as a training script that forgot it leaves one."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_a_llama_folder_without_a_tokenizer_names_the_tokenizer_flag(tmp_path, capsys):
+    """Before: "Couldn't instantiate the backend tokenizer from one of: ..."."""
+    from hf_flatbias.synthetic import make_tokenizer
+
+    _llama_folder(tmp_path / "llama")
+    make_tokenizer(WORDS).save_pretrained(tmp_path / "tokenizer")
+    text = tmp_path / "text.txt"
+    text.write_text("".join(" ".join(WORDS[i : i + 6]) + "\n" for i in range(8)))
+    argv = ["trace", str(tmp_path / "llama"), "--data", str(text), "--n-contexts", "4", "--no-progress"]
+    assert cli.main([*argv, "--output", str(tmp_path / "t.json")]) == 2
+    line = _one_error_line(capsys.readouterr().err, "hf-flatbias trace")
+    assert f"{tmp_path / 'llama'} holds no tokenizer" in line and "pass --tokenizer" in line
+    assert cli.main([*argv, "--tokenizer", str(tmp_path / "tokenizer"), "--output", str(tmp_path / "t.json")]) == 0
+    assert json.loads((tmp_path / "t.json").read_text())["estimate"]["n_contexts"] == 4
+
+
+def test_debug_is_read_after_the_command_too(tmp_path, capsys):
+    missing = str(tmp_path / "missing")
+    assert cli.main(["card", missing]) == 2
+    for argv in (["--debug", "card", missing], ["card", missing, "--debug"]):
+        with pytest.raises(FileNotFoundError, match="no such file or folder"):
+            cli.main(argv)
+
+
+def test_resuming_a_bert_reports_real_missing_keys_only(tmp_path, monkeypatch):
+    """transformers 5 saves BERT without its tied decoder and warned "missing keys ... decoder.weight" on resume."""
+    import transformers.trainer
+    from torch.nn.modules.module import _IncompatibleKeys
+    from transformers import BertForMaskedLM
+
+    from hf_flatbias import FlatBiasTrainer
+    from hf_flatbias.checkpoints import tied_missing_keys
+    from tests.helpers.tiny_models import flatbias_config, randomly_masked_rows, tiny_bert_config, tiny_mlm
+
+    decoder = ["cls.predictions.decoder.weight", "cls.predictions.decoder.bias"]
+    trainer = FlatBiasTrainer(model=tiny_mlm(), args=flatbias_config(tmp_path), train_dataset=randomly_masked_rows())
+    warned: list[str] = []
+    monkeypatch.setattr(transformers.trainer.logger, "warning", warned.append)
+    trainer._issue_warnings_after_load(_IncompatibleKeys(decoder, []))
+    assert warned == []
+    trainer._issue_warnings_after_load(_IncompatibleKeys([*decoder, "bert.pooler.dense.weight"], []))
+    assert warned == ["There were missing keys in the checkpoint model loaded: ['bert.pooler.dense.weight']."]
+    # untied: the decoder's weight is a weight of its own, and its absence is reported
+    untied = BertForMaskedLM(tiny_bert_config(tie_word_embeddings=False))
+    assert "cls.predictions.decoder.weight" not in tied_missing_keys(untied, decoder)
+    # a tied key whose source is missing too is not covered by it
+    missing_source = [*decoder, "bert.embeddings.word_embeddings.weight"]
+    assert "cls.predictions.decoder.weight" not in tied_missing_keys(tiny_mlm(), missing_source)
+
+
+def test_the_demos_last_line_claims_tensorboard_logs_only_when_written(tmp_path, monkeypatch):
+    from hf_flatbias.commands import demo
+
+    monkeypatch.setattr(demo, "_tensorboard_installed", lambda: True)
+    assert (
+        demo.tensorboard_line(tmp_path)
+        == f"TensorBoard logs: none written under {tmp_path}, although tensorboard is installed"
+    )
+    (tmp_path / "sam" / "runs").mkdir(parents=True)
+    (tmp_path / "sam" / "runs" / "events.out.tfevents.1.host").write_bytes(b"")
+    assert demo.tensorboard_line(tmp_path) == f"TensorBoard logs: tensorboard --logdir {tmp_path}"
+    monkeypatch.setattr(demo, "_tensorboard_installed", lambda: False)
+    assert "none written (tensorboard is not installed" in demo.tensorboard_line(tmp_path / "sam" / "other")

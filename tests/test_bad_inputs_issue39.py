@@ -386,3 +386,108 @@ def test_the_demos_last_line_claims_tensorboard_logs_only_when_written(tmp_path,
     assert demo.tensorboard_line(tmp_path) == f"TensorBoard logs: tensorboard --logdir {tmp_path}"
     monkeypatch.setattr(demo, "_tensorboard_installed", lambda: False)
     assert "none written (tensorboard is not installed" in demo.tensorboard_line(tmp_path / "sam" / "other")
+
+
+# ---------------------------------------------------------------------------------------------- all of them at once
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    import hashlib
+
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()
+    }
+
+
+def test_every_bad_input_of_issue_39_is_one_line_and_loses_nothing(language_model, tmp_path):
+    """Every command-line bad input of issue 39 in one process: exit 2, one error line, no traceback, and every file
+    written before (the inputs, an earlier result named by --output, a card, the demo's runs) byte for byte the
+    same after. The recipes' bad inputs run in test_user_errors.py; the Hub's 404s, which need a server, above."""
+    from tests.test_user_errors import BAD_INPUTS, _recipe_outputs
+
+    fixture = tmp_path / "fixture"
+    fixture.mkdir()
+    earlier = fixture / "earlier.json"
+    earlier.write_text('{"estimate": {"mean": 1.0}}\n')
+    rows = {
+        "floats": [{"input_ids": [2, 5.5, 6.0, 3]}],
+        "string": [{"input_ids": "2 5 6 3"}],
+        "strings": [{"input_ids": ["2", "5", "3"]}],
+        "ok": [{"input_ids": [2, 5, 6, 3]}],
+    }
+    data = {name: _write_rows(fixture / f"{name}.jsonl", content) for name, content in rows.items()}
+    (fixture / "empty.txt").write_text("")
+    (fixture / "header.csv").write_text("text\n")
+    (fixture / "regular_file").write_text("kept\n")
+    garbage, adapter = _damaged_checkpoints(fixture, language_model)
+    cards = {name: _card(fixture / name.replace(" ", "_"), edit) for name, (edit, _) in IMPOSSIBLE_CARDS.items()}
+    good_card = _card(fixture / "good_card")
+    demo = fixture / "flatbias-demo"
+    for run in ("adamw", "sam"):
+        _card(demo / run)
+    (demo / "demo.json").write_text("{}")
+    llama = _llama_folder(fixture / "llama")
+    (fixture / "text.txt").write_text("w1 w2 w3\nw4 w5 w6\n")
+
+    def trace(source, *extra):
+        return ["trace", str(language_model), "--data", str(source), "--output", str(earlier), *extra]
+
+    cases = {
+        "float token ids": (trace(data["floats"]), "input_ids holds 5.5, not an integer token id"),
+        "token ids as a string": (trace(data["string"]), "input_ids is '2 5 6 3', not a list of token ids"),
+        "token ids as strings": (trace(data["strings"]), "input_ids holds '2', not an integer token id"),
+        "a billion draws": (trace(data["ok"], "--n-draws", "1000000000"), "outside the sane range 1..10,000"),
+        "a billion contexts": (trace(data["ok"], "--n-contexts", "1000000000"), "outside the sane range 1..1,000,000"),
+        **{f"card with a {name}": (["card", str(folder)], IMPOSSIBLE_CARDS[name][1]) for name, folder in cards.items()},
+        **{
+            f"compare with a {name}": (
+                ["compare", str(good_card), str(folder), "--sort", "trace"],
+                IMPOSSIBLE_CARDS[name][1],
+            )
+            for name, folder in cards.items()
+        },
+        "empty data file": (trace(fixture / "empty.txt"), "is empty; put text in it"),
+        "header-only data file": (trace(fixture / "header.csv"), "has a header line and no rows"),
+        "unknown GLUE task": (["glue", str(language_model), "--task", "sst3"], "Unknown GLUE task 'sst3'"),
+        "GLUE task offline without data": (
+            ["glue", str(language_model), "--task", "rte"],
+            "needs the Hugging Face Hub",
+        ),
+        "garbage config.json (trace)": (["trace", str(garbage), "--data", str(data["ok"])], "is not valid JSON"),
+        "garbage config.json (glue)": (["glue", str(garbage), "--task", "sst2"], "is not valid JSON"),
+        "demo below a regular file": (
+            ["demo", "--output-dir", str(fixture / "regular_file" / "demo")],
+            "regular_file is a file, so no folder can be made there",
+        ),
+        "offline card": (["card", "user/model"], "HF_HUB_OFFLINE is set"),
+        "offline compare": (["compare", str(good_card), "user/model"], "HF_HUB_OFFLINE is set"),
+        "the demo's folder as a card": (["card", str(demo)], "is the demo's output folder"),
+        "the demo's folder as a model": (trace(data["ok"])[:1] + [str(demo)] + trace(data["ok"])[2:], "pick"),
+        "a Llama folder without a tokenizer": (
+            ["trace", str(llama), "--data", str(fixture / "text.txt"), "--output", str(earlier)],
+            "holds no tokenizer (tokenizer.json, tokenizer_config.json, vocab.txt): pass --tokenizer",
+        ),
+        "an adapter whose base is gone": (
+            ["trace", str(adapter), "--data", str(data["ok"])],
+            "base_model_name_or_path",
+        ),
+    }
+    before = _digests(fixture)
+    runs = [(name, "cli", argv) for name, (argv, _) in cases.items()]
+    completed = subprocess.run(
+        [sys.executable, "-c", BAD_INPUTS, json.dumps(runs)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")},
+        timeout=300,
+    )
+    assert "Traceback" not in completed.stderr, completed.stderr[-3000:]
+    outputs = _recipe_outputs(completed)
+    assert list(outputs) == list(cases)
+    for name, (argv, expected) in cases.items():
+        text, code = outputs[name]
+        assert code == 2, (name, text)
+        assert expected in _one_error_line(text, f"hf-flatbias {argv[0]}"), (name, text)
+    assert completed.stdout == ""  # no card shown, no table ranked, no "writing to ..."
+    assert _digests(fixture) == before

@@ -33,9 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.register(subparsers)
-    for (
-        subparser
-    ) in subparsers.choices.values():  # `hf-flatbias trace ... --debug` as well as `hf-flatbias --debug trace`
+    # `hf-flatbias trace ... --debug` as well as `hf-flatbias --debug trace ...`
+    for subparser in subparsers.choices.values():
         subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 

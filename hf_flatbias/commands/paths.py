@@ -104,11 +104,12 @@ def check_local_checkpoint(path: str, label: str) -> None:
             ) from None
         if not isinstance(content, dict):
             raise ValueError(f"{label} {path}: {file} holds {type(content).__name__}, not a JSON object of settings.")
-    adapter = folder / "adapter_config.json"
-    if adapter.is_file():
-        base = json.loads(adapter.read_text(encoding="utf-8")).get("base_model_name_or_path")
-        if isinstance(base, str) and base:
-            local_path_or_hub_id(base, f"{label} {path}: the base model in {adapter}, base_model_name_or_path")
+    from .trace_inputs import peft_base_model
+
+    base = peft_base_model(path)
+    if base is not None:
+        adapter = folder / "adapter_config.json"
+        local_path_or_hub_id(base, f"{label} {path}: the base model in {adapter}, base_model_name_or_path")
 
 
 def check_not_demo_folder(path: str, label: str) -> None:

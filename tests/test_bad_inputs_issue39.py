@@ -204,9 +204,9 @@ def test_checks_that_waited_for_a_full_load_come_before_torch(language_model, tm
         "GLUE task offline without data": (["glue", str(language_model), "--task", "rte"], "--data-dir on the command"),
         "garbage config.json in trace": (
             ["trace", str(garbage), "--data", str(empty)],
-            f"{garbage / 'config.json'} is not valid JSON",
+            f"{garbage / 'config.json'} is not a valid JSON file",
         ),
-        "garbage config.json in glue": (["glue", str(garbage), "--task", "sst2"], "is not valid JSON"),
+        "garbage config.json in glue": (["glue", str(garbage), "--task", "sst2"], "is not a valid JSON file"),
         "adapter without its base": (
             ["trace", str(adapter), "--data", str(empty)],
             f"{adapter / 'adapter_config.json'}, base_model_name_or_path {tmp_path / 'gone'}: no such file or folder",
@@ -453,8 +453,8 @@ def test_every_bad_input_of_issue_39_is_one_line_and_loses_nothing(language_mode
             ["glue", str(language_model), "--task", "rte"],
             "needs the Hugging Face Hub",
         ),
-        "garbage config.json (trace)": (["trace", str(garbage), "--data", str(data["ok"])], "is not valid JSON"),
-        "garbage config.json (glue)": (["glue", str(garbage), "--task", "sst2"], "is not valid JSON"),
+        "garbage config.json (trace)": (["trace", str(garbage), "--data", str(data["ok"])], "is not a valid JSON file"),
+        "garbage config.json (glue)": (["glue", str(garbage), "--task", "sst2"], "is not a valid JSON file"),
         "demo below a regular file": (
             ["demo", "--output-dir", str(fixture / "regular_file" / "demo")],
             "regular_file is a file, so no folder can be made there",

@@ -99,7 +99,7 @@ def check_local_checkpoint(path: str, label: str) -> None:
             content = json.loads(file.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise ValueError(
-                f"{label} {path}: {file} is not valid JSON ({error}); the checkpoint is damaged: save it again "
+                f"{label} {path}: {file} is not a valid JSON file ({error}); the checkpoint is damaged: save it again "
                 "(model.save_pretrained) or point at another checkpoint."
             ) from None
         if not isinstance(content, dict):

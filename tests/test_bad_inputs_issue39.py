@@ -491,3 +491,17 @@ def test_every_bad_input_of_issue_39_is_one_line_and_loses_nothing(language_mode
         assert expected in _one_error_line(text, f"hf-flatbias {argv[0]}"), (name, text)
     assert completed.stdout == ""  # no card shown, no table ranked, no "writing to ..."
     assert _digests(fixture) == before
+
+
+def test_the_library_bounds_draws_and_contexts_as_the_command_line_does():
+    """The API allocates a batch's draws at once too: refused when the settings are made, not at the first measure."""
+    from hf_flatbias import HessianTraceCallback
+    from hf_flatbias.flatness import TraceSettings
+
+    with pytest.raises(ValueError, match="n_draws=1000000000 is more than 10,000"):
+        TraceSettings(n_draws=10**9)
+    for name, value in (("n_draws", 10**9), ("n_contexts", 10**9)):
+        with pytest.raises(ValueError, match=f"{name}={value} is more than"):
+            HessianTraceCallback(**{name: value})
+    TraceSettings(n_draws=10_000)
+    HessianTraceCallback(n_draws=10_000, n_contexts=1_000_000)

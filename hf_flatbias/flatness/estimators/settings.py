@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, ESTIMATORS, HUTCHINSON_PROBES, RECOMMENDED_N_DRAWS
+from ...constants import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_ESTIMATOR,
+    ESTIMATORS,
+    HUTCHINSON_PROBES,
+    MAX_N_DRAWS,
+    RECOMMENDED_N_DRAWS,
+)
 from ..groups import GroupOf
 from .registry import ESTIMATOR_REGISTRY, probed_estimators
 
@@ -55,6 +62,10 @@ class TraceSettings:
         if not isinstance(self.n_draws, int) or self.n_draws < 1:
             raise ValueError(
                 f"n_draws must be an integer >= 1 (got {self.n_draws!r}); {RECOMMENDED_N_DRAWS} is usually best."
+            )
+        if self.n_draws > MAX_N_DRAWS:  # the draws of a batch are allocated at once: 10^9 of them grew past 14 GB
+            raise ValueError(
+                f"n_draws={self.n_draws} is more than {MAX_N_DRAWS:,}; {RECOMMENDED_N_DRAWS} is usually best."
             )
         if self.batch_size != "auto" and (not isinstance(self.batch_size, int) or self.batch_size < 1):
             raise ValueError(f"batch_size must be an integer >= 1 or 'auto' (got {self.batch_size!r}).")

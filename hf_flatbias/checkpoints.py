@@ -228,3 +228,19 @@ def _process_alive(pid: Any) -> bool:
     except PermissionError:
         return True  # it exists, under another user
     return True
+
+
+def tied_missing_keys(model: Any, missing_keys: list[str]) -> set[str]:
+    """The ``missing_keys`` of a checkpoint load that are tied weights (``model.all_tied_weights_keys``, transformers
+    5: key -> the key it shares with) holding the very tensor of a key that was not missing: nothing is lost."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    missing = set(missing_keys)
+    tensors = dict(model.state_dict(keep_vars=True))
+    return {
+        key
+        for key in missing
+        if tied.get(key) in tensors
+        and tied[key] not in missing
+        and key in tensors
+        and tensors[key] is tensors[tied[key]]
+    }

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.register(subparsers)
+    # `hf-flatbias trace ... --debug` as well as `hf-flatbias --debug trace ...`
+    for subparser in subparsers.choices.values():
+        subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
@@ -75,13 +78,18 @@ def run_reporting_errors(name: str, call: Callable[[], Any], *, debug: bool = Fa
     except (ValueError, OSError) as error:
         if debug:
             raise
-        print(f"{name}: error: {error}", file=sys.stderr)
+        print(f"{name}: error: {one_line(str(error))}", file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:
         if debug:
             raise
         print(f"{name}: interrupted", file=sys.stderr)
         return INTERRUPTED
+
+
+def one_line(message: str) -> str:
+    """A message's lines joined into one: an error is reported in one line, whichever library wrote it."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
 def run_recipe(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> NoReturn:

@@ -30,7 +30,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
-from .checkpoints import checkpoint_to_resume, output_dir_lock
+from .checkpoints import checkpoint_to_resume, output_dir_lock, tied_missing_keys
 from .config import FlatBiasConfig, FlatnessArguments, as_flatness_config
 from .corpus import CorpusSpec
 from .modelcard import FlatnessCard, flatness_card_from_trainer
@@ -334,6 +334,14 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
                 f"{path} is missing: the {self.args.flatness_method} run resumes without "
                 f"{self.flatness_method.checkpointed_state} and will not repeat an uninterrupted run exactly."
             )
+
+    def _issue_warnings_after_load(self, load_result: Any) -> None:
+        # A checkpoint leaves out tied weights (BERT's decoder shares the word embeddings): transformers 5 then warns
+        # that they are missing on every resume. Only keys that share their tensor with a loaded one are dropped.
+        tied = tied_missing_keys(unwrap_peft_model(self.model), load_result.missing_keys)
+        if tied:
+            load_result = load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in tied])
+        super()._issue_warnings_after_load(load_result)
 
     # ------------------------------------------------------------------ logging
 

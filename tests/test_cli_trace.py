@@ -170,7 +170,7 @@ def test_a_config_json_that_is_not_json_is_one_line_naming_it(checkpoint, tmp_pa
             (broken / path.name).write_bytes(path.read_bytes())
     (broken / "config.json").write_text("{not json")
     error = _one_line_error(capsys, ["trace", str(broken), "--data", str(data)])
-    assert str(broken / "config.json") in error and "not valid JSON" in error
+    assert str(broken / "config.json") in error and "not a valid JSON" in error
 
 
 def test_trace_command_prints_the_split_by_group_and_plots_it(checkpoint, tmp_path, capsys):

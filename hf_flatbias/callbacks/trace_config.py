@@ -13,6 +13,8 @@ from ..constants import (
     DEFAULT_ESTIMATOR,
     DEFAULT_SAM_RHO,
     ESTIMATORS,
+    MAX_N_CONTEXTS,
+    MAX_N_DRAWS,
     RECOMMENDED_N_DRAWS,
     SPECTRUM_MATRICES,
 )
@@ -86,6 +88,9 @@ class TraceCallbackConfig:
     def __post_init__(self) -> None:
         for name in ("n_contexts", "n_draws", "batch_size"):
             _check_int(name, getattr(self, name), minimum=1)
+        for name, most in (("n_contexts", MAX_N_CONTEXTS), ("n_draws", MAX_N_DRAWS)):
+            if getattr(self, name) > most:  # refused at construction, not when the first measurement allocates
+                raise ValueError(f"{name}={getattr(self, name)} is more than {most:,}; pass at most {name}={most}.")
         _check_int("every_n_steps", self.every_n_steps, minimum=1, optional=True)
         _check_int("seed", self.seed)
         _check_int("mask_token_id", self.mask_token_id, minimum=0, optional=True)

@@ -8,7 +8,7 @@ import json
 import sys
 import warnings
 
-from .paths import local_path_or_hub_id
+from .paths import check_not_demo_folder, local_path_or_hub_id
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Bad input (not a card, no such file, a Hub error) raises; `cli.main` reports it in one line."""
     source = local_path_or_hub_id(args.repo_or_path, "REPO_OR_PATH", file_suffixes=(".md",))
+    check_not_demo_folder(source, "REPO_OR_PATH")
     from ..modelcard import load_flatness_card
 
     card = read_card_reporting_warnings("hf-flatbias card", load_flatness_card, source, args.revision)

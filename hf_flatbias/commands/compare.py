@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from .paths import local_path_or_hub_id
+from .paths import check_not_demo_folder, local_path_or_hub_id
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
     """Bad input (not a card, no such file, a Hub error) raises; `cli.main` reports it in one line."""
     # every path is checked before the first card is fetched from the Hub
     sources = [local_path_or_hub_id(name, "REPO_OR_PATH", file_suffixes=(".md",)) for name in args.models]
+    for source in sources:
+        check_not_demo_folder(source, "REPO_OR_PATH")
     from ..modelcard import format_comparison_table, load_flatness_card
     from .card import read_card_reporting_warnings
 

@@ -34,18 +34,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--output-dir", default="flatbias-demo", help="where both runs, the plot and the JSON go")
+    parser.add_argument(
+        "--output-dir", default="flatbias-demo", help="where both runs, the plot and the JSON go (default: %(default)s)"
+    )
     parser.add_argument(
         "--sam-rho", type=float, default=DEFAULT_SAM_RHO, help="SAM neighbourhood radius (default: %(default)s)"
     )
     # the flag's spelling before it matched `hf-flatbias trace --sam-rho`: still read, no longer shown
     parser.add_argument("--rho", dest="sam_rho", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=600, help="optimizer steps of each run")
-    parser.add_argument("--eval-every", type=int, default=100, help="steps between evaluations and checkpoints")
-    parser.add_argument("--n-train", type=int, default=20000, help="generated training sentences")
-    parser.add_argument("--trace-contexts", type=int, default=256, help="masked contexts per trace measurement")
-    parser.add_argument("--n-probe", type=int, default=500, help="sentences to fit the probe (and as many to score)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the grammar, the data and the models")
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps of each run (default: %(default)s)")
+    parser.add_argument(
+        "--eval-every", type=int, default=100, help="steps between evaluations and checkpoints (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--n-train", type=int, default=20000, help="generated training sentences (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--trace-contexts", type=int, default=256, help="masked contexts per trace measurement (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--n-probe",
+        type=int,
+        default=500,
+        help="sentences to fit the probe, and as many to score (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the grammar, the data and the models (default: %(default)s)"
+    )
     parser.set_defaults(func=run_demo)
 
 
@@ -119,11 +134,22 @@ def _compare_runs(args: argparse.Namespace, output_dir: Path) -> int:
     print(f"\nplot: {plot_path}\nnumbers: {output_dir / 'demo.json'}")
     print(f"model cards: {output_dir / 'adamw' / 'README.md'}, {output_dir / 'sam' / 'README.md'}")
     print(f"choose a checkpoint by flatness: hf-flatbias select {output_dir / 'sam'}")
-    if _tensorboard_installed():
-        print(f"TensorBoard logs: tensorboard --logdir {output_dir}")
-    else:
-        print("TensorBoard logs: none written (tensorboard is not installed; pip install tensorboard to get them)")
+    print(tensorboard_line(output_dir))
     return 0
+
+
+def tensorboard_line(output_dir: Path) -> str:
+    """The closing line on TensorBoard logs, claiming them only when event files were written under ``output_dir``."""
+    if any(output_dir.rglob("events.out.tfevents.*")):
+        return f"TensorBoard logs: tensorboard --logdir {output_dir}"
+    if _tensorboard_installed():
+        return f"TensorBoard logs: none written under {output_dir}, although tensorboard is installed"
+    return "TensorBoard logs: none written (tensorboard is not installed; pip install tensorboard to get them)"
+
+
+def is_demo_folder(folder: Path) -> bool:
+    """Whether ``folder`` is the demo's output folder (one run folder per optimizer), not a checkpoint or card."""
+    return (folder / "demo.json").is_file() or all((folder / label).is_dir() for label in RUNS)
 
 
 def _tensorboard_installed() -> bool:

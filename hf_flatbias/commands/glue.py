@@ -35,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS), help="Default: %(default)s.")
     parser.add_argument("--data-dir", default=None, help="Local GLUE files (train.* and validation.*).")
     parser.add_argument(
+        "--tokenizer", default=None, help="Tokenizer folder or Hub id, for a checkpoint saved without its tokenizer."
+    )
+    parser.add_argument(
         "--learning-rate",
         type=float,
         default=None,
@@ -64,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     check_arguments(args)  # before torch and transformers load
     model = local_path_or_hub_id(args.model, "MODEL")
     data_dir = None if args.data_dir is None else existing_local_path(args.data_dir, "--data-dir")
+    tokenizer = None if args.tokenizer is None else local_path_or_hub_id(args.tokenizer, "--tokenizer")
     check_local_checkpoint(model, "MODEL")
     from ..glue.data import glue_data_source
 
@@ -86,7 +90,15 @@ def run(args: argparse.Namespace) -> int:
         max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size,
     )
-    result = finetune_glue(model, args.task, arguments, config, data_dir=data_dir, output_dir=args.output_dir)
+    result = finetune_glue(
+        model,
+        args.task,
+        arguments,
+        config,
+        data_dir=data_dir,
+        tokenizer_name_or_path=tokenizer,
+        output_dir=args.output_dir,
+    )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

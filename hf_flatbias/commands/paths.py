@@ -90,6 +90,7 @@ def check_local_checkpoint(path: str, label: str) -> None:
     folder = Path(path)
     if not folder.is_dir():
         return
+    check_not_demo_folder(path, label)
     for name in CHECKPOINT_JSON_FILES:
         file = folder / name
         if not file.is_file():
@@ -98,16 +99,27 @@ def check_local_checkpoint(path: str, label: str) -> None:
             content = json.loads(file.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise ValueError(
-                f"{label} {path}: {file} is not valid JSON ({error}); the checkpoint is damaged: save it again "
+                f"{label} {path}: {file} is not a valid JSON file ({error}); the checkpoint is damaged: save it again "
                 "(model.save_pretrained) or point at another checkpoint."
             ) from None
         if not isinstance(content, dict):
             raise ValueError(f"{label} {path}: {file} holds {type(content).__name__}, not a JSON object of settings.")
-    adapter = folder / "adapter_config.json"
-    if adapter.is_file():
-        base = json.loads(adapter.read_text(encoding="utf-8")).get("base_model_name_or_path")
-        if isinstance(base, str) and base:
-            local_path_or_hub_id(base, f"{label} {path}: the base model in {adapter}, base_model_name_or_path")
+    from .trace_inputs import peft_base_model
+
+    base = peft_base_model(path)
+    if base is not None:
+        adapter = folder / "adapter_config.json"
+        local_path_or_hub_id(base, f"{label} {path}: the base model in {adapter}, base_model_name_or_path")
+
+
+def check_not_demo_folder(path: str, label: str) -> None:
+    """Refuse the demo's output folder where one run (a checkpoint, a card) is meant, naming the runs in it."""
+    from .demo import RUNS, is_demo_folder
+
+    folder = Path(path)
+    if folder.is_dir() and not (folder / "config.json").is_file() and is_demo_folder(folder):
+        runs = " or ".join(str(folder / run) for run in RUNS)
+        raise ValueError(f"{label} {path} is the demo's output folder, one run per optimizer: pick {runs}.")
 
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")

@@ -8,7 +8,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ..constants import TRACE_METRIC, TRACE_STDERR_METRIC
-from .paths import existing_local_path
+from .paths import check_not_demo_folder, existing_local_path
 
 if TYPE_CHECKING:
     from ..selection import CheckpointRecord
@@ -83,6 +83,7 @@ def _fmt(value: float | None) -> str:
 
 def _load_records(args: argparse.Namespace) -> list[CheckpointRecord]:
     path = existing_local_path(args.source, "SOURCE")
+    check_not_demo_folder(path, "SOURCE")
     from ..selection import CheckpointRecord, records_from_log_history
 
     checkpoint_dir = None

@@ -24,11 +24,12 @@ from .trace_inputs import (
     checked_device,
     checked_token_rows,
     count_labelled,
-    has_tokenizer_files,
     load_language_model,
     load_rows,
+    load_tokenizer_from,
     peft_base_model,
     token_limit,
+    tokenizer_source_of,
 )
 from .trace_measures import (
     add_measure_arguments,
@@ -75,6 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--split", default=None, help="Dataset split (default: validation if present, else train).")
     parser.add_argument("--config-name", default=None, help="Hub dataset configuration (e.g. wikitext-2-raw-v1).")
     parser.add_argument("--text-column", default="text", help="Column holding raw text (default: text).")
+    parser.add_argument(
+        "--tokenizer", default=None, help="Tokenizer folder or Hub id, for a checkpoint saved without its tokenizer."
+    )
     parser.add_argument(
         "--max-length",
         type=int,
@@ -136,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
     args.model = local_path_or_hub_id(args.model, "MODEL")
     args.data = local_path_or_hub_id(args.data, "--data", file_suffixes=tuple(DATA_FILE_BUILDERS))
     check_local_checkpoint(args.model, "MODEL")  # a damaged config.json, an adapter's missing base: before loading
+    if args.tokenizer is not None:
+        args.tokenizer = local_path_or_hub_id(args.tokenizer, "--tokenizer")
     check_data_file(args.data, flag="--data")  # an empty file: before torch and datasets load
     check_output_file(args.output, "--output")
     if args.plot:
@@ -247,7 +253,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
@@ -288,7 +294,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     model = load_language_model(args.model, base_model, causal, revision=revision)
     model.to(device)
     vocab_size = output_vocab_size(model)
-    tokenizer_source = args.model if base_model is None or has_tokenizer_files(args.model) else base_model
+    tokenizer_source = tokenizer_source_of(args.model, base_model, args.tokenizer)
+    # the revision is the model repo's: a tokenizer named apart (--tokenizer, a base model) is read at its main
+    tokenizer_revision = revision if tokenizer_source == args.model else None
     tokenizer = None
     if "input_ids" not in rows[0]:
         if args.text_column not in rows[0]:
@@ -296,7 +304,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 f"Rows of {args.data} have neither input_ids nor a {args.text_column!r} column (columns: "
                 f"{sorted(rows[0])}); name the text column with --text-column."
             )
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, revision=revision)
+        tokenizer = load_tokenizer_from(tokenizer_source, revision=tokenizer_revision)
         texts = [row[args.text_column] for row in rows if row[args.text_column] and row[args.text_column].strip()]
         if not texts:
             raise ValueError(f"The {args.text_column!r} column of {args.data} holds no text.")
@@ -316,7 +324,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             _notice(f"--n-contexts {args.n_contexts}: {args.data} labels {n_contexts} positions; using those.")
     else:
         if tokenizer is None and not causal:
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, revision=revision)
+            tokenizer = load_tokenizer_from(tokenizer_source, revision=tokenizer_revision)
             check_tokenizer_fits_model(
                 tokenizer,
                 vocab_size,

@@ -144,7 +144,31 @@ def peft_base_model(model: str) -> str | None:
 
 
 def has_tokenizer_files(folder: str) -> bool:
-    return any(Path(folder, name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"))
+    return any(Path(folder, name).is_file() for name in TOKENIZER_FILES)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt")
+
+
+def tokenizer_source_of(model: str, base_model: str | None, tokenizer: str | None = None) -> str:
+    """Where the tokenizer comes from: ``--tokenizer``, else the checkpoint, else a PEFT adapter's base model."""
+    if tokenizer is not None:
+        return tokenizer
+    return model if base_model is None or has_tokenizer_files(model) else base_model
+
+
+def load_tokenizer_from(source: str, *, revision: str | None = None):
+    """``AutoTokenizer`` of ``source``; a local folder without tokenizer files is refused naming ``--tokenizer``
+    (transformers fails on a Llama folder with "Couldn't instantiate the backend tokenizer", and makes a
+    special-tokens-only tokenizer of a BERT folder)."""
+    if Path(source).is_dir() and not has_tokenizer_files(source):
+        raise ValueError(
+            f"{source} holds no tokenizer ({', '.join(TOKENIZER_FILES)}): pass --tokenizer with the folder or Hub id "
+            "of the tokenizer the model was trained with."
+        )
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source, revision=revision)
 
 
 def load_language_model(model: str, base_model: str | None, causal: bool, *, revision: str | None = None):

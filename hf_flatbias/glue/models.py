@@ -19,7 +19,7 @@ def load_tokenizer(model_name_or_path: str, tokenizer_name_or_path: str | None =
     except (OSError, ValueError) as error:
         raise ValueError(
             f"No tokenizer could be loaded from {source!r} ({error}). Save one next to the checkpoint or pass "
-            "tokenizer_name_or_path."
+            "tokenizer_name_or_path (--tokenizer on the command line)."
         ) from error
     check_tokenizer_fits_model(tokenizer, None, source=source)
     return tokenizer

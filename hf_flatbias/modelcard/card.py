@@ -404,9 +404,7 @@ def load_flatness_card(
         name, revision = split_revision(str(repo_id_or_path), revision)
         if not _looks_like_repo_id(name):
             raise ValueError(f"{name!r} is neither an existing file or folder nor a Hub repo id like 'user/model'.")
-        from huggingface_hub import hf_hub_download
-
-        card_path = Path(hf_hub_download(name, CARD_FILENAME, revision=revision, token=token, cache_dir=cache_dir))
+        card_path = _download_card(name, revision=revision, token=token, cache_dir=cache_dir)
     source = str(card_path) if local.exists() else f"{repo_id_or_path} ({CARD_FILENAME})"
     try:
         card = ModelCard(card_path.read_text(encoding="utf-8"))
@@ -446,6 +444,22 @@ def split_revision(name: str, revision: str | None = None) -> tuple[str, str | N
     if revision is not None and revision != own:
         raise ValueError(f"{name!r} and revision={revision!r} name two revisions; give one.")
     return repo_id, own
+
+
+def _download_card(repo_id: str, **download: Any) -> Path:
+    """The card file of a Hub repository; a missing repository, revision or card, or an offline client, raises
+    `ValueError` in one line (huggingface_hub's text spans up to seven)."""
+    from huggingface_hub import hf_hub_download
+
+    from ..hub import hub_download_error
+
+    try:
+        return Path(hf_hub_download(repo_id, CARD_FILENAME, **download))
+    except Exception as error:
+        explained = hub_download_error(error, repo_id, CARD_FILENAME, download.get("revision"))
+        if explained is None:
+            raise
+        raise ValueError(explained) from error
 
 
 def _looks_like_repo_id(name: str) -> bool:

@@ -9,6 +9,7 @@ from ...constants import (
     DEFAULT_ESTIMATOR,
     ESTIMATORS,
     HUTCHINSON_PROBES,
+    MAX_N_DRAWS,
     OUTPUT_PROBES,
     PROBED_ESTIMATORS,
     RECOMMENDED_N_DRAWS,
@@ -76,6 +77,10 @@ class TraceSettings:
         if not isinstance(self.n_draws, int) or self.n_draws < 1:
             raise ValueError(
                 f"n_draws must be an integer >= 1 (got {self.n_draws!r}); {RECOMMENDED_N_DRAWS} is usually best."
+            )
+        if self.n_draws > MAX_N_DRAWS:  # the draws of a batch are allocated at once: 10^9 of them grew past 14 GB
+            raise ValueError(
+                f"n_draws={self.n_draws} is more than {MAX_N_DRAWS:,}; {RECOMMENDED_N_DRAWS} is usually best."
             )
         if self.batch_size != "auto" and (not isinstance(self.batch_size, int) or self.batch_size < 1):
             raise ValueError(f"batch_size must be an integer >= 1 or 'auto' (got {self.batch_size!r}).")

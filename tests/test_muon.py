@@ -187,3 +187,14 @@ def test_muon_with_adamw_state_round_trips_and_schedules_both(tmp_path):
     assert buffers and all(
         torch.equal(a, b["momentum_buffer"]) for a, b in zip(buffers, optimizer.muon.state.values(), strict=True)
     )
+
+
+def test_adamw_for_sends_chosen_matrices_to_adamw():
+    model = tiny_classifier()
+    embedding = model.get_input_embeddings().weight
+    optimizer = MuonWithAdamW(model.parameters(), adamw_for=lambda p: p is embedding)
+    in_muon = {id(p) for group in optimizer.muon.param_groups for p in group["params"]}
+    in_adamw = {id(p) for group in optimizer.adamw.param_groups for p in group["params"]}
+    assert id(embedding) in in_adamw and id(embedding) not in in_muon
+    assert all(p.ndim == 2 for group in optimizer.muon.param_groups for p in group["params"])
+    assert in_muon | in_adamw == {id(p) for p in model.parameters()} and not in_muon & in_adamw

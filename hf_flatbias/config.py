@@ -215,6 +215,9 @@ class FlatnessArguments:
             )
         self._validate_regularizer_arguments()
         self._validate_sam_step_options()
+        # a backend or a mode turns torch_compile on in the host's __post_init__, which runs after this
+        compile_fields = ("torch_compile", "torch_compile_backend", "torch_compile_mode")
+        check_torch_compile_supports(self.flatness_method, any(getattr(self, name, None) for name in compile_fields))
         self._warn_about_unread_hyperparameters()
 
     def _validate_regularizer_arguments(self) -> None:
@@ -344,6 +347,25 @@ class FlatnessArguments:
     @property
     def uses_penalty(self) -> bool:
         return self.flatness_method in PENALTY_METHODS
+
+
+#: Flatness methods refused with ``torch_compile``, each with its reason (the others are tested equal to eager).
+TORCH_COMPILE_REFUSALS = {
+    "functional_sam": "its first pass takes dL/dF, the loss's gradient with respect to the logits, but a compiled "
+    "forward returns the loss and the logits as separate outputs of one graph, so the loss does not depend on the "
+    "logits tensor it returns",
+}
+
+
+def check_torch_compile_supports(flatness_method: str, torch_compile: bool) -> None:
+    """Raise a one-line ``ValueError`` when ``flatness_method`` cannot run with ``torch_compile`` (before training)."""
+    reason = TORCH_COMPILE_REFUSALS.get(flatness_method) if torch_compile else None
+    if reason is not None:
+        raise ValueError(
+            f"flatness_method={flatness_method!r} is not supported with torch_compile=True: {reason}. Set "
+            "torch_compile=False (and no torch_compile_backend/mode), or use 'sam', whose steps are tested equal to "
+            "eager under compile."
+        )
 
 
 def _is_number(value) -> bool:

@@ -187,3 +187,32 @@ def test_muon_with_adamw_state_round_trips_and_schedules_both(tmp_path):
     assert buffers and all(
         torch.equal(a, b["momentum_buffer"]) for a, b in zip(buffers, optimizer.muon.state.values(), strict=True)
     )
+
+
+def test_adamw_for_sends_chosen_matrices_to_adamw():
+    model = tiny_classifier()
+    embedding = model.get_input_embeddings().weight
+    optimizer = MuonWithAdamW(model.parameters(), adamw_for=lambda p: p is embedding)
+    in_muon = {id(p) for group in optimizer.muon.param_groups for p in group["params"]}
+    in_adamw = {id(p) for group in optimizer.adamw.param_groups for p in group["params"]}
+    assert id(embedding) in in_adamw and id(embedding) not in in_muon
+    assert all(p.ndim == 2 for group in optimizer.muon.param_groups for p in group["params"])
+    assert in_muon | in_adamw == {id(p) for p in model.parameters()} and not in_muon & in_adamw
+
+
+def test_resumed_sam_run_with_muon_is_bit_identical(tmp_path):
+    """The Trainer saves and reloads MuonWithAdamW's state (Muon's momentum, AdamW's moments) with the checkpoint."""
+    rows = classification_rows(20)
+    common = dict(flatness_method="sam", sam_rho=0.05, max_steps=5)
+
+    def run(output_dir, resume=None, **extra):
+        model = tiny_classifier()
+        args = flatbias_config(output_dir, **common, **extra)
+        trainer = FlatBiasTrainer(model=model, args=args, train_dataset=rows, optimizers=(muon_with_adamw(model), None))
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer.model
+
+    straight = run(tmp_path / "straight")
+    run(tmp_path / "resumed", save_strategy="steps", save_steps=2)
+    resumed = run(tmp_path / "resumed", str(tmp_path / "resumed" / "checkpoint-2"), save_strategy="steps", save_steps=2)
+    assert max_param_diff(resumed, straight) == 0.0

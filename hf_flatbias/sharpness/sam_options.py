@@ -122,7 +122,10 @@ def select_parameters(
 
 def select_sam_parameters(module: torch.nn.Module, spec: str) -> list[torch.nn.Parameter]:
     """`select_parameters` among the trainable parameters of ``module``, in its order; ``"output_layer"`` is the
-    layer ``get_output_embeddings()`` returns (of the base model under peft)."""
+    layer ``get_output_embeddings()`` returns (of the base model under peft). A compiled module (``torch.compile``'s
+    wrapper, which accelerate's ``unwrap_model`` keeps) is read through the module it compiled, whose parameter names
+    have no ``_orig_mod.`` prefix."""
+    module = getattr(module, "_orig_mod", module)
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     output_layer = ()
     if spec.strip() == "output_layer":

@@ -22,9 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..constants import DEFAULT_SAM_RHO, RECOMMENDED_N_DRAWS, TRACE_METRIC, TRACE_STDERR_METRIC
-from .paths import check_output_folder
-
-RUNS = {"adamw": "none", "sam": "sam"}  # run label -> flatness_method
+from .paths import DEMO_RUNS, check_output_folder
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -72,7 +70,7 @@ def run_demo(args: argparse.Namespace) -> int:
         raise ValueError(f"--sam-rho must be > 0 (got {args.sam_rho}).")
     check_output_folder(args.output_dir, "--output-dir")  # before "writing to ..." and the minute of training
     output_dir = Path(args.output_dir)
-    earlier = sorted(str(path) for label in RUNS for path in (output_dir / label).glob("checkpoint-*"))
+    earlier = sorted(str(path) for label in DEMO_RUNS for path in (output_dir / label).glob("checkpoint-*"))
     if earlier:
         # the comparison and `hf-flatbias select` read every checkpoint-* folder: an earlier run's would mix in
         raise ValueError(
@@ -112,7 +110,7 @@ def _compare_runs(args: argparse.Namespace, output_dir: Path) -> int:
         probe_pooling="concat",
     )
     histories = {}
-    for label, method in RUNS.items():
+    for label, method in DEMO_RUNS.items():
         start = time.perf_counter()
         print(f"training {label}: {args.steps} steps, evaluated every {args.eval_every}...", flush=True)
         histories[label] = _train(setup, label, method, args, output_dir / label)
@@ -145,11 +143,6 @@ def tensorboard_line(output_dir: Path) -> str:
     if _tensorboard_installed():
         return f"TensorBoard logs: none written under {output_dir}, although tensorboard is installed"
     return "TensorBoard logs: none written (tensorboard is not installed; pip install tensorboard to get them)"
-
-
-def is_demo_folder(folder: Path) -> bool:
-    """Whether ``folder`` is the demo's output folder (one run folder per optimizer), not a checkpoint or card."""
-    return (folder / "demo.json").is_file() or all((folder / label).is_dir() for label in RUNS)
 
 
 def _tensorboard_installed() -> bool:

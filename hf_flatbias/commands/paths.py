@@ -112,13 +112,20 @@ def check_local_checkpoint(path: str, label: str) -> None:
         local_path_or_hub_id(base, f"{label} {path}: the base model in {adapter}, base_model_name_or_path")
 
 
+DEMO_RUNS = {"adamw": "none", "sam": "sam"}
+"""The demo's runs, one folder each under its output folder: run label -> flatness_method."""
+
+
+def is_demo_folder(folder: Path) -> bool:
+    """Whether ``folder`` is the demo's output folder (one run folder per optimizer), not a checkpoint or card."""
+    return (folder / "demo.json").is_file() or all((folder / label).is_dir() for label in DEMO_RUNS)
+
+
 def check_not_demo_folder(path: str, label: str) -> None:
     """Refuse the demo's output folder where one run (a checkpoint, a card) is meant, naming the runs in it."""
-    from .demo import RUNS, is_demo_folder
-
     folder = Path(path)
     if folder.is_dir() and not (folder / "config.json").is_file() and is_demo_folder(folder):
-        runs = " or ".join(str(folder / run) for run in RUNS)
+        runs = " or ".join(str(folder / run) for run in DEMO_RUNS)
         raise ValueError(f"{label} {path} is the demo's output folder, one run per optimizer: pick {runs}.")
 
 

@@ -796,3 +796,9 @@ def test_a_card_written_before_the_objective_fields_reads_as_unknown_not_as_pret
     for field_name, value in (("objective", "pretraining"), ("trace_objective", "masked")):
         with pytest.raises(ValueError, match=field_name):
             full_card(**{field_name: value}).validate()
+
+
+def test_a_base_model_folder_from_the_peft_config_is_named_but_not_linked_to_the_hub():
+    local = FlatnessCard("x", base_model="/models/base", adapter="LORA").render()
+    assert "`/models/base` (LORA adapters on it)" in local and "huggingface.co//models" not in local
+    assert "[org/base](https://huggingface.co/org/base)" in FlatnessCard("x", base_model="org/base").render()

@@ -381,6 +381,8 @@ class FlatnessCard:
             card_data=metadata,
             card=self,
             objective=self.trained_objective,
+            # a PEFT config records the base model's local folder when it was loaded from one: not a Hub link
+            base_model_on_hub=bool(self.base_model) and _looks_like_repo_id(self.base_model),
             trace_text=format_trace(self.hessian_trace, self.hessian_trace_stderr),
             loss_text=format_number(self.pretraining_loss),
             method_text=format_method(self),

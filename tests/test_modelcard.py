@@ -40,6 +40,8 @@ def full_card(**changes):
         model_name="tiny-sam",
         method="sam",
         sam_rho=0.05,
+        objective="masked_lm",
+        trace_objective="masked_position",
         pretraining_loss=2.5,
         pretraining_loss_source="eval",
         hessian_trace=123.25,
@@ -136,6 +138,8 @@ def test_every_field_is_declared_in_the_schema_and_round_trips_when_set(tmp_path
         pretraining_corpus=CorpusSpec("bbc_news", validation_texts=30),
         base_model="user/base",
         language=["en", "fr"],
+        trainable_parameters=100,
+        adapter="LORA",
     )
     unused = set(METHOD_HYPERPARAMETERS) - set(FLATNESS_METHOD_HYPERPARAMETERS["asam"])
     for item in dataclasses.fields(FlatnessCard):
@@ -314,7 +318,7 @@ def test_the_trace_is_named_by_what_its_estimator_measured(tmp_path, estimator, 
     assert other not in text
     results = front_matter(tmp_path / "README.md")["model-index"][0]["results"]
     [trace] = [metric for result in results for metric in result["metrics"] if metric["type"] == "hessian_trace"]
-    assert trace["name"] == f"{quantity} of the pre-training loss"
+    assert trace["name"] == f"{quantity} of the pre-training loss (masked position)"
     assert f"| {quantity} ± stderr |" in format_comparison_table([("a", card)])
 
 
@@ -666,3 +670,135 @@ def test_compare_sorts_unknown_and_nan_traces_last(tmp_path, capsys):
     rows = [line.split("|")[1].strip() for line in captured.out.strip().splitlines()[2:]]
     assert rows[:2] == [str(low), str(high)] and set(rows[2:]) == {str(nan), str(missing)}
     assert "warning:" in captured.err and "flatness.hessian_trace is nan" in captured.err
+
+
+# ----------------------------------------------------------------------------- what was trained (issue 38)
+
+
+def model_index_task(readme_path):
+    [entry] = front_matter(readme_path)["model-index"]
+    tasks = {(result["task"]["type"], result["task"]["name"]) for result in entry["results"]}
+    [task] = tasks
+    return task
+
+
+def test_a_masked_lm_pretrained_by_flatbias_trainer_says_so(tmp_path):
+    model, data = tiny_mlm_setup()
+    trainer = FlatBiasTrainer(
+        model=model, args=tiny_args(tmp_path, max_steps=2), train_dataset=data, callbacks=[FixedTraceCallback(12.5)]
+    )
+    trainer.train()
+    card = load_flatness_card(tmp_path / "checkpoint-2")
+    assert (card.objective, card.trace_objective, card.pretraining_loss_source) == (
+        "masked_lm",
+        "masked_position",
+        "train",
+    )
+    assert card.loss_label == "Pre-training loss (masked LM) (training, last logged)"
+    assert card.trainable_parameters == card.num_parameters == model.num_parameters()
+    assert card.adapter is None and card.base_model is None
+    assert model_index_task(tmp_path / "checkpoint-2" / "README.md") == (
+        "fill-mask",
+        "Masked language modeling (pre-training)",
+    )
+    body = (tmp_path / "checkpoint-2" / "README.md").read_text(encoding="utf-8")
+    assert "| Trace measured on | the token at one masked position per context |" in body
+    assert "f(x_-t)" in body
+
+
+def test_a_causal_lm_pretrained_by_flatbias_trainer_is_not_called_a_masked_lm(tmp_path):
+    from tests.helpers.tiny_models import tiny_llama
+
+    model = tiny_llama(40)
+    ids = torch.randint(5, 40, (8, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    trainer = FlatBiasTrainer(
+        model=model, args=tiny_args(tmp_path, max_steps=2), train_dataset=data, callbacks=[FixedTraceCallback(3.0)]
+    )
+    trainer.train()
+    card = load_flatness_card(tmp_path / "checkpoint-2")
+    assert (card.objective, card.trace_objective) == ("causal_lm", "next_token")
+    assert card.loss_label == "Pre-training loss (next token) (training, last logged)"
+    assert card.trainable_parameters == card.num_parameters == model.num_parameters()
+    readme = tmp_path / "checkpoint-2" / "README.md"
+    assert model_index_task(readme) == ("text-generation", "Causal language modeling (pre-training)")
+    body = readme.read_text(encoding="utf-8")
+    assert "| Trace measured on | the next token at one position per context |" in body
+    assert "f(x_<t)" in body and "masked" not in body.lower()
+
+
+def test_what_was_trained_leaves_what_it_cannot_tell_unknown():
+    from transformers import Trainer
+
+    from hf_flatbias.modelcard.objective import what_was_trained
+
+    classifier = what_was_trained(Trainer, None, loss_source="eval")
+    assert (classifier.objective, classifier.trace_objective, classifier.loss_source) == (None, None, "eval")
+    OtherTrl = type("GRPOTrainer", (Trainer,), {"__module__": "trl.trainer.grpo_trainer"})
+    assert what_was_trained(OtherTrl, "causal_lm").objective is None
+    peft = SimpleNamespace(peft_type=SimpleNamespace(value="LORA"), base_model_name_or_path="org/base")
+    with_lora = what_was_trained(FlatBiasTrainer, "causal_lm", peft_config=peft)
+    assert (with_lora.objective, with_lora.adapter, with_lora.base_model) == ("causal_lm", "LORA", "org/base")
+    with pytest.raises(ValueError, match="loss_source"):
+        what_was_trained(Trainer, "masked_lm", loss_source="test")
+
+
+OLD_CARD = """---
+library_name: transformers
+tags:
+- hf_flatbias
+- sam
+- flatness
+flatness:
+  hessian_trace: 3.25
+  hessian_trace_stderr: 0.5
+  trace_step: 2
+  estimator: per_sample
+  n_contexts: 6
+  n_draws: 2
+  method: sam
+  sam_rho: 0.05
+  pretraining_loss: 0.677
+  pretraining_loss_source: train
+  global_step: 2
+  model_type: llama
+  num_parameters: 25888
+model-index:
+- name: old
+  results:
+  - task:
+      type: fill-mask
+      name: Masked language modeling (pre-training loss)
+    dataset:
+      name: pre-training corpus
+      type: pretraining-corpus
+    metrics:
+    - type: loss
+      value: 0.677
+      name: Pre-training loss (train)
+---
+# old
+"""
+
+
+def test_a_card_written_before_the_objective_fields_reads_as_unknown_not_as_pretraining(tmp_path):
+    (tmp_path / "README.md").write_text(OLD_CARD, encoding="utf-8")
+    card = load_flatness_card(tmp_path)
+    assert (card.pretraining_loss, card.hessian_trace, card.num_parameters) == (0.677, 3.25, 25888)
+    assert card.objective is card.trace_objective is card.trainable_parameters is card.adapter is None
+    assert card.loss_label == "Loss (objective not recorded) (training, last logged)"
+    card = add_glue_results(tmp_path, {"sst2": {"accuracy": 0.5}})  # written again: the labels say unknown
+    text = (tmp_path / "README.md").read_text(encoding="utf-8")
+    assert "fill-mask" not in text and "Pre-training loss" not in text
+    assert "| Training objective | Training objective not recorded |" in text
+    assert "masked or next: not recorded on this card" in text
+    assert load_flatness_card(tmp_path) == card
+    for field_name, value in (("objective", "pretraining"), ("trace_objective", "masked")):
+        with pytest.raises(ValueError, match=field_name):
+            full_card(**{field_name: value}).validate()
+
+
+def test_a_base_model_folder_from_the_peft_config_is_named_but_not_linked_to_the_hub():
+    local = FlatnessCard("x", base_model="/models/base", adapter="LORA").render()
+    assert "`/models/base` (LORA adapters on it)" in local and "huggingface.co//models" not in local
+    assert "[org/base](https://huggingface.co/org/base)" in FlatnessCard("x", base_model="org/base").render()

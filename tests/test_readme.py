@@ -58,3 +58,7 @@ def test_the_trl_guide_runs_as_written_on_a_cpu(tmp_path, monkeypatch):
     logged = {key for entry in trainer.state.log_history for key in entry}
     assert {"loss", "sam/perturbed_loss", TRACE_METRIC} <= logged  # SAM inside trl, and the trace measured at the end
     assert (tmp_path / "llama-sft-sam" / "README.md").is_file()
+    from hf_flatbias import load_flatness_card
+
+    card = load_flatness_card(tmp_path / "llama-sft-sam")  # named as the guide says: SFT on completions, not MLM
+    assert (card.objective, card.trace_objective) == ("sft_completion_only", "next_token_trained")

@@ -566,3 +566,76 @@ def test_functional_sam_is_refused_in_trl_before_training(tmp_path):
     args = FlatBiasSFTConfig(str(tmp_path), flatness_method="functional_sam", use_cpu=True, report_to="none")
     with pytest.raises(ValueError, match="functional_sam.*not supported in trl"):
         FlatBiasSFTTrainer(model=None, args=args)
+
+
+# ---------------------------------------------------------------- the flatness card of a trl run (issue 38)
+
+
+@pytest.mark.filterwarnings("ignore:Could not find a config file")  # the base model's name is not a folder here
+def test_the_card_of_a_lora_sft_run_names_sft_its_completion_loss_and_the_adapters(tmp_path, tokenizer):
+    from peft import LoraConfig
+
+    from hf_flatbias import HessianTraceCallback, load_flatness_card
+
+    model = tiny_llama(len(tokenizer))
+    model.name_or_path = "tests/tiny-llama"  # what from_pretrained sets; PEFT records it as the base model
+    trainer = FlatBiasSFTTrainer(
+        model=model,
+        args=sft_config(tmp_path, flatness_method="sam", max_steps=1),
+        train_dataset=prompt_completion_rows(),
+        eval_dataset=prompt_completion_rows(n=4, seed=5),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+        callbacks=[HessianTraceCallback(n_contexts=4, n_draws=1, on_evaluate=False)],
+    )
+    trainer.train()
+    trainer.evaluate()
+    trainer.save_model()
+    card = load_flatness_card(tmp_path)
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in trainer.model.parameters())
+    assert (card.objective, card.pretraining_loss_source) == ("sft_completion_only", "eval")
+    assert card.pretraining_loss == pytest.approx(trainer.state.log_history[-1]["eval_loss"])
+    assert card.loss_label == "SFT loss on completions (held-out evaluation)"
+    assert card.trace_objective == "next_token_trained" and card.hessian_trace is not None
+    assert (card.trainable_parameters, card.num_parameters) == (trainable, total) and trainable < total / 10
+    assert (card.adapter, card.base_model) == ("LORA", "tests/tiny-llama")
+    text = (tmp_path / "README.md").read_text(encoding="utf-8")
+    assert "fill-mask" not in text and "| Pre-training loss" not in text
+    assert "| SFT loss on completions (held-out evaluation) |" in text
+    assert "where the fine-tuning loss trains (completions)" in text and "masked position" not in text
+    assert f"| Parameters the trace covers | {trainable:,} trained of {total:,} (the LORA adapters) |" in text
+
+
+def test_the_card_of_a_dpo_run_names_the_preference_loss_and_its_source(tmp_path, tokenizer):
+    from hf_flatbias import HessianTraceCallback, load_flatness_card
+
+    trainer = FlatBiasDPOTrainer(
+        model=tiny_llama(len(tokenizer)),
+        ref_model=tiny_llama(len(tokenizer)),
+        args=dpo_config(tmp_path, flatness_method="sam", max_steps=1),
+        train_dataset=preference_rows(),
+        eval_dataset=preference_rows(n=4, seed=5),
+        processing_class=tokenizer,
+        callbacks=[HessianTraceCallback(n_contexts=4, n_draws=1, on_evaluate=False)],
+    )
+    trainer.train()
+    trainer.save_model()
+    card = load_flatness_card(tmp_path)
+    train_loss = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry][-1]
+    assert (card.objective, card.pretraining_loss_source, card.pretraining_loss) == ("dpo", "train", train_loss)
+    assert card.loss_label == "DPO preference loss (training, last logged)"
+    assert card.trace_objective == "next_token_chosen"
+    total = sum(p.numel() for p in trainer.model.parameters())
+    assert card.trainable_parameters == card.num_parameters == total and card.adapter is None
+    text = (tmp_path / "README.md").read_text(encoding="utf-8")
+    [entry] = front_matter_of(text)["model-index"]
+    assert {result["task"]["name"] for result in entry["results"]} == {"Direct preference optimization"}
+    assert "| DPO preference loss (training, last logged) |" in text and "| Pre-training loss" not in text
+    assert "chosen response per preference pair" in text and "reference model is not measured" in text
+
+
+def front_matter_of(text: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(text.split("---\n")[1])

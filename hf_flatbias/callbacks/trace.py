@@ -37,7 +37,9 @@ class HessianTraceCallback(TrainerCallback):
     By default the callback also measures at the last step of training when its latest measurement is older, so
     the final checkpoint and ``trainer.train(); trainer.push_to_hub()`` publish the trace of the weights they carry.
 
-    The trace covers the model's trainable parameters (``requires_grad``): with LoRA, the adapters only.
+    The trace covers the model's trainable parameters (``requires_grad``): with LoRA, the adapters only. The card
+    records their count (``trainable_parameters``, beside ``num_parameters``) and what the contexts predict
+    (``trace_objective``: a masked position, the next token, or as below inside trl).
 
     Inside trl (`FlatBiasSFTTrainer`, `FlatBiasDPOTrainer`, whose eval sets trl has tokenized) it is the next-token
     Fisher trace at positions the fine-tuning trains: SFT's trained tokens (the completions with the

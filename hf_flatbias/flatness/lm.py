@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 from transformers.trainer_utils import unwrap_peft_model
 
 from ..tensors import trainable_parameters
@@ -31,6 +31,18 @@ def is_causal_lm(model: nn.Module | PretrainedConfig) -> bool:
     causal_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     causal_class = bool(class_names) and all(n in causal_names or n.endswith("ForCausalLM") for n in class_names)
     return causal_class or bool(getattr(config, "is_decoder", False))
+
+
+def lm_head_kind(model: nn.Module) -> str | None:
+    """``"causal_lm"`` (`is_causal_lm`), ``"masked_lm"`` (a class of transformers' masked-LM auto mapping, or named
+    ``...ForMaskedLM`` / ``...ForPreTraining``) or ``None`` (neither, e.g. a classifier). PEFT wrappers are looked
+    through. What a model card names as the pre-training objective of a `Trainer` run."""
+    if is_causal_lm(model):
+        return "causal_lm"
+    name = type(unwrap_peft_model(model)).__name__
+    if name in set(MODEL_FOR_MASKED_LM_MAPPING_NAMES.values()) or name.endswith(("ForMaskedLM", "ForPreTraining")):
+        return "masked_lm"
+    return None
 
 
 def check_lm_model(model: nn.Module) -> nn.Module:

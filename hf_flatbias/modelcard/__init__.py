@@ -3,14 +3,18 @@
 A card carries, for people, a summary rendered from ``flatness_card.md`` (beside this package's modules) and, for
 programs, two metadata blocks in the README's YAML front matter:
 
-- ``model-index``: [`huggingface_hub.EvalResult`] entries, the Hub's standard place for results. The trace of the
-  pre-training loss is a metric of type ``hessian_trace`` (its standard error and estimator settings in the
-  metric's ``args``), next to the pre-training loss and any GLUE results;
+- ``model-index``: [`huggingface_hub.EvalResult`] entries, the Hub's standard place for results, under the task that
+  was trained. The trace is a metric of type ``hessian_trace`` (its standard error, estimator settings, objective
+  and parameter count in the metric's ``args``), next to the loss (type ``loss``) and any GLUE results;
 - ``flatness``: the same numbers flat and typed (``hessian_trace``, ``hessian_trace_stderr``, ``trace_step``,
   ``estimator``, ``n_contexts``, ``n_draws``, ``method`` and the hyperparameters that method reads,
-  ``pretraining_loss``...), which [`load_flatness_card`] reads. Keys without a value are left out. Measures beyond
-  the trace, when taken, are one mapping each (``top_eigenvalue``, ``sam_sharpness``) holding the ``value``, its
-  settings and the ``step`` it was measured at.
+  ``pretraining_loss``...), which [`load_flatness_card`] reads. Keys without a value are left out. ``objective``
+  says what was trained (pre-training ``masked_lm``/``causal_lm``, SFT, DPO: `objective.what_was_trained` decides)
+  and so names the task and the loss (``pretraining_loss`` keeps its key for older readers),
+  ``trace_objective`` what the trace's contexts predict, ``trainable_parameters`` (beside ``num_parameters``) the
+  parameters the trace covers and ``adapter`` the PEFT method; a card without them reads them as unknown.
+  Measures beyond the trace, when taken, are one mapping each (``top_eigenvalue``, ``sam_sharpness``) holding the
+  ``value``, its settings and the ``step`` it was measured at.
 
 Each field of [`FlatnessCard`] is declared once with its schema (`schema.card_field`: block, key, writer, reader,
 check); the ``flatness:`` block, the Hub metadata and the reader are generated from those declarations. The

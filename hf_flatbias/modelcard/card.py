@@ -21,6 +21,15 @@ from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS, TRACE
 from ..corpus import CorpusSpec
 from . import schema
 from .formatting import format_method, format_number, format_trace, glue_rows, measure_summaries
+from .objective import (
+    LOSS_SOURCES,
+    OBJECTIVES,
+    TRACE_OBJECTIVE_LABELS,
+    TRACE_OBJECTIVES,
+    UNKNOWN_OBJECTIVE,
+    UNKNOWN_TRACE_OBJECTIVE,
+    Objective,
+)
 from .schema import (
     CARD_DATA,
     FLATNESS,
@@ -34,6 +43,8 @@ from .schema import (
     check_measures,
     check_positive_integer,
     check_step,
+    choice_check,
+    choice_reader,
     mapping_reader,
     read_base_model,
     read_corpus,
@@ -57,7 +68,6 @@ HESSIAN_TRACE_METRIC = "hessian_trace"
 PRETRAINING_LOSS_METRIC = "loss"
 CARD_FILENAME = "README.md"
 TEMPLATE_NAME = "flatness_card.md"
-PRETRAINING_TASK = "fill-mask"
 GLUE_TASK_TYPE = "text-classification"
 # Every hyperparameter any method reads, in a stable order; each is a field of FlatnessCard.
 METHOD_HYPERPARAMETERS = tuple(
@@ -102,8 +112,17 @@ class FlatnessCard:
         method: how training sought flatness, one of `FlatBiasConfig.flatness_method`'s choices.
         sam_rho, asam_eta, sam_every_k, looksam_alpha, penalty_lambda, penalty_fd_step: the method's
             hyperparameters, set for the ones the method reads and ``None`` for the others.
-        pretraining_loss: the pre-training (masked-LM) loss; ``pretraining_loss_source`` says ``"eval"`` or
-            ``"train"``.
+        trace_objective: what the trace's contexts predict, a key of
+            `hf_flatbias.modelcard.objective.TRACE_OBJECTIVES` (``"masked_position"``, ``"next_token"``,
+            ``"next_token_trained"`` for SFT, ``"next_token_chosen"`` for DPO); ``None``: not recorded.
+        objective: what was trained, a key of `hf_flatbias.modelcard.objective.OBJECTIVES` (``"masked_lm"``,
+            ``"causal_lm"``, ``"sft"``, ``"sft_completion_only"``, ``"sft_assistant_only"``, ``"dpo"``); ``None``
+            (cards written before the field existed): not recorded, and the card says so. It names the task and
+            the loss.
+        pretraining_loss: the loss the card reports, of the ``objective`` (the key keeps its name for older
+            readers: it is a pre-training loss only for ``masked_lm`` and ``causal_lm``; SFT's loss on the trained
+            tokens, DPO's preference loss otherwise); ``pretraining_loss_source`` says ``"eval"`` (held out) or
+            ``"train"`` (the last logged training loss).
         trace_seconds: how long the trace estimate took.
         hessian_trace_by_group: the trace split by parameter group, ``{group: {"mean": ..., "stderr": ...}}``
             (`hf_flatbias.flatness.TraceEstimate.by_group`), when it was measured.
@@ -111,7 +130,12 @@ class FlatnessCard:
             `hf_flatbias.measures.MEASURE_TABLE`: ``{"value": ..., "stderr": ..., settings..., "step": ...}`` (see
             `measure_record`).
         global_step, epoch: where in training the card was written.
-        model_type, num_parameters: the architecture (``config.model_type``) and its size.
+        model_type, num_parameters: the architecture (``config.model_type``) and its size (all parameters, with
+            PEFT the base model's and the adapters').
+        trainable_parameters: the parameters that were trained (``requires_grad``), which are those the trace
+            covers: with LoRA, the adapters only.
+        adapter: the PEFT method (``"LORA"``...) when the model was trained through adapters; its base model is
+            ``base_model``.
         training_hyperparameters: learning rate, batch sizes, schedule, seed... as recorded from the arguments.
         pretraining_corpus: the pre-training text and its held-out split, as the recipe that trained the model
             recorded them (a [`CorpusSpec`]; the mapping a card holds, ``{"dataset": "bbc_news", "text_column":
@@ -130,6 +154,7 @@ class FlatnessCard:
     estimator: str | None = card_field()
     n_contexts: int | None = card_field(read=read_integer, check=check_positive_integer)
     n_draws: int | None = card_field(read=read_integer, check=check_positive_integer)
+    trace_objective: str | None = card_field(read=choice_reader(TRACE_OBJECTIVES), check=choice_check(TRACE_OBJECTIVES))
     method: str = card_field(read=read_method, default="none")
     sam_rho: float | None = _hyperparameter()
     asam_eta: float | None = _hyperparameter()
@@ -137,6 +162,7 @@ class FlatnessCard:
     looksam_alpha: float | None = _hyperparameter()
     penalty_lambda: float | None = _hyperparameter()
     penalty_fd_step: float | None = _hyperparameter()
+    objective: str | None = card_field(read=choice_reader(OBJECTIVES), check=choice_check(OBJECTIVES))
     pretraining_loss: float | None = card_field(read=read_float, check=check_finite)
     pretraining_loss_source: str | None = card_field()
     trace_seconds: float | None = card_field(read=read_float)
@@ -151,6 +177,8 @@ class FlatnessCard:
     epoch: float | None = card_field(read=read_float)
     model_type: str | None = card_field()
     num_parameters: int | None = card_field(read=read_integer)
+    trainable_parameters: int | None = card_field(read=read_integer, check=check_positive_integer)
+    adapter: str | None = card_field()
     training_hyperparameters: dict[str, Any] = card_field(
         key="training",
         read=mapping_reader("a mapping of hyperparameters"),
@@ -181,6 +209,28 @@ class FlatnessCard:
     def trace_quantity(self) -> str:
         """What the card's trace is, named by what its estimator measured (``"Fisher trace Tr(F)"``...)."""
         return TRACE_QUANTITIES.get(self.estimator, "Curvature trace")
+
+    @property
+    def trained_objective(self) -> Objective:
+        """The `Objective` of ``objective`` (task, loss name), or one saying that it is not recorded."""
+        return OBJECTIVES.get(self.objective, UNKNOWN_OBJECTIVE) if self.objective else UNKNOWN_OBJECTIVE
+
+    @property
+    def loss_label(self) -> str:
+        """The card's loss named by its objective and its source: ``"DPO preference loss (training, last
+        logged)"``, ``"Pre-training loss (masked LM) (held-out evaluation)"``..."""
+        source = LOSS_SOURCES.get(self.pretraining_loss_source or "", self.pretraining_loss_source)
+        return f"{self.trained_objective.loss_name} ({source or 'source not recorded'})"
+
+    @property
+    def trace_objective_text(self) -> str:
+        """What the trace's contexts predict, in words (the trained tokens named for SFT)."""
+        if self.trace_objective is None:
+            return UNKNOWN_TRACE_OBJECTIVE
+        text = TRACE_OBJECTIVES[self.trace_objective]
+        if self.trace_objective == "next_token_trained" and self.objective is not None:
+            text += f" ({self.trained_objective.trained_tokens})"
+        return text
 
     # ---------------------------------------------------------------- checks
 
@@ -220,6 +270,13 @@ class FlatnessCard:
             )
         if self.pretraining_loss is not None and self.pretraining_loss < 0:
             return f"pretraining_loss must be >= 0 (got {self.pretraining_loss}): a cross-entropy is not negative."
+        if None not in (self.trainable_parameters, self.num_parameters) and (
+            self.trainable_parameters > self.num_parameters
+        ):
+            return (
+                f"trainable_parameters {self.trainable_parameters} is more than num_parameters "
+                f"{self.num_parameters}: the trained parameters are a part of the model's."
+            )
         if None not in (self.trace_step, self.global_step) and self.trace_step > self.global_step:
             return (
                 f"trace_step {self.trace_step} is past the run's last step, global_step {self.global_step}: the trace "
@@ -239,13 +296,16 @@ class FlatnessCard:
         return schema.write_block(self, FLATNESS)
 
     def eval_results(self) -> list[EvalResult]:
-        """The card's results as ``model-index`` entries: pre-training loss and trace, then GLUE."""
+        """The card's results as ``model-index`` entries: the loss and the trace under the task that was trained
+        (`trained_objective`), then GLUE."""
         results: list[EvalResult] = []
+        objective = self.trained_objective
+        corpus_type, corpus = ("pretraining-corpus", "pre-training corpus") if objective.pretraining else ("data",) * 2
         pretraining = {
-            "task_type": PRETRAINING_TASK,
-            "task_name": "Masked language modeling (pre-training loss)",
-            "dataset_type": self.datasets[0] if self.datasets else "pretraining-corpus",
-            "dataset_name": self.datasets[0] if self.datasets else "pre-training corpus",
+            "task_type": objective.task_type,
+            "task_name": objective.task_name,
+            "dataset_type": self.datasets[0] if self.datasets else corpus_type,
+            "dataset_name": self.datasets[0] if self.datasets else corpus,
         }
         if self.pretraining_loss is not None:
             results.append(
@@ -253,23 +313,27 @@ class FlatnessCard:
                     **pretraining,
                     metric_type=PRETRAINING_LOSS_METRIC,
                     metric_value=float(self.pretraining_loss),
-                    metric_name=f"Pre-training loss ({self.pretraining_loss_source or 'unknown split'})",
+                    metric_name=self.loss_label,
                 )
             )
         if self.hessian_trace is not None:
+            loss = "pre-training loss" if objective.pretraining else "LM loss"
+            trace_label = TRACE_OBJECTIVE_LABELS.get(self.trace_objective or "", "objective not recorded")
             trace_args = {
                 "stderr": self.hessian_trace_stderr,
                 "step": self.trace_step,
                 "estimator": self.estimator,
                 "n_contexts": self.n_contexts,
                 "n_draws": self.n_draws,
+                "objective": self.trace_objective,
+                "parameters": self.trainable_parameters,
             }
             results.append(
                 EvalResult(
                     **pretraining,
                     metric_type=HESSIAN_TRACE_METRIC,
                     metric_value=float(self.hessian_trace),
-                    metric_name=f"{self.trace_quantity} of the pre-training loss",
+                    metric_name=f"{self.trace_quantity} of the {loss} ({trace_label})",
                     metric_args={k: v for k, v in trace_args.items() if v is not None} or None,
                 )
             )
@@ -316,6 +380,9 @@ class FlatnessCard:
         return _card_template().render(
             card_data=metadata,
             card=self,
+            objective=self.trained_objective,
+            # a PEFT config records the base model's local folder when it was loaded from one: not a Hub link
+            base_model_on_hub=bool(self.base_model) and _looks_like_repo_id(self.base_model),
             trace_text=format_trace(self.hessian_trace, self.hessian_trace_stderr),
             loss_text=format_number(self.pretraining_loss),
             method_text=format_method(self),

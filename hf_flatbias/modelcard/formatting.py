@@ -79,7 +79,9 @@ def format_comparison_table(cards: Sequence[tuple[str, FlatnessCard]]) -> str:
     # one column, one quantity: named by the estimators when they all measured the same one
     quantities = {card.trace_quantity for _, card in cards if card.hessian_trace is not None}
     trace_header = f"{quantities.pop() if len(quantities) == 1 else 'trace'} ± stderr"
-    header = ["model", "pre-training loss", trace_header, "method", "estimator"]
+    # "pre-training loss" only when every row's is one; otherwise each loss says what it is (its objective)
+    pretraining = all(card.trained_objective.pretraining for _, card in cards if card.pretraining_loss is not None)
+    header = ["model", "pre-training loss" if pretraining else "loss (objective)", trace_header, "method", "estimator"]
     header += [MEASURE_TABLE[name].column for name in measure_columns]
     header += [f"{task}/{metric}" for task, metric in glue_columns]
     rows = [header, ["---"] * len(header)]
@@ -89,7 +91,7 @@ def format_comparison_table(cards: Sequence[tuple[str, FlatnessCard]]) -> str:
             estimator = f"{card.estimator or '?'} ({card.n_contexts or '?'}×{card.n_draws or '?'})"
         row = [
             label,
-            format_number(card.pretraining_loss) if card.pretraining_loss is not None else "-",
+            _loss_cell(card, with_objective=not pretraining),
             format_trace(card.hessian_trace, card.hessian_trace_stderr) if card.hessian_trace is not None else "-",
             format_method(card, short=True),
             estimator,
@@ -101,6 +103,13 @@ def format_comparison_table(cards: Sequence[tuple[str, FlatnessCard]]) -> str:
             row.append(f"{value:.4f}" if value is not None else "-")
         rows.append(row)
     return "\n".join("| " + " | ".join(cells) + " |" for cells in rows)
+
+
+def _loss_cell(card: FlatnessCard, *, with_objective: bool) -> str:
+    if card.pretraining_loss is None:
+        return "-"
+    text = format_number(card.pretraining_loss)
+    return f"{text} ({card.objective or 'not recorded'})" if with_objective else text
 
 
 def _measure_cell(name: str, record: Mapping[str, Any] | None) -> str:

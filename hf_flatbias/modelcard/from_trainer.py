@@ -13,6 +13,7 @@ from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, SAM_STEP_OPTIONS, TRACE
 from ..measures import MEASURE_TABLE
 from ..measures import measure_record as table_measure_record
 from .card import FlatnessCard
+from .objective import what_was_trained
 from .schema import read_integer, schema
 
 if TYPE_CHECKING:  # the card is built and read without torch; a trainer's callbacks bring it
@@ -42,7 +43,10 @@ def flatness_card_from_trainer(
 
     - trace: the `TraceEstimate` in the ``flatness_record`` (a `FlatnessRecord`) of the first callback that holds
       one (`HessianTraceCallback`), else the last ``flatness/hessian_trace`` (and ``..._stderr``) in the log history;
-    - pre-training loss: the last ``eval_loss`` in the log history, else the last training ``loss``;
+    - the loss: the last ``eval_loss`` in the log history, else the last training ``loss``, named by what was
+      trained (`what_was_trained`: pre-training MLM or causal LM under a ``Trainer``, SFT, DPO) and its source;
+    - the trace's objective, the parameters it covers (``requires_grad``: with PEFT the adapters) and, with PEFT,
+      the adapter type and the base model (``finetuned_from`` when given, else the PEFT config's);
     - trace step: the record's ``trace_step``, else the ``step`` of the log entry the trace came from;
     - method and its hyperparameters: the arguments' ``flatness_method`` (``"none"`` for a plain
       ``TrainingArguments``) and the arguments that method reads (``FLATNESS_METHOD_HYPERPARAMETERS``);
@@ -59,7 +63,7 @@ def flatness_card_from_trainer(
     trace = _trace_from_records(records)
     if trace is None:
         trace = _trace_from_history(history)
-    loss, loss_source = _pretraining_loss_from_history(history)
+    loss, loss_source = _loss_from_history(history)
 
     glue = _glue_from_history(history)
     for task, metrics in (glue_results or {}).items():
@@ -70,10 +74,19 @@ def flatness_card_from_trainer(
     if model_name is None:
         hub_model_id = getattr(args, "hub_model_id", None)
         model_name = hub_model_id.split("/")[-1] if hub_model_id else Path(args.output_dir).name
-    num_parameters = None
+    num_parameters = trainable_parameters = None
     if hasattr(model, "parameters"):
         # Under DeepSpeed ZeRO-3 a parameter's numel() is its local shard (often 0); ds_numel is the full size.
-        num_parameters = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters())
+        sizes = [(int(getattr(p, "ds_numel", p.numel())), p.requires_grad) for p in model.parameters()]
+        num_parameters = sum(size for size, _ in sizes)
+        trainable_parameters = sum(size for size, trained in sizes if trained) or None
+    trained = what_was_trained(
+        type(trainer),
+        _lm_head(model),
+        trained_masks=_sft_loss_masks(trainer),
+        peft_config=_active_peft_config(model),
+        loss_source=loss_source,
+    )
 
     integers = {name for name, declared in schema(FlatnessCard) if declared.read is read_integer}
     hyperparameters = {}
@@ -86,14 +99,17 @@ def flatness_card_from_trainer(
         model_name=model_name,
         method=method,
         **hyperparameters,
+        objective=trained.objective,
         pretraining_loss=loss,
-        pretraining_loss_source=loss_source,
+        pretraining_loss_source=trained.loss_source,
         glue=glue,
         global_step=int(state.global_step) if getattr(state, "global_step", None) is not None else None,
         epoch=float(state.epoch) if getattr(state, "epoch", None) is not None else None,
         model_type=getattr(config, "model_type", None),
         num_parameters=num_parameters,
-        base_model=finetuned_from,
+        trainable_parameters=trainable_parameters,
+        adapter=trained.adapter,
+        base_model=finetuned_from or trained.base_model,
         datasets=_as_list(dataset),
         language=language,
         license=license,
@@ -102,7 +118,39 @@ def flatness_card_from_trainer(
         pretraining_corpus=pretraining_corpus or None,
         measures=_measures_from_records(records),
         **(trace or {}),
+        trace_objective=trained.trace_objective if trace is not None else None,
     )
+
+
+def _lm_head(model: Any) -> str | None:
+    """``"causal_lm"``, ``"masked_lm"`` or ``None``: what the model's head predicts, decided as
+    `HessianTraceCallback` decides how to build its contexts (`hf_flatbias.flatness.lm.is_causal_lm`)."""
+    if model is None or not hasattr(model, "parameters"):
+        return None
+    from ..flatness.lm import lm_head_kind  # torch: only with a model, so the card reads without it
+
+    return lm_head_kind(model)
+
+
+def _sft_loss_masks(trainer: Any) -> tuple[str, ...]:
+    """The loss masks trl's SFT trainer applies: its resolved ``completion_only_loss`` (from the data when the
+    config left it ``None``) and the config's ``assistant_only_loss``."""
+    masks = []
+    if getattr(trainer, "completion_only_loss", False):
+        masks.append("completion")
+    if getattr(trainer.args, "assistant_only_loss", False):
+        masks.append("assistant")
+    return tuple(masks)
+
+
+def _active_peft_config(model: Any) -> Any:
+    """The PEFT config of the model's active adapter, ``None`` without PEFT."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, Mapping) or not configs:
+        return None
+    active = getattr(model, "active_adapter", None)
+    active = active[0] if isinstance(active, (list, tuple)) and active else active
+    return configs.get(active) or next(iter(configs.values()))
 
 
 def _records_of(callbacks: Iterable[Any]) -> list[FlatnessRecord]:
@@ -178,7 +226,7 @@ def _trace_from_history(history: Sequence[Mapping[str, Any]]) -> dict[str, Any] 
     return None
 
 
-def _pretraining_loss_from_history(history: Sequence[Mapping[str, Any]]) -> tuple[float | None, str | None]:
+def _loss_from_history(history: Sequence[Mapping[str, Any]]) -> tuple[float | None, str | None]:
     # The held-out loss is what the paper compares models on; the training loss is only a fallback.
     for key, source in (("eval_loss", "eval"), ("loss", "train")):
         for entry in reversed(history):

@@ -198,6 +198,23 @@ def read_method(value: Any, where: str, reading: Reading) -> str:
     return method
 
 
+def choice_reader(choices: Iterable[str]) -> Reader:
+    """A reader of a name from ``choices`` (``None`` when absent: a card written before the field existed)."""
+    allowed = tuple(choices)
+
+    def read(value: Any, where: str, reading: Reading) -> str | None:
+        if value is None:
+            return None
+        if value not in allowed:
+            raise ValueError(
+                f"{reading.source}: {where} is {value!r}, not one of {list(allowed)}. Fix the card's metadata or "
+                "write it again with FlatnessCard(...).save(folder)."
+            )
+        return value
+
+    return read
+
+
 def mapping_reader(what: str) -> Reader:
     """A reader of a mapping (``{}`` when absent) whose error says what the mapping should hold."""
 
@@ -341,6 +358,17 @@ def check_finite(name: str, value: float | None) -> None:
 def check_positive_integer(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be a positive integer (got {value!r}).")
+
+
+def choice_check(choices: Iterable[str]) -> Check:
+    """A check that a name is one of ``choices`` (or ``None``: not recorded)."""
+    allowed = tuple(choices)
+
+    def check(name: str, value: str | None) -> None:
+        if value is not None and value not in allowed:
+            raise ValueError(f"FlatnessCard.{name}={value!r} is unknown; use one of {list(allowed)} or None.")
+
+    return check
 
 
 def check_step(name: str, value: int | None) -> None:

@@ -3,12 +3,35 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..measures import EXTRA_MEASURES, MEASURE_TABLE
+from .objective import Objective
 
-if TYPE_CHECKING:
-    from .card import FlatnessCard
+
+class CardFields(Protocol):
+    """The fields of `hf_flatbias.modelcard.FlatnessCard` that its text is made from (a protocol, so that the card,
+    which renders itself with these functions, and its formatting do not import each other)."""
+
+    method: str
+    objective: str | None
+    hessian_trace: float | None
+    hessian_trace_stderr: float | None
+    pretraining_loss: float | None
+    estimator: str | None
+    n_contexts: int | None
+    n_draws: int | None
+    measures: dict[str, dict[str, Any]]
+    glue: dict[str, dict[str, float]]
+
+    @property
+    def trace_quantity(self) -> str: ...
+
+    @property
+    def trained_objective(self) -> Objective: ...
+
+    def method_hyperparameters(self) -> dict[str, float | int]: ...
+
 
 # How the card names each method of `FlatBiasConfig.flatness_method`; its hyperparameters follow in parentheses.
 METHOD_TITLES = {
@@ -34,7 +57,7 @@ def format_trace(trace: float | None, stderr: float | None) -> str:
     return format_number(trace) if stderr is None else f"{format_number(trace)} ± {format_number(stderr, 2)}"
 
 
-def format_method(card: FlatnessCard, *, short: bool = False) -> str:
+def format_method(card: CardFields, *, short: bool = False) -> str:
     if card.method == "none":
         return "none" if short else METHOD_TITLES["none"]
     settings = ", ".join(f"{name} = {value:g}" for name, value in card.method_hyperparameters().items())
@@ -46,7 +69,7 @@ def glue_rows(glue: Mapping[str, Mapping[str, float]]) -> list[tuple[str, str, s
     return [(task, metric, f"{glue[task][metric]:.4f}") for task in sorted(glue) for metric in sorted(glue[task])]
 
 
-def measure_summaries(card: FlatnessCard) -> list[tuple[str, str]]:
+def measure_summaries(card: CardFields) -> list[tuple[str, str]]:
     """``(label, text)`` for each measure beyond the trace on the card, as the card and ``card`` show them, in the
     order of `hf_flatbias.measures.MEASURE_TABLE`."""
     rows = []
@@ -68,7 +91,7 @@ def _step_text(record: Mapping[str, Any]) -> str:
     return f", step {record['step']}" if record.get("step") is not None else ""
 
 
-def format_comparison_table(cards: Sequence[tuple[str, FlatnessCard]]) -> str:
+def format_comparison_table(cards: Sequence[tuple[str, CardFields]]) -> str:
     """A markdown table comparing checkpoints: loss, trace ± stderr, method, estimator and GLUE metrics.
 
     Args:
@@ -105,7 +128,7 @@ def format_comparison_table(cards: Sequence[tuple[str, FlatnessCard]]) -> str:
     return "\n".join("| " + " | ".join(cells) + " |" for cells in rows)
 
 
-def _loss_cell(card: FlatnessCard, *, with_objective: bool) -> str:
+def _loss_cell(card: CardFields, *, with_objective: bool) -> str:
     if card.pretraining_loss is None:
         return "-"
     text = format_number(card.pretraining_loss)

@@ -369,9 +369,12 @@ def run_starts(material: Material, work_dir: Path, results: Path, sizes: Sizes) 
 # ---------------------------------------------------------------- pilots
 
 
-def continued_spec(seed: int, width: int, rate: float, steps: int, sizes: Sizes, *, dropout: float = 0.0) -> RunSpec:
-    """v1's continued training (`campaign.continue_spec`'s settings): AdamW beta2 0.98, weight decay 0.01, constant
-    ``rate`` after a short warm-up, one branch at the end unless the caller branches more often."""
+def continued_spec(
+    seed: int, start: BertForMaskedLM, rate: float, steps: int, sizes: Sizes, *, dropout: float = 0.0
+) -> RunSpec:
+    """v1's continued training (`campaign.continue_spec`'s settings) from ``start`` (its width and depth): AdamW
+    (`rules.CONTINUE_BETA2`, `rules.CONTINUE_WEIGHT_DECAY`), constant ``rate`` after a short warm-up, one branch at
+    the end unless the caller branches more often."""
     return RunSpec(
         label=f"seed{seed}",
         steps=steps,
@@ -380,11 +383,12 @@ def continued_spec(seed: int, width: int, rate: float, steps: int, sizes: Sizes,
         learning_rate=rate,
         warmup_steps=sizes.continue_warmup,
         lr_scheduler_type="constant_with_warmup",
-        adam_beta2=0.98,
-        weight_decay=0.01,
+        adam_beta2=rules.CONTINUE_BETA2,
+        weight_decay=rules.CONTINUE_WEIGHT_DECAY,
         dropout=dropout,
-        hidden=width,
-        layers=sizes.layers,
+        hidden=start.config.hidden_size,
+        layers=start.config.num_hidden_layers,
+        heads=start.config.num_attention_heads,
         seed=seed,
     )
 
@@ -431,7 +435,7 @@ def dose_unit(material: Material, starts: Path, work_dir: Path, sizes: Sizes):
 
         records = train_with_branches(
             material.language,
-            continued_spec(rules.PILOT_SEED, rules.V1_WIDTH, rules.C1_RATE, max(sizes.dose_ladder), sizes),
+            continued_spec(rules.PILOT_SEED, start, rules.C1_RATE, max(sizes.dose_ladder), sizes),
             work_dir / "pilots" / "c1_dose",
             branch_every=sizes.dose_branch_every,
             anneal_steps=sizes.anneal_steps,
@@ -499,14 +503,14 @@ def pilot_units(material: Material, starts: Path, pilots: Path, work_dir: Path, 
     def rate_pilot(width: int) -> Callable[[float], dict[str, Any]]:
         def run(rate: float) -> dict[str, Any]:
             start, _ = load_start(starts, width, rules.PILOT_SEED)
-            spec = continued_spec(rules.PILOT_SEED, width, rate, dose(), sizes)
+            spec = continued_spec(rules.PILOT_SEED, start, rate, dose(), sizes)
             return branch(pilot_dir / "c2_rate" / f"h{width}" / f"lr{rate:g}", spec, start)
 
         return run
 
     def dropout_pilot(dropout: float) -> dict[str, Any]:
         start, _ = load_start(starts, rules.V1_WIDTH, rules.PILOT_SEED)
-        spec = continued_spec(rules.PILOT_SEED, rules.V1_WIDTH, rules.C1_RATE, dose(), sizes, dropout=dropout)
+        spec = continued_spec(rules.PILOT_SEED, start, rules.C1_RATE, dose(), sizes, dropout=dropout)
         return branch(pilot_dir / "c3_dropout" / f"d{dropout:g}", spec, start)
 
     def adversary_pilot(weight: float) -> dict[str, Any]:
@@ -522,7 +526,7 @@ def pilot_units(material: Material, starts: Path, pilots: Path, work_dir: Path, 
                 read_unmasked=True,
             )
 
-        spec = continued_spec(rules.PILOT_SEED, rules.V1_WIDTH, rules.C1_RATE, dose(), sizes)
+        spec = continued_spec(rules.PILOT_SEED, start, rules.C1_RATE, dose(), sizes)
         spec = dataclasses.replace(spec, wrap_model=wrap, task_column="task_labels")
         labelled = task_labelled_train(language, sizes.n_train)
         return branch(pilot_dir / "c5_weight" / f"w{weight:g}", spec, start, train_dataset=labelled)

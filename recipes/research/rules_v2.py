@@ -72,6 +72,8 @@ LAYERS = 3
 BATCH_SIZE = 128
 ANNEAL_STEPS = 500  # v1's branch anneal
 CONTINUE_WARMUP = 100  # v1's warm-up of the continued training's fresh AdamW
+CONTINUE_WEIGHT_DECAY = 0.01  # v1's continued training (and C3's dropout arm): AdamW weight decay ...
+CONTINUE_BETA2 = 0.98  # ... and beta2
 
 # -- pilots --
 C1_RATE = 1e-4  # v1's chosen continued-training rate (its rate pilot), fixed for C1's dose ladder
@@ -97,7 +99,9 @@ __all__ = [
     "ANNEAL_STEPS",
     "BATCH_SIZE",
     "C1_RATE",
+    "CONTINUE_BETA2",
     "CONTINUE_WARMUP",
+    "CONTINUE_WEIGHT_DECAY",
     "DOSE_BRANCH_EVERY",
     "DOSE_LADDER",
     "DOSE_MIN_TRACE_FALL",

@@ -21,12 +21,23 @@ import os
 from pathlib import Path
 
 import torch
-from research.campaign_v2 import RESULTS, SMOKE, Sizes, load_material, run_pilots, run_starts
+from research.campaign_v2 import (
+    RESULTS,
+    SMOKE,
+    Sizes,
+    load_material,
+    pilots_markdown,
+    read_units,
+    run_pilots,
+    run_starts,
+    starts_markdown,
+)
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phase", choices=["starts", "pilots"], required=True)
+    parser.add_argument("--phase", choices=["starts", "pilots"], default=None, help="the phase to run")
+    parser.add_argument("--markdown", action="store_true", help="only print the docs' tables from the JSON")
     parser.add_argument("--work-dir", type=Path, default=Path("outputs") / "campaign_v2", help="checkpoints, caches")
     parser.add_argument("--results-dir", type=Path, default=RESULTS, help="starts.json and pilots.json")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (tests)")
@@ -37,9 +48,14 @@ def main(argv=None) -> dict:
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
     args = parse_arguments(argv)
+    starts, pilots = args.results_dir / "starts.json", args.results_dir / "pilots.json"
+    if args.markdown:
+        print(starts_markdown(read_units(starts)), pilots_markdown(read_units(pilots)), sep="\n\n")
+        return {}
+    if args.phase is None:
+        raise SystemExit("--phase starts|pilots (or --markdown) is required.")
     sizes = SMOKE if args.smoke else Sizes()
     material = load_material(args.work_dir, sizes)
-    starts, pilots = args.results_dir / "starts.json", args.results_dir / "pilots.json"
     if args.phase == "starts":
         return run_starts(material, args.work_dir, starts, sizes)
     return run_pilots(material, starts, pilots, args.work_dir, sizes)

@@ -230,3 +230,17 @@ def test_pilot_choices_recompute_from_the_committed_json():
             ladder = row["ladder"]
             again = cv2.choose_largest_saturated(ladder, row["rows"], fallback_smallest=key.startswith("c2_rate"))
             assert row["choice"] == again, key
+
+
+def test_docs_tables_equal_the_committed_json():
+    docs = Path(__file__).resolve().parents[1] / "docs" / "reproduction" / "campaign_v2.md"
+    starts = RESULTS / "starts.json"
+    if not (docs.exists() and starts.exists()):
+        pytest.skip("starts.json or the docs page is not committed yet")
+    text = docs.read_text()
+    begin, end = "<!-- campaign_v2 tables: begin -->", "<!-- campaign_v2 tables: end -->"
+    table = text[text.index(begin) + len(begin) : text.index(end)].strip()
+    expected = [cv2.starts_markdown(cv2.read_units(starts))]
+    if (RESULTS / "pilots.json").exists():
+        expected.append(cv2.pilots_markdown(cv2.read_units(RESULTS / "pilots.json")))
+    assert table == "\n\n".join(expected)

@@ -568,3 +568,49 @@ def pilot_units(material: Material, starts: Path, pilots: Path, work_dir: Path, 
 def run_pilots(material: Material, starts: Path, pilots: Path, work_dir: Path, sizes: Sizes) -> dict[str, dict]:
     """Every pilot in order; ``pilots`` rewritten after each branch."""
     return run_units(pilots, pilot_units(material, starts, pilots, work_dir, sizes), "pilots")
+
+
+# ---------------------------------------------------------------- the docs' rows
+
+
+def _kl(value: float | None, upper: float | None) -> str:
+    return "–" if value is None else f"{value:.4f} (≤ {upper:.4f})"
+
+
+def starts_markdown(units: dict[str, dict[str, Any]]) -> str:
+    """The starts' table of docs/reproduction/campaign_v2.md, from starts.json's units (in the rules' order)."""
+    lines = [
+        "| start | status | v1 stop-set KL | decays: stop-set KL | margin | KL-set KL | Fisher trace |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for width in rules.WIDTHS:
+        for seed in rules.SEEDS:
+            row = units.get(start_key(width, seed))
+            if row is None:
+                lines.append(f"| H{width} seed {seed} | not started | | | | | |")
+                continue
+            decays = ", ".join(f"{d['decay']}: {d['stop_kl']:.4f}" for d in row["decays"]) or "none"
+            measured = row.get("measured")
+            trace = f"{measured['fisher_trace']:.1f}" if measured else "–"
+            margin = {True: "met", False: "missed"}.get(row.get("margin_met"), "–") if row["status"] == "done" else "–"
+            lines.append(
+                f"| H{width} seed {seed} | {row['status']} | {_kl(row.get('v1_stop_kl'), row.get('v1_stop_ci_high'))} "
+                f"| {decays} | {margin} "
+                f"| {_kl(measured['kl'], measured['saturation']['ci_high']) if measured else '–'} "
+                f"| {trace} |"
+            )
+    return "\n".join(lines)
+
+
+def pilots_markdown(units: dict[str, dict[str, Any]]) -> str:
+    """The pilots' table of docs/reproduction/campaign_v2.md, from pilots.json's units."""
+    lines = ["| pilot | status | rows (value or steps: KL) | choice |", "|---|---|---|---|"]
+    for key, row in units.items():
+        rows = ", ".join(
+            f"{r.get('value', r['steps']):g}: {r['kl']:.4f}"
+            + (f" (trace {r['fisher_trace']:.1f})" if "fisher_trace" in r else "")
+            for r in row.get("rows", [])
+        )
+        choice = row.get("choice") or {}
+        lines.append(f"| {key} | {row['status']} | {rows} | {choice.get('status', '–')}: {choice.get('chosen')} |")
+    return "\n".join(lines)

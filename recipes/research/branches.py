@@ -120,6 +120,8 @@ class BranchEvaluator(TrainerCallback):
         task_column: a column of ``train`` the branch's batches carry as ``task_labels`` (an adversarial objective).
         seed: the branch at step ``s`` draws its batches from seed ``seed + s``.
         partial_path: records are rewritten there after every branch, so a stopped run keeps what it measured.
+        stop_when: ``stop_when(records) -> bool`` after every branch; True stops the trunk there (a pilot whose rule
+            is decided before the last planned branch).
     """
 
     def __init__(
@@ -134,6 +136,7 @@ class BranchEvaluator(TrainerCallback):
         task_column: str | None = None,
         seed: int = 0,
         partial_path: Path | None = None,
+        stop_when: Callable[[list[dict[str, Any]]], bool] | None = None,
     ):
         if every < 1 or anneal_steps < 1:
             raise ValueError(f"every and anneal_steps must be >= 1, got {every} and {anneal_steps}.")
@@ -146,6 +149,7 @@ class BranchEvaluator(TrainerCallback):
         self.task_column = task_column
         self.seed = seed
         self.partial_path = partial_path
+        self.stop_when = stop_when
         self.records: list[dict[str, Any]] = []
 
     def branch(self, model: torch.nn.Module, optimizer, learning_rate: float, step: int, max_grad_norm=None):
@@ -176,3 +180,5 @@ class BranchEvaluator(TrainerCallback):
         self.records.append(record)
         if self.partial_path is not None:
             write_json(self.partial_path, {"records": self.records})
+        if self.stop_when is not None and self.stop_when(self.records):
+            control.should_training_stop = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -46,12 +46,14 @@ def measure_branch(
     hutchinson_draws: int,
     seed: int = 0,
     probe_layers: Sequence[int] = (),
+    probes: bool = True,
 ) -> dict[str, Any]:
     """KL saturation, Fisher trace, Hutchinson trace of the data-label loss and probes of one (annealed) model.
 
-    ``trace_contexts=0`` skips both traces (reference rows). ``seed`` seeds the bootstrap and the trace draws. The
-    primary probe reads the last layer (the released code's read-out); ``probe_layers`` (``hidden_states`` indices,
-    e.g. ``0, 1, 2`` of a 3-layer BERT) are probed beside it into ``probe_by_layer``, without per-row predictions.
+    ``trace_contexts=0`` skips both traces (reference rows); ``hutchinson_draws=0`` skips the data-label trace alone.
+    ``seed`` seeds the bootstrap and the trace draws. The primary probe reads the last layer (the released code's
+    read-out); ``probe_layers`` (``hidden_states`` indices, e.g. ``0, 1, 2`` of a 3-layer BERT) are probed beside it
+    into ``probe_by_layer``, without per-row predictions. ``probes=False``: no probe at all (KL/trace-only pilots).
     """
     start = time.perf_counter()
     kl = measure_saturation(
@@ -68,16 +70,6 @@ def measure_branch(
         fisher = estimate_hessian_trace(
             model, language.trace_contexts, n_contexts=n, n_draws=trace_draws, seed=seed, progress=False, by_group=True
         )
-        # the released calculate_hessian.py: v^T H v of the loss of the data labels (not the model's own samples)
-        data_loss = estimate_hessian_trace(
-            model,
-            language.trace_contexts,
-            n_contexts=n,
-            n_draws=hutchinson_draws,
-            estimator="hutchinson",
-            seed=seed,
-            progress=False,
-        )
         record.update(
             fisher_trace=fisher.mean,
             fisher_trace_stderr=fisher.stderr,
@@ -85,12 +77,26 @@ def measure_branch(
             fisher_trace_output_layer_stderr=fisher.by_group["output_layer"].stderr,
             fisher_trace_rest=fisher.mean - fisher.by_group["output_layer"].mean,
             fisher_trace_by_group={name: asdict(part) for name, part in fisher.by_group.items()},
-            hutchinson_trace_data_loss=data_loss.mean,
-            hutchinson_trace_data_loss_stderr=data_loss.stderr,
             trace_contexts=n,
         )
-    record.update(probe_all_tasks(encoder_features(model, language), language))
-    if probe_layers:
+    if trace_contexts > 0 and hutchinson_draws > 0:
+        # the released calculate_hessian.py: v^T H v of the loss of the data labels (not the model's own samples)
+        data_loss = estimate_hessian_trace(
+            model,
+            language.trace_contexts,
+            n_contexts=min(trace_contexts, len(language.trace_contexts)),
+            n_draws=hutchinson_draws,
+            estimator="hutchinson",
+            seed=seed,
+            progress=False,
+        )
+        record.update(
+            hutchinson_trace_data_loss=data_loss.mean,
+            hutchinson_trace_data_loss_stderr=data_loss.stderr,
+        )
+    if probes:
+        record.update(probe_all_tasks(encoder_features(model, language), language))
+    if probes and probe_layers:
         record["probe_by_layer"] = {
             str(layer): without_predictions(probe_all_tasks(encoder_features(model, language, layer), language))
             for layer in probe_layers
@@ -122,14 +128,16 @@ def train_with_branches(
     start_model: torch.nn.Module | None = None,
     keep_branches: bool = False,
     train_dataset: Dataset | None = None,
+    stop_when: Callable[[list[dict[str, Any]]], bool] | None = None,
 ) -> list[dict[str, Any]]:
     """Train ``spec``'s trunk and measure an annealed branch every ``branch_every`` steps; resumes where it stopped.
 
     ``start_model``: the trunk starts from a copy of these weights (e.g. a distilled, saturated model) instead of
     ``spec``'s fresh initialisation; the model passed is left untouched. A resumed run reads its checkpoint instead.
     ``keep_branches``: save each annealed branch (weights and config) under ``output_dir/branches/step-N``.
-    ``train_dataset``: the trunk's and branches' rows (default ``language.train``). With ``spec.wrap_model`` the
-    trunk and its branches train the wrapper (e.g. `AdversarialPretrainingModel`, fed ``spec.task_column``) and the
+    ``train_dataset``: the trunk's and branches' rows (default ``language.train``). ``stop_when(records)``: checked
+    after every branch (also on the records a resumed run kept); True stops the trunk there. With ``spec.wrap_model``
+    the trunk and its branches train the wrapper (e.g. `AdversarialPretrainingModel`, fed ``spec.task_column``) and the
     masked LM inside it (``.model``) is measured; such a trunk keeps no checkpoint (the Trainer saves a wrapper as a
     bare state dict, which refuses BERT's tied embeddings), so a stopped run starts again from the start.
 
@@ -147,6 +155,8 @@ def train_with_branches(
         resumed_step = int(Path(last).name.split("-")[-1])
         records = [r for r in json.loads(records_path.read_text())["records"] if r["step"] <= resumed_step]
         print(f"resuming from {last} with {len(records)} measured branches", flush=True)
+        if stop_when is not None and records and stop_when(records):
+            return records  # decided before the run was stopped: nothing more to train
     elif last is not None:
         last = None  # a checkpoint without its records: start again rather than lose branches silently
     train_dataset = language.train if train_dataset is None else train_dataset
@@ -165,7 +175,8 @@ def train_with_branches(
         print(
             f"[seed {spec.seed}] branch {step}: KL {record['kl']:.4f} "
             f"[{record['saturation']['ci_low']:.4f}, {record['saturation']['ci_high']:.4f}] "
-            f"Fisher {record.get('fisher_trace', float('nan')):.1f} probe {record['probe_accuracy']:.3f} "
+            f"Fisher {record.get('fisher_trace', float('nan')):.1f} "
+            f"probe {record.get('probe_accuracy', float('nan')):.3f} "
             f"({record['measure_seconds']:.0f} s)",
             flush=True,
         )
@@ -180,6 +191,7 @@ def train_with_branches(
         seed=spec.seed,
         task_column=spec.task_column,
         partial_path=records_path,
+        stop_when=stop_when,
     )
     evaluator.records = records
     settings = trainer_settings(spec, trunk_dir)

@@ -1,0 +1,65 @@
+"""Campaign v2's first phases (issue 33): starts distilled to the margin, then KL/trace-only pilots.
+
+Rules: `research.rules_v2` (prose: recipes/research/results/campaign_v2/RULES_v2.md), committed before any run.
+Phase ``starts``: H64 seeds 0-4, then H128, then H48; v1's committed start reused where it meets the margin (stop-set
+KL <= 0.007, upper <= 0.010), else up to 3 further 4,000-step decays; each start measured on v1's KL set (KL, Fisher
+trace). Phase ``pilots``: C1's dose, C2's rate per width, C3's dropout, C5's adversary weight, from seed 0's starts.
+No probe is read in either phase.
+
+Resumable: a unit whose row in the phase's JSON says ``done`` is skipped; a finished decay or branch is read back;
+a stopped decay resumes from its checkpoint. One process, one thread:
+
+    mkdir -p outputs/campaign_v2; OMP_NUM_THREADS=1 PYTHONPATH=$PWD:$PWD/recipes nohup nice -n 10 sh -c \\
+      'python recipes/pcfg_campaign_v2.py --phase starts && python recipes/pcfg_campaign_v2.py --phase pilots' \\
+      >> outputs/campaign_v2/campaign.log 2>&1 &
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+from research.campaign_v2 import (
+    RESULTS,
+    SMOKE,
+    Sizes,
+    load_material,
+    pilots_markdown,
+    read_units,
+    run_pilots,
+    run_starts,
+    starts_markdown,
+)
+
+
+def parse_arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phase", choices=["starts", "pilots"], default=None, help="the phase to run")
+    parser.add_argument("--markdown", action="store_true", help="only print the docs' tables from the JSON")
+    parser.add_argument("--work-dir", type=Path, default=Path("outputs") / "campaign_v2", help="checkpoints, caches")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS, help="starts.json and pilots.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (tests)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+    args = parse_arguments(argv)
+    starts, pilots = args.results_dir / "starts.json", args.results_dir / "pilots.json"
+    if args.markdown:
+        print(starts_markdown(read_units(starts)), pilots_markdown(read_units(pilots)), sep="\n\n")
+        return {}
+    if args.phase is None:
+        raise SystemExit("--phase starts|pilots (or --markdown) is required.")
+    sizes = SMOKE if args.smoke else Sizes()
+    material = load_material(args.work_dir, sizes)
+    if args.phase == "starts":
+        return run_starts(material, args.work_dir, starts, sizes)
+    return run_pilots(material, starts, pilots, args.work_dir, sizes)
+
+
+if __name__ == "__main__":
+    main()

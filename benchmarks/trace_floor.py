@@ -136,7 +136,9 @@ def timing(name: str, arms: list[str], n_contexts: int, seq_len: int, rounds: in
         for arm in arms:
             seconds[arm].append(cpu_seconds(functions[arm]))
     ratios = {
-        arm: [s / t for s, t in zip(seconds[arm], seconds["training"], strict=True)] for arm in arms if arm != "training"
+        arm: [s / t for s, t in zip(seconds[arm], seconds["training"], strict=True)]
+        for arm in arms
+        if arm != "training"
     }
     if "diagonal" in arms and "trace2" in arms:
         ratios["diagonal/trace2"] = [d / t for d, t in zip(seconds["diagonal"], seconds["trace2"], strict=True)]

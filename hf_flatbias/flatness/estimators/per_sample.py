@@ -167,6 +167,8 @@ def _per_sample_batch(
                 recorder.set_grad_outputs(grads)
                 _validate_against_autograd(model, contexts, indices[0], params, int(labels[0, 0]), recorder)
                 validate = False
+                grads = None
+                recorder.set_grad_outputs([None] * len(recorder.calls))
         if signs is None:
             cotangent = _label_cotangent(probs, labels[:, k])
         else:
@@ -204,8 +206,10 @@ def _per_sample_batch(
         if validate and k == 0:
             _validate_against_autograd(model, contexts, indices[0], params, int(labels[0, 0]), recorder)
             validate = False
-    for call in recorder.calls:  # drop references to the graph
-        call.grad_output = None
+        # this draw's gradients at every layer output (about one activation's worth) go before the next backward
+        # forms its own, and the last ones drop their references to the graph
+        grads = None
+        recorder.set_grad_outputs([None] * len(recorder.calls))
     return values, group_values, forward_seconds, time.perf_counter() - start
 
 

@@ -23,16 +23,10 @@ methods and the hyperparameters each one reads come from `hf_flatbias.constants`
 that method used. Nothing here imports torch, transformers or the Trainer.
 """
 
-from .card import (
-    HESSIAN_TRACE_METRIC,
-    METHOD_HYPERPARAMETERS,
-    PAPER_CITATION,
-    FlatnessCard,
-    add_glue_results,
-    load_flatness_card,
-)
+from .card import HESSIAN_TRACE_METRIC, METHOD_HYPERPARAMETERS, PAPER_CITATION, FlatnessCard
 from .formatting import METHOD_TITLES, format_comparison_table, measure_summaries
 from .from_trainer import flatness_card_from_trainer, measure_record
+from .loading import add_glue_results, load_flatness_card
 
 __all__ = [
     "FlatnessCard",

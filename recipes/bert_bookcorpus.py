@@ -27,6 +27,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 # Nothing here imports torch or transformers: check_arguments refuses a bad flag before they are (seconds of CPU).
 from hf_flatbias.cli import run_recipe
@@ -305,6 +306,96 @@ def check_arguments(argv: list[str] | None) -> None:
     check_before_loading(argv, smoke_settings=SMOKE_SETTINGS, checks=_recipe_checks)
 
 
+def tokenized_blocks(model_args: ModelArguments, data_args: DataArguments, training_args) -> tuple[Any, dict]:
+    """The tokenizer and the text cut into ``max_seq_length`` blocks per split, built once (rank 0 first)."""
+    from hf_flatbias.flatness.lm import check_tokenizer_fits_model
+    from hf_flatbias.text_data import tokenize_into_blocks
+
+    with training_args.main_process_first(desc="loading text and training the tokenizer"):
+        # Each stage says it has begun: on a CPU the first ones take minutes before the training bar appears.
+        logger.info("Loading the text (--dataset %s)...", data_args.dataset)
+        raw = load_text(data_args)
+        logger.info("Text: %d training and %d held-out texts; building the tokenizer...", *map(len, raw.values()))
+        tokenizer = build_tokenizer(model_args, raw["train"], data_args.text_column)
+        blocks = {
+            split: tokenize_into_blocks(
+                raw[split],
+                tokenizer,
+                block_size=model_args.max_seq_length,
+                text_column=data_args.text_column,
+                num_proc=data_args.preprocessing_num_workers,
+            )
+            for split in ("train", "validation")
+        }
+    if len(blocks["train"]) == 0 or len(blocks["validation"]) == 0:
+        raise ValueError("Too little text for one block per split: lower --max_seq_length or use more texts.")
+    # The rule `hf-flatbias trace` applies: a given tokenizer that reads this text as mostly [UNK] is refused.
+    check_tokenizer_fits_model(
+        tokenizer,
+        None,
+        source=model_args.tokenizer_name_or_path,
+        input_ids=blocks["train"].select(range(min(200, len(blocks["train"]))))["input_ids"],
+        text_source=data_args.dataset,
+    )
+    return tokenizer, blocks
+
+
+def trace_callback_for(trace_args: TraceArguments, validation_blocks, seed: int):
+    """The `HessianTraceCallback` the trace arguments ask for, or ``None`` without ``--trace_contexts``."""
+    if not trace_args.trace_contexts:
+        return None
+    from hf_flatbias.callbacks import HessianTraceCallback
+
+    # The callback masks one position per held-out block itself, with a fixed seed: every measurement, the final
+    # one included, uses the same contexts and draws, so the logged curve and the summary agree.
+    return HessianTraceCallback(
+        eval_dataset=validation_blocks,
+        n_contexts=trace_args.trace_contexts,
+        n_draws=trace_args.trace_draws,
+        every_n_steps=trace_args.trace_every_n_steps or None,
+        estimator=trace_args.trace_estimator,
+        seed=seed,
+    )
+
+
+def final_summary(trainer, trace_callback, evaluation, model_args: ModelArguments, data_args: DataArguments) -> dict:
+    """``pretraining_summary.json``'s content; on the main process also the held-out MLM loss and the trace at the last
+    step, logged so that the card saved next to the weights carries them."""
+    from hf_flatbias.text_data import masked_lm_loss
+
+    training_args = trainer.args
+    summary = {
+        "model_size": model_args.model_size,
+        "dropout": model_args.dropout,
+        "weight_decay": training_args.weight_decay,
+        "flatness_method": training_args.flatness_method,
+        "global_step": trainer.state.global_step,
+        "pretraining_corpus": corpus_record(data_args),
+    }
+    if not trainer.is_world_process_zero():
+        return summary
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    summary["eval_mlm_loss"] = masked_lm_loss(unwrapped, evaluation)
+    if trace_callback is not None:
+        # The callback measures at the last step itself (measure_at_end); measure() only if it has not, e.g. when
+        # nothing was trained after a resume. measure() logs the trace and keeps it for the card.
+        measured_now = trace_callback.last_estimate_step == trainer.state.global_step
+        trace = trace_callback.last_estimate if measured_now else trace_callback.measure()
+        summary.update(
+            {
+                "hessian_trace": trace.mean,
+                "hessian_trace_stderr": trace.stderr,
+                "trace_contexts": trace.n_contexts,
+                "trace_draws": trace.n_draws,
+            }
+        )
+    # Logged before the final save so the flatness card written next to the weights carries these numbers.
+    trainer.log({"eval_loss": summary["eval_mlm_loss"]})
+    Path(training_args.output_dir, "pretraining_summary.json").write_text(json.dumps(summary, indent=2))
+    logger.info("Summary: %s", summary)
+    return summary
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     check_arguments(argv)
@@ -332,37 +423,11 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers.trainer_utils import get_last_checkpoint
 
     from hf_flatbias.callbacks import SaveOnInterruptCallback
-    from hf_flatbias.flatness.lm import check_tokenizer_fits_model
-    from hf_flatbias.text_data import mask_blocks_once, masked_lm_loss, tokenize_into_blocks
+    from hf_flatbias.text_data import mask_blocks_once
     from hf_flatbias.trainer import FlatBiasTrainer
 
     set_seed(training_args.seed)
-    with training_args.main_process_first(desc="loading text and training the tokenizer"):
-        # Each stage says it has begun: on a CPU the first ones take minutes before the training bar appears.
-        logger.info("Loading the text (--dataset %s)...", data_args.dataset)
-        raw = load_text(data_args)
-        logger.info("Text: %d training and %d held-out texts; building the tokenizer...", *map(len, raw.values()))
-        tokenizer = build_tokenizer(model_args, raw["train"], data_args.text_column)
-        blocks = {
-            split: tokenize_into_blocks(
-                raw[split],
-                tokenizer,
-                block_size=model_args.max_seq_length,
-                text_column=data_args.text_column,
-                num_proc=data_args.preprocessing_num_workers,
-            )
-            for split in ("train", "validation")
-        }
-    if len(blocks["train"]) == 0 or len(blocks["validation"]) == 0:
-        raise ValueError("Too little text for one block per split: lower --max_seq_length or use more texts.")
-    # The rule `hf-flatbias trace` applies: a given tokenizer that reads this text as mostly [UNK] is refused.
-    check_tokenizer_fits_model(
-        tokenizer,
-        None,
-        source=model_args.tokenizer_name_or_path,
-        input_ids=blocks["train"].select(range(min(200, len(blocks["train"]))))["input_ids"],
-        text_source=data_args.dataset,
-    )
+    tokenizer, blocks = tokenized_blocks(model_args, data_args, training_args)
     evaluation = mask_blocks_once(blocks["validation"], tokenizer, mlm_probability=data_args.mlm_probability)
     model = build_model(model_args, tokenizer)
     logger.info(
@@ -373,20 +438,8 @@ def main(argv: list[str] | None = None) -> dict:
         model_args.max_seq_length,
     )
     callbacks = [SaveOnInterruptCallback()]  # Ctrl-C saves a checkpoint that the next run resumes from
-    trace_callback = None
-    if trace_args.trace_contexts:
-        from hf_flatbias.callbacks import HessianTraceCallback
-
-        # The callback masks one position per held-out block itself, with a fixed seed: every measurement, the
-        # final one included, uses the same contexts and draws, so the logged curve and the summary agree.
-        trace_callback = HessianTraceCallback(
-            eval_dataset=blocks["validation"],
-            n_contexts=trace_args.trace_contexts,
-            n_draws=trace_args.trace_draws,
-            every_n_steps=trace_args.trace_every_n_steps or None,
-            estimator=trace_args.trace_estimator,
-            seed=training_args.seed,
-        )
+    trace_callback = trace_callback_for(trace_args, blocks["validation"], training_args.seed)
+    if trace_callback is not None:
         callbacks.append(trace_callback)
     trainer = FlatBiasTrainer(
         model=model,
@@ -406,35 +459,7 @@ def main(argv: list[str] | None = None) -> dict:
             logger.info("Resuming from %s", resume)
     trainer.train(resume_from_checkpoint=resume)
 
-    summary = {
-        "model_size": model_args.model_size,
-        "dropout": model_args.dropout,
-        "weight_decay": training_args.weight_decay,
-        "flatness_method": training_args.flatness_method,
-        "global_step": trainer.state.global_step,
-        "pretraining_corpus": corpus_record(data_args),
-    }
-    if trainer.is_world_process_zero():
-        unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-        summary["eval_mlm_loss"] = masked_lm_loss(unwrapped, evaluation)
-        final_logs = {"eval_loss": summary["eval_mlm_loss"]}
-        if trace_callback is not None:
-            # The callback measures at the last step itself (measure_at_end); measure() only if it has not, e.g.
-            # when nothing was trained after a resume. measure() logs the trace and keeps it for the card.
-            measured_now = trace_callback.last_estimate_step == trainer.state.global_step
-            trace = trace_callback.last_estimate if measured_now else trace_callback.measure()
-            summary.update(
-                {
-                    "hessian_trace": trace.mean,
-                    "hessian_trace_stderr": trace.stderr,
-                    "trace_contexts": trace.n_contexts,
-                    "trace_draws": trace.n_draws,
-                }
-            )
-        # Logged before the final save so the flatness card written next to the weights carries these numbers.
-        trainer.log(final_logs)
-        Path(training_args.output_dir, "pretraining_summary.json").write_text(json.dumps(summary, indent=2))
-        logger.info("Summary: %s", summary)
+    summary = final_summary(trainer, trace_callback, evaluation, model_args, data_args)
     trainer.save_model()
     if training_args.push_to_hub:
         trainer.push_to_hub()

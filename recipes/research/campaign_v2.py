@@ -513,6 +513,8 @@ def pilot_units(material: Material, starts: Path, pilots: Path, work_dir: Path, 
         spec = continued_spec(rules.PILOT_SEED, start, rules.C1_RATE, dose(), sizes, dropout=dropout)
         return branch(pilot_dir / "c3_dropout" / f"d{dropout:g}", spec, start)
 
+    labelled: dict[str, Any] = {}
+
     def adversary_pilot(weight: float) -> dict[str, Any]:
         start, _ = load_start(starts, rules.V1_WIDTH, rules.PILOT_SEED)
 
@@ -528,8 +530,9 @@ def pilot_units(material: Material, starts: Path, pilots: Path, work_dir: Path, 
 
         spec = continued_spec(rules.PILOT_SEED, start, rules.C1_RATE, dose(), sizes)
         spec = dataclasses.replace(spec, wrap_model=wrap, task_column="task_labels")
-        labelled = task_labelled_train(language, sizes.n_train)
-        return branch(pilot_dir / "c5_weight" / f"w{weight:g}", spec, start, train_dataset=labelled)
+        if "rows" not in labelled:  # the task labels of 200k sentences: computed once for every weight
+            labelled["rows"] = task_labelled_train(language, sizes.n_train)
+        return branch(pilot_dir / "c5_weight" / f"w{weight:g}", spec, start, train_dataset=labelled["rows"])
 
     units = [("c1_dose", dose_unit(material, starts, work_dir, sizes))]
     for width in rules.WIDTHS:

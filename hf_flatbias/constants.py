@@ -85,8 +85,9 @@ RECOMMENDED_N_DRAWS = 2
 """Draws of the label per context recommended for a trace estimate."""
 
 DEFAULT_N_CONTEXTS = 1000
-"""Contexts of a one-off trace measurement (``hf-flatbias trace``, the recipes' final trace); the paper used 10,000.
-The callback, which measures again at every evaluation, takes fewer by default."""
+"""Contexts of a one-off trace measurement (``hf-flatbias trace``, the recipes' final trace). The released code
+averages one probe per batch of 128 sequences over many batches; the paper's own count is unverified here. The
+callback, which measures again at every evaluation, takes fewer by default."""
 
 MAX_N_DRAWS = 10_000
 """The most draws per context a measurement takes: 200x the paper's 50; past a few draws the error is the contexts'

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..constants import IGNORE_INDEX, MAX_N_CONTEXTS, MAX_N_DRAWS, RECOMMENDED_N_DRAWS
+from ..constants import DEFAULT_N_CONTEXTS, IGNORE_INDEX, MAX_N_CONTEXTS, MAX_N_DRAWS, RECOMMENDED_N_DRAWS
 from ..corpus import DATA_FILE_BUILDERS, load_data_files
 from ..machine import available_ram_bytes
 
@@ -98,8 +98,8 @@ def check_request_size(
     """Refuse, before anything loads, a request outside the sane ranges or whose draws and contexts alone need more
     than the ``available`` bytes (the RAM available now by default): it would grow until the kernel kills it."""
     for flag, value, most, hint in (
-        ("--n-draws", n_draws, MAX_N_DRAWS, f"{RECOMMENDED_N_DRAWS} is recommended, the paper used 50"),
-        ("--n-contexts", n_contexts, MAX_N_CONTEXTS, "the paper used 10,000"),
+        ("--n-draws", n_draws, MAX_N_DRAWS, f"{RECOMMENDED_N_DRAWS} is recommended"),
+        ("--n-contexts", n_contexts, MAX_N_CONTEXTS, f"the default is {DEFAULT_N_CONTEXTS:,}"),
     ):
         if not 1 <= value <= most:
             raise ValueError(f"{flag} {value} is outside the sane range 1..{most:,} ({hint}).")

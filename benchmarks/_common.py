@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from transformers import BertConfig, BertForMaskedLM, Trainer, TrainerCallback
+from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 
 WARMUP_STEPS = 2
 """Steps left out of a timing: the first ones pay for allocation and lazy initialisation."""
@@ -92,3 +92,21 @@ def masked_lm_rows(n: int, seq_len: int, vocab: int) -> list[dict[str, torch.Ten
     masked = torch.rand(ids.shape, generator=g) < 0.15
     labels = torch.where(masked, ids, torch.full_like(ids, -100))
     return [{"input_ids": ids[i].masked_fill(masked[i], 4), "labels": labels[i]} for i in range(n)]
+
+
+def llama_100m() -> LlamaForCausalLM:
+    """A ~100M-parameter Llama-family decoder built from a config (grouped-query attention, tied embeddings): the
+    decoder shape the trace benchmarks measure beside BERT-base."""
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32_000,
+            hidden_size=768,
+            intermediate_size=2048,
+            num_hidden_layers=12,
+            num_attention_heads=12,
+            num_key_value_heads=4,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            pad_token_id=0,
+        )
+    )

@@ -28,7 +28,8 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from _common import llama_100m  # noqa: E402
+from transformers import BertConfig, BertForMaskedLM  # noqa: E402
 
 from hf_flatbias.flatness import TraceContexts, compute_trace_samples  # noqa: E402
 from hf_flatbias.flatness.contexts import build_masked_contexts  # noqa: E402
@@ -46,18 +47,7 @@ def build(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if name == "bert":
         return BertForMaskedLM(BertConfig(attn_implementation="sdpa"))
-    config = LlamaConfig(
-        vocab_size=32_000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-    )
-    return LlamaForCausalLM(config)
+    return llama_100m()
 
 
 def contexts_for(model: torch.nn.Module, name: str, n: int, seq_len: int) -> TraceContexts:

@@ -40,7 +40,8 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from _common import llama_100m  # noqa: E402
+from transformers import BertConfig, BertForMaskedLM  # noqa: E402
 
 from hf_flatbias.flatness import TraceContexts, compute_trace_samples  # noqa: E402
 from hf_flatbias.flatness.contexts import build_masked_contexts  # noqa: E402
@@ -64,19 +65,7 @@ def build(name: str) -> torch.nn.Module:
             BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
         )
     if name == "llama100m":
-        return LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=32_000,
-                hidden_size=768,
-                intermediate_size=2048,
-                num_hidden_layers=12,
-                num_attention_heads=12,
-                num_key_value_heads=4,
-                max_position_embeddings=2048,
-                tie_word_embeddings=True,
-                pad_token_id=0,
-            )
-        )
+        return llama_100m()
     raise ValueError(f"unknown model {name!r}")
 
 

@@ -120,3 +120,8 @@ SAM_SHARPNESS_METRIC = "flatness/sam_sharpness"
 
 SAM_SHARPNESS_STDERR_METRIC = "flatness/sam_sharpness_stderr"
 """The logged name of its standard error over batches."""
+
+NOISE_SCALES = ("rms", "absolute")
+"""How weight-noise sensitivity scales its noise: ``rms``, ``sigma * rms(w_p) * eps`` on tensor ``p`` with ``rms(w_p) =
+sqrt(mean(w_p^2))`` of the unperturbed tensor (a tensor of zeros gets no noise; the default); ``absolute``, ``sigma *
+eps`` on every weight."""

@@ -20,15 +20,12 @@ from typing import Any
 
 from .constants import (
     DEFAULT_SAM_RHO,
+    NOISE_SCALES,
     SAM_SHARPNESS_METRIC,
     SAM_SHARPNESS_STDERR_METRIC,
     SPECTRUM_MATRICES,
     TOP_EIGENVALUE_METRIC,
 )
-
-NOISE_SCALES = ("rms", "absolute")
-"""As `hf_flatbias.flatness.weight_noise.NOISE_SCALES` (kept here so that the command line needs no torch)."""
-
 
 # -------------------------------------------------------------------- settings
 

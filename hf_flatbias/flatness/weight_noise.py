@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..constants import DEFAULT_BATCH_SIZE
+from ..constants import DEFAULT_BATCH_SIZE, NOISE_SCALES
 from .contexts import TraceContexts
 from .lm import (
     check_lm_model,
@@ -44,10 +44,6 @@ from .lm import (
     measured_parameters,
     preserved_global_rng,
 )
-
-NOISE_SCALES = ("absolute", "rms")
-"""``absolute``: noise ``sigma * eps`` on every weight. ``rms``: ``sigma * rms(w_p) * eps`` on tensor ``p``, with
-``rms(w_p) = sqrt(mean(w_p^2))`` of the unperturbed tensor (a tensor of zeros gets no noise)."""
 
 DEFAULT_SIGMAS = (1e-3, 3e-3, 1e-2, 3e-2)
 

@@ -17,11 +17,20 @@ from research import rules_v2  # noqa: E402
 RESULTS = Path(__file__).resolve().parents[1] / "recipes" / "research" / "results" / "campaign_v2"
 
 
+#: the claims phase's constants: read by the claims' modules (tests/test_claims_v2.py checks those), not these phases
+CLAIM_CONSTANTS = {
+    "RULER_C", "RULER_N_FIT", "RULER_SPLITS", "RULER_N_TEST", "RULER_N_CV", "RULER_MAX_ITER", "SECONDARY_SPLITS",
+    "FINETUNE_EPOCHS", "FINETUNE_LR", "FINETUNE_BATCH", "FINETUNE_SEED", "CLAIMS", "C1_BRANCHES",
+    "MIN_COMPARED_BRANCHES", "SEEDS_REQUIRED", "MATCHED_KL_CEILING", "MATCHED_KL_TOLERANCE", "CONFIDENCE",
+    "C3_SAM_RHO", "C4_TASKS_REQUIRED", "C4_BASELINES",
+}  # fmt: skip
+
+
 def _rule_numbers() -> set[float]:
     numbers: set[float] = set()
     for name in rules_v2.__all__:
         value = getattr(rules_v2, name)
-        if name in ("LOST_SESSION", "SEEDS", "PILOT_SEED"):
+        if name in ("LOST_SESSION", "SEEDS", "PILOT_SEED") or name in CLAIM_CONSTANTS:
             continue
         for item in value if isinstance(value, tuple) else (value,):
             numbers.add(float(item))

@@ -1,6 +1,7 @@
-"""Campaign v2's pre-registered rules (issue 33), as constants the code reads: committed before any v2 run.
+"""Campaign v2's pre-registered rules (issue 33), as constants the code reads: each phase's committed before its run.
 
-Phases covered here (KL and trace only; no probe is read in them):
+Phases covered here: the starts and the pilots read the KL and the Fisher trace only (no probe); the claims read
+the ruler (RULES.md), on the checkpoints their rules compare.
 
 **Starts (the margin).** Every start is distilled to a margin inside the saturated tier so that continued branches
 keep it: stop-set KL ``<= MARGIN_KL`` (0.007) with the bootstrap upper end ``<= MARGIN_KL_UPPER`` (0.010). The
@@ -39,6 +40,77 @@ A pilot branch "stays saturated" when its KL-set KL ``<= SATURATED_KL`` (0.010) 
 Order of the work (cheapest unit first inside each phase): starts H64 seeds 0-4, then H128, then H48; pilots C1 dose,
 then C2 rates (H64, H128, H48), C3 dropout, C5 weight. Each unit's JSON row is written when it finishes; a rerun
 skips finished units.
+
+**Claims (phase ``claims``; rules committed before its first run, after the starts' and pilots' rules).** The
+claims keep v1's definitions of what C1..C6 compare (``verdicts.C1_RULE`` .. ``C6_RULE``, quoted in RULES_v2.md);
+what changes is the read-out, the tier, the doses and the intervals:
+
+- *The ruler* (the gate's, RULES.md, unchanged): linear probes (``hf_flatbias.probe.fit_probe``, C fixed at
+  ``RULER_C`` = 0.3, the gate's 3-fold cross-validated value, max_iter ``RULER_MAX_ITER``) on the last layer's states
+  at every position of ``[CLS] words [SEP]`` concatenated, tasks A/B/C, fitted on each of ``RULER_SPLITS`` (5)
+  disjoint fit splits of ``RULER_N_FIT`` (20,000) sentences and scored on one common test set of ``RULER_N_TEST``
+  (10,000): the gate's pool, rows and splits exactly (``ruler.ruler_pool``, ``SeedSequence([0, 33])``, layout
+  ``RULER_N_TEST`` / ``RULER_SPLITS`` x ``RULER_N_FIT`` / ``RULER_N_CV``). Every compared checkpoint (and every
+  baseline row) is read on the same splits; a checkpoint's primary read-out on split r is its mean accuracy over
+  A/B/C there. Beside it: every other layer's probe (``hidden_states`` 0..L-1) and full fine-tuning of the encoder
+  per task (the gate's settings: ``FINETUNE_EPOCHS``, ``FINETUNE_LR``, ``FINETUNE_BATCH``, seed
+  ``FINETUNE_SEED`` + r), both on the first ``SECONDARY_SPLITS`` (2) fit splits, same test set, run after every
+  primary read-out of the requested claims; they are reported, never part of a verdict.
+- *Paired intervals with the split noise in them*: a contrast's per-seed, per-split differences ``D[s, r]`` (both
+  checkpoints of seed s read on split r) give the estimate ``mean(D)`` and the two-way 95% interval
+  ``mean(D) +- t(0.975, min(S, R) - 1) * sqrt(var_s(mean_r D) / S + var_r(mean_s D) / R)`` (``ddof`` 1; the
+  seed-by-split interaction is counted twice, so the interval is conservative). The seed-level t interval of the
+  per-seed means is reported beside it. The direction each claim predicts is the paper's; PASS needs the interval
+  wholly on that side, FAIL is "not shown" (a ``reading`` says whether the interval includes 0 or lies on the
+  opposite side); fewer than ``SEEDS_REQUIRED`` (4) compared seeds: undecided (not saturated); a seed still running:
+  undecided (runs in progress).
+- *Tier*: the saturated tier (KL-set KL <= ``SATURATED_KL``, upper end <= ``SATURATED_KL_UPPER``) is primary in
+  every claim; v1's matched tier (KL <= ``MATCHED_KL_CEILING`` and within ``MATCHED_KL_TOLERANCE`` of each other /
+  of the seed's lowest) is a sensitivity row, computed after the primary rows. A start that missed the margin
+  (starts.json) leaves its seed out of that width.
+- *Doses and rates read from pilots.json*, never from a probe: C1's dose (``c1_dose``) for every continued run; C2's
+  rate per width (``c2_rate/hW``); C3's dropout (``c3_dropout``); C5's weight (``c5_weight``). A claim whose pilot
+  is not finished is refused before any compute. Every continued run: v1's continued training (AdamW beta2
+  ``CONTINUE_BETA2``, weight decay ``CONTINUE_WEIGHT_DECAY`` unless an arm says otherwise, warm-up
+  ``CONTINUE_WARMUP``, batch ``BATCH_SIZE``, branches annealed ``ANNEAL_STEPS`` to lr 0), measured on v1's KL set
+  and trace contexts (KL, Fisher trace; no v1 probe), ``SEEDS`` (five model seeds), from the starts of starts.json.
+- **C1** (H64, rate ``C1_RATE``, C1's dose, ``C1_BRANCHES`` (5) branches evenly over it, as v1's 5 over 5,000
+  steps): compared branches of a seed = its saturated ones if >= ``MIN_COMPARED_BRANCHES`` (3). PASS if
+  Spearman(step, Fisher trace) < 0 among them in >= 4 of 5 seeds AND the last-minus-first compared branch's
+  primary read-out has a two-way interval above 0. Beside: last branch minus start (the gate's contrast), the
+  trace's fall start -> last, the dose's status (``under-dosed`` is reported with the measured fall).
+- **C2** (widths ``WIDTHS``, each from its start at its piloted rate for C1's dose, one branch at the end; H64's is
+  C1's run when its rate is ``C1_RATE``): sizes compared are those whose last branch is saturated in >= 4 seeds;
+  the largest against the smallest of them over the seeds where both are saturated and within
+  ``MATCHED_KL_TOLERANCE``: PASS if larger-minus-smaller primary read-out has a two-way interval above 0 AND
+  larger-minus-smaller Fisher trace in the largest width's parameter space (``hf_flatbias.enlarge``) a seed-level
+  interval below 0 (v1's ``C2_RULE``).
+- **C3** (H64, ``C1_RATE``, C1's dose, one branch at the end): v1's four arms with the piloted dropout in place of
+  0.1: ``adamw`` (dropout d, weight decay 0.01), ``adamw_plain`` (0, 0), each with SAM (rho ``C3_SAM_RHO``); if the
+  pilot found no saturated dropout, only the two arms without dropout run. Compared seeds: every arm's branch
+  saturated and all within ``MATCHED_KL_TOLERANCE``. PASS if the arm with the largest seed-mean Fisher trace has the
+  lowest seed-mean primary read-out AND flattest-minus-sharpest has a two-way interval above 0 (v1's ``C3_RULE``).
+- **C4** (no new run): each seed's H64 start against the **strongest** of ``C4_BASELINES`` per task (highest mean
+  over the splits): ``lexical`` (one-hot word per position), ``lookup`` (the exact masked conditionals
+  ``Pr(x_t | x_-t)`` per position, v1's row), ``lookup_lexical`` (both concatenated), ``unmasked_lookup`` (the
+  lookup read on the unmasked sentence: at each position the one-hot of the word there scaled by its exact
+  conditional ``Pr(x_t | x_-t)``, concatenated with ``lookup_lexical``: the only unmasked read-out the exact
+  conditionals define, since the conditional of a visible word is the one-hot itself). PASS if model-minus-strongest
+  has a two-way interval above 0 on >= ``C4_TASKS_REQUIRED`` (2) of 3 tasks over >= 4 saturated starts: beating
+  the strongest per task beats them all. Beside: the mean over tasks, each baseline's own contrast, each seed's last
+  C1 branch.
+- **C5** (H64, ``C1_RATE``, C1's dose, v1's adversary on the evaluated read-out at the piloted weight, annealed with
+  the same objective): its last branch against the same seed's last C1 branch, both saturated and within
+  ``MATCHED_KL_TOLERANCE``: PASS if adversarial-minus-C1 primary read-out has a two-way interval below 0 (v1's
+  ``C5_RULE``); the pilot found no saturated weight: not run, undecided (the adversary cannot stay saturated).
+- **C6** (no new run): among a seed's compared C1 branches, the branch ``select_flattest_checkpoint`` picks (its
+  defaults) against the lowest-KL branch: PASS if chosen-minus-lowest-KL primary read-out has a two-way interval
+  above 0 over >= 4 seeds (a seed where both pick the same branch counts 0 on every split) (v1's ``C6_RULE``).
+
+The ruler reads only the checkpoints a rule compares (each C1 seed's first and last compared branches, C6's two
+picks, the starts; the last branches of C2, C3, C5), chosen from KL and trace alone before any probe is fitted.
+Order: C1, C4, C6, C5, C2, C3 (``CLAIMS``); inside the phase, every training unit of the requested claims, then
+their primary read-outs, then the secondary read-outs and the matched sensitivity rows.
 
 **Lost session (from its log, not reused).** A previous session, cut off before its code and JSON landed, reported
 in its log: H64 starts, all 6 seeds met the margin (KL 0.0055-0.0067); H128, 4 of 6 (seed 3 at 0.0071 and seed 4
@@ -84,6 +156,31 @@ RATE_LADDER = (4e-4, 2e-4, 1e-4, 5e-5)
 DROPOUT_LADDER = (0.1, 0.05, 0.025)
 ADVERSARY_LADDER = (1.0, 0.5, 0.25, 0.1)
 
+# -- claims: the ruler read-out (the gate's, RULES.md) --
+RULER_C = 0.3  # the gate's 3-fold cross-validated C (ruler_gate.json "cv"/"chosen"), fixed for every claim
+RULER_N_FIT = 20_000
+RULER_SPLITS = 5
+RULER_N_TEST = 10_000
+RULER_N_CV = 10_000  # the gate's CV rows: part of the pool's layout (so the same rows), unused by the claims
+RULER_MAX_ITER = 1000
+SECONDARY_SPLITS = 2  # every other layer's probe and the fine-tuning: on the first two fit splits
+FINETUNE_EPOCHS = 3
+FINETUNE_LR = 5e-4
+FINETUNE_BATCH = 64
+FINETUNE_SEED = 0
+
+# -- claims: rules (v1's definitions, verdicts.C1_RULE .. C6_RULE, read by the ruler in the saturated tier) --
+CLAIMS = ("C1", "C4", "C6", "C5", "C2", "C3")  # the order the phase runs them in
+C1_BRANCHES = 5  # branches evenly over C1's dose (v1: 5 over 5,000 steps)
+MIN_COMPARED_BRANCHES = 3
+SEEDS_REQUIRED = 4
+MATCHED_KL_CEILING = 0.020
+MATCHED_KL_TOLERANCE = 0.003
+CONFIDENCE = 0.95
+C3_SAM_RHO = 0.05
+C4_TASKS_REQUIRED = 2
+C4_BASELINES = ("lexical", "lookup", "lookup_lexical", "unmasked_lookup")
+
 LOST_SESSION: dict[str, Any] = {
     "status": "lost session, from its log, not reused",
     "starts": {
@@ -98,7 +195,13 @@ __all__ = [
     "ADVERSARY_LADDER",
     "ANNEAL_STEPS",
     "BATCH_SIZE",
+    "C1_BRANCHES",
     "C1_RATE",
+    "C3_SAM_RHO",
+    "C4_BASELINES",
+    "C4_TASKS_REQUIRED",
+    "CLAIMS",
+    "CONFIDENCE",
     "CONTINUE_BETA2",
     "CONTINUE_WARMUP",
     "CONTINUE_WEIGHT_DECAY",
@@ -109,17 +212,32 @@ __all__ = [
     "EXTENSION_PEAK",
     "EXTENSION_STEPS",
     "EXTENSION_WARMUP",
+    "FINETUNE_BATCH",
+    "FINETUNE_EPOCHS",
+    "FINETUNE_LR",
+    "FINETUNE_SEED",
     "FIRST_DECAY",
     "LAYERS",
     "LOST_SESSION",
     "MARGIN_KL",
     "MARGIN_KL_UPPER",
+    "MATCHED_KL_CEILING",
+    "MATCHED_KL_TOLERANCE",
     "MAX_EXTENSIONS",
+    "MIN_COMPARED_BRANCHES",
     "PILOT_SEED",
     "RATE_LADDER",
+    "RULER_C",
+    "RULER_MAX_ITER",
+    "RULER_N_CV",
+    "RULER_N_FIT",
+    "RULER_N_TEST",
+    "RULER_SPLITS",
     "SATURATED_KL",
     "SATURATED_KL_UPPER",
+    "SECONDARY_SPLITS",
     "SEEDS",
+    "SEEDS_REQUIRED",
     "V1_WIDTH",
     "WIDTHS",
 ]

@@ -116,7 +116,9 @@ class SamFamily(FlatnessMethod):
         args = host.args
         module = host.accelerator.unwrap_model(model)
         params = self.perturbed_parameters(module)
-        perturbable = perturbable_parameters(module, host.deepspeed_engine(), params=params)
+        perturbable = perturbable_parameters(
+            module, host.deepspeed_engine(), params=params, per_rank=args.sam_perturbation == "per_rank"
+        )
         functional = args.flatness_method == "functional_sam"
         fraction = args.sam_ascent_fraction
         clean_losses: list[torch.Tensor] = []

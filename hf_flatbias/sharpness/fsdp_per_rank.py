@@ -76,7 +76,9 @@ class PerRankFullyShardedParameters(FullyShardedParameters):
     ) -> list[torch.Tensor]:
         """This rank's own first gradient, whole parameters, with respect to the unsharded copies its forward used."""
         if average_over_processes:
-            raise ValueError("PerRankFullyShardedParameters takes each rank's own gradient (sam_perturbation='per_rank').")
+            raise ValueError(
+                "PerRankFullyShardedParameters takes each rank's own gradient (sam_perturbation='per_rank')."
+            )
         grads: list[torch.Tensor] | None = None
         for loss in [losses] if isinstance(losses, torch.Tensor) else losses:
             # The unsharded copies exist from the first all-gather on (this loss's forward) and are reused after it.

@@ -147,6 +147,7 @@ class PerturbableParameters:
         adaptive: bool = False,
         eta: float = 0.01,
         preconditioner: list[torch.Tensor] | None = None,
+        preconditioned_ball: bool = False,
     ) -> Perturbation | None:
         """Move the parameters to ``w + e`` along ``full_gradients``; see `perturb_weights` (``preconditioner`` is
         per whole parameter, so only for engines that keep whole parameters)."""
@@ -161,6 +162,7 @@ class PerturbableParameters:
             eta=eta,
             sq_norm_reducer=self.sq_norm_reducer,
             preconditioner=preconditioner,
+            preconditioned_ball=preconditioned_ball,
         )
         if perturbation is None or not self.has_gathered_copies:
             return perturbation

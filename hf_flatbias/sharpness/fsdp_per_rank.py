@@ -103,13 +103,20 @@ class PerRankFullyShardedParameters(FullyShardedParameters):
         adaptive: bool = False,
         eta: float = 0.01,
         preconditioner: list[torch.Tensor] | None = None,
+        preconditioned_ball: bool = False,
     ) -> Perturbation | None:
         """``w + e_r`` for the whole parameters, written into the unsharded copies at every all-gather until
         ``restore``; the shards are never edited."""
         # A collective: every rank gathers, whether or not its gradient gives a direction.
         weights = [param.full_tensor() for param in self.params]
         perturbation = perturb_weights(
-            weights, full_gradients, rho, adaptive=adaptive, eta=eta, preconditioner=preconditioner
+            weights,
+            full_gradients,
+            rho,
+            adaptive=adaptive,
+            eta=eta,
+            preconditioner=preconditioner,
+            preconditioned_ball=preconditioned_ball,
         )
         if perturbation is None:
             return None

@@ -19,7 +19,7 @@ from .constants import (
 )
 from .utils import quiet_deepspeed_without_accelerator
 
-SAM_PRECONDITIONERS = ("none", "adam")
+SAM_PRECONDITIONERS = ("none", "adam", "adam_stored_moment", "adam_preconditioned_ball")
 SAM_RHO_SCHEDULES = ("constant", "linear_warmup")
 # The optimizers whose state holds Adam's second moment as `exp_avg_sq`, `step` and the group's `betas`/`eps`.
 ADAM_OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "adamw_torch_npu_fused", "adamw_torch_xla")
@@ -89,16 +89,24 @@ class FlatnessArguments:
     sam_preconditioner: str = field(
         default="none",
         metadata={
-            "help": "The geometry of the SAM/Functional-SAM perturbation. 'none': e = rho * g / ||g||; 'adam': "
-            "e = rho * (g / P) / ||g / P|| with P = sqrt(v_hat) + eps, Adam's denominator for this gradient (g at "
-            "the scale of a whole update under accumulation): "
-            "v = beta2 * v_prev + (1 - beta2) * g^2 from the optimizer's state (v_prev, its step t, betas, eps), "
-            "bias-corrected by 1 - beta2^(t + 1); needs optim in " + ", ".join(ADAM_OPTIMIZERS) + ". Before the "
-            "optimizer's first step v_prev = 0 and t = 0, so P = |g| + eps (a sign-like perturbation, as Adam's "
-            "first update). Not under DeepSpeed (ZeRO keeps the moments in its own partitions).",
+            "help": "The geometry of the SAM/Functional-SAM perturbation. 'none': e = rho * g / ||g||. The Adam forms "
+            "use P = sqrt(v_hat) + eps, Adam's denominator (g at the scale of a whole update under accumulation); "
+            "Adam's update -lr * m / P is steepest descent in the norm ||d||_P = sqrt(d^T P d), and SAM's "
+            "first-order ascent over that norm's ball, max g^T e subject to e^T P e <= r^2, is e = r * (g / P) / "
+            "sqrt(g^T P^-1 g): the direction g / P. 'adam' (the default Adam form): that direction at Euclidean "
+            "length rho, e = rho * (g / P) / ||g / P|| (rho means the same with and without a preconditioner), with "
+            "this step's g folded into the optimizer's moment: v = beta2 * v_prev + (1 - beta2) * g^2, "
+            "bias-corrected by 1 - beta2^(t + 1) (before the optimizer's first step P = |g| + eps, a sign-like "
+            "perturbation as Adam's first update). 'adam_preconditioned_ball': the same P and direction, the "
+            "radius measured in P's norm (||e||_P = rho). 'adam_stored_moment': 'adam' with the moment as the "
+            "optimizer holds it, v_prev / (1 - beta2^t) (P = eps before its first step: plain SAM's direction; a "
+            "coordinate with no gradient yet takes nearly the whole perturbation). Which form Singh et al. (ICML "
+            "2025) use is not verified here. Needs optim in " + ", ".join(ADAM_OPTIMIZERS) + "; not under DeepSpeed "
+            "(ZeRO keeps the moments in its own partitions) or Muon (no per-coordinate second moment).",
             "choices": list(SAM_PRECONDITIONERS),
         },
     )
+
     sam_ascent_fraction: float = field(
         default=1.0,
         metadata={
@@ -284,11 +292,12 @@ class FlatnessArguments:
                     f"{name}={getattr(self, name)!r} applies to flatness_method in {users}, not "
                     f"{self.flatness_method!r}; leave {name} at its default {_FIELD_DEFAULTS_ALL[name]!r}."
                 )
-        if self.sam_preconditioner == "adam":
+        if self.sam_preconditioner != "none":
             optim = str(getattr(self.optim, "value", self.optim))
             if optim not in ADAM_OPTIMIZERS:
                 raise ValueError(
-                    "sam_preconditioner='adam' reads Adam's second moment from the optimizer state, but "
+                    f"sam_preconditioner={self.sam_preconditioner!r} reads Adam's second moment from the optimizer "
+                    "state, but "
                     f"optim={optim!r}; "
                     f"use optim in {list(ADAM_OPTIMIZERS)} or sam_preconditioner='none'."
                 )

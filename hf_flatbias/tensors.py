@@ -94,6 +94,7 @@ def perturb_weights(
     eta: float = 0.01,
     sq_norm_reducer: SquaredNormReducer | None = None,
     preconditioner: Sequence[torch.Tensor] | None = None,
+    preconditioned_ball: bool = False,
 ) -> Perturbation | None:
     """Move ``params`` in place to ``w + e`` and return what is needed to restore them.
 
@@ -101,14 +102,24 @@ def perturb_weights(
     extra copy of the parameters. Returns ``None``, leaving the parameters untouched, when the gradient norm is zero
     or not finite (an fp16 overflow, a diverged batch): a perturbation along such a direction is meaningless.
     ``preconditioner`` (one positive tensor per parameter, e.g. `adam_preconditioner`) divides the gradient before
-    it is normalised; ``grad_norm`` then reports ``||g / P||``. It excludes ``adaptive``.
+    it is normalised; ``grad_norm`` then reports ``||g / P||``. It excludes ``adaptive``. ``preconditioned_ball``
+    takes the ball in ``P``'s norm instead, ``e^T P e <= rho^2``: the same direction ``g / P``, normalised by
+    ``sqrt(g^T P^-1 g)`` (then ``grad_norm``), so that ``||e||_P = rho``.
     """
     params = list(params)
+    if preconditioned_ball and preconditioner is None:
+        raise ValueError("perturb_weights: preconditioned_ball needs a preconditioner.")
     if preconditioner is not None:
         if adaptive:
             raise ValueError("perturb_weights takes either adaptive=True or a preconditioner, not both.")
         torch._foreach_div_(grads, list(preconditioner))
-    norm = scaled_grad_norm(params, grads, adaptive=adaptive, eta=eta, sq_norm_reducer=sq_norm_reducer)
+    if preconditioned_ball:
+        # ||g / P||_P^2 = sum (g / P)^2 * P
+        weighted = [grad * scale.sqrt() for grad, scale in zip(grads, preconditioner, strict=True)]
+        norm = scaled_grad_norm(params, weighted, sq_norm_reducer=sq_norm_reducer)
+        del weighted
+    else:
+        norm = scaled_grad_norm(params, grads, adaptive=adaptive, eta=eta, sq_norm_reducer=sq_norm_reducer)
     norm_value = float(norm)
     if not torch.isfinite(norm) or norm_value == 0.0:
         return None

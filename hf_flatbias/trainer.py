@@ -89,7 +89,7 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
             check_deepspeed_supports_method(args.deepspeed_plugin.deepspeed_config, args)
         super().__init__(model=model, args=args, **kwargs)
         self._check_requested_engine_is_active()
-        if self.args.sam_preconditioner == "adam":
+        if self.args.sam_preconditioner != "none":
             given_cls = self.optimizer_cls_and_kwargs[0] if self.optimizer_cls_and_kwargs is not None else None
             check_preconditioner_supports_optimizer(self.optimizer, given_cls)
         if self.accelerator.state.deepspeed_plugin is not None:  # again, with what accelerate filled in

@@ -92,7 +92,9 @@ def reference_sam_lm(
     """SAM / Functional-SAM on an LM whose loss is the update's summed cross-entropy over its labelled tokens.
 
     ``functional``: the update is d/dw <F(w + e), dL/dF(w)> instead of dL/dw(w + e). ``optimizer`` (default SGD at
-    ``lr``) steps; ``precondition`` divides g by Adam's denominator after taking g (from ``optimizer``'s state).
+    ``lr``) steps; ``precondition`` divides g by Adam's denominator after taking g (from ``optimizer``'s state):
+    ``True`` or ``"adam"`` with g folded into the moment, ``"adam_stored_moment"`` the moment as stored,
+    ``"adam_preconditioned_ball"`` as ``"adam"`` with the radius in P's norm.
     ``rho_at(step)`` gives the radius (``None``: a plain step); ``perturbed`` the parameters that move.
     """
     params = [p for p in model.parameters() if p.requires_grad]
@@ -122,11 +124,21 @@ def reference_sam_lm(
             return total, cotangents
 
         def perturbation(grads, radius, micro=micro):
-            if precondition:  # the denominator of a whole update's gradient: the micro-batches' share scaled up
-                share = accumulation / (len(micro) if scope == "batch" else 1)
-                grads = [g / adam_denominator(optimizer, p, g * share) for p, g in zip(moving, grads, strict=True)]
-            norm = math.sqrt(sum(float((g * g).sum()) for g in grads))
-            return [radius * g / norm for g in grads]
+            if not precondition:
+                norm = math.sqrt(sum(float((g * g).sum()) for g in grads))
+                return [radius * g / norm for g in grads]
+            # the denominator of a whole update's gradient: the micro-batches' share scaled up
+            share = accumulation / (len(micro) if scope == "batch" else 1)
+            stored = precondition == "adam_stored_moment"
+            denominators = [
+                adam_denominator(optimizer, p, g * share, stored=stored) for p, g in zip(moving, grads, strict=True)
+            ]
+            directions = [g / d for g, d in zip(grads, denominators, strict=True)]
+            if precondition == "adam_preconditioned_ball":  # ||e||_P = radius: normalise by sqrt(g^T P^-1 g)
+                norm = math.sqrt(sum(float((g * g / d).sum()) for g, d in zip(grads, denominators, strict=True)))
+            else:
+                norm = math.sqrt(sum(float((x * x).sum()) for x in directions))
+            return [radius * x / norm for x in directions]
 
         radius = rho_at(step) if rho_at is not None else rho
         optimizer.zero_grad()
@@ -155,13 +167,16 @@ def reference_sam_lm(
     return model
 
 
-def adam_denominator(optimizer, param, grad):
-    """What torch's Adam would divide by after taking ``grad``: its second moment with ``grad`` folded in."""
+def adam_denominator(optimizer, param, grad, stored=False):
+    """What torch's Adam would divide by after taking ``grad``: its second moment with ``grad`` folded in; with
+    ``stored``, what it divided by at its last step (``eps`` everywhere before its first)."""
     group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
     beta2, eps = group["betas"][1], group["eps"]
     state = optimizer.state.get(param, {})
     previous = state.get("exp_avg_sq", torch.zeros_like(param))
     step = float(state.get("step", 0.0))
+    if stored:
+        return torch.sqrt(previous) / math.sqrt(1 - beta2**step) + eps if step else torch.full_like(param, eps)
     second = beta2 * previous + (1 - beta2) * grad * grad
     return torch.sqrt(second) / math.sqrt(1 - beta2 ** (step + 1)) + eps
 
@@ -230,20 +245,41 @@ def test_adam_preconditioner_is_the_denominator_of_adams_next_step():
     assert torch.allclose(expected, denominator, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("method", ["sam", "functional_sam"])
-def test_preconditioned_perturbation_matches_reference(tmp_path, method):
+PRECONDITIONER_FORMS = ["adam", "adam_stored_moment", "adam_preconditioned_ball"]
+
+
+def test_stored_moment_preconditioner_is_the_denominator_of_adams_last_step():
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(5))
+    optimizer = torch.optim.AdamW([param], lr=1e-2, betas=(0.9, 0.98), eps=1e-6)
+    g = torch.randn(5)
+    assert torch.equal(adam_preconditioner(optimizer, [param], [g], with_gradient=False)[0], torch.full((5,), 1e-6))
+    for gradient in (g, torch.randn(5) * 3):
+        param.grad = gradient
+        optimizer.step()
+    state = optimizer.state[param]
+    denominator = state["exp_avg_sq"].sqrt() / math.sqrt(1 - 0.98 ** float(state["step"])) + 1e-6
+    stored = adam_preconditioner(optimizer, [param], [torch.randn(5)], with_gradient=False)[0]
+    assert torch.allclose(stored, denominator, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(
+    "method,form",
+    [("sam", form) for form in PRECONDITIONER_FORMS] + [("functional_sam", "adam")],
+)
+def test_preconditioned_perturbation_matches_reference(tmp_path, method, form):
     rows = causal_rows()
     model = tiny_llama()
     reference_model = copy.deepcopy(model)
     adam = torch.optim.AdamW(reference_model.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     common = dict(steps=3, batch_size=2, accumulation=2, lr=1e-2, rho=RHO, scope="micro_batch", causal=True)
     reference = reference_sam_lm(
-        reference_model, rows, functional=method == "functional_sam", optimizer=adam, precondition=True, **common
+        reference_model, rows, functional=method == "functional_sam", optimizer=adam, precondition=form, **common
     )
     args = config(
         tmp_path,
         flatness_method=method,
-        sam_preconditioner="adam",
+        sam_preconditioner=form,
         optim="adamw_torch",
         learning_rate=1e-2,
         per_device_train_batch_size=2,
@@ -257,6 +293,14 @@ def test_preconditioned_perturbation_matches_reference(tmp_path, method):
         plain_model, rows, functional=method == "functional_sam", optimizer=plain_adam, precondition=False, **common
     )
     assert max_param_diff(trainer.model, plain) > 1e-5, "the preconditioner changes the step"
+    for other in PRECONDITIONER_FORMS:
+        if other != form and method == "sam":  # the tolerance tells the forms apart
+            other_model = copy.deepcopy(tiny_llama())
+            other_adam = torch.optim.AdamW(other_model.parameters(), lr=1e-2, weight_decay=0.0)
+            moved = reference_sam_lm(
+                other_model, rows, functional=False, optimizer=other_adam, precondition=other, **common
+            )
+            assert max_param_diff(trainer.model, moved) > 1e-5, other
 
 
 # ---------------------------------------------------------------- sub-batch ascent

@@ -147,6 +147,7 @@ class PerturbableParameters:
         adaptive: bool = False,
         eta: float = 0.01,
         preconditioner: list[torch.Tensor] | None = None,
+        preconditioned_ball: bool = False,
     ) -> Perturbation | None:
         """Move the parameters to ``w + e`` along ``full_gradients``; see `perturb_weights` (``preconditioner`` is
         per whole parameter, so only for engines that keep whole parameters)."""
@@ -161,6 +162,7 @@ class PerturbableParameters:
             eta=eta,
             sq_norm_reducer=self.sq_norm_reducer,
             preconditioner=preconditioner,
+            preconditioned_ball=preconditioned_ball,
         )
         if perturbation is None or not self.has_gathered_copies:
             return perturbation
@@ -279,11 +281,13 @@ class FullyShardedParameters(PerturbableParameters):
     ) -> list[torch.Tensor]:
         """The rank-averaged first gradient, one local shard per parameter, through FSDP's backward.
 
-        ``average_over_processes=False`` cannot be honoured: FSDP's reduce-scatter always averages (see
-        `support.check_fsdp_supports`, which refuses ``sam_perturbation='per_rank'``).
+        ``average_over_processes=False`` is `PerRankFullyShardedParameters`'s: FSDP's reduce-scatter always averages.
         """
         if not average_over_processes:
-            raise ValueError("Under FSDP2 the first gradient is always the average over ranks (reduce-scatter).")
+            raise ValueError(
+                "FullyShardedParameters' first gradient is the average over ranks (reduce-scatter); build the "
+                "parameters with perturbable_parameters(..., per_rank=True) for sam_perturbation='per_rank'."
+            )
         accumulated = [p.grad for p in self.params]
         for param in self.params:
             param.grad = None
@@ -329,16 +333,25 @@ class _ReleasingPerturbation(Perturbation):
 
 
 def perturbable_parameters(
-    model: torch.nn.Module, engine: object | None = None, params: Sequence[torch.nn.Parameter] | None = None
+    model: torch.nn.Module,
+    engine: object | None = None,
+    params: Sequence[torch.nn.Parameter] | None = None,
+    *,
+    per_rank: bool = False,
 ) -> PerturbableParameters:
     """The trainable parameters of ``model`` (the unwrapped module), or the subset ``params`` of them, in the layout
     ``engine`` keeps them.
 
     ``engine`` is the DeepSpeed engine wrapping ``model``, or ``None`` for plain PyTorch, DDP and FSDP2 (which is
-    recognised from the module).
+    recognised from the module). ``per_rank``: each rank perturbs along its own first gradient
+    (``sam_perturbation="per_rank"``), which under FSDP2 takes its own layout (`PerRankFullyShardedParameters`).
     """
     params = trainable_parameters(model) if params is None else list(params)
     if is_fully_sharded(model):
+        if per_rank:
+            from .fsdp_per_rank import PerRankFullyShardedParameters
+
+            return PerRankFullyShardedParameters(model, params)
         return FullyShardedParameters(params)
     if deepspeed_zero_stage(engine) == 3:
         return ZeroStage3Parameters(params, engine.optimizer)

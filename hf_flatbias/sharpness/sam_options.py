@@ -14,16 +14,24 @@ from transformers.trainer_utils import unwrap_peft_model
 
 
 def adam_preconditioner(
-    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    *,
+    with_gradient: bool = True,
 ) -> list[torch.Tensor]:
-    """Adam's per-coordinate denominator for this step's gradient ``g``, ``P = sqrt(v_hat) + eps``, with
-    ``v = beta2 * v_prev + (1 - beta2) * g^2`` and ``v_hat = v / (1 - beta2^(t + 1))``: the second moment torch's
-    Adam/AdamW would hold after taking ``g`` at its step ``t + 1``, from ``v_prev``, ``t``, ``betas`` and ``eps`` in
+    """Adam's per-coordinate denominator ``P = sqrt(v_hat) + eps`` from ``v_prev``, ``t``, ``betas`` and ``eps`` in
     ``optimizer``'s state and param groups.
 
-    Including ``g`` defines the first step (no state: ``v_prev = 0``, ``t = 0``, so ``P = |g| + eps``) and keeps
-    ``|g| / P <= sqrt((1 - beta2^(t+1)) / (1 - beta2))``: with ``v_prev`` alone a coordinate that never had a
-    gradient before (the embedding row of a token not yet seen) gets ``P = eps`` and takes the whole perturbation.
+    ``with_gradient=True`` (``sam_preconditioner="adam"``): ``v = beta2 * v_prev + (1 - beta2) * g^2`` and
+    ``v_hat = v / (1 - beta2^(t + 1))``, the second moment torch's Adam/AdamW would hold after taking this step's
+    gradient ``g`` at its step ``t + 1``. Including ``g`` defines the first step (no state: ``v_prev = 0``, ``t = 0``,
+    so ``P = |g| + eps``) and keeps ``|g| / P <= sqrt((1 - beta2^(t+1)) / (1 - beta2))``.
+
+    ``with_gradient=False`` (``"adam_stored_moment"``): the moment as the optimizer holds it,
+    ``v_hat = v_prev / (1 - beta2^t)``, ``P = eps`` where it has no state yet (``t = 0``: every coordinate alike, so
+    the first step's direction is plain SAM's). A coordinate that never had a gradient (the embedding row of a token
+    not yet seen) gets ``P = eps`` there too and takes nearly the whole perturbation.
 
     Raises:
         ValueError: when a parameter's state exists but holds no ``exp_avg_sq`` (not an Adam-family optimizer).
@@ -42,6 +50,13 @@ def adam_preconditioner(
             raise ValueError("sam_preconditioner='adam': a perturbed parameter is not in the optimizer's param groups.")
         beta2, eps = group["betas"][1], group["eps"]
         step = float(state["step"]) if state else 0.0
+        if not with_gradient:
+            if not state or step == 0:
+                denominators.append(torch.full_like(grad, eps))
+                continue
+            bias_correction = math.sqrt(1 - beta2**step)
+            denominators.append(state["exp_avg_sq"].sqrt().div_(bias_correction).add_(eps))
+            continue
         second_moment = grad.detach().square().mul_(1 - beta2)
         if state:
             second_moment.add_(state["exp_avg_sq"], alpha=beta2)
@@ -51,7 +66,7 @@ def adam_preconditioner(
 
 
 def check_preconditioner_supports_optimizer(optimizer: object = None, optimizer_cls: object = None) -> None:
-    """Raise a one-line ``ValueError`` when ``sam_preconditioner='adam'`` meets an optimizer given to the Trainer
+    """Raise a one-line ``ValueError`` when an Adam ``sam_preconditioner`` meets an optimizer given to the Trainer
     (``optimizers=``, or the class of ``optimizer_cls_and_kwargs``) that holds no Adam second moment for every
     parameter; ``None`` for either means not given (``optim`` is checked with the arguments)."""
     given = optimizer if optimizer is not None else optimizer_cls

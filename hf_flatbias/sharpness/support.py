@@ -93,11 +93,11 @@ def check_fsdp_supports(flatness_method: str, sam_perturbation: str, *, fsdp_ver
             "backward and the optimizer step and keep a direction over the whole parameters. Use 'sam' (with "
             "sam_every_k for a cheaper schedule), or run LookSAM with DDP (accelerate launch --multi_gpu)."
         )
-    if sam_perturbation == "per_rank":
+    if sam_perturbation == "per_rank" and flatness_method not in ("sam", "asam"):
         raise ValueError(
-            "sam_perturbation='per_rank' cannot be exact under FSDP2: every forward all-gathers each parameter from "
-            "all ranks' shards, so rank-specific perturbations would be mixed, and its reduce-scatter only yields "
-            "the rank-averaged gradient. Use sam_perturbation='global' or DDP."
+            f"sam_perturbation='per_rank' under FSDP2 is implemented for 'sam' and 'asam', not {flatness_method!r} "
+            "(its step adds a term linear in the sharded parameters, which would need each rank's whole "
+            "perturbation there). Use sam_perturbation='global' or DDP."
         )
 
 

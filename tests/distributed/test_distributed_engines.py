@@ -143,11 +143,16 @@ def test_fsdp2_runs_every_method_but_looksam_with_global_perturbation(method):
     check_fsdp_supports(method, "global", fsdp_version=2)
 
 
+@pytest.mark.parametrize("method", ["sam", "asam"])
+def test_fsdp2_runs_sam_and_asam_with_per_rank_perturbation(method):
+    check_fsdp_supports(method, "per_rank", fsdp_version=2)
+
+
 @pytest.mark.parametrize(
     "method,perturbation,version,match",
     [
-        ("sam", "per_rank", 2, "sam_perturbation='global'"),
-        ("grad_norm_penalty", "per_rank", 2, "per_rank"),
+        ("grad_norm_penalty", "per_rank", 2, "sam_perturbation='global'"),
+        ("fisher_penalty", "per_rank", 2, "'sam' and 'asam'"),
         ("looksam", "global", 2, "'sam'"),
         ("sam", "global", 1, "fsdp_version: 2"),
     ],

@@ -276,21 +276,26 @@ def with_lora(model: torch.nn.Module, lora: dict | None) -> torch.nn.Module:
     return peft.get_peft_model(model, peft.LoraConfig(**lora))
 
 
-def record_perturbation_bytes() -> list[int]:
-    """The bytes each perturbation of this process holds (the saved ``w``: the step's extra parameter copy)."""
+def record_perturbation_bytes() -> list[tuple[str, int]]:
+    """The layout (class) and bytes each perturbation of this process holds (the saved ``w``: the step's extra
+    parameter copy)."""
     from hf_flatbias.sharpness.engines import PerturbableParameters
+    from hf_flatbias.sharpness.fsdp_per_rank import PerRankFullyShardedParameters
 
-    held: list[int] = []
-    original = getattr(PerturbableParameters.perturb, "_hf_flatbias_original", PerturbableParameters.perturb)
+    held: list[tuple[str, int]] = []
+    for layout in (PerturbableParameters, PerRankFullyShardedParameters):
+        own = layout.__dict__["perturb"]
+        original = getattr(own, "_hf_flatbias_original", own)
 
-    def perturb(self, *args, **kwargs):
-        perturbation = original(self, *args, **kwargs)
-        if perturbation is not None:
-            held.append(sum(t.numel() * t.element_size() for t in perturbation.saved_weights))
-        return perturbation
+        def perturb(self, *args, _original=original, **kwargs):
+            perturbation = _original(self, *args, **kwargs)
+            if perturbation is not None:
+                saved = sum(t.numel() * t.element_size() for t in perturbation.saved_weights)
+                held.append((type(self).__name__, saved))
+            return perturbation
 
-    perturb._hf_flatbias_original = original
-    PerturbableParameters.perturb = perturb
+        perturb._hf_flatbias_original = original
+        layout.perturb = perturb
     return held
 
 
@@ -352,7 +357,8 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
     held_bytes = record_perturbation_bytes()
     trainer = train()
     result = {"params": trained_parameters(trainer.model)}
-    result["perturbation_bytes"] = max(held_bytes, default=0)
+    result["perturbation_bytes"] = max((size for _, size in held_bytes), default=0)
+    result["perturbation_layouts"] = sorted({layout for layout, _ in held_bytes})
     trainable = {name for name, p in trainer.model.named_parameters() if p.requires_grad}
     result["trainable_bytes"] = sum(p.numel() * p.element_size() for n, p in result["params"].items() if n in trainable)
     if case.resume_from_step is not None:

@@ -116,7 +116,9 @@ class SamFamily(FlatnessMethod):
         args = host.args
         module = host.accelerator.unwrap_model(model)
         params = self.perturbed_parameters(module)
-        perturbable = perturbable_parameters(module, host.deepspeed_engine(), params=params)
+        perturbable = perturbable_parameters(
+            module, host.deepspeed_engine(), params=params, per_rank=args.sam_perturbation == "per_rank"
+        )
         functional = args.flatness_method == "functional_sam"
         fraction = args.sam_ascent_fraction
         clean_losses: list[torch.Tensor] = []
@@ -141,17 +143,23 @@ class SamFamily(FlatnessMethod):
         grads = host.first_gradient(losses(), perturbable)
         rho = host.sam_rho()
         preconditioner = None
-        if args.sam_preconditioner == "adam":
+        if args.sam_preconditioner != "none":
             optimizer = getattr(host.optimizer, "optimizer", host.optimizer)  # accelerate's wrapper holds the state
             # at the scale of a whole update's gradient, the scale Adam's second moment was built from
             share = len(micro_batches) / host.current_gradient_accumulation_steps
-            preconditioner = adam_preconditioner(optimizer, perturbable.params, torch._foreach_div(grads, share))
+            preconditioner = adam_preconditioner(
+                optimizer,
+                perturbable.params,
+                torch._foreach_div(grads, share),
+                with_gradient=args.sam_preconditioner != "adam_stored_moment",
+            )
         perturbation = perturbable.perturb(
             grads,
             rho,
             adaptive=args.flatness_method == "asam",
             eta=args.asam_eta,
             preconditioner=preconditioner,
+            preconditioned_ball=args.sam_preconditioner == "adam_preconditioned_ball",
         )
         if perturbation is None:
             host.warn_skipped_perturbation("this step is taken without perturbation")

@@ -39,7 +39,7 @@ RECORDS = {
 
 
 def test_the_table_names_every_measure_and_the_command_line_offers_them_without_torch():
-    assert EXTRA_MEASURES == ("top_eigenvalue", "sam_sharpness", *NEW)
+    assert EXTRA_MEASURES == ("top_eigenvalue", "sam_sharpness", *NEW, "forgetting")
     assert MEASURES == ("trace", *EXTRA_MEASURES)
     for name, spec in MEASURE_TABLE.items():
         assert callable(spec.function()), name  # "module:function" resolves
@@ -303,7 +303,7 @@ def test_bad_measure_settings_fail_when_the_callback_is_made():
     with pytest.raises(ValueError, match="unknown"):
         HessianTraceCallback(also_measure=("weight_noise",), measure_settings={"sigma": 0.1})
     with pytest.raises(ValueError, match="also_measure"):
-        HessianTraceCallback(also_measure=("forgetting",))
+        HessianTraceCallback(also_measure=("noise",))
 
 
 def test_a_measure_without_a_finite_value_is_left_off_the_trainers_card(tmp_path):

@@ -68,7 +68,7 @@ def noise_record(result: Any) -> dict[str, Any]:
             "seconds": float(result.seconds),
             "sigmas": [float(p.sigma) for p in result.points] if several else None,
             "means": [float(p.mean) for p in result.points] if several else None,
-            "stderrs": [float(p.stderr) for p in result.points] if several else None,
+            "stderrs": [_finite(p.stderr) for p in result.points] if several else None,
         }
     )
 
@@ -90,7 +90,7 @@ def quantization_record(result: Any) -> dict[str, Any]:
             "seconds": float(result.seconds),
             "bit_widths": [int(p.bits) for p in result.points] if several else None,
             "increases": [float(p.loss_increase) for p in result.points] if several else None,
-            "stderrs": [float(p.stderr) for p in result.points] if several else None,
+            "stderrs": [_finite(p.stderr) for p in result.points] if several else None,
         }
     )
 
@@ -113,9 +113,46 @@ def critical_record(result: Any) -> dict[str, Any]:
     )
 
 
-def _accuracy_stderr(accuracy: float, n_rows: int) -> float | None:
-    """The standard error of an accuracy over ``n_rows`` rows, as of any mean of 0/1 values (Bessel-corrected)."""
-    return math.sqrt(accuracy * (1.0 - accuracy) / (n_rows - 1)) if n_rows > 1 else None
+def _grid(values: Any, means: Any, stderrs: Any, headline: Any, label: Any) -> str | None:
+    """The points of a grid other than the headline one, ``label(value): mean ± stderr`` each; ``None`` without one."""
+    if not isinstance(values, list) or not isinstance(means, list) or len(values) < 2:
+        return None
+    stderrs = stderrs if isinstance(stderrs, list) and len(stderrs) == len(values) else [None] * len(values)
+    parts = [
+        f"{label(value)}: {mean:.4g}" + (f" ± {stderr:.2g}" if stderr is not None else "")
+        for value, mean, stderr in zip(values, means, stderrs, strict=False)
+        if value != headline and mean is not None
+    ]
+    return "; ".join(parts) or None
+
+
+def noise_details(record: Mapping[str, Any]) -> str:
+    draws = record.get("n_draws")
+    return join_parts(
+        f"sigma = {record['sigma']:g}" if "sigma" in record else None,
+        f"{record['scale']} noise" if "scale" in record else None,
+        f"{draws} {'antithetic ' if record.get('antithetic') else ''}draws" if draws is not None else None,
+        f"seed {record['seed']}" if "seed" in record else None,
+        _grid(record.get("sigmas"), record.get("means"), record.get("stderrs"), record.get("sigma"),
+              lambda sigma: f"at sigma {sigma:g}"),
+    )  # fmt: skip
+
+
+def quantization_describe(record: Mapping[str, Any]) -> str:
+    groups = f"groups of {record['group_size']}" if "group_size" in record else None
+    return join_parts(f"{record.get('bits', '?')} bit", groups or str(record.get("granularity", "?")).replace("_", "-"))
+
+
+def quantization_details(record: Mapping[str, Any]) -> str:
+    return join_parts(
+        f"{record['bits']} bit" if "bits" in record else None,
+        f"groups of {record['group_size']}"
+        if "group_size" in record
+        else str(record.get("granularity", "")).replace("_", "-") or None,
+        "embeddings kept" if record.get("include_embeddings") is False else None,
+        _grid(record.get("bit_widths"), record.get("increases"), record.get("stderrs"), record.get("bits"),
+              lambda bits: f"at {bits} bit"),
+    )  # fmt: skip
 
 
 def forgetting_record(result: Any) -> dict[str, Any]:
@@ -136,9 +173,9 @@ def forgetting_record(result: Any) -> dict[str, Any]:
             "lm_loss_before": float(result.lm_loss_before),
             "lm_loss_after": float(result.lm_loss_after),
             "accuracy_before": float(result.accuracy_before),
-            "accuracy_before_stderr": _accuracy_stderr(result.accuracy_before, result.n_eval_rows),
+            "accuracy_before_stderr": _finite(result.accuracy_before_stderr),
             "accuracy_after": float(result.accuracy_after),
-            "accuracy_after_stderr": _accuracy_stderr(result.accuracy_after, result.n_eval_rows),
+            "accuracy_after_stderr": _finite(result.accuracy_after_stderr),
             "accuracy_on": result.accuracy_on,
             "n_task_rows": int(result.n_task_rows),
             "n_eval_rows": int(result.n_eval_rows),

@@ -123,13 +123,7 @@ MEASURE_TABLE: dict[str, MeasureSpec] = {
             integers=("n_draws", "seed", "n_contexts", "step"),
             lists=("sigmas", "means", "stderrs"),
             describe=lambda record: f"σ={record.get('sigma', math.nan):g} {record.get('scale', '?')}",
-            details=lambda record: records.join_parts(
-                f"sigma = {record['sigma']:g}" if "sigma" in record else None,
-                f"{record['scale']} noise" if "scale" in record else None,
-                f"{record['n_draws']} {'antithetic ' if record.get('antithetic') else ''}draws"
-                if "n_draws" in record
-                else None,
-            ),
+            details=records.noise_details,
         ),
         MeasureSpec(
             name="quantization",
@@ -155,15 +149,8 @@ MEASURE_TABLE: dict[str, MeasureSpec] = {
             ),
             integers=("bits", "group_size", "n_contexts", "step"),
             lists=("bit_widths", "increases", "stderrs"),
-            describe=lambda record: f"{record.get('bits', '?')} bit, {record.get('granularity', '?')}".replace(
-                "_", "-"
-            ),
-            details=lambda record: records.join_parts(
-                f"{record['bits']} bit" if "bits" in record else None,
-                str(record.get("granularity", "")).replace("_", "-") or None,
-                f"groups of {record['group_size']}" if "group_size" in record else None,
-                "embeddings kept" if record.get("include_embeddings") is False else None,
-            ),
+            describe=records.quantization_describe,
+            details=records.quantization_details,
         ),
         MeasureSpec(
             name="critical_sharpness",

@@ -125,3 +125,6 @@ NOISE_SCALES = ("rms", "absolute")
 """How weight-noise sensitivity scales its noise: ``rms``, ``sigma * rms(w_p) * eps`` on tensor ``p`` with ``rms(w_p) =
 sqrt(mean(w_p^2))`` of the unperturbed tensor (a tensor of zeros gets no noise; the default); ``absolute``, ``sigma *
 eps`` on every weight."""
+
+FORGETTING_OPTIMIZERS = ("adamw", "sgd")
+"""The optimizers forgetting fine-tunes with: AdamW, or plain SGD (no momentum)."""

@@ -6,6 +6,7 @@ leaving weights, optimizer state, gradients and random streams bit for bit as th
 import copy
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -39,7 +40,7 @@ RECORDS = {
 
 
 def test_the_table_names_every_measure_and_the_command_line_offers_them_without_torch():
-    assert EXTRA_MEASURES == ("top_eigenvalue", "sam_sharpness", *NEW)
+    assert EXTRA_MEASURES == ("top_eigenvalue", "sam_sharpness", *NEW, "forgetting")
     assert MEASURES == ("trace", *EXTRA_MEASURES)
     for name, spec in MEASURE_TABLE.items():
         assert callable(spec.function()), name  # "module:function" resolves
@@ -63,14 +64,20 @@ def test_card_records_each_measure_with_its_error_and_settings_and_compare_shows
     assert loaded.measures == RECORDS and loaded == card
     assert isinstance(loaded.measures["quantization"]["bits"], int)
     text = path.read_text()
-    assert "| Weight-noise loss increase ± standard error | 0.0125 ± 0.0025 (sigma = 0.02, rms noise" in text
-    assert "| Quantization loss increase ± standard error | 0.25 ± 0.031 (4 bit, per-group, groups of 8)" in text
+    assert (
+        "| Weight-noise loss increase ± standard error | 0.0125 ± 0.0025 (sigma = 0.02, rms noise, 8 antithetic "
+        "draws, seed 0, at sigma 0.01: 0.003 ± 0.001), step 40 |" in text
+    )
+    assert (
+        "| Quantization loss increase ± standard error | 0.25 ± 0.031 (4 bit, groups of 8, at 8 bit: 0.001 ± 0.0005), "
+        "step 40 |" in text
+    )
     assert "42.5 ± 3.5 (along AdamW's next update, batches of 8, 7/8 searches converged), step 40" in text
 
     table = format_comparison_table([("a", loaded), ("b", full_card())]).splitlines()
     for name in NEW:
         assert MEASURE_TABLE[name].column in table[0]
-    assert "| 0.0125 ± 0.0025 (σ=0.02 rms) | 0.25 ± 0.031 (4 bit, per-group) | 42.5 ± 3.5 (AdamW) |" in table[2]
+    assert "| 0.0125 ± 0.0025 (σ=0.02 rms) | 0.25 ± 0.031 (4 bit, groups of 8) | 42.5 ± 3.5 (AdamW) |" in table[2]
     assert "| per_sample (64×2) | - | - | - |" in table[3]
 
     assert main(["compare", str(tmp_path)]) == 0
@@ -85,6 +92,25 @@ def test_card_records_each_measure_with_its_error_and_settings_and_compare_shows
 def test_bad_records_are_refused(tmp_path, record):
     with pytest.raises(ValueError, match="critical_sharpness"):
         full_card(measures={"critical_sharpness": record}).save(tmp_path)
+
+
+def test_a_grid_point_without_a_standard_error_is_written_as_unknown_and_read_back(tmp_path):
+    # one antithetic pair per sigma has no spread: its error is unknown (null on the card), never a .nan read back
+    # with a warning
+    from hf_flatbias.flatness.weight_noise import WeightNoisePoint, WeightNoiseSensitivity
+
+    result = WeightNoiseSensitivity(
+        points=[WeightNoisePoint(0.01, 0.002, math.nan), WeightNoisePoint(0.02, 0.008, math.nan)], base_loss=2.0,
+        scale="rms", antithetic=True, n_draws=1, seed=0, n_contexts=4, n_parameters=10, seconds=0.1,
+    )  # fmt: skip
+    record = MEASURE_TABLE["weight_noise"].record(result)
+    assert record["stderrs"] == [None, None] and "stderr" not in record
+    full_card(measures={"weight_noise": record}).save(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_flatness_card(tmp_path).measures["weight_noise"] == record
+    with pytest.raises(ValueError, match="stderrs"):
+        full_card(measures={"weight_noise": {**record, "stderrs": [math.nan, 0.1]}}).save(tmp_path / "bad")
 
 
 def test_trace_command_takes_the_robustness_measures(checkpoint, tmp_path, capsys):  # noqa: F811
@@ -303,7 +329,7 @@ def test_bad_measure_settings_fail_when_the_callback_is_made():
     with pytest.raises(ValueError, match="unknown"):
         HessianTraceCallback(also_measure=("weight_noise",), measure_settings={"sigma": 0.1})
     with pytest.raises(ValueError, match="also_measure"):
-        HessianTraceCallback(also_measure=("forgetting",))
+        HessianTraceCallback(also_measure=("noise",))
 
 
 def test_a_measure_without_a_finite_value_is_left_off_the_trainers_card(tmp_path):

@@ -76,13 +76,15 @@ class HessianTraceCallback(TrainerCallback):
             ``by_group``, ``also_measure``, ``eigenvalue_matrix``, ``sam_rho``, ``measure_settings``, ``max_overhead``,
             ``full_final_measurement``), documented and checked there; they are kept in `config`. ``also_measure`` names
             measures of `hf_flatbias.measures.MEASURE_TABLE` (top_eigenvalue, sam_sharpness, weight_noise, quantization,
-            critical_sharpness), logged under their entry's keys (``flatness/<name>`` with ``..._stderr``), kept in
-            `flatness_record` and recorded on the card with their settings and step; every process computes them whole
-            (they are not split across processes). ``sam_rho``'s batches are the trainer's
+            critical_sharpness, forgetting), logged under their entry's keys (``flatness/<name>`` with
+            ``..._stderr``), kept in `flatness_record` and recorded on the card with their settings and step; every
+            process computes them whole (they are not split across processes). ``sam_rho``'s batches are the trainer's
             ``per_device_train_batch_size`` contexts, each taking its own ascent step as SAM does in training.
             ``critical_sharpness`` searches along the trainer's optimizer's next update for each batch's gradient
             (`hf_flatbias.flatness.proposed_update`): weights, optimizer state, ``.grad`` and random streams are left
-            bit for bit as they were.
+            bit for bit as they were. ``forgetting`` fine-tunes a copy on ``measure_settings["forgetting_task"]``
+            (loaded and tokenized by the trainer's tokenizer at the start of training): the trained weights and the
+            random streams are untouched.
             ``by_group`` logs each group's trace as ``flatness/hessian_trace/<group>``.
     """
 
@@ -99,6 +101,7 @@ class HessianTraceCallback(TrainerCallback):
         self.flatness_record = FlatnessRecord()
         self._trainer = None
         self._contexts: list[dict[str, list[int]]] | None = None
+        self._forgetting_task = None
         self._measured_step: int | None = None
         self._train_start = time.perf_counter()
         self._measuring_seconds = 0.0
@@ -128,6 +131,7 @@ class HessianTraceCallback(TrainerCallback):
             )
         self._check_engine_supports_estimator()
         self._contexts = self._build_contexts()
+        self._forgetting_task = self._load_forgetting_task()  # bad task data fails now, not at the first measurement
         self._measured_step = None
         self._train_start = time.perf_counter()
         self._measuring_seconds = 0.0
@@ -270,6 +274,8 @@ class HessianTraceCallback(TrainerCallback):
     def _measure_beyond_trace(self, step: int, n_contexts: int) -> None:
         # one loop over the table: each measure's function, settings, record and log keys come from its entry
         settings = self.config.settings()
+        if "forgetting" in self.config.also_measure and self._forgetting_task is None:
+            self._forgetting_task = self._load_forgetting_task()
         if settings.sam_batch_size is None:  # SAM's batches are the training batches it would perturb
             settings = replace(settings, sam_batch_size=self._trainer.args.per_device_train_batch_size)
         logs = {}
@@ -283,6 +289,7 @@ class HessianTraceCallback(TrainerCallback):
                 seed=self.config.seed,
                 batch_size=self.config.batch_size,
                 optimizer=self._trainer.optimizer,
+                task=self._forgetting_task,
             )
             self.flatness_record = self.flatness_record.with_measure(name, result, step)
             record = spec.record(result)
@@ -300,6 +307,29 @@ class HessianTraceCallback(TrainerCallback):
         with getattr(trainer, "host_metrics_suspended", contextlib.nullcontext)():
             trainer.log(logs)
         trainer.control.should_log = should_log
+
+    def _load_forgetting_task(self):
+        """Forgetting's downstream task, tokenized by the trainer's tokenizer; ``None`` when forgetting is not
+        measured."""
+        if "forgetting" not in self.config.also_measure:
+            return None
+        from ..flatness.forgetting_task import load_forgetting_task
+        from ..glue.tasks import DEFAULT_MAX_LENGTH
+
+        settings = self.config.settings()
+        model = self._trainer.model
+        tokenizer = getattr(self._trainer, "processing_class", None)
+        positions = getattr(model.config, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
+        return load_forgetting_task(
+            settings.forgetting_task,
+            tokenizer=getattr(tokenizer, "tokenizer", tokenizer),  # processors wrap their tokenizer
+            label_column=settings.forgetting_label_column,
+            n_train=settings.forgetting_train_rows,
+            n_eval=settings.forgetting_eval_rows,
+            seed=self.config.seed,
+            max_length=min(DEFAULT_MAX_LENGTH, positions),
+            vocab_size=output_vocab_size(model),
+        )
 
     def _build_contexts(self) -> list[dict[str, list[int]]]:
         trainer = self._trainer

@@ -18,7 +18,7 @@ from ..constants import (
     RECOMMENDED_N_DRAWS,
     SPECTRUM_MATRICES,
 )
-from ..measures import EXTRA_MEASURES, MeasureSettings
+from ..measures import EXTRA_MEASURES, MeasureSettings, check_required_settings
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,8 @@ class TraceCallbackConfig:
         metadata={
             "help": "Settings of the also_measure measures by the names of hf_flatbias.measures.MeasureSettings "
             "(noise_sigmas, noise_scale, noise_draws, quantization_bits, quantization_group_size, critical_rtol, "
-            "critical_batch_size, top_k, sam_batch_size)."
+            "critical_batch_size, top_k, sam_batch_size, forgetting_task, forgetting_steps and the other "
+            "forgetting_* settings)."
         },
     )
     max_overhead: float | None = field(
@@ -119,7 +120,7 @@ class TraceCallbackConfig:
         if unknown:
             raise ValueError(f"measure_settings: {unknown} unknown; choose from {sorted(known)}.")
         object.__setattr__(self, "measure_settings", settings)
-        self.settings()  # checks every value now
+        check_required_settings(self.also_measure, self.settings())  # checks every value now
         if self.max_overhead is not None and not (_is_number(self.max_overhead) and self.max_overhead > 0):
             raise ValueError(f"max_overhead must be a number > 0 or None for no budget (got {self.max_overhead!r}).")
 

@@ -35,6 +35,7 @@ from .trace_measures import (
     add_measure_arguments,
     check_measure_arguments,
     contexts_fingerprint,
+    load_measure_task,
     measure_lines,
     measures_beyond_trace,
 )
@@ -357,6 +358,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     result["contexts_sha256"] = contexts_fingerprint(contexts, n_contexts)
     if base_model is not None:
         result["base_model"] = base_model  # the trace is over the adapter's parameters, the trainable ones
+    if "forgetting" in args.measures and tokenizer is None:
+        tokenizer = _tokenizer_if_any(tokenizer_source, tokenizer_revision)  # a pre-tokenized task needs none
+    task = load_measure_task(args, model, tokenizer, args.seed)  # before anything is measured
     if "trace" in args.measures:
         estimate = estimate_hessian_trace(
             model,
@@ -371,8 +375,16 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             progress=args.progress,
         )
         result["estimate"] = estimate.to_dict()
-    result.update(measures_beyond_trace(args, model, contexts, n_contexts, causal))
+    result.update(measures_beyond_trace(args, model, contexts, n_contexts, causal, task=task))
     return result
+
+
+def _tokenizer_if_any(source: str, revision: str | None) -> Any:
+    """The checkpoint's tokenizer, or ``None`` when it has none (what needs one then says so)."""
+    try:
+        return load_tokenizer_from(source, revision=revision)
+    except (OSError, ValueError):
+        return None
 
 
 def _notice(text: str) -> None:

@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from ..measures import EXTRA_MEASURES, MEASURE_TABLE, MEASURES, MeasureSettings
+from ..measures import EXTRA_MEASURES, MEASURE_TABLE, MEASURES, MeasureSettings, check_required_settings
 
 
 def measure_list(text: str) -> tuple[str, ...]:
@@ -41,20 +41,63 @@ def add_measure_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_measure_arguments(args: argparse.Namespace) -> MeasureSettings:
-    """The measures' settings of the flags, or `ValueError` naming the flag."""
+    """The measures' settings of the flags, or `ValueError` naming the flag; a setting a chosen measure needs
+    (forgetting's task, and for a GLUE task a place to read it from) is checked here too, before anything loads."""
     try:
-        return MeasureSettings.from_namespace(args)
+        settings = MeasureSettings.from_namespace(args)
+        check_required_settings(getattr(args, "measures", ()), settings)
     except ValueError as error:
         name = str(error).split("=")[0].split(" ")[0]
         raise ValueError(f"--{name.replace('_', '-')}: {error}") from None
+    if "forgetting" in getattr(args, "measures", ()):
+        from ..glue.tasks import GLUE_TASKS
+
+        if settings.forgetting_task in GLUE_TASKS:
+            from ..glue.data import glue_data_source
+
+            try:
+                glue_data_source(settings.forgetting_task)
+            except ValueError:
+                raise ValueError(
+                    f"--forgetting-task {settings.forgetting_task}: this GLUE task needs the Hugging Face Hub (unset "
+                    "HF_HUB_OFFLINE, check the network; only sst2 has an offline stand-in), or pass a file or "
+                    "save_to_disk folder of its rows."
+                ) from None
+    return settings
+
+
+def load_measure_task(args: argparse.Namespace, model: Any, tokenizer: Any, seed: int) -> Any:
+    """Forgetting's downstream task (`load_forgetting_task`) when ``--measures`` takes forgetting, else ``None``:
+    loaded and tokenized before anything is measured, so that bad task data fails first."""
+    if "forgetting" not in args.measures:
+        return None
+    from ..flatness.forgetting_task import load_forgetting_task
+    from ..flatness.lm import output_vocab_size
+    from ..glue.tasks import DEFAULT_MAX_LENGTH
+    from .trace_inputs import token_limit
+
+    settings = check_measure_arguments(args)
+    try:
+        return load_forgetting_task(
+            settings.forgetting_task,
+            tokenizer=tokenizer,
+            label_column=settings.forgetting_label_column,
+            n_train=settings.forgetting_train_rows,
+            n_eval=settings.forgetting_eval_rows,
+            seed=seed,
+            max_length=token_limit(DEFAULT_MAX_LENGTH, model.config),
+            vocab_size=output_vocab_size(model),
+        )
+    except ValueError as error:
+        raise ValueError(f"--forgetting-task {settings.forgetting_task}: {error}") from None
 
 
 def measures_beyond_trace(
-    args: argparse.Namespace, model: Any, contexts: Any, n_contexts: int | None, causal: bool
+    args: argparse.Namespace, model: Any, contexts: Any, n_contexts: int | None, causal: bool, task: Any = None
 ) -> dict[str, Any]:
     """Each measure of ``args.measures`` beyond the trace: its result under the entry's ``result_key`` and its
     record (value, standard error, settings) under ``measures``. ``critical_sharpness`` has no optimizer here: it
-    searches along the negative gradient (plain gradient descent)."""
+    searches along the negative gradient (plain gradient descent). ``task``: forgetting's (`load_measure_task`)."""
     settings = check_measure_arguments(args)
     results: dict[str, Any] = {}
     records: dict[str, Any] = {}
@@ -71,6 +114,7 @@ def measures_beyond_trace(
             batch_size=args.batch_size,
             causal=causal,
             optimizer=None,
+            task=task,
         )
         results[spec.result_key] = result.to_dict()
         records[name] = spec.record(result)

@@ -11,6 +11,7 @@ from .diagonal import FisherDiagonal, estimate_fisher_diagonal
 from .estimators import TraceSettings, compute_trace_samples
 from .exact import exact_fisher_diagonal, exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
 from .forgetting import ForgettingResult, measure_forgetting
+from .forgetting_task import ForgettingTask, load_forgetting_task
 from .groups import default_group_of, parameter_groups
 from .quantization import (
     QuantizationPoint,
@@ -36,6 +37,7 @@ __all__ = [
     "FisherDiagonal",
     "FlatnessRecord",
     "ForgettingResult",
+    "ForgettingTask",
     "GroupTrace",
     "ProposedUpdate",
     "QuantizationPoint",
@@ -63,6 +65,7 @@ __all__ = [
     "exact_fisher_diagonal",
     "exact_fisher_trace",
     "exact_hessian_trace",
+    "load_forgetting_task",
     "measure_forgetting",
     "parameter_groups",
     "per_context_fisher_traces",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,6 +21,8 @@ from torch import nn
 from ..constants import DEFAULT_BATCH_SIZE
 from ..measures import MeasureSettings
 from .critical_sharpness import estimate_critical_sharpness, proposed_update
+from .forgetting import ForgettingResult, measure_forgetting
+from .forgetting_task import ForgettingTask
 from .lm import evaluation_mode, preserved_global_rng
 from .quantization import estimate_quantization_sensitivity
 from .spectrum import _data_label_loss, _prepare, estimate_sam_sharpness, estimate_top_eigenvalues
@@ -36,7 +38,7 @@ def _fixed(batch_size: int | str) -> int:
 
 
 def top_eigenvalue(
-    model, contexts, *, n_contexts, settings: MeasureSettings, seed, batch_size, causal=None, optimizer=None
+    model, contexts, *, n_contexts, settings: MeasureSettings, seed, batch_size, causal=None, optimizer=None, task=None
 ):
     return estimate_top_eigenvalues(
         model,
@@ -51,7 +53,7 @@ def top_eigenvalue(
 
 
 def sam_sharpness(
-    model, contexts, *, n_contexts, settings: MeasureSettings, seed, batch_size, causal=None, optimizer=None
+    model, contexts, *, n_contexts, settings: MeasureSettings, seed, batch_size, causal=None, optimizer=None, task=None
 ):
     return estimate_sam_sharpness(
         model,
@@ -64,7 +66,7 @@ def sam_sharpness(
 
 
 def weight_noise(
-    model, contexts, *, n_contexts, settings: MeasureSettings, seed, batch_size, causal=None, optimizer=None
+    model, contexts, *, n_contexts, settings: MeasureSettings, seed, batch_size, causal=None, optimizer=None, task=None
 ):
     return estimate_weight_noise_sensitivity(
         model,
@@ -80,7 +82,7 @@ def weight_noise(
 
 
 def quantization(
-    model, contexts, *, n_contexts, settings: MeasureSettings, seed, batch_size, causal=None, optimizer=None
+    model, contexts, *, n_contexts, settings: MeasureSettings, seed, batch_size, causal=None, optimizer=None, task=None
 ):
     return estimate_quantization_sensitivity(
         model,
@@ -91,6 +93,48 @@ def quantization(
         batch_size=_fixed(batch_size),
         causal=causal,
     )
+
+
+def forgetting(
+    model: nn.Module,
+    contexts,
+    *,
+    n_contexts: int | None,
+    settings: MeasureSettings,
+    seed: int = 0,
+    batch_size: int | str,
+    causal: bool | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    task: ForgettingTask | None = None,
+) -> ForgettingResult:
+    """`measure_forgetting` on ``task`` (loaded by the caller from ``settings.forgetting_task``) with the settings'
+    fine-tuning; the trace before and after at ``settings.forgetting_trace_draws`` draws when set. The model is not
+    modified (a copy is fine-tuned) and the global random streams are restored; ``optimizer`` is not used."""
+    if task is None:
+        raise ValueError(
+            "forgetting needs its downstream task loaded: pass task=load_forgetting_task(settings.forgetting_task, "
+            "tokenizer=...)."
+        )
+    trace = None
+    if settings.forgetting_trace_draws is not None:
+        trace = {"n_draws": settings.forgetting_trace_draws, "seed": seed, "batch_size": _fixed(batch_size)}
+    result = measure_forgetting(
+        model,
+        contexts,
+        task.train_rows,
+        eval_rows=task.eval_rows,
+        num_labels=task.num_labels,
+        steps=settings.forgetting_steps,
+        learning_rate=settings.forgetting_learning_rate,
+        batch_size=settings.forgetting_batch_size,
+        optimizer=settings.forgetting_optimizer,
+        seed=seed,
+        trace=trace,
+        n_contexts=n_contexts,
+        lm_batch_size=_fixed(batch_size),
+        causal=causal,
+    )
+    return replace(result, task=task.source, label_column=task.label_column)
 
 
 @dataclass
@@ -138,6 +182,7 @@ def critical_sharpness(
     batch_size: int,
     causal: bool | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    task: ForgettingTask | None = None,
 ) -> CriticalSharpnessEstimate:
     """``lambda_c = 2 / eta_c`` per batch of ``settings.critical_batch_size or batch_size`` contexts, along the
     optimizer's next update for that batch's gradient (``optimizer``) or along ``-g``; mean and standard error over

@@ -32,13 +32,11 @@ import torch
 from torch import nn
 from transformers import AutoModelForSequenceClassification
 
-from ..constants import DEFAULT_BATCH_SIZE
+from ..constants import DEFAULT_BATCH_SIZE, FORGETTING_OPTIMIZERS
 from .api import estimate_hessian_trace
 from .lm import evaluation_mode, model_device, preserved_global_rng
 from .results import TraceEstimate
 from .weight_noise import check_positive_int, mean_and_stderr, per_context_losses, prepare_contexts
-
-OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass
@@ -50,7 +48,8 @@ class ForgettingResult:
         forgetting: ``lm_loss_after - lm_loss_before`` (as the mean of the per-context differences).
         stderr: its standard error (of the mean per-context difference; ``nan`` with one context).
         accuracy_before, accuracy_after: the classifier's accuracy on the evaluation rows with the fresh head and
-            after the steps.
+            after the steps; ``accuracy_before_stderr``, ``accuracy_after_stderr`` their standard errors (of a mean
+            of 0/1 values over the rows; ``nan`` with one row).
         train_losses: the task loss of each step's batch.
         trace_before, trace_after: `TraceEstimate` of the LM before and after, when asked (``trace=...``), else
             ``None``.
@@ -59,6 +58,8 @@ class ForgettingResult:
         n_contexts: pre-training contexts the loss averages over.
         n_task_rows, n_eval_rows: rows fine-tuned on and evaluated on.
         seconds: wall-clock time.
+        task, label_column: the downstream task's name (a GLUE task, a path) and class column, when the caller
+            names them (the measures table does); ``None`` otherwise.
     """
 
     lm_loss_before: float
@@ -82,6 +83,10 @@ class ForgettingResult:
     train_losses: list[float] = field(default_factory=list)
     trace_before: TraceEstimate | None = None
     trace_after: TraceEstimate | None = None
+    accuracy_before_stderr: float = float("nan")
+    accuracy_after_stderr: float = float("nan")
+    task: str | None = None
+    label_column: str | None = None
 
     @property
     def trace_change(self) -> float | None:
@@ -190,14 +195,17 @@ def sequence_classifier_from(model: nn.Module, num_labels: int, *, seed: int = 0
 
 
 @torch.no_grad()
-def _accuracy(classifier: nn.Module, rows: Sequence[dict[str, Any]], pad_id: int, batch_size: int) -> float:
-    correct = 0
+def _accuracy(
+    classifier: nn.Module, rows: Sequence[dict[str, Any]], pad_id: int, batch_size: int
+) -> tuple[float, float]:
+    """The accuracy on ``rows`` and its standard error (that of the mean of the 0/1 outcomes)."""
+    correct = []
     device = model_device(classifier)
     with evaluation_mode(classifier):
         for start in range(0, len(rows), batch_size):
             batch, labels = _collate(rows[start : start + batch_size], pad_id, device)
-            correct += int((classifier(**batch).logits.argmax(dim=-1) == labels).sum())
-    return correct / len(rows)
+            correct.append((classifier(**batch).logits.argmax(dim=-1) == labels).cpu())
+    return mean_and_stderr(torch.cat(correct).double())
 
 
 def measure_forgetting(
@@ -250,8 +258,8 @@ def measure_forgetting(
     check_positive_int("lm_batch_size", lm_batch_size)
     if not (isinstance(learning_rate, (int, float)) and learning_rate >= 0):
         raise ValueError(f"learning_rate must be a number >= 0 (got {learning_rate!r}).")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {list(OPTIMIZERS)}.")
+    if optimizer not in FORGETTING_OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {list(FORGETTING_OPTIMIZERS)}.")
     train = _task_rows(task_rows, "task_rows")
     evaluation = _task_rows(eval_rows, "eval_rows") if eval_rows is not None else train
     largest = max(r["label"] for r in train + (evaluation if eval_rows is not None else []))
@@ -272,7 +280,7 @@ def measure_forgetting(
 
         classifier = sequence_classifier_from(model, num_labels, seed=seed)
         classifier.requires_grad_(True)
-        accuracy_before = _accuracy(classifier, evaluation, pad_id, batch_size)
+        accuracy_before, accuracy_before_stderr = _accuracy(classifier, evaluation, pad_id, batch_size)
         params = [p for p in classifier.parameters() if p.requires_grad]
         if optimizer == "adamw":
             opt = torch.optim.AdamW(params, lr=learning_rate, weight_decay=weight_decay, foreach=False)
@@ -298,7 +306,7 @@ def measure_forgetting(
                 loss.backward()
             opt.step()
             train_losses.append(float(loss.detach()))
-        accuracy_after = _accuracy(classifier, evaluation, pad_id, batch_size)
+        accuracy_after, accuracy_after_stderr = _accuracy(classifier, evaluation, pad_id, batch_size)
         del opt
 
         tuned = copy.deepcopy(model)
@@ -339,4 +347,6 @@ def measure_forgetting(
         train_losses=train_losses,
         trace_before=trace_before,
         trace_after=trace_after,
+        accuracy_before_stderr=accuracy_before_stderr,
+        accuracy_after_stderr=accuracy_after_stderr,
     )

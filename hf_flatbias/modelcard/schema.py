@@ -416,5 +416,17 @@ def check_measure_record(name: str, record: Mapping[str, Any]) -> None:
     step = record.get("step")
     if step is not None and (not isinstance(step, int) or step < 0):
         raise ValueError(f"FlatnessCard.measures[{name!r}]['step'] must be an integer >= 0 (got {step!r}).")
-    if record.get("stderr") is not None and record["stderr"] < 0:
-        raise ValueError(f"FlatnessCard.measures[{name!r}]['stderr'] must be >= 0 (got {record['stderr']}).")
+    for key in MEASURE_TABLE[name].numbers:
+        if key.endswith("stderr") and record.get(key) is not None and record[key] < 0:
+            raise ValueError(f"FlatnessCard.measures[{name!r}][{key!r}] must be >= 0 (got {record[key]}).")
+    for key in MEASURE_TABLE[name].lists:
+        values = record.get(key)
+        # an unknown entry (one draw has no standard error) is written as null, never as .nan
+        if values is not None and (
+            not isinstance(values, list)
+            or not all(v is None or (isinstance(v, (int, float)) and math.isfinite(v)) for v in values)
+        ):
+            raise ValueError(
+                f"FlatnessCard.measures[{name!r}][{key!r}] is {values!r}: write a list of finite numbers (None for "
+                "one that is unknown)."
+            )

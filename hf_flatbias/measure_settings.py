@@ -1,0 +1,193 @@
+"""The settings of the measures beyond the trace (`MeasureSettings`), one field per setting with its help, its
+command-line parser and its check; `hf_flatbias.measures.MEASURE_TABLE` names the fields each measure reads.
+
+Kept free of torch and transformers, as the table is: the command line builds its flags from these fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from numbers import Integral, Real
+from pathlib import Path
+from typing import Any
+
+from .constants import DEFAULT_SAM_RHO, FORGETTING_OPTIMIZERS, NOISE_SCALES, SPECTRUM_MATRICES
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(part) for part in str(text).split(",") if part.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in str(text).split(",") if part.strip())
+
+
+def _optional_int(text: str) -> int | None:
+    return None if str(text).lower() in ("", "none") else int(text)
+
+
+def _optional_text(text: str) -> str | None:
+    return None if str(text).lower() in ("", "none") else str(text)
+
+
+def _setting(default: Any, help: str, parse: Callable[[str], Any], choices: Sequence[str] | None = None) -> Any:  # noqa: A002
+    return dataclasses.field(default=default, metadata={"help": help, "parse": parse, "choices": choices})
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasureSettings:
+    """The settings of the measures beyond the trace; each measure reads the fields its `MeasureSpec.settings` names
+    and records them with its value. The command line offers each field as ``--field-name``; the callback takes them
+    as keyword arguments. Every value is checked when the settings are made."""
+
+    eigenvalue_matrix: str = _setting(
+        "fisher",
+        "Matrix of top_eigenvalue (default: fisher, whose trace is the paper's measure).",
+        str,
+        SPECTRUM_MATRICES,
+    )
+    top_k: int = _setting(1, "How many of the largest eigenvalues top_eigenvalue finds (default: 1).", int)
+    sam_rho: float = _setting(DEFAULT_SAM_RHO, "Radius of sam_sharpness (default: 0.05).", float)
+    sam_batch_size: int | None = _setting(
+        None, "Contexts per ascent step of sam_sharpness, as the training batch (default: --batch-size).", int
+    )
+    noise_sigmas: tuple[float, ...] = _setting(
+        (0.01,),
+        "Comma-separated noise levels of weight_noise (default: 0.01); the card's value is the last one's.",
+        _floats,
+    )
+    noise_scale: str = _setting(
+        "rms", "weight_noise: rms (sigma times each tensor's RMS; default) or absolute noise.", str, NOISE_SCALES
+    )
+    noise_draws: int = _setting(8, "Antithetic noise pairs per sigma of weight_noise (default: 8).", int)
+    quantization_bits: tuple[int, ...] = _setting(
+        (8, 4),
+        "Comma-separated bit widths of quantization (default: 8,4); the card's value is the last one's.",
+        _ints,
+    )
+    quantization_group_size: int | None = _setting(
+        None, "Input entries per scale of quantization; none (default): one scale per output channel.", _optional_int
+    )
+    critical_rtol: float = _setting(
+        1e-3, "Relative precision of critical_sharpness's line search (default: 1e-3).", float
+    )
+    critical_batch_size: int | None = _setting(
+        None, "Contexts per line search of critical_sharpness (default: --batch-size); the error is over them.", int
+    )
+    forgetting_task: str | None = _setting(
+        None,
+        "The downstream task forgetting fine-tunes on: a GLUE classification task (sst2 works offline through its "
+        "stand-in; the others need the Hub) or a data file or save_to_disk folder of rows holding input_ids (or "
+        "text) and an integer class (a synthetic language's task columns, say); write ./NAME for a folder named as "
+        "a GLUE task. Required by forgetting.",
+        _optional_text,
+    )
+    forgetting_label_column: str = _setting(
+        "label", "The class column of --forgetting-task's rows (default: label; task_a... for synthetic data).", str
+    )
+    forgetting_steps: int = _setting(50, "Optimizer steps of forgetting's fine-tuning (default: 50).", int)
+    forgetting_learning_rate: float = _setting(
+        2e-5, "Learning rate of forgetting's fine-tuning, constant (default: 2e-5, BERT's GLUE rate).", float
+    )
+    forgetting_batch_size: int = _setting(8, "Task rows per step of forgetting's fine-tuning (default: 8).", int)
+    forgetting_optimizer: str = _setting(
+        "adamw", "Optimizer of forgetting's fine-tuning: adamw (default) or sgd.", str, FORGETTING_OPTIMIZERS
+    )
+    forgetting_train_rows: int = _setting(
+        1000, "Task rows fine-tuned on, the same ones drawn by --seed for every checkpoint (default: 1000).", int
+    )
+    forgetting_eval_rows: int = _setting(
+        500, "Rows of the task's validation split the accuracy is measured on (default: 500).", int
+    )
+    forgetting_trace_draws: int | None = _setting(
+        None,
+        "Also the Fisher trace of the pre-training loss before and after fine-tuning, at this many draws per context "
+        "(per_sample estimator); none (default): the loss only.",
+        _optional_int,
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "noise_sigmas", _as_tuple(self.noise_sigmas))
+        object.__setattr__(self, "quantization_bits", _as_tuple(self.quantization_bits))
+        for item in dataclasses.fields(self):
+            choices = item.metadata.get("choices")
+            if choices and getattr(self, item.name) not in choices:
+                raise ValueError(f"{item.name}={getattr(self, item.name)!r}: choose one of {list(choices)}.")
+        for name in (
+            "top_k",
+            "noise_draws",
+            "forgetting_steps",
+            "forgetting_batch_size",
+            "forgetting_train_rows",
+            "forgetting_eval_rows",
+        ):
+            _check_count(name, getattr(self, name))
+        for name in ("sam_batch_size", "quantization_group_size", "critical_batch_size", "forgetting_trace_draws"):
+            if getattr(self, name) is not None:
+                _check_count(name, getattr(self, name))
+        for name in ("sam_rho", "critical_rtol", "forgetting_learning_rate"):
+            value = getattr(self, name)
+            if not (_is_number(value) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0 (got {value!r}).")
+        if not self.noise_sigmas or not all(_is_number(s) and math.isfinite(s) and s > 0 for s in self.noise_sigmas):
+            raise ValueError(f"noise_sigmas must be one or more finite numbers > 0 (got {self.noise_sigmas!r}).")
+        if not self.quantization_bits or not all(
+            isinstance(b, Integral) and not isinstance(b, bool) and 2 <= b <= 8 for b in self.quantization_bits
+        ):
+            raise ValueError(
+                f"quantization_bits must be one or more whole numbers from 2 to 8 (got {self.quantization_bits!r})."
+            )
+
+        object.__setattr__(self, "forgetting_task", checked_forgetting_task(self.forgetting_task))
+        if not isinstance(self.forgetting_label_column, str) or not self.forgetting_label_column:
+            raise ValueError(
+                f"forgetting_label_column must name a column (got {self.forgetting_label_column!r}); e.g. label."
+            )
+
+    @classmethod
+    def from_namespace(cls, namespace: Any) -> MeasureSettings:
+        """The settings of parsed command-line flags (attributes of the fields' names)."""
+        return cls(
+            **{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls) if hasattr(namespace, f.name)}
+        )
+
+
+def _as_tuple(value: Any) -> tuple:
+    return (value,) if isinstance(value, (int, float)) else tuple(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+        raise ValueError(f"{name} must be a whole number >= 1 (got {value!r}).")
+
+
+def checked_forgetting_task(source: Any) -> str | None:
+    """``forgetting_task`` checked without reading it: ``None``, a GLUE classification task (returned by its canonical
+    name, ``SST-2`` -> ``sst2``) or a file or folder that exists; `ValueError` otherwise."""
+    from .glue.tasks import GLUE_TASKS
+
+    if source is None:
+        return None
+    if not isinstance(source, str) or not source.strip():
+        raise ValueError(f"forgetting_task must be a GLUE task name or a path (got {source!r}); e.g. sst2.")
+    key = source.strip().lower().replace("-", "")
+    if key in GLUE_TASKS:
+        if GLUE_TASKS[key].is_regression:
+            classification = [name for name, task in GLUE_TASKS.items() if not task.is_regression]
+            raise ValueError(
+                f"forgetting_task={source!r} is a regression task; forgetting reports an accuracy: choose one of "
+                f"{', '.join(classification)}."
+            )
+        return key
+    if not Path(source).exists():
+        raise ValueError(
+            f"forgetting_task={source!r} is neither a GLUE task ({', '.join(GLUE_TASKS)}) nor an existing file or "
+            "folder of labelled rows."
+        )
+    return source

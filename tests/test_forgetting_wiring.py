@@ -161,6 +161,8 @@ def test_card_carrying_forgetting_reads_back_and_compare_shows_it(tmp_path, caps
     assert "| 0.125 ± 0.031 (sst2, 50 steps, acc 0.750 ± 0.047) |" in table[2]
     assert main(["compare", str(tmp_path)]) == 0
     assert "forgetting ΔL ± stderr" in capsys.readouterr().out
+    assert main(["card", str(tmp_path)]) == 0
+    assert "accuracy 0.500 ± 0.062 -> 0.750 ± 0.047 on 500 validation rows" in capsys.readouterr().out
     with pytest.raises(ValueError, match="forgetting"):
         full_card(measures={"forgetting": {**RECORD, "accuracy_after_stderr": math.nan}}).save(tmp_path / "bad")
 

@@ -191,3 +191,6 @@ def checked_forgetting_task(source: Any) -> str | None:
             "folder of labelled rows."
         )
     return source
+
+
+__all__ = ["MeasureSettings", "checked_forgetting_task"]

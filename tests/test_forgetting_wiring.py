@@ -161,6 +161,8 @@ def test_card_carrying_forgetting_reads_back_and_compare_shows_it(tmp_path, caps
     assert "| 0.125 ± 0.031 (sst2, 50 steps, acc 0.750 ± 0.047) |" in table[2]
     assert main(["compare", str(tmp_path)]) == 0
     assert "forgetting ΔL ± stderr" in capsys.readouterr().out
+    assert main(["card", str(tmp_path)]) == 0
+    assert "accuracy 0.500 ± 0.062 -> 0.750 ± 0.047 on 500 validation rows" in capsys.readouterr().out
     with pytest.raises(ValueError, match="forgetting"):
         full_card(measures={"forgetting": {**RECORD, "accuracy_after_stderr": math.nan}}).save(tmp_path / "bad")
 
@@ -294,3 +296,20 @@ def test_the_callback_refuses_forgetting_without_its_task():
         HessianTraceCallback(
             also_measure=("forgetting",), measure_settings={"forgetting_task": "sst2", "forgetting_optimizer": "adam"}
         )
+
+
+def test_a_decoder_without_a_padding_id_fine_tunes_in_batches():
+    # Pythia's and OLMo's configs have no pad_token_id: transformers' decoder classifiers refuse batches without one
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.helpers.tiny_models import TINY_DECODER
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY_DECODER, "pad_token_id": None, "eos_token_id": 1})).eval()
+    generator = torch.Generator().manual_seed(0)
+    texts = [{"input_ids": torch.randint(2, 16, (4 + i % 3,), generator=generator).tolist()} for i in range(8)]
+    contexts = build_masked_contexts(texts, mask_token_id=None, causal=True)
+    task = [{"input_ids": t["input_ids"], "label": i % 2} for i, t in enumerate(texts)]
+    result = measure_forgetting(model, contexts, task, steps=2, learning_rate=1e-2, batch_size=4)
+    assert math.isfinite(result.forgetting) and result.forgetting != 0
+    assert model.config.pad_token_id is None  # the LM's own config is left as it was

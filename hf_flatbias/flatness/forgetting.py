@@ -155,6 +155,17 @@ def _collate(rows: Sequence[dict[str, Any]], pad_id: int, device: torch.device) 
     return {k: v.to(device) for k, v in batch.items()}, labels
 
 
+def padding_id(config: Any) -> int:
+    """The id task rows are padded with: the LM's padding id, else its end-of-sequence id (as decoder tokenizers
+    without a padding token are usually given), else 0."""
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
+        value = value[0] if isinstance(value, (list, tuple)) and value else value
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return 0
+
+
 def sequence_classifier_from(model: nn.Module, num_labels: int, *, seed: int = 0) -> nn.Module:
     """A sequence classifier of the LM's architecture holding a copy of its encoder (``base_model``) weights, its
     new parts initialised from ``seed``, in the LM's dtype and device. The LM is not modified.
@@ -164,6 +175,8 @@ def sequence_classifier_from(model: nn.Module, num_labels: int, *, seed: int = 0
             LM's (weights that would not load).
     """
     config = copy.deepcopy(model.config)
+    # a decoder's classifier reads the last token that is not padding, and refuses batches without a padding id
+    config.pad_token_id = padding_id(model.config)
     config.num_labels = num_labels
     config.problem_type = "single_label_classification"
     attn = getattr(model.config, "_attn_implementation", None)
@@ -271,7 +284,7 @@ def measure_forgetting(
     lm_dataset = list(lm_dataset)
     contexts, n_used = prepare_contexts(model, lm_dataset, n_contexts, causal)
     trace_kwargs = {"n_contexts": n_contexts, "causal": causal, **trace} if trace is not None else None
-    pad_id = getattr(model.config, "pad_token_id", None) or 0
+    pad_id = padding_id(model.config)
 
     with preserved_global_rng():
         with evaluation_mode(model):

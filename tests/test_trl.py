@@ -560,16 +560,37 @@ def test_trace_rows_of_a_packed_row_are_its_documents(tmp_path, tokenizer):
     assert all(len(d["completion_mask"]) == len(d["input_ids"]) for d in documents)
 
 
-def reference_functional_sam_sgd(model, updates, *, lr, rho, scope):
-    """Functional-SAM with SGD on SFT's loss, from the materialised logits: e = rho g / ||g|| (per micro-batch or per
-    update, as `reference_sam_sgd`), the update direction d/dw <F(w + e), dL/dF(w)> summed over micro-batches."""
+def sft_loss_of_logits(logits, batch, update):
+    labels = batch["labels"][:, 1:]
+    summed = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    return summed / trained_token_count(update)
+
+
+def dpo_loss_of_logits(reference_model, beta):
+    """DPO's sigmoid loss from the policy's next-token logits, the reference's log-probabilities taken once per
+    micro-batch."""
+    references: dict[int, torch.Tensor] = {}
+
+    def loss(logits, batch, update):
+        if id(batch) not in references:
+            with torch.no_grad():
+                references[id(batch)] = completion_log_probs(reference_model, batch)
+        targets = batch["input_ids"][:, 1:].unsqueeze(-1)
+        per_token = torch.log_softmax(logits.float(), -1).gather(-1, targets).squeeze(-1)
+        chosen, rejected = ((per_token * batch["completion_mask"][:, 1:]).sum(1) - references[id(batch)]).chunk(2)
+        return -F.logsigmoid(beta * (chosen - rejected)).mean() / len(update)
+
+    return loss
+
+
+def reference_functional_sam_sgd(model, updates, loss_of_logits, *, lr, rho, scope):
+    """Functional-SAM with SGD from the materialised logits: e = rho g / ||g|| (per micro-batch or per update, as
+    `reference_sam_sgd`), the update direction d/dw <F(w + e), dL/dF(w)> summed over micro-batches."""
     params = [p for p in model.parameters() if p.requires_grad]
 
     def gradient_and_cotangent(batch, update):
         logits = next_token_logits(model, batch)
-        labels = batch["labels"][:, 1:]
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-        *grads, cotangent = torch.autograd.grad(loss / trained_token_count(update), [*params, logits])
+        *grads, cotangent = torch.autograd.grad(loss_of_logits(logits, batch, update), [*params, logits])
         return list(grads), cotangent.detach()
 
     for update in updates:
@@ -617,7 +638,9 @@ def test_sft_functional_sam_through_the_fused_head_matches_the_logits_reference(
         gradient_accumulation_steps=accumulation,
     )
     updates = updates_of(trainer)
-    reference = reference_functional_sam_sgd(fresh_model(trainer), updates, lr=0.1, rho=0.05, scope=scope)
+    reference = reference_functional_sam_sgd(
+        fresh_model(trainer), updates, sft_loss_of_logits, lr=0.1, rho=0.05, scope=scope
+    )
     sam = reference_sam_sgd(fresh_model(trainer), updates, sft_loss, lr=0.1, rho=0.05, scope=scope)
     trainer.train()
     difference = max_param_diff(trainer.model, reference)
@@ -625,6 +648,28 @@ def test_sft_functional_sam_through_the_fused_head_matches_the_logits_reference(
     assert max_param_diff(sam, reference) > 1e-4  # the tolerance tells Functional-SAM from SAM
     logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
     assert logged["sam/perturbed_loss"] > logged["loss"]
+
+
+def test_sft_functional_sam_with_lora_matches_the_logits_reference(tmp_path, tokenizer):
+    """With LoRA the head is frozen: its term drops out, and the adapters take J^T c through the hidden states."""
+    args = sft_config(
+        tmp_path, flatness_method="functional_sam", per_device_train_batch_size=2, gradient_accumulation_steps=2
+    )
+    trainer = FlatBiasSFTTrainer(
+        model=with_lora(tiny_llama(len(tokenizer))),
+        args=args,
+        train_dataset=prompt_completion_rows(),
+        processing_class=tokenizer,
+    )
+    updates = updates_of(trainer)
+    model = with_lora(tiny_llama(len(tokenizer)))
+    reference = reference_functional_sam_sgd(model, updates, sft_loss_of_logits, lr=0.1, rho=0.05, scope="micro_batch")
+    trainer.train()
+    assert max_param_diff(trainer.model, reference) < 1e-6
+    sam = reference_sam_sgd(
+        with_lora(tiny_llama(len(tokenizer))), updates, sft_loss, lr=0.1, rho=0.05, scope="micro_batch"
+    )
+    assert max_param_diff(sam, reference) > 1e-6
 
 
 def test_sft_functional_sam_holds_no_more_than_a_chunk_of_logits(tmp_path, tokenizer, monkeypatch):
@@ -660,12 +705,28 @@ def test_sft_functional_sam_refuses_losses_that_bypass_the_fused_head(tmp_path, 
         )
 
 
-def test_dpo_refuses_functional_sam_before_training(tmp_path, tokenizer):
-    args = dpo_config(tmp_path, flatness_method="functional_sam")
-    with pytest.raises(ValueError, match="^flatness_method='functional_sam' is not supported in FlatBiasDPOTrainer"):
-        FlatBiasDPOTrainer(
-            model=tiny_llama(len(tokenizer)), args=args, train_dataset=preference_rows(), processing_class=tokenizer
-        )
+@pytest.mark.parametrize("scope,accumulation", [("micro_batch", 2), ("batch", 2)])
+def test_dpo_functional_sam_through_the_fused_head_matches_the_logits_reference(
+    tmp_path, tokenizer, scope, accumulation
+):
+    trainer = dpo_trainer(
+        tmp_path,
+        tokenizer,
+        live_reference=True,
+        flatness_method="functional_sam",
+        sam_scope=scope,
+        per_device_train_batch_size=4 // accumulation,
+        gradient_accumulation_steps=accumulation,
+    )
+    updates = updates_of(trainer)
+    loss = dpo_loss_of_logits(fresh_model(trainer).eval(), beta=0.5)
+    reference = reference_functional_sam_sgd(fresh_model(trainer), updates, loss, lr=0.1, rho=0.05, scope=scope)
+    sam_loss = dpo_loss_function(fresh_model(trainer).eval(), beta=0.5)
+    sam = reference_sam_sgd(fresh_model(trainer), updates, sam_loss, lr=0.1, rho=0.05, scope=scope)
+    trainer.train()
+    difference = max_param_diff(trainer.model, reference)
+    assert difference < 1e-6, difference
+    assert max_param_diff(sam, reference) > 1e-4  # the tolerance tells Functional-SAM from SAM
 
 
 # ---------------------------------------------------------------- the flatness card of a trl run (issue 38)

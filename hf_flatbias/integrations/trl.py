@@ -64,6 +64,51 @@ class _TrlTrainerMixin:
         card_kwargs["tags"] = [*self._tag_names, *([given] if isinstance(given, str) else given)]
         return super().flatness_card(**card_kwargs)
 
+    def scaled_loss_and_function(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch):
+        """The loss through trl's fused LM head, with what Functional-SAM needs of it: the backbone's hidden states
+        (kept by a forward hook) and the head's labels and label log-probabilities (kept from the policy's first fused
+        forward). trl's own ``return_outputs=True`` would run a further forward for the full logits, which is what the
+        fused head avoids."""
+        core = unwrap_peft_model(self.accelerator.unwrap_model(model))
+        kept: dict[str, Any] = {}
+        fused_forward = core.forward  # trl's fused head, bound to the model; peft calls it directly, not through hooks
+
+        def keep_outputs(*args: Any, **kwargs: Any) -> Any:
+            outputs = fused_forward(*args, **kwargs)
+            if kwargs.get("fused_lm_head") and "outputs" not in kept:
+                kept.update(outputs=outputs, labels=kwargs.get("labels"), shift_labels=kwargs.get("shift_labels"))
+            return outputs
+
+        def keep_hidden(module: nn.Module, args: Any, output: Any) -> None:
+            kept.setdefault("hidden", output.last_hidden_state)
+
+        handle = core.base_model.register_forward_hook(keep_hidden)
+        core.forward = keep_outputs
+        try:
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+        finally:
+            core.forward = fused_forward
+            handle.remove()
+        outputs = kept.get("outputs")
+        if getattr(outputs, "log_probs", None) is None or "hidden" not in kept:
+            raise ValueError(
+                f"flatness_method='functional_sam' found no fused LM head output in {type(self).__name__}'s loss "
+                "(trl's add_fused_lm_head); use 'sam' with this model or loss."
+            )
+        if kept["shift_labels"] is not None:  # pre-shifted (context parallelism): every position is scored as is
+            hidden, labels = kept["hidden"], kept["shift_labels"]
+        else:
+            hidden, labels = kept["hidden"][:, :-1], kept["labels"][:, 1:]
+        function = FusedHeadOutputs(
+            hidden=hidden,
+            labels=labels.to(hidden.device),
+            mask=outputs.label_mask,
+            log_probs=outputs.log_probs,
+            head=core.get_output_embeddings(),
+        )
+        return self.scale_for_accumulation(loss, num_items_in_batch), function
+
     @contextlib.contextmanager
     def host_metrics_suspended(self) -> Iterator[None]:
         metrics, total_tokens = self._metrics, self._total_train_tokens
@@ -111,48 +156,6 @@ class FlatBiasSFTTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, SFTTrainer):
                 )
         super().__init__(model=model, args=args, **kwargs)
 
-    def scaled_loss_and_function(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch):
-        """The loss through trl's fused LM head, with what Functional-SAM needs of it: the backbone's hidden states
-        (kept by a forward hook) and the head's label log-probabilities (kept from its output). trl's own
-        ``return_outputs=True`` would run a further forward for full logits, which is what the fused head avoids."""
-        core = unwrap_peft_model(self.accelerator.unwrap_model(model))
-        kept: dict[str, Any] = {}
-        fused_forward = core.forward  # trl's fused head, bound to the model; peft calls it directly, not through hooks
-
-        def keep_outputs(*args: Any, **kwargs: Any) -> Any:
-            kept["outputs"] = fused_forward(*args, **kwargs)
-            return kept["outputs"]
-
-        def keep_hidden(module: nn.Module, args: Any, output: Any) -> None:
-            kept["hidden"] = output.last_hidden_state
-
-        handle = core.base_model.register_forward_hook(keep_hidden)
-        core.forward = keep_outputs
-        try:
-            with self.compute_loss_context_manager():
-                loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
-        finally:
-            core.forward = fused_forward
-            handle.remove()
-        outputs = kept.get("outputs")
-        if getattr(outputs, "log_probs", None) is None or "hidden" not in kept:
-            raise ValueError(
-                "flatness_method='functional_sam' found no fused LM head output in SFTTrainer's loss (trl's "
-                "add_fused_lm_head); use 'sam' with this model or loss."
-            )
-        if "shift_labels" in inputs:  # pre-shifted (context parallelism): every position is scored as is
-            hidden, labels = kept["hidden"], inputs["shift_labels"]
-        else:
-            hidden, labels = kept["hidden"][:, :-1], inputs["labels"][:, 1:]
-        function = FusedHeadOutputs(
-            hidden=hidden,
-            labels=labels.to(hidden.device),
-            mask=outputs.label_mask,
-            log_probs=outputs.log_probs,
-            head=core.get_output_embeddings(),
-        )
-        return self.scale_for_accumulation(loss, num_items_in_batch), function
-
     def loss_and_outputs(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch):
         loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
         # SFT's fused head returns no logits; without `fused_lm_head` the model runs its own forward
@@ -173,11 +176,6 @@ class FlatBiasDPOTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, DPOTrainer):
 
     def __init__(self, model, ref_model=None, args=None, **kwargs: Any):
         # DPOTrainer takes ref_model second; the mixin's signature is (model, args, ...)
-        if getattr(args, "flatness_method", None) == "functional_sam":
-            raise ValueError(
-                "flatness_method='functional_sam' is not supported in FlatBiasDPOTrainer (no exact test of its fused "
-                "head path yet); use 'sam' or 'asam' with DPO, or Functional-SAM with FlatBiasSFTTrainer."
-            )
         if getattr(args, "flatness_method", None) == "fisher_penalty":
             raise ValueError(
                 "flatness_method='fisher_penalty' samples next-token labels, which DPO's preference loss does not "

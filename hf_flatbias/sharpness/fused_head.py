@@ -52,9 +52,14 @@ def fused_head_cotangent(
         labels=labels[mask],
         scale=scale[mask].detach(),
         log_probs=log_probs[mask].detach(),
-        weight=head.weight.detach().clone(),
-        bias=None if bias is None else bias.detach().clone(),
+        # W(w): copied when a step may move it, the one extra copy of the head the step holds
+        weight=_kept(head.weight),
+        bias=None if bias is None else _kept(bias),
     )
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().clone() if tensor.requires_grad else tensor.detach()
 
 
 def _cotangent_rows(cotangent: FusedHeadCotangent, rows: slice) -> torch.Tensor:

@@ -62,15 +62,15 @@ def _kept(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().clone() if tensor.requires_grad else tensor.detach()
 
 
-def _cotangent_rows(cotangent: FusedHeadCotangent, rows: slice) -> torch.Tensor:
-    """``C`` for ``rows``, in float32: ``a_i (onehot(y_i) - softmax(h_i W^T + b))`` at ``w``."""
-    logits = cotangent.hidden[rows].float() @ cotangent.weight.float().T
+def _cotangent_rows(cotangent: FusedHeadCotangent, rows: slice, dtype: torch.dtype) -> torch.Tensor:
+    """``C`` for ``rows`` in ``dtype``: ``a_i (onehot(y_i) - softmax(h_i W^T + b))`` at ``w``."""
+    logits = cotangent.hidden[rows].to(dtype) @ cotangent.weight.to(dtype).T
     if cotangent.bias is not None:
-        logits += cotangent.bias.float()
+        logits += cotangent.bias.to(dtype)
     labels = cotangent.labels[rows]
     log_softmax = torch.log_softmax(logits, dim=-1)
     scored = log_softmax.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    if not torch.allclose(scored, cotangent.log_probs[rows].float(), rtol=1e-4, atol=1e-4):
+    if not torch.allclose(scored, cotangent.log_probs[rows].to(dtype), rtol=1e-4, atol=1e-4):
         raise ValueError(
             "flatness_method='functional_sam': the fused LM head's log-probabilities are not those of h W^T + b (a "
             "temperature, logit soft-capping or a logit scale transforms the logits), which the chunked cotangent "
@@ -78,7 +78,7 @@ def _cotangent_rows(cotangent: FusedHeadCotangent, rows: slice) -> torch.Tensor:
         )
     rows_c = log_softmax.exp_().neg_()
     rows_c[torch.arange(labels.numel(), device=labels.device), labels] += 1.0
-    return rows_c.mul_(cotangent.scale[rows].float().unsqueeze(-1))
+    return rows_c.mul_(cotangent.scale[rows].to(dtype).unsqueeze(-1))
 
 
 def fused_head_surrogate(
@@ -92,24 +92,25 @@ def fused_head_surrogate(
             f"{tuple(cotangent.hidden.shape)}: the two passes must see the same batch."
         )
     weight, bias = head.weight, head.bias
+    dtype = torch.promote_types(hidden.dtype, torch.float32)  # half-precision rows are summed in float32
     with torch.no_grad():
-        at_perturbed = hidden.detach().float()
-        head_weight = weight.detach().float()
+        at_perturbed = hidden.detach().to(dtype)
+        head_weight = weight.detach().to(dtype)
         grad_hidden = torch.empty_like(at_perturbed)
         grad_weight = torch.zeros_like(head_weight)
-        grad_bias = None if bias is None else torch.zeros_like(bias, dtype=torch.float32)
+        grad_bias = None if bias is None else torch.zeros_like(bias, dtype=dtype)
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
-            c = _cotangent_rows(cotangent, rows)
+            c = _cotangent_rows(cotangent, rows, dtype)
             grad_hidden[rows] = c @ head_weight
             grad_weight.addmm_(c.T, at_perturbed[rows])
             if grad_bias is not None:
                 grad_bias += c.sum(0)
-    surrogate = (hidden.float() * grad_hidden).sum()
+    surrogate = (hidden.to(dtype) * grad_hidden).sum()
     if weight.requires_grad:
-        surrogate = surrogate + (weight.float() * grad_weight).sum()
+        surrogate = surrogate + (weight.to(dtype) * grad_weight).sum()
     if bias is not None and bias.requires_grad:
-        surrogate = surrogate + (bias.float() * grad_bias).sum()
+        surrogate = surrogate + (bias.to(dtype) * grad_bias).sum()
     return surrogate
 
 

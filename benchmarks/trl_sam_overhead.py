@@ -6,9 +6,11 @@ SAM computes the reference log-probabilities once per micro-batch, so its second
 ratio may fall below 2). Plain and SAM runs of each trainer are interleaved so that load on a shared machine hits
 both alike; the ratios are medians of step times.
 
-    python benchmarks/trl_sam_overhead.py [--quick]
+    python benchmarks/trl_sam_overhead.py [--quick] [--functional-sam]
 
-The last lines are ``<trainer>_sam_step_ratio=X``.
+The last lines are ``<trainer>_sam_step_ratio=X`` (and, with ``--functional-sam``,
+``<trainer>_functional_sam_step_ratio=X``: in the trl trainers its cotangent and surrogate are computed in chunks
+through the fused LM head, in `FlatBiasTrainer` from the logits).
 """
 
 from __future__ import annotations
@@ -90,7 +92,10 @@ def time_steps(trainer_name: str, method: str, rows, tokenizer, sizes: dict, ste
 
 
 def main() -> None:
-    args = timing_parser(__doc__, "a smaller model and fewer repeats (a few minutes)").parse_args()
+    parser = timing_parser(__doc__, "a smaller model and fewer repeats (a few minutes)")
+    parser.add_argument("--functional-sam", action="store_true", help="time flatness_method='functional_sam' too")
+    args = parser.parse_args()
+    methods = ("none", "sam", "functional_sam") if args.functional_sam else ("none", "sam")
     sizes, repeats, steps, batch = choose_sizes(
         args,
         quick=(dict(hidden=64, layers=2, seq_len=64), 2, 10, 8),
@@ -102,10 +107,10 @@ def main() -> None:
     tokenizer.eos_token = tokenizer.sep_token
     rows = token_rows(steps * batch, sizes["seq_len"], vocab)
     n_params = sum(p.numel() for p in build_llama(vocab, **sizes).parameters())
-    times = {(name, method): [] for name in TRAINERS for method in ("none", "sam")}
+    times = {(name, method): [] for name in TRAINERS for method in methods}
     for _ in range(repeats):
         for name in TRAINERS:
-            for method in ("none", "sam"):
+            for method in methods:
                 times[name, method] += time_steps(name, method, rows, tokenizer, sizes, steps, batch)
     print(
         f"model: Llama {n_params / 1e6:.2f}M parameters, batch {batch} x {sizes['seq_len']} tokens (DPO: {batch} "
@@ -116,8 +121,9 @@ def main() -> None:
         count = len(times[name, "sam"])
         print(f"{name}: plain step {plain * 1e3:.1f} ms, SAM step {sam * 1e3:.1f} ms (medians of {count})")
     for name in TRAINERS:
-        ratio = statistics.median(times[name, "sam"]) / statistics.median(times[name, "none"])
-        print(f"{name}_sam_step_ratio={ratio:.3f}")
+        for method in methods[1:]:
+            ratio = statistics.median(times[name, method]) / statistics.median(times[name, "none"])
+            print(f"{name}_{method}_step_ratio={ratio:.3f}")
 
 
 if __name__ == "__main__":

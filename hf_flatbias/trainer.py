@@ -46,6 +46,7 @@ from .sharpness.engines import (
     deepspeed_backward,
     sync_gradients_every_backward,
 )
+from .sharpness.functional_sam import FunctionOutputs, Logits
 from .sharpness.methods import FLATNESS_METHOD_CLASSES, FlatnessMethod
 from .sharpness.sam_options import check_preconditioner_supports_optimizer, scheduled_rho
 from .sharpness.step_log import PERTURBED_LOSS, FlatnessLog
@@ -225,9 +226,9 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         return self.scale_for_accumulation(loss, num_items_in_batch)
 
-    def scaled_loss_and_logits(
+    def scaled_loss_and_function(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, FunctionOutputs]:
         """`scaled_loss` and the logits it was computed from (Functional-SAM differentiates through them)."""
         with self.compute_loss_context_manager():
             loss, outputs = self.compute_loss(
@@ -239,7 +240,7 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
                 "flatness_method='functional_sam' needs the model output to carry 'logits' (a ModelOutput or dict): "
                 "its update differentiates the logits against dL/dF."
             )
-        return self.scale_for_accumulation(loss, num_items_in_batch), logits
+        return self.scale_for_accumulation(loss, num_items_in_batch), Logits(logits)
 
     def scale_for_accumulation(self, loss: torch.Tensor, num_items_in_batch) -> torch.Tensor:
         if self.args.n_gpu > 1:

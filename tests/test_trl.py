@@ -560,12 +560,173 @@ def test_trace_rows_of_a_packed_row_are_its_documents(tmp_path, tokenizer):
     assert all(len(d["completion_mask"]) == len(d["input_ids"]) for d in documents)
 
 
-def test_functional_sam_is_refused_in_trl_before_training(tmp_path):
-    from hf_flatbias import FlatBiasSFTConfig, FlatBiasSFTTrainer
+def sft_loss_of_logits(logits, batch, update):
+    labels = batch["labels"][:, 1:]
+    summed = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    return summed / trained_token_count(update)
 
-    args = FlatBiasSFTConfig(str(tmp_path), flatness_method="functional_sam", use_cpu=True, report_to="none")
-    with pytest.raises(ValueError, match="functional_sam.*not supported in trl"):
-        FlatBiasSFTTrainer(model=None, args=args)
+
+def dpo_loss_of_logits(reference_model, beta):
+    """DPO's sigmoid loss from the policy's next-token logits, the reference's log-probabilities taken once per
+    micro-batch."""
+    references: dict[int, torch.Tensor] = {}
+
+    def loss(logits, batch, update):
+        if id(batch) not in references:
+            with torch.no_grad():
+                references[id(batch)] = completion_log_probs(reference_model, batch)
+        targets = batch["input_ids"][:, 1:].unsqueeze(-1)
+        per_token = torch.log_softmax(logits.float(), -1).gather(-1, targets).squeeze(-1)
+        chosen, rejected = ((per_token * batch["completion_mask"][:, 1:]).sum(1) - references[id(batch)]).chunk(2)
+        return -F.logsigmoid(beta * (chosen - rejected)).mean() / len(update)
+
+    return loss
+
+
+def reference_functional_sam_sgd(model, updates, loss_of_logits, *, lr, rho, scope):
+    """Functional-SAM with SGD from the materialised logits: e = rho g / ||g|| (per micro-batch or per update, as
+    `reference_sam_sgd`), the update direction d/dw <F(w + e), dL/dF(w)> summed over micro-batches."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradient_and_cotangent(batch, update):
+        logits = next_token_logits(model, batch)
+        *grads, cotangent = torch.autograd.grad(loss_of_logits(logits, batch, update), [*params, logits])
+        return list(grads), cotangent.detach()
+
+    for update in updates:
+        if scope == "batch":
+            pairs = [gradient_and_cotangent(b, update) for b in update]
+            first = [sum(parts) for parts in zip(*(g for g, _ in pairs), strict=True)]
+        total = [torch.zeros_like(p) for p in params]
+        for i, batch in enumerate(update):
+            if scope == "micro_batch":
+                first, cotangent = gradient_and_cotangent(batch, update)
+            else:
+                cotangent = pairs[i][1]
+            norm = norm_of(first)
+            saved = [p.detach().clone() for p in params]
+            with torch.no_grad():
+                torch._foreach_add_(params, [rho * g / norm for g in first])
+            surrogate = (next_token_logits(model, batch) * cotangent).sum()
+            total = [t + g for t, g in zip(total, grad_list(surrogate, params), strict=True)]
+            with torch.no_grad():
+                for p, s in zip(params, saved, strict=True):
+                    p.copy_(s)
+        with torch.no_grad():
+            for p, t in zip(params, total, strict=True):
+                p.sub_(lr * t)
+    return model
+
+
+@pytest.mark.parametrize(
+    "case,scope,accumulation",
+    [("completion_only", "micro_batch", 2), ("completion_only", "batch", 2), ("packing", "micro_batch", 1)],
+)
+def test_sft_functional_sam_through_the_fused_head_matches_the_logits_reference(
+    tmp_path, tokenizer, case, scope, accumulation
+):
+    """trl's SFT loss never builds the logits; Functional-SAM's cotangent and surrogate, computed in row chunks from the
+    hidden states, give the update of the reference that materialises them."""
+    batch_size = SFT_CASES[case][1].get("per_device_train_batch_size", 4) // accumulation
+    trainer = sft_trainer(
+        tmp_path,
+        tokenizer,
+        case,
+        flatness_method="functional_sam",
+        sam_scope=scope,
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=accumulation,
+    )
+    updates = updates_of(trainer)
+    reference = reference_functional_sam_sgd(
+        fresh_model(trainer), updates, sft_loss_of_logits, lr=0.1, rho=0.05, scope=scope
+    )
+    sam = reference_sam_sgd(fresh_model(trainer), updates, sft_loss, lr=0.1, rho=0.05, scope=scope)
+    trainer.train()
+    difference = max_param_diff(trainer.model, reference)
+    assert difference < 1e-6, difference
+    assert max_param_diff(sam, reference) > 1e-4  # the tolerance tells Functional-SAM from SAM
+    logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    assert logged["sam/perturbed_loss"] > logged["loss"]
+
+
+def test_sft_functional_sam_with_lora_matches_the_logits_reference(tmp_path, tokenizer):
+    """With LoRA the head is frozen: its term drops out, and the adapters take J^T c through the hidden states."""
+    args = sft_config(
+        tmp_path, flatness_method="functional_sam", per_device_train_batch_size=2, gradient_accumulation_steps=2
+    )
+    trainer = FlatBiasSFTTrainer(
+        model=with_lora(tiny_llama(len(tokenizer))),
+        args=args,
+        train_dataset=prompt_completion_rows(),
+        processing_class=tokenizer,
+    )
+    updates = updates_of(trainer)
+    model = with_lora(tiny_llama(len(tokenizer)))
+    reference = reference_functional_sam_sgd(model, updates, sft_loss_of_logits, lr=0.1, rho=0.05, scope="micro_batch")
+    trainer.train()
+    assert max_param_diff(trainer.model, reference) < 1e-6
+    sam = reference_sam_sgd(
+        with_lora(tiny_llama(len(tokenizer))), updates, sft_loss, lr=0.1, rho=0.05, scope="micro_batch"
+    )
+    assert max_param_diff(sam, reference) > 1e-6
+
+
+def test_sft_functional_sam_holds_no_more_than_a_chunk_of_logits(tmp_path, tokenizer, monkeypatch):
+    """Chunks of 3 rows give the same update as one chunk: the cotangent is recomputed per chunk, not stored."""
+    from hf_flatbias.sharpness import fused_head
+
+    def train(chunk_rows, folder):
+        monkeypatch.setattr(fused_head, "CHUNK_ROWS", chunk_rows)
+        trainer = sft_trainer(tmp_path / folder, tokenizer, "completion_only", flatness_method="functional_sam")
+        original = fused_head.fused_head_surrogate
+        widths = []
+
+        def surrogate(hidden, head, cotangent, *, chunk_rows=chunk_rows):
+            widths.append(hidden.shape[0])
+            return original(hidden, head, cotangent, chunk_rows=chunk_rows)
+
+        monkeypatch.setattr(fused_head, "fused_head_surrogate", surrogate)
+        trainer.train()
+        monkeypatch.setattr(fused_head, "fused_head_surrogate", original)
+        return trainer.model, widths
+
+    chunked, widths = train(3, "chunked")
+    whole, _ = train(10_000, "whole")
+    assert min(widths) > 3  # several chunks per micro-batch
+    assert max_param_diff(chunked, whole) < 1e-6
+
+
+def test_sft_functional_sam_refuses_losses_that_bypass_the_fused_head(tmp_path, tokenizer):
+    args = sft_config(tmp_path, flatness_method="functional_sam", label_smoothing_factor=0.1)
+    with pytest.raises(ValueError, match="^flatness_method='functional_sam' in FlatBiasSFTTrainer reads dL/dF"):
+        FlatBiasSFTTrainer(
+            model=tiny_llama(len(tokenizer)), args=args, train_dataset=text_rows(), processing_class=tokenizer
+        )
+
+
+@pytest.mark.parametrize("scope,accumulation", [("micro_batch", 2), ("batch", 2)])
+def test_dpo_functional_sam_through_the_fused_head_matches_the_logits_reference(
+    tmp_path, tokenizer, scope, accumulation
+):
+    trainer = dpo_trainer(
+        tmp_path,
+        tokenizer,
+        live_reference=True,
+        flatness_method="functional_sam",
+        sam_scope=scope,
+        per_device_train_batch_size=4 // accumulation,
+        gradient_accumulation_steps=accumulation,
+    )
+    updates = updates_of(trainer)
+    loss = dpo_loss_of_logits(fresh_model(trainer).eval(), beta=0.5)
+    reference = reference_functional_sam_sgd(fresh_model(trainer), updates, loss, lr=0.1, rho=0.05, scope=scope)
+    sam_loss = dpo_loss_function(fresh_model(trainer).eval(), beta=0.5)
+    sam = reference_sam_sgd(fresh_model(trainer), updates, sam_loss, lr=0.1, rho=0.05, scope=scope)
+    trainer.train()
+    difference = max_param_diff(trainer.model, reference)
+    assert difference < 1e-6, difference
+    assert max_param_diff(sam, reference) > 1e-4  # the tolerance tells Functional-SAM from SAM
 
 
 # ---------------------------------------------------------------- the flatness card of a trl run (issue 38)

@@ -6,7 +6,8 @@ what trl's ``compute_loss`` does besides the loss, handled through the mixin's h
 * it records metrics on every call (token accuracy, entropy, token counts; DPO's rewards and margins): the second
   pass of a step runs with them suspended, so every logged metric is the clean pass's, recorded once;
 * SFT's forward returns per-token log-probabilities of the labels (a fused LM head), not logits: the Fisher penalty
-  takes the logits from the model's ordinary forward;
+  takes the logits from the model's ordinary forward, and Functional-SAM computes ``dL/dF`` and its surrogate in
+  chunks from the backbone's hidden states (`hf_flatbias.sharpness.fused_head`), without the logits;
 * DPO computes the reference model's log-probabilities inside the loss: they are computed once per micro-batch at
   the start of a flatness step and both passes read them, as with ``precompute_ref_log_probs=True``.
 """
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+from transformers.trainer_utils import unwrap_peft_model
 
 try:
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
@@ -27,6 +29,7 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess wit
     raise ImportError(f'hf_flatbias\'s trl integration needs trl: pip install "hf_flatbias[trl]" ({error}).') from error
 
 from ..config import FlatnessArguments
+from ..sharpness.fused_head import FusedHeadOutputs
 from ..trainer import FlatnessTrainerMixin
 
 _REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -54,19 +57,57 @@ class _TrlTrainerMixin:
                 "two-pass step runs outside trl's offloading context. Set activation_offloading=False (or use "
                 "gradient_checkpointing to save activation memory)."
             )
-        if getattr(args, "flatness_method", "none") == "functional_sam":
-            # trl's losses reach the logits through their own log-probability paths (SFT's fused head returns no
-            # logits), so dL/dF is not available as Functional-SAM needs it; no exact test exists inside trl yet
-            raise ValueError(
-                "flatness_method='functional_sam' is not supported in trl's trainers yet (their loss does not expose "
-                "the logits it is computed from); use 'sam' or 'asam' here, or FlatBiasTrainer for Functional-SAM."
-            )
         super().__init__(model=model, args=args, **kwargs)
 
     def flatness_card(self, **card_kwargs: Any):
         given = card_kwargs.get("tags") or self._flatness_card_metadata.get("tags") or []
         card_kwargs["tags"] = [*self._tag_names, *([given] if isinstance(given, str) else given)]
         return super().flatness_card(**card_kwargs)
+
+    def scaled_loss_and_function(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch):
+        """The loss through trl's fused LM head, with what Functional-SAM needs of it: the backbone's hidden states
+        (kept by a forward hook) and the head's labels and label log-probabilities (kept from the policy's first fused
+        forward). trl's own ``return_outputs=True`` would run a further forward for the full logits, which is what the
+        fused head avoids."""
+        core = unwrap_peft_model(self.accelerator.unwrap_model(model))
+        kept: dict[str, Any] = {}
+        fused_forward = core.forward  # trl's fused head, bound to the model; peft calls it directly, not through hooks
+
+        def keep_outputs(*args: Any, **kwargs: Any) -> Any:
+            outputs = fused_forward(*args, **kwargs)
+            if kwargs.get("fused_lm_head") and "outputs" not in kept:
+                kept.update(outputs=outputs, labels=kwargs.get("labels"), shift_labels=kwargs.get("shift_labels"))
+            return outputs
+
+        def keep_hidden(module: nn.Module, args: Any, output: Any) -> None:
+            kept.setdefault("hidden", output.last_hidden_state)
+
+        handle = core.base_model.register_forward_hook(keep_hidden)
+        core.forward = keep_outputs
+        try:
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
+        finally:
+            core.forward = fused_forward
+            handle.remove()
+        outputs = kept.get("outputs")
+        if getattr(outputs, "log_probs", None) is None or "hidden" not in kept:
+            raise ValueError(
+                f"flatness_method='functional_sam' found no fused LM head output in {type(self).__name__}'s loss "
+                "(trl's add_fused_lm_head); use 'sam' with this model or loss."
+            )
+        if kept["shift_labels"] is not None:  # pre-shifted (context parallelism): every position is scored as is
+            hidden, labels = kept["hidden"], kept["shift_labels"]
+        else:
+            hidden, labels = kept["hidden"][:, :-1], kept["labels"][:, 1:]
+        function = FusedHeadOutputs(
+            hidden=hidden,
+            labels=labels.to(hidden.device),
+            mask=outputs.label_mask,
+            log_probs=outputs.log_probs,
+            head=core.get_output_embeddings(),
+        )
+        return self.scale_for_accumulation(loss, num_items_in_batch), function
 
     @contextlib.contextmanager
     def host_metrics_suspended(self) -> Iterator[None]:
@@ -104,6 +145,16 @@ class FlatBiasSFTTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, SFTTrainer):
             documents.append(document)
             start += length
         return documents
+
+    def __init__(self, model=None, args=None, **kwargs: Any):
+        if getattr(args, "flatness_method", "none") == "functional_sam":
+            if kwargs.get("compute_loss_func") is not None or getattr(args, "label_smoothing_factor", 0) > 0:
+                # then trl computes the loss from the full logits of a second forward, not from the fused head
+                raise ValueError(
+                    "flatness_method='functional_sam' in FlatBiasSFTTrainer reads dL/dF through trl's fused LM head, "
+                    "which compute_loss_func and label_smoothing_factor > 0 bypass; drop them or use 'sam'."
+                )
+        super().__init__(model=model, args=args, **kwargs)
 
     def loss_and_outputs(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch):
         loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)

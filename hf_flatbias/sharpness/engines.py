@@ -6,7 +6,8 @@ unwrapped module, and anything the engine would normally do for them (averaging 
 
 FSDP2 (``fully_shard``) is the exception: its forward runs on all-gathered copies that ``torch.autograd.grad``
 cannot reach from the sharded parameters, so there the first gradient comes through FSDP's own backward (see
-`FullyShardedParameters`).
+`FullyShardedParameters`); ``sam_perturbation="per_rank"`` works on FSDP's all-gathered copies instead
+(`hf_flatbias.sharpness.fsdp_per_rank`).
 """
 
 from __future__ import annotations

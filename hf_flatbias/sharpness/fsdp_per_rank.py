@@ -162,7 +162,7 @@ class UnshardedCopiesPerturbation(Perturbation):
     @torch.no_grad()
     def restore(self) -> None:
         for group in self._groups.values():
-            del group.wait_for_unshard  # the class's method again
+            vars(group).pop("wait_for_unshard", None)  # the class's method again (a second restore changes nothing)
             # A copy still gathered (a pass that failed half-way) gets w back, locally: resharding here would make
             # this rank skip an all-gather the others run.
             self._write(group, self.saved_weights)

@@ -9,6 +9,9 @@ scaling of the loss (token weighting, accumulation, loss scaling) carries over t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Protocol
+
 import torch
 
 
@@ -31,3 +34,26 @@ def functional_surrogate(logits: torch.Tensor, cotangent: torch.Tensor) -> torch
             "the two passes must see the same batch."
         )
     return (logits.float() * cotangent.float()).sum()
+
+
+class FunctionOutputs(Protocol):
+    """What a forward gives Functional-SAM: ``dL/dF`` at ``w`` (``cotangent``) and, at ``w + e``, the surrogate whose
+    gradient is ``J_F(w + e)^T`` of that cotangent. `Logits` when the forward returns logits;
+    `hf_flatbias.sharpness.fused_head.FusedHeadOutputs` when a fused LM head returns only label log-probabilities."""
+
+    def cotangent(self, loss: torch.Tensor) -> Any: ...
+
+    def surrogate(self, cotangent: Any) -> torch.Tensor: ...
+
+
+@dataclass
+class Logits:
+    """A forward's logits, as `FunctionOutputs`."""
+
+    logits: torch.Tensor
+
+    def cotangent(self, loss: torch.Tensor) -> torch.Tensor:
+        return logit_cotangent(loss, self.logits)
+
+    def surrogate(self, cotangent: torch.Tensor) -> torch.Tensor:
+        return functional_surrogate(self.logits, cotangent)

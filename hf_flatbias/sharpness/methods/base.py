@@ -18,6 +18,7 @@ from torch import nn
 
 from ...tensors import Perturbation
 from ..engines import PerturbableParameters
+from ..functional_sam import FunctionOutputs
 
 
 class FlatnessHost(Protocol):
@@ -53,10 +54,10 @@ class FlatnessHost(Protocol):
     def scaled_loss(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any) -> torch.Tensor:
         """The loss as `Trainer.training_step` scales it before backward."""
 
-    def scaled_loss_and_logits(
+    def scaled_loss_and_function(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`scaled_loss` and the logits it was computed from."""
+    ) -> tuple[torch.Tensor, FunctionOutputs]:
+        """`scaled_loss` and what it was computed from, as Functional-SAM differentiates it (the logits)."""
 
     def loss_and_outputs(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any

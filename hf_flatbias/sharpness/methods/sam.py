@@ -13,7 +13,6 @@ from torch import nn
 from ...flatness.lm import is_causal_lm
 from ...tensors import Perturbation
 from ..engines import perturbable_parameters
-from ..functional_sam import functional_surrogate, logit_cotangent
 from ..sam_options import adam_preconditioner, ascent_rows, select_sam_parameters
 from .base import FlatnessHost, FlatnessMethod
 
@@ -28,7 +27,7 @@ class BatchScopeState:
     #: The loss at ``w`` of each micro-batch not yet stepped (the first pass computed them all).
     clean_losses: list[torch.Tensor] = dataclasses.field(default_factory=list)
     #: Functional-SAM: each of those micro-batches' ``dL/dF`` at ``w``.
-    cotangents: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    cotangents: list[Any] = dataclasses.field(default_factory=list)
 
 
 class SamFamily(FlatnessMethod):
@@ -88,8 +87,8 @@ class SamFamily(FlatnessMethod):
                     loss = host.scaled_loss(model, inputs, num_items_in_batch)
                 else:
                     # Functional-SAM: the Jacobian at w + e against dL/dF at w; the loss at w + e is only logged
-                    loss, logits = host.scaled_loss_and_logits(model, inputs, num_items_in_batch)
-            host.flatness_backward(loss if cotangent is None else functional_surrogate(logits, cotangent))
+                    loss, function = host.scaled_loss_and_function(model, inputs, num_items_in_batch)
+            host.flatness_backward(loss if cotangent is None else function.surrogate(cotangent))
         except BaseException:
             restore_now = True
             raise
@@ -105,7 +104,7 @@ class SamFamily(FlatnessMethod):
 
     def perturb(
         self, model: nn.Module, micro_batches: list[dict[str, Any]], num_items_in_batch
-    ) -> tuple[Perturbation | None, list[torch.Tensor], list[torch.Tensor]]:
+    ) -> tuple[Perturbation | None, list[torch.Tensor], list[Any]]:
         """Compute the first gradient over ``micro_batches`` and move the weights to ``w + e``.
 
         Returns the perturbation (``None`` when skipped), each micro-batch's loss at ``w``, scaled as
@@ -122,13 +121,13 @@ class SamFamily(FlatnessMethod):
         functional = args.flatness_method == "functional_sam"
         fraction = args.sam_ascent_fraction
         clean_losses: list[torch.Tensor] = []
-        cotangents: list[torch.Tensor] = []
+        cotangents: list[Any] = []
 
         def losses() -> Iterable[torch.Tensor]:
             for batch in micro_batches:
                 if functional:
-                    loss, logits = host.scaled_loss_and_logits(module, batch, num_items_in_batch)
-                    cotangents.append(logit_cotangent(loss, logits))
+                    loss, function = host.scaled_loss_and_function(module, batch, num_items_in_batch)
+                    cotangents.append(function.cotangent(loss))
                 elif fraction < 1:
                     rows = ascent_rows(batch, fraction)
                     loss = host.scaled_loss(module, rows, num_items_in_batch)

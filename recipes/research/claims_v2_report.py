@@ -20,6 +20,7 @@ import numpy as np
 from . import rules_v2 as rules
 from . import verdicts_v2 as v
 from .campaign_v2 import rules_header, start_key
+from .paper_language import TASKS
 from .ruler_reads import FINETUNE, PRIMARY, ReadStore, RulerSizes, compact_read
 
 RULES_FILE = Path(__file__).parent / "results" / "campaign_v2" / "RULES_v2.md"
@@ -223,11 +224,10 @@ def _c4_rows(claims_dir: Path) -> list[str]:
     records = json.loads(path.read_text())["records"]
     rows = [(f"baseline {name}", r) for name, r in records["baselines"].items()]
     rows += [(f"H64 start seed {s}", r) for s, r in records["starts"].items()]
-    lines = ["", "| C4 row | A | B | C | mean |", "|---|---|---|---|---|"]
+    lines = ["", "| C4 row | " + " | ".join(TASKS) + " | mean |", "|---|" + "---|" * (len(TASKS) + 1)]
     for name, record in rows:
         read = record.get("reads", {}).get(PRIMARY)
-        cells = ["–"] * 4 if read is None else [f"{np.mean(read['tasks'][t]):.4f}" for t in ("A", "B", "C")]
-        if read is not None:
-            cells.append(f"{np.mean(read['mean']):.4f}")
+        values = [] if read is None else [*(read["tasks"][t] for t in TASKS), read["mean"]]
+        cells = [f"{np.mean(x):.4f}" for x in values] or ["–"] * (len(TASKS) + 1)
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines

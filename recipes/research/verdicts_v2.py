@@ -47,10 +47,10 @@ def two_way_interval(differences: Sequence[Sequence[float]], confidence: float |
     seed_means, split_means = d.mean(1), d.mean(0)
     variance = seed_means.var(ddof=1) / seeds + (split_means.var(ddof=1) / splits if splits > 1 else 0.0)
     df = (min(seeds, splits) if splits > 1 else seeds) - 1
-    quantile = float(t.ppf(0.5 + confidence / 2, df=df))
+    quantile = float(t.ppf(1 - (1 - confidence) / 2, df=df))
     half, seed_half = (
         quantile * math.sqrt(variance),
-        float(t.ppf(0.5 + confidence / 2, df=seeds - 1) * seed_means.std(ddof=1) / math.sqrt(seeds)),
+        float(t.ppf(1 - (1 - confidence) / 2, df=seeds - 1) * seed_means.std(ddof=1) / math.sqrt(seeds)),
     )
     mean = float(d.mean())
     return {

@@ -1,10 +1,13 @@
-"""Campaign v2's first phases (issue 33): starts distilled to the margin, then KL/trace-only pilots.
+"""Campaign v2 (issue 33): starts distilled to the margin, KL/trace-only pilots, then the claims read by the ruler.
 
 Rules: `research.rules_v2` (prose: recipes/research/results/campaign_v2/RULES_v2.md), committed before any run.
 Phase ``starts``: H64 seeds 0-4, then H128, then H48; v1's committed start reused where it meets the margin (stop-set
 KL <= 0.007, upper <= 0.010), else up to 3 further 4,000-step decays; each start measured on v1's KL set (KL, Fisher
 trace). Phase ``pilots``: C1's dose, C2's rate per width, C3's dropout, C5's adversary weight, from seed 0's starts.
-No probe is read in either phase.
+No probe is read in either phase. Phase ``claims`` (``--claims C1,C4,...``, default all, in the rules' order C1, C4,
+C6, C5, C2, C3): each claim's runs from the starts at the pilots' dose/rates/dropout/weight (refused while a pilot it
+needs is unfinished), then the ruler's read-outs (primary: the last layer's probe on the gate's 5 x 20k splits; then
+every other layer and the fine-tuning), each claim's JSON under ``claims/`` rewritten as work finishes.
 
 Resumable: a unit whose row in the phase's JSON says ``done`` is skipped; a finished decay or branch is read back;
 a stopped decay resumes from its checkpoint. One process, one thread:
@@ -12,6 +15,8 @@ a stopped decay resumes from its checkpoint. One process, one thread:
     mkdir -p outputs/campaign_v2; OMP_NUM_THREADS=1 PYTHONPATH=$PWD:$PWD/recipes nohup nice -n 10 sh -c \\
       'python recipes/pcfg_campaign_v2.py --phase starts && python recipes/pcfg_campaign_v2.py --phase pilots' \\
       >> outputs/campaign_v2/campaign.log 2>&1 &
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD:$PWD/recipes nohup nice -n 10 python recipes/pcfg_campaign_v2.py \\
+      --phase claims >> outputs/campaign_v2/claims.log 2>&1 &
 """
 
 from __future__ import annotations
@@ -32,16 +37,29 @@ from research.campaign_v2 import (
     run_starts,
     starts_markdown,
 )
+from research.claims_v2 import ClaimsRun, parse_claims, pilot_decisions, run_claims
+from research.claims_v2_report import claims_markdown
+from research.ruler_reads import RULER_SMOKE, RulerSizes
+from research.rules_v2 import CLAIMS, SEEDS
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phase", choices=["starts", "pilots"], default=None, help="the phase to run")
+    parser.add_argument("--phase", choices=["starts", "pilots", "claims"], default=None, help="the phase to run")
+    parser.add_argument(
+        "--claims", type=parse_claims, default=list(CLAIMS), help="claims of --phase claims, e.g. C1,C4 (default all)"
+    )
+    parser.add_argument(
+        "--only-seeds", type=int, nargs="+", default=list(SEEDS), help="run only these model seeds' claim units"
+    )
     parser.add_argument("--markdown", action="store_true", help="only print the docs' tables from the JSON")
     parser.add_argument("--work-dir", type=Path, default=Path("outputs") / "campaign_v2", help="checkpoints, caches")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS, help="starts.json and pilots.json")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS, help="starts.json, pilots.json, claims/")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (tests)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not set(args.only_seeds) <= set(SEEDS):
+        parser.error(f"--only-seeds {args.only_seeds} must be among the rules' seeds {list(SEEDS)}.")
+    return args
 
 
 def main(argv=None) -> dict:
@@ -49,12 +67,26 @@ def main(argv=None) -> dict:
         torch.set_num_threads(1)
     args = parse_arguments(argv)
     starts, pilots = args.results_dir / "starts.json", args.results_dir / "pilots.json"
+    claims_dir = args.results_dir / "claims"
     if args.markdown:
-        print(starts_markdown(read_units(starts)), pilots_markdown(read_units(pilots)), sep="\n\n")
+        tables = [starts_markdown(read_units(starts)), pilots_markdown(read_units(pilots)), claims_markdown(claims_dir)]
+        print(*filter(None, tables), sep="\n\n")
         return {}
     if args.phase is None:
-        raise SystemExit("--phase starts|pilots (or --markdown) is required.")
+        raise SystemExit("--phase starts|pilots|claims (or --markdown) is required.")
     sizes = SMOKE if args.smoke else Sizes()
+    if args.phase == "claims":
+        decisions = pilot_decisions(pilots, args.claims)  # a missing pilot stops here, before any compute
+        run = ClaimsRun(
+            material=load_material(args.work_dir, sizes),
+            sizes=sizes,
+            ruler=RULER_SMOKE if args.smoke else RulerSizes(),
+            starts=starts,
+            pilots=decisions,
+            work_dir=args.work_dir,
+            claims_dir=claims_dir,
+        )
+        return run_claims(run, args.claims, args.only_seeds)
     material = load_material(args.work_dir, sizes)
     if args.phase == "starts":
         return run_starts(material, args.work_dir, starts, sizes)

@@ -11,6 +11,16 @@ Shape: the released grammar's (`PCFG.paper_shaped` defaults: 4 levels of 10 symb
 (3.3M parameters), batch 1024, AdamW beta2 0.98, weight decay 0.01, fp32 (the annealed branches train without
 autocast, so bf16 would treat trunk and branches differently). The route is ours, not the paper's training.
 
+CAMPAIGN V2 (issue 33, ``docs/reproduction/campaign_v2.md``): after the merge, C1 is also read with v2's ruler
+(`research.ruler_reads`, C fixed at the gate's 0.3, ``--ruler-splits`` disjoint fit splits of ``--ruler-fit`` fresh
+sentences and one common test set, the same splits for every model): each finished seed's start and its first and
+last compared C1 branches (v2's saturated tier; v1's matched tier as the sensitivity row), C1's v2 verdict with the
+two-way seed x split interval (`research.verdicts_v2.c1_verdict`) into ``ruler_c1.json``. The ruler's default size
+here is cut to the GPU budget (3 x 5,000 rows: the probes run on the CPU, at the released grammar's 18 x 256 = 4,608
+feature columns): it is not the gated 5 x 20,000 ruler, and C = 0.3 was cross-validated on the 3-level grammar. Not
+yet carried over to the GPU shape: v2's margins (starts to stop-set KL <= 0.007), its dose/rate/dropout/weight
+pilots and claims C2-C6 under v2's rules; those run on the CPU (``recipes/pcfg_campaign_v2.py``).
+
 BUDGET (assumed, not measured on a GPU): ~15 ms per step of H256-L4 at batch 1024 including the batch's assembly,
 ~30 s per branch measurement, ~25 s of language setup per process. Distillation: 8,000 steps (~2 minutes);
 continued training: 4,000 trunk steps, a branch every 1,000 annealed over 500 (4 branches, ~3 minutes per seed,
@@ -34,9 +44,15 @@ import time
 from pathlib import Path
 
 import torch
+from research import verdicts_v2
+from research.campaign import SHAPES
+from research.ruler_reads import PRIMARY, RULER_SMOKE, ReadStore, RulerSizes, compact_read, read_record, ruler_rows
 from research.verdicts import CLAIM_FILES
+from transformers import BertForMaskedLM
 
 from hf_flatbias.cli import run_recipe
+from hf_flatbias.results import write_json
+from hf_flatbias.synthetic import PCFG
 
 RECIPES = Path(__file__).resolve().parent
 #: most CPU threads one process gets: the models' tiny CPU ops (features, probes) slow down with more, badly so on a
@@ -70,6 +86,10 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         default=[],
         help="claims run after C1 while the budget lasts, each a phase of concurrent seeds (C4 and C6 need no run)",
     )
+    parser.add_argument("--ruler-fit", type=int, default=5000, help="v2 ruler: sentences per fit split")
+    parser.add_argument("--ruler-splits", type=int, default=3, help="v2 ruler: disjoint fit splits (the gate's: 5)")
+    parser.add_argument("--ruler-test", type=int, default=5000, help="v2 ruler: common test sentences")
+    parser.add_argument("--no-ruler", action="store_true", help="skip the v2 ruler read-out of C1")
     parser.add_argument("--dry-run", action="store_true", help="the recipe's --smoke sizes, 2 seeds, seconds")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -148,6 +168,54 @@ def threads_each(processes: int) -> int:
     return max(1, min(MAX_THREADS, (os.cpu_count() or 1) // (2 * max(1, processes))))
 
 
+def c1_records(work: Path, seed: int) -> dict | None:
+    """A finished v1 C1 seed of the work folder as v2's records (`verdicts_v2.c1_verdict`), weights' folders beside."""
+    result, start = work / f"seed{seed}" / "c1" / "result.json", work / f"seed{seed}" / "start"
+    if not result.exists():
+        return None
+    measured = json.loads((start / "start.json").read_text())["measured"]
+
+    def record(key, row, checkpoint):
+        kl = {"kl": row["kl"], "ci_high": row["saturation"]["ci_high"], "fisher_trace": row["fisher_trace"]}
+        return {"key": key, **kl, "checkpoint": str(checkpoint)}
+
+    branches = [
+        {
+            **record(f"c1/seed{seed}/step-{r['step']}", r, result.parent / "branches" / f"step-{r['step']}"),
+            "step": r["step"],
+        }
+        for r in json.loads(result.read_text())["records"]
+    ]
+    return {"start": record(f"start/seed{seed}", measured, start), "branches": branches}
+
+
+def ruler_c1(args: argparse.Namespace, out: Path) -> dict:
+    """C1 read by v2's ruler: every record its v2 rule compares (saturated tier, then the matched sensitivity row)
+    read on the same splits, then `verdicts_v2.c1_verdict` of each tier; ``ruler_c1.json`` holds both."""
+    sizes = RULER_SMOKE if args.dry_run else RulerSizes(n_test=args.ruler_test, n_fit=args.ruler_fit,
+                                                         n_splits=args.ruler_splits, n_cv=0)  # fmt: skip
+    grammar = PCFG.paper_shaped(args.grammar_seed, **SHAPES[args.shape])
+    rows = ruler_rows(grammar, args.grammar_seed, sizes, out / "cache")
+    store = ReadStore(out / "ruler_reads.json", sizes)
+    seeds = {str(s): r for s in args.seeds if (r := c1_records(out / "work", s)) is not None}
+
+    def verdicts():
+        for record in seeds.values():
+            for row in [record["start"], *record["branches"]]:
+                read = compact_read(store.reads.get(row["key"]), PRIMARY, sizes)
+                row["reads"] = {PRIMARY: read} if read else {}
+        return {tier: verdicts_v2.c1_verdict(seeds, len(args.seeds), tier) for tier in verdicts_v2.TIERS}
+
+    paths = {row["key"]: row["checkpoint"] for r in seeds.values() for row in [r["start"], *r["branches"]]}
+    for key in sorted({k for row in verdicts().values() for k in row["reads_pending"]}):
+        model = BertForMaskedLM.from_pretrained(paths[key]).eval()  # features on the GPU when there is one
+        model.to("cuda" if torch.cuda.is_available() else "cpu")
+        read_record(store, key, rows, sizes, [PRIMARY], model=model, source=paths[key])
+    payload = {"ruler": store.settings, "seeds": seeds, "verdicts": verdicts()}
+    write_json(out / "ruler_c1.json", payload)
+    return payload["verdicts"]
+
+
 def main(argv=None) -> dict:
     args = parse_arguments(argv)
     start = time.monotonic()
@@ -200,6 +268,11 @@ def main(argv=None) -> dict:
         if (out / "results" / name).exists():
             summary[f"{claim.lower()}_verdict"] = json.loads((out / "results" / name).read_text())["verdict"]
     summary["continued_training_rate"] = results["continued_training_rate"]
+    if not args.no_ruler and summary["c1_finished_seeds"]:
+        began = time.monotonic()
+        summary["ruler_c1"] = {tier: row["verdict"] for tier, row in ruler_c1(args, out).items()}
+        summary["ruler_seconds"] = time.monotonic() - began
+        print(f"C1 read by v2's ruler: {summary['ruler_c1']}", flush=True)
     summary["seconds"] = time.monotonic() - start
     save()
     verdict = results["verdict"]

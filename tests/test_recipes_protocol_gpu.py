@@ -25,6 +25,12 @@ def test_protocol_gpu_dry_run_writes_starts_rate_and_c1(recipes, tmp_path):
     adversarial = json.loads((tmp_path / "out" / "results" / "adversarial.json").read_text())
     assert list(adversarial["seeds"]) == ["0"] and summary["c5_verdict"] == adversarial["verdict"]
     assert "C1 (1 seeds finished)" in completed.stdout and "seed 0: start KL" in completed.stdout
+    # campaign v2's ruler read-out of C1: both tiers' verdicts, from the records in ruler_c1.json
+    ruler = json.loads((tmp_path / "out" / "ruler_c1.json").read_text())
+    assert list(ruler["seeds"]) == ["0"] and len(ruler["seeds"]["0"]["branches"]) == len(
+        results["seeds"]["0"]["branches"]
+    )
+    assert summary["ruler_c1"] == {tier: row["verdict"] for tier, row in ruler["verdicts"].items()}
 
 
 def test_run_concurrently_kills_at_the_deadline_and_keeps_finished_runs(recipes, tmp_path):

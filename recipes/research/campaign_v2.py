@@ -393,6 +393,23 @@ def continued_spec(
     )
 
 
+def adversarial(spec: RunSpec, language: PaperLanguage, weight: float) -> RunSpec:
+    """``spec`` with v1's adversary on the evaluated read-out (`campaign.adversarial_spec`'s) at ``weight``: one head
+    per task on the last layer's positions concatenated, the sentence unmasked, fed the rows' ``task_labels``."""
+
+    def wrap(model):
+        return AdversarialPretrainingModel(
+            model,
+            task_classes(language),
+            adversary_weight=weight,
+            pooling="concat",
+            width=language.width + 2,  # [CLS] words [SEP]: the width encoder_features reads
+            read_unmasked=True,
+        )
+
+    return dataclasses.replace(spec, wrap_model=wrap, task_column="task_labels")
+
+
 def _flat(record: dict[str, Any], **extra: Any) -> dict[str, Any]:
     """A pilot branch's row: what the rules read, and the record's KL/trace fields."""
     row = {"steps": record["step"], "kl": record["kl"], "ci_high": record["saturation"]["ci_high"], **extra}
@@ -517,19 +534,7 @@ def pilot_units(material: Material, starts: Path, pilots: Path, work_dir: Path, 
 
     def adversary_pilot(weight: float) -> dict[str, Any]:
         start, _ = load_start(starts, rules.V1_WIDTH, rules.PILOT_SEED)
-
-        def wrap(model):
-            return AdversarialPretrainingModel(
-                model,
-                task_classes(language),
-                adversary_weight=weight,
-                pooling="concat",
-                width=language.width + 2,  # [CLS] words [SEP]: the width encoder_features reads
-                read_unmasked=True,
-            )
-
-        spec = continued_spec(rules.PILOT_SEED, start, rules.C1_RATE, dose(), sizes)
-        spec = dataclasses.replace(spec, wrap_model=wrap, task_column="task_labels")
+        spec = adversarial(continued_spec(rules.PILOT_SEED, start, rules.C1_RATE, dose(), sizes), language, weight)
         if "rows" not in labelled:  # the task labels of 200k sentences: computed once for every weight
             labelled["rows"] = task_labelled_train(language, sizes.n_train)
         return branch(pilot_dir / "c5_weight" / f"w{weight:g}", spec, start, train_dataset=labelled["rows"])

@@ -186,19 +186,23 @@ def _per_sample_batch(
             else []
         )
         recorder.set_grad_outputs(grads)
+        terms = None
         if diagonal is not None:
-            add_squared_gradients(
-                recorder,
-                diagonal,
-                weight=1.0 / n_draws,
-                exclude_self_terms_of=decoder_call if use_expectation else None,
-            )
+            # the per-sample norms come from the same squares as the diagonal: no Gram matrices
+            terms = add_squared_gradients(
+                recorder, diagonal, weight=1.0 / n_draws, split_self_terms_of=decoder_call,
+                own_in_diagonal=not use_expectation,
+            )  # fmt: skip
         if groups is not None:
-            by_parameter, own = recorder.squared_norm_terms(decoder_call, own_terms=not use_expectation)
+            by_parameter, own = terms or recorder.squared_norm_terms(decoder_call, own_terms=not use_expectation)
             split = _sum_by_group(by_parameter, groups, len(indices), own.device)
             split[:, groups.output_layer] += expected_output_term if use_expectation else own
             group_values[:, k] = split.cpu()
             values[:, k] = group_values[:, k].sum(dim=1)
+        elif terms is not None:
+            by_parameter, own = terms
+            total = sum(by_parameter.values(), torch.zeros_like(own))
+            values[:, k] = (total + (expected_output_term if use_expectation else own)).cpu()
         elif use_expectation:
             values[:, k] = (recorder.squared_norms(exclude_self_terms_of=decoder_call) + expected_output_term).cpu()
         else:

@@ -94,19 +94,41 @@ def masked_lm_rows(n: int, seq_len: int, vocab: int) -> list[dict[str, torch.Ten
     return [{"input_ids": ids[i].masked_fill(masked[i], 4), "labels": labels[i]} for i in range(n)]
 
 
+# Llama shapes from 15M to 1.1B, random init: (hidden, layers, heads, key-value heads, MLP width, tied head). The 1.1B
+# one is TinyLlama-1.1B's shape (untied head); the 341M one that of benchmarks/lanczos_memory.py.
+LLAMA_SHAPES = {
+    "llama15m": (256, 8, 4, 4, 688, True),
+    "llama100m": (768, 12, 12, 4, 2048, True),
+    "llama341m": (1024, 24, 16, 16, 2816, True),
+    "llama1.1b": (2048, 22, 32, 4, 5632, False),
+}
+
+
+def llama_shape(name: str, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """A Llama-family decoder of one of `LLAMA_SHAPES` (vocabulary 32,000), built from a config with random weights
+    created directly in ``dtype`` (a 1.1B model never exists in float32 when bfloat16 is asked for)."""
+    hidden, layers, heads, kv_heads, mlp, tied = LLAMA_SHAPES[name]
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32_000,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=tied,
+        pad_token_id=0,
+    )
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
 def llama_100m() -> LlamaForCausalLM:
     """A ~100M-parameter Llama-family decoder built from a config (grouped-query attention, tied embeddings): the
     decoder shape the trace benchmarks measure beside BERT-base."""
-    return LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=32_000,
-            hidden_size=768,
-            intermediate_size=2048,
-            num_hidden_layers=12,
-            num_attention_heads=12,
-            num_key_value_heads=4,
-            max_position_embeddings=2048,
-            tie_word_embeddings=True,
-            pad_token_id=0,
-        )
-    )
+    return llama_shape("llama100m")

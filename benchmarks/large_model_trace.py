@@ -28,7 +28,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from _common import llama_100m  # noqa: E402
+from _common import LLAMA_SHAPES, llama_shape  # noqa: E402
 from transformers import BertConfig, BertForMaskedLM  # noqa: E402
 
 from hf_flatbias.flatness import TraceContexts, compute_trace_samples  # noqa: E402
@@ -43,11 +43,11 @@ from hf_flatbias.flatness.memory import (  # noqa: E402
 MASK_ID, FIRST_WORD = 4, 5
 
 
-def build(name: str) -> torch.nn.Module:
-    torch.manual_seed(0)
+def build(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     if name == "bert":
-        return BertForMaskedLM(BertConfig(attn_implementation="sdpa"))
-    return llama_100m()
+        torch.manual_seed(0)
+        return BertForMaskedLM(BertConfig(attn_implementation="sdpa")).to(dtype)
+    return llama_shape("llama100m" if name == "llama" else name, dtype)
 
 
 def contexts_for(model: torch.nn.Module, name: str, n: int, seq_len: int) -> TraceContexts:
@@ -132,10 +132,18 @@ def timed(fn) -> tuple[float, float]:
 
 
 def measure(
-    name: str, model: torch.nn.Module, *, n_contexts: int, seq_len: int, memory_budget_gib: float, device: torch.device
+    name: str,
+    model: torch.nn.Module,
+    *,
+    n_contexts: int,
+    seq_len: int,
+    memory_budget_gib: float,
+    device: torch.device,
+    n_draws: int = 1,
+    reference: bool = True,
 ) -> dict:
-    """per_sample at one draw and the reference pass on the same contexts and batches; ``name`` "bert" means a
-    masked LM, anything else a causal LM."""
+    """per_sample at ``n_draws`` draws and (with ``reference``) the reference pass on the same contexts and batches;
+    ``name`` "bert" means a masked LM, anything else a causal LM."""
     model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     contexts = contexts_for(model, name, n_contexts, seq_len)
@@ -149,20 +157,30 @@ def measure(
         # warm-up on one small batch of each, so neither pays for lazy initialisation
         warm = TraceContexts(**{**contexts.__dict__, "input_ids": contexts.input_ids[:2]})
         warm.positions, warm.targets = contexts.positions[:2], contexts.targets[:2]
-        compute_trace_samples(model, warm, n_draws=1, batch_size=2)
-        reference_pass(model, warm, 2)
+        compute_trace_samples(model, warm, n_draws=n_draws, batch_size=2)
+        if reference:
+            reference_pass(model, warm, 2)
         samples = []
         with PeakMemory(device) as trace_memory:
             trace_wall, trace_cpu = timed(
-                lambda: samples.append(compute_trace_samples(model, contexts, n_draws=1, batch_size=batch_size, seed=0))
+                lambda: samples.append(
+                    compute_trace_samples(model, contexts, n_draws=n_draws, batch_size=batch_size, seed=0)
+                )
             )
-        with PeakMemory(device) as reference_memory:
-            reference_wall, reference_cpu = timed(lambda: reference_pass(model, contexts, batch_size))
+        reference_wall = reference_cpu = float("nan")
+        reference_memory = PeakMemory(device)
+        reference_memory.peak = -1
+        if reference:
+            with reference_memory:
+                reference_wall, reference_cpu = timed(lambda: reference_pass(model, contexts, batch_size))
     # one thread on CPU: CPU seconds are the compute; wall seconds also count waiting for a shared core
     trace_s, reference_s = (trace_wall, reference_wall) if device.type == "cuda" else (trace_cpu, reference_cpu)
     return {
         "model": name,
         "parameters": n_params,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "n_draws": n_draws,
+        "trace_mean": float(samples[0].values.mean()),
         "contexts": len(contexts),
         "sequence_length": seq_len,
         "memory_budget_bytes": budget,
@@ -175,6 +193,7 @@ def measure(
         "reference_seconds": reference_s,
         "trace_wall_seconds": trace_wall,
         "reference_wall_seconds": reference_wall,
+        "trace_seconds_per_context": trace_s / len(contexts),
         "trace_contexts_per_second": len(contexts) / trace_s,
         "reference_contexts_per_second": len(contexts) / reference_s,
         "ratio": reference_s / trace_s,
@@ -186,9 +205,14 @@ def measure(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="bert,llama", help="comma-separated: bert, llama")
-    parser.add_argument("--n-contexts", type=int, default=64)
+    parser.add_argument(
+        "--models", default="bert,llama", help=f"comma-separated: bert, llama (= llama100m), {', '.join(LLAMA_SHAPES)}"
+    )
+    parser.add_argument("--n-contexts", default="64", help="comma-separated: each model is measured at each count")
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--n-draws", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--no-reference", action="store_true", help="time the trace only (no training pass)")
     parser.add_argument("--memory-budget-gib", type=float, default=4.0, help="working memory on top of the weights")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -196,29 +220,38 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    results = [
-        measure(
-            name,
-            build(name),
-            n_contexts=args.n_contexts,
-            seq_len=args.seq_len,
-            memory_budget_gib=args.memory_budget_gib,
-            device=device,
-        )
-        for name in args.models.split(",")
-    ]
-    print(f"device {device}, {torch.get_num_threads()} thread(s), {args.n_contexts} contexts of {args.seq_len} tokens")
+    results = []
+    for name in args.models.split(","):
+        model = build(name, getattr(torch, args.dtype))
+        for n_contexts in (int(n) for n in args.n_contexts.split(",")):
+            results.append(
+                measure(
+                    name,
+                    model,
+                    n_contexts=n_contexts,
+                    seq_len=args.seq_len,
+                    memory_budget_gib=args.memory_budget_gib,
+                    device=device,
+                    n_draws=args.n_draws,
+                    reference=not args.no_reference,
+                )
+            )
+            print(json.dumps(results[-1]), flush=True)
+        del model
     print(
-        "| model | parameters | auto batch | predicted MiB | trace peak MiB | reference peak MiB | trace ctx/s "
-        "| ref ctx/s |"
+        f"device {device}, {torch.get_num_threads()} thread(s), {args.seq_len} tokens per context, {args.n_draws} "
+        f"draw(s), {args.dtype}"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| model | parameters | contexts | auto batch | predicted MiB | trace peak MiB | reference peak MiB "
+        "| trace s/context | trace / training fwd+bwd |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(
-            f"| {r['model']} | {r['parameters'] / 1e6:.1f}M | {r['auto_batch_size']} | "
+            f"| {r['model']} | {r['parameters'] / 1e6:.1f}M | {r['contexts']} | {r['auto_batch_size']} | "
             f"{r['predicted_working_bytes'] / 2**20:.0f} | {r['trace_peak_bytes'] / 2**20:.0f} | "
-            f"{r['reference_peak_bytes'] / 2**20:.0f} | {r['trace_contexts_per_second']:.2f} | "
-            f"{r['reference_contexts_per_second']:.2f} |"
+            f"{r['reference_peak_bytes'] / 2**20:.0f} | {r['trace_seconds_per_context']:.3f} | {1 / r['ratio']:.3f} |"
         )
     if args.json:
         with open(args.json, "w") as handle:
@@ -226,12 +259,12 @@ def main() -> None:
     for r in results:
         split = r["trace_forward_wall_seconds"] + r["trace_draw_wall_seconds"]
         print(
-            f"{r['model']}: trace wall time in the recorded forward {r['trace_forward_wall_seconds'] / split:.0%}, "
-            f"in the backward to the layer outputs and the norms {r['trace_draw_wall_seconds'] / split:.0%}; "
-            f"trace time / training forward+backward time {1 / r['ratio']:.3f}"
+            f"{r['model']} x {r['contexts']}: trace wall time in the recorded forward "
+            f"{r['trace_forward_wall_seconds'] / split:.0%}, in the backward to the layer outputs and the norms "
+            f"{r['trace_draw_wall_seconds'] / split:.0%}"
         )
     for r in results:
-        print(f"ratio[{r['model']}]={r['ratio']:.3f}")
+        print(f"ratio[{r['model']}:{r['contexts']}]={r['ratio']:.3f}")
 
 
 if __name__ == "__main__":

@@ -60,9 +60,14 @@ def test_per_sample_diagonal_equals_a_plain_backward_per_draw(name):
     scale = max(float(value.abs().max()) for value in reference.diagonal.values())
     for key, value in reference.diagonal.items():
         torch.testing.assert_close(fast.diagonal[key], value, rtol=1e-4, atol=1e-7 * scale, msg=key)
-    # the same draws as the trace: the diagonal sums to it
+    # the same draws as the trace: the diagonal sums to it. With the diagonal, the trace's per-sample norms come from
+    # the squared per-sample gradients, without it from Gram matrices: two float32 routes to the same numbers
     trace = estimate_hessian_trace(model, contexts, **options)
-    assert fast.trace.mean == pytest.approx(trace.mean, rel=1e-12)
+    assert fast.trace.mean == pytest.approx(trace.mean, rel=1e-6)
+    assert fast.trace.stderr == pytest.approx(trace.stderr, rel=1e-5)
+    grouped = estimate_hessian_trace(model, contexts, by_group=True, **options).by_group
+    for group, part in fast.trace.by_group.items():
+        assert part.mean == pytest.approx(grouped[group].mean, rel=1e-5, abs=1e-6 * trace.mean), group
     assert fast.total == pytest.approx(trace.mean, rel=1e-6)
 
 

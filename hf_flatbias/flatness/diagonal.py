@@ -100,7 +100,7 @@ def estimate_fisher_diagonal(
         )
     names = {id(p): name for name, p in model.named_parameters()}
     diagonal = {
-        names[id(p)]: (sums[id(p)] / len(indices)) if id(p) in sums else torch.zeros(p.shape, dtype=torch.float64)
+        names[id(p)]: sums[id(p)].div_(len(indices)) if id(p) in sums else torch.zeros(p.shape, dtype=torch.float64)
         for p in params
     }
     return FisherDiagonal(

@@ -237,6 +237,7 @@ class GhostNormRecorder:
             else:
                 self._kinds[module] = kind
         self.calls: list[LayerCall] = []
+        self._wanted_ids = wanted
         self.batch_size: int | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._checked: set[nn.Module] = set()
@@ -288,6 +289,7 @@ class GhostNormRecorder:
 
     def __enter__(self) -> GhostNormRecorder:
         self.calls = []
+        self._anchors: dict[torch.device, torch.Tensor] = {}
         self._cache = _GramCache()
         self._static_views: dict[int, dict] = {}
         for module in self._kinds:
@@ -349,8 +351,17 @@ class GhostNormRecorder:
             call.output = output
             call.inputs = call.inputs.expand(self.batch_size, *call.inputs.shape[1:])
             call.coefficients = {name: c.expand(self.batch_size, *c.shape[1:]) for name, c in call.coefficients.items()}
+        # a zero leaf added to every recorded output puts each on a path to one tensor, so that one backward to that
+        # leaf reaches them all and their gradients can be consumed as they arrive (`streamed_squared_norm_terms`)
+        output = output + self._anchor(output)
+        call.output = output
         self.calls.append(call)
         return output
+
+    def _anchor(self, output: torch.Tensor) -> torch.Tensor:
+        if output.device not in self._anchors:
+            self._anchors[output.device] = torch.zeros((), device=output.device, requires_grad=True)
+        return self._anchors[output.device]
 
     def outputs(self) -> list[torch.Tensor]:
         return [call.output for call in self.calls]
@@ -368,15 +379,17 @@ class GhostNormRecorder:
             self._cache.static_ids.add(id(tensor))
         return views[key]
 
-    def parameter_uses(self) -> dict[int, ParamUses]:
-        wanted = {id(p) for p in self.params}
+    def parameter_uses(self, calls: Sequence[LayerCall] | None = None) -> dict[int, ParamUses]:
+        """The uses of each measured parameter by the recorded calls (or by ``calls``) that have an output
+        gradient."""
+        wanted = self._wanted_ids
         uses: dict[int, ParamUses] = {}
         batch = self.batch_size
 
         def entry(param: nn.Parameter) -> ParamUses:
             return uses.setdefault(id(param), ParamUses(param))
 
-        for call in self.calls:
+        for call in self.calls if calls is None else calls:
             module, grad = call.module, call.grad_output
             if grad is None:
                 continue
@@ -430,18 +443,73 @@ class GhostNormRecorder:
     def _device(self) -> torch.device:
         return self.calls[0].output.device if self.calls else self.params[0].device
 
+    def streamed_squared_norm_terms(
+        self,
+        root: torch.Tensor,
+        grad_root: torch.Tensor,
+        split_self_terms_of: LayerCall | None = None,
+        *,
+        own_terms: bool = True,
+        retain_graph: bool = False,
+    ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """`squared_norm_terms` of the gradients one backward of ``grad_root`` from ``root`` gives at the recorded
+        outputs, formed as each arrives: the gradient at a call whose parameters no other call uses is turned into
+        its terms and dropped at once, so the backward never holds the gradients at every layer output together
+        (about one activation's worth); those of parameters with several uses (tied weights, for their cross terms)
+        are kept to the end."""
+        users: dict[int, int] = {}
+        for call in self.calls:
+            for key in self._measured_ids(call):
+                users[key] = users.get(key, 0) + 1
+        by_parameter: dict[int, torch.Tensor] = {}
+        own = torch.zeros(self.batch_size, dtype=torch.float64, device=self._device())
+        held: list[LayerCall] = []
+
+        def receive(call: LayerCall, grad: torch.Tensor) -> None:
+            call.grad_output = grad
+            if any(users[key] > 1 for key in self._measured_ids(call)):
+                held.append(call)
+                return
+            nonlocal own
+            parts, own_part = self.squared_norm_terms(split_self_terms_of, own_terms=own_terms, calls=[call])
+            by_parameter.update(parts)
+            own = own + own_part
+            call.grad_output = None
+
+        handles = [call.output.register_hook(partial(receive, call)) for call in self.calls]
+        try:
+            if self.calls:
+                anchors = list(self._anchors.values())
+                torch.autograd.grad(root, anchors, grad_root, retain_graph=retain_graph, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        parts, own_part = self.squared_norm_terms(split_self_terms_of, own_terms=own_terms, calls=held)
+        by_parameter.update(parts)
+        for call in held:
+            call.grad_output = None
+        return by_parameter, own + own_part
+
+    def _measured_ids(self, call: LayerCall) -> list[int]:
+        return [id(p) for p in call.module.parameters(recurse=False) if id(p) in self._wanted_ids]
+
     def squared_norm_terms(
-        self, split_self_terms_of: LayerCall | None = None, *, own_terms: bool = True
+        self,
+        split_self_terms_of: LayerCall | None = None,
+        *,
+        own_terms: bool = True,
+        calls: Sequence[LayerCall] | None = None,
     ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         """The per-sample squared norm split into parts that add up to it: ``(by_parameter, own)``.
 
         ``by_parameter[id(p)]`` (B,) is parameter ``p``'s squared gradient norm (tied uses and their cross terms
         included), less the own terms of the call `split_self_terms_of`, summed apart in ``own`` (left at zero,
-        and not computed, with ``own_terms=False``).
+        and not computed, with ``own_terms=False``). With ``calls``, over the parameters of those calls only (every
+        use of them must be among ``calls``).
         """
         by_parameter: dict[int, torch.Tensor] = {}
         own = torch.zeros(self.batch_size, dtype=torch.float64, device=self._device())
-        for key, use in self.parameter_uses().items():
+        for key, use in self.parameter_uses(calls).items():
             if use.outer and use.vectors:
                 raise ValueError("a parameter used both as a matrix and as a vector is not supported")
             total = torch.zeros_like(own)

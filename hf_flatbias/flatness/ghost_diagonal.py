@@ -1,5 +1,9 @@
 """The Fisher diagonal from the factors a `GhostNormRecorder` recorded: per-parameter sums of the squared per-sample
-gradients, formed from the same layer inputs and output gradients as the ghost norms, with no further backward."""
+gradients, formed from the same layer inputs and output gradients as the ghost norms, with no further backward.
+
+The squares are summed both ways at once: over the batch (the diagonal) and over each sample's entries (the
+per-sample squared norms of the trace), so that a caller forming the diagonal needs no Gram matrices for the trace.
+"""
 
 from __future__ import annotations
 
@@ -20,27 +24,29 @@ def _dense_per_sample(factors: OuterFactors, rows: slice) -> torch.Tensor:
     return torch.bmm(factors.left[rows].transpose(1, 2), factors.right[rows])
 
 
-def _dense_squared_sum(
+def _dense_squares(
     uses: Sequence[OuterFactors], shape: tuple[int, int], excluded: Sequence[OuterFactors] = ()
-) -> torch.Tensor:
-    """``sum_b (sum_u G_{u,b})^2 - (sum_x X_{x,b})^2`` elementwise over the dense uses ``uses`` and
-    ``excluded``: the squares of the per-sample gradients of every use, less the excluded uses' own terms (their
-    cross terms with the others stay).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Q_b = (sum_u G_{u,b})^2 - (sum_x X_{x,b})^2`` elementwise over the dense uses ``uses`` and ``excluded``
+    (the squares of the per-sample gradients of every use, less the excluded uses' own terms; their cross terms with
+    the others stay), returned summed over the batch (``shape``) and over each sample's entries ((B,)), in the
+    factors' dtype (float32 at least): the caller adds them into float64 totals.
 
     A single use at one position per sample (the decoder at the predicted position) is rank one per sample:
     ``sum_b l_b^2 (r_b^2)^T``, one matrix product of the squared factors. Otherwise the per-sample gradients are
-    materialised a few samples at a time by batched matrix products in the factors' dtype, squared and summed in
-    place, and summed over the batch in that dtype (float32 at least): the caller adds the batch's sum into its
-    float64 total.
+    materialised a few samples at a time by batched matrix products (as costly as a weight gradient) and squared in
+    place.
     """
+    batch = (uses or excluded)[0].right.shape[0]
+    if not uses:
+        device = excluded[0].right.device
+        return torch.zeros(shape, device=device), torch.zeros(batch, device=device)
     if not excluded and len(uses) == 1 and uses[0].right.shape[1] == 1:
         left, right = uses[0].left[:, 0], uses[0].right[:, 0]  # (B, rows), (B, cols)
         dtype = torch.promote_types(left.dtype, torch.float32)
-        return (left.to(dtype).square().T @ right.to(dtype).square()).reshape(shape)
-    batch = (uses or excluded)[0].right.shape[0]
-    if not uses:
-        return torch.zeros(shape, dtype=torch.float64, device=excluded[0].right.device)
-    total = None
+        left, right = left.to(dtype).square(), right.to(dtype).square()
+        return (left.T @ right).reshape(shape), left.sum(dim=1) * right.sum(dim=1)
+    total, per_sample_sums = None, []
     step = max(1, _DENSE_CHUNK_ELEMENTS // (shape[0] * shape[1]))
     for start in range(0, batch, step):
         rows = slice(start, start + step)
@@ -58,9 +64,10 @@ def _dense_squared_sum(
             per_sample *= doubled
         else:
             per_sample.square_()
+        per_sample_sums.append(per_sample.sum(dim=(1, 2)))
         chunk = per_sample.sum(dim=0)
         total = chunk if total is None else total.add_(chunk)
-    return total
+    return total, torch.cat(per_sample_sums)
 
 
 def _sparse_rows(uses: Sequence[OuterFactors], n_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,33 +97,52 @@ def _dense_rows(factors: OuterFactors, samples: torch.Tensor, ids: torch.Tensor)
     return torch.cat(out) if out else torch.zeros(0, factors.right.shape[2], dtype=torch.float64)
 
 
-def _squared_gradient_sum(param: nn.Parameter, use: ParamUses, excluded: LayerCall | None) -> torch.Tensor:
-    """``sum_b g_b^2`` elementwise (shaped like ``param``; float32 at least) for the per-sample gradients ``g_b`` of one
-    parameter over all its uses, less ``sum_b o_b^2`` of the use by call ``excluded`` (its cross terms stay)."""
+def _squared_gradient_sums(
+    param: nn.Parameter, use: ParamUses, split: LayerCall | None, own_in_diagonal: bool, batch: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the per-sample gradients ``g_b`` of one parameter over all its uses, with ``o_b`` the part from call
+    ``split``'s own use: ``(sum_b q_b, ||q_b||^2 summed per sample, ||o_b||^2 per sample)`` where ``q_b = g_b^2 -
+    o_b^2`` elementwise (its cross terms stay), or ``q_b = g_b^2`` in the first with ``own_in_diagonal``.
+
+    The first is shaped like ``param`` (float32 at least); the others are (B,) float64."""
+    device = param.device
+    own = torch.zeros(batch, dtype=torch.float64, device=device)
     if use.vectors:
         total = sum(vector for _, vector in use.vectors).double()
-        squared = total.square().sum(dim=0)
+        squared = total.square()
+        own_squares = torch.zeros_like(squared)
         for call, vector in use.vectors:
-            if call is excluded:
-                squared -= vector.double().square().sum(dim=0)
-        return squared.reshape(param.shape)
+            if call is split:
+                own_squares += vector.double().square()
+        squared -= own_squares
+        own += own_squares.sum(dim=1)
+        elementwise = (squared + own_squares if own_in_diagonal else squared).sum(dim=0)
+        return elementwise.reshape(param.shape), squared.sum(dim=1), own
     shape = (param.shape[0], param.shape[1])
-    kept = [factors for call, factors in use.outer if factors.left is not None and call is not excluded]
-    dropped = [factors for call, factors in use.outer if factors.left is not None and call is excluded]
+    kept = [factors for call, factors in use.outer if factors.left is not None and call is not split]
+    dropped = [factors for call, factors in use.outer if factors.left is not None and call is split]
     sparse = [factors for call, factors in use.outer if factors.left_ids is not None]
-    if any(call is excluded for call, factors in use.outer if factors.left_ids is not None):
+    if any(call is split for call, factors in use.outer if factors.left_ids is not None):
         raise ValueError("the output layer's own terms cannot be left out of an embedding lookup")
     if kept or dropped:
-        total = _dense_squared_sum(kept, shape, dropped)
+        total, per_sample = _dense_squares(kept, shape, dropped)
+        per_sample = per_sample.double()
     else:
-        total = torch.zeros(shape, dtype=torch.float64, device=param.device)
+        total = torch.zeros(shape, dtype=torch.float64, device=device)
+        per_sample = torch.zeros(batch, dtype=torch.float64, device=device)
+    if dropped:
+        own_total, own_per_sample = _dense_squares(dropped, shape)
+        own += own_per_sample.double()
+        if own_in_diagonal:
+            total = total + own_total
     if sparse:
         samples, ids, rows = _sparse_rows(sparse, shape[0])
         crossed = rows.square()
         for factors in kept + dropped:
             crossed += 2 * rows * _dense_rows(factors, samples, ids)
-        total.index_add_(0, ids, crossed.to(total.dtype))
-    return total
+        total = total.index_add(0, ids, crossed.to(total.dtype))
+        per_sample.index_add_(0, samples, crossed.sum(dim=1))
+    return total, per_sample, own
 
 
 def add_squared_gradients(
@@ -124,21 +150,30 @@ def add_squared_gradients(
     totals: dict[int, torch.Tensor],
     *,
     weight: float = 1.0,
-    exclude_self_terms_of: LayerCall | None = None,
-) -> None:
+    split_self_terms_of: LayerCall | None = None,
+    own_in_diagonal: bool = True,
+) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
     """Add ``weight x sum_b g_b^2`` (elementwise, over the batch) of every measured parameter's per-sample gradient
     ``g_b`` to ``totals[id(param)]`` (created as float64 zeros shaped like the parameter), from the gradients the
     recorder was given (`GhostNormRecorder.set_grad_outputs`): no further backward.
 
-    Summed over parameters, each addition is ``weight x`` the sum of `GhostNormRecorder.squared_norms`; with
-    ``exclude_self_terms_of``, that call's own terms are left out as there, for the caller to add their expectation.
-    Dense layers' per-sample gradients are materialised a few samples at a time (about the compute of one weight
-    gradient per draw); embedding lookups stay sparse.
+    Returns the per-sample squared norms from the same squares, split as
+    `GhostNormRecorder.squared_norm_terms(split_self_terms_of)` splits them: ``(by_parameter, own)``, the own terms of
+    the call ``split_self_terms_of`` apart in ``own``. Without ``own_in_diagonal`` those own terms are left out of
+    ``totals`` too, for the caller to add their expectation. Dense layers' per-sample gradients are materialised a
+    few samples at a time (about the compute of one weight gradient per draw); embedding lookups stay sparse.
     """
+    by_parameter: dict[int, torch.Tensor] = {}
+    own = torch.zeros(recorder.batch_size, dtype=torch.float64, device=recorder._device())
     for key, use in recorder.parameter_uses().items():
         if use.outer and use.vectors:
             raise ValueError("a parameter used both as a matrix and as a vector is not supported")
-        value = _squared_gradient_sum(use.param, use, exclude_self_terms_of)
+        value, per_sample, own_part = _squared_gradient_sums(
+            use.param, use, split_self_terms_of, own_in_diagonal, recorder.batch_size
+        )
         if key not in totals:
             totals[key] = torch.zeros(use.param.shape, dtype=torch.float64, device=value.device)
         totals[key].add_(value, alpha=weight)
+        by_parameter[key] = per_sample
+        own += own_part
+    return by_parameter, own

@@ -177,32 +177,39 @@ def _per_sample_batch(
             z = signs[:, k]
             cotangent = root * z - probs * (root * z).sum(dim=1, keepdim=True)
         grad_logits = cotangent.to(logits.dtype).unsqueeze(1)
-        # no recorded output: none of the parameters reaches the logits, and every norm is zero
-        grads = (
-            torch.autograd.grad(
-                logits, outputs, grad_outputs=grad_logits, retain_graph=k < n_draws - 1 or validate, allow_unused=True
+        retain_graph = k < n_draws - 1 or validate
+        if diagonal is None and not validate:
+            # each layer's terms formed as its output gradient arrives: the gradients at every layer output are never
+            # held together
+            by_parameter, own = recorder.streamed_squared_norm_terms(
+                logits, grad_logits, decoder_call, own_terms=not use_expectation, retain_graph=retain_graph
             )
-            if outputs
-            else []
-        )
-        recorder.set_grad_outputs(grads)
-        if diagonal is not None:
-            add_squared_gradients(
-                recorder,
-                diagonal,
-                weight=1.0 / n_draws,
-                exclude_self_terms_of=decoder_call if use_expectation else None,
+        else:
+            # no recorded output: none of the parameters reaches the logits, and every norm is zero
+            grads = (
+                torch.autograd.grad(
+                    logits, outputs, grad_outputs=grad_logits, retain_graph=retain_graph, allow_unused=True
+                )
+                if outputs
+                else []
             )
+            recorder.set_grad_outputs(grads)
+            if diagonal is not None:
+                # the per-sample norms come from the same squares as the diagonal: no Gram matrices
+                by_parameter, own = add_squared_gradients(
+                    recorder, diagonal, weight=1.0 / n_draws, split_self_terms_of=decoder_call,
+                    own_in_diagonal=not use_expectation,
+                )  # fmt: skip
+            else:
+                by_parameter, own = recorder.squared_norm_terms(decoder_call, own_terms=not use_expectation)
+        output_term = expected_output_term if use_expectation else own
         if groups is not None:
-            by_parameter, own = recorder.squared_norm_terms(decoder_call, own_terms=not use_expectation)
             split = _sum_by_group(by_parameter, groups, len(indices), own.device)
-            split[:, groups.output_layer] += expected_output_term if use_expectation else own
+            split[:, groups.output_layer] += output_term
             group_values[:, k] = split.cpu()
             values[:, k] = group_values[:, k].sum(dim=1)
-        elif use_expectation:
-            values[:, k] = (recorder.squared_norms(exclude_self_terms_of=decoder_call) + expected_output_term).cpu()
         else:
-            values[:, k] = recorder.squared_norms().cpu()
+            values[:, k] = (sum(by_parameter.values(), torch.zeros_like(own)) + output_term).cpu()
         if validate and k == 0:
             _validate_against_autograd(model, contexts, indices[0], params, int(labels[0, 0]), recorder)
             validate = False

@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("trl")
 
-from tests.test_logits_sam import CallCounter, max_param_diff, reference_head_sam_sgd  # noqa: E402
 from tests.helpers.tiny_models import word_tokenizer  # noqa: E402
+from tests.test_logits_sam import CallCounter, max_param_diff, reference_head_sam_sgd  # noqa: E402
 from tests.test_trl import (  # noqa: E402
     N_WORDS,
     SFT_CASES,

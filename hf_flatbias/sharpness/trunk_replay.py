@@ -75,9 +75,11 @@ def extra_pass_share(root: nn.Module, head: nn.Module) -> float:
 class TrunkReplay:
     """Record the trunk modules' outputs in a clean pass, answer the perturbed pass's calls with them.
 
-    ``recording()`` wraps the clean pass's forward, ``replaying()`` the perturbed pass's, ``clear()`` drops what was
-    recorded (the trunk's activations stay alive from one to the other, as in a plain step's backward). Counts of
-    the calls answered from the record (``replayed``) and run again (``computed``) are kept for the last pass.
+    ``recording()`` wraps the clean pass's forward, whose loss is then differentiable in the output layer's parameters
+    only (the outputs of trunk modules upstream of it reach it detached); ``replaying()`` wraps the perturbed pass's;
+    ``clear()`` drops what was recorded (the trunk's activations stay alive from one to the other, as in a plain
+    step's backward). Counts of the calls answered from the record (``replayed``) and run again (``computed``) are
+    kept for the last pass.
     """
 
     def __init__(self, modules: Sequence[nn.Module]):
@@ -104,7 +106,13 @@ class TrunkReplay:
         def record(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             output = forward(*args, **kwargs)
             calls[id(module)].append((args, kwargs, output))
-            return output
+            if any(leaf.requires_grad for leaf in _tensor_leaves((args, kwargs))):
+                return output  # downstream of the output layer: the first gradient may flow through it
+            # Upstream of the output layer, the output carries no gradient of the recorded pass (which differentiates
+            # the output layer only): handed on detached, the head never computes the hidden states' gradient (a
+            # fused head, such as trl's, computes every gradient its inputs require); the second pass
+            # backpropagates into the trunk through the recorded output instead.
+            return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, output)
 
         before = _generator_states()
         with _forwards_replaced(self.modules, record):
@@ -206,6 +214,10 @@ def _same_leaf(recorded: Any, now: Any) -> bool:
         return bool(recorded == now)
     except Exception:  # an object without a usable equality: run the module
         return False
+
+
+def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
 def _generator_states() -> list[torch.Tensor]:

@@ -16,7 +16,7 @@ from transformers.utils import logging
 
 from ...flatness.lm import is_causal_lm
 from ...tensors import Perturbation, is_fully_sharded
-from ..engines import deepspeed_zero_stage, perturbable_parameters
+from ..engines import perturbable_parameters
 from ..functional_sam import functional_surrogate, logit_cotangent
 from ..sam_options import adam_preconditioner, ascent_rows, output_layer_of, select_sam_parameters
 from ..trunk_replay import TrunkReplay, extra_pass_share, trunk_modules, why_trunk_cannot_be_replayed
@@ -89,8 +89,6 @@ class SamFamily(FlatnessMethod):
             return "sam_ascent_fraction < 1 takes the first pass on a subset of the rows, the second on all of them"
         if is_fully_sharded(module):
             return "under FSDP2 the first gradient is a whole backward, which frees the trunk's graph"
-        if deepspeed_zero_stage(self.host.deepspeed_engine()) == 3:
-            return "under ZeRO-3 the trunk's gathered parameters are released between the passes"
         return None
 
     def _tell_once(self, key: str, message: str) -> None:

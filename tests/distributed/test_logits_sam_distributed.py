@@ -1,11 +1,14 @@
-"""Output-layer SAM with one trunk forward under DDP (2 CPU processes over gloo): equal to one process on the same
-global batch, and the second pass replayed the trunk there too (its floating-point operations count the head only).
+"""Output-layer SAM with one trunk forward under DDP and DeepSpeed ZeRO-3 (2 CPU processes over gloo): equal to one
+process on the same global batch, and the second pass replayed the trunk there too (its floating-point operations
+count the head only).
 
-One launch of `tests/helpers/distributed_sam_script.py` runs the cases; the one-process runs are trained here.
+One launch of `tests/helpers/distributed_sam_script.py` per engine runs its cases; the one-process runs are trained
+here, without an engine.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -18,15 +21,36 @@ from tests.helpers.distributed_sam_script import TRAINING_TASKS, base_arguments
 pytestmark = pytest.mark.distributed
 
 HEAD_SAM = {"sam_parameters": "output_layer"}
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 CASES = [
-    {"name": f"ddp-llama-head_sam_acc{k}", "engine": "ddp", "task": "causal_lm_float64", "args": {**HEAD_SAM, **acc}}
+    {
+        "name": f"{engine}-llama-head_sam_acc{k}",
+        "engine": engine,
+        "task": "causal_lm_float64",
+        "args": {**HEAD_SAM, **acc},
+    }
+    for engine in ("ddp", "zero3")
     for k, acc in ((1, {}), (2, {"gradient_accumulation_steps": 2}))
 ]
 
 
 @pytest.fixture(scope="module")
-def ddp_runs(tmp_path_factory) -> Path:
-    return launch("accelerate_cpu_2proc.yaml", CASES, tmp_path_factory.mktemp("logits_sam_ddp"))
+def runs(tmp_path_factory):
+    launched: dict[str, Path] = {}
+
+    def of(engine: str) -> Path:
+        if engine not in launched:
+            cases = [case for case in CASES if case["engine"] == engine]
+            launched[engine] = launch("accelerate_cpu_2proc.yaml", cases, tmp_path_factory.mktemp(f"logits_{engine}"))
+        return launched[engine]
+
+    return of
+
+
+def marks_for(case: dict) -> list:
+    if case["engine"] == "ddp":
+        return []
+    return [pytest.mark.deepspeed, pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")]
 
 
 def one_process_run(tmp_path: Path, case: dict) -> tuple[dict[str, torch.Tensor], float, int]:
@@ -50,13 +74,14 @@ def total_flos(runs: Path, name: str) -> float:
     return next(entry["total_flos"] for entry in history if "total_flos" in entry)
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c["name"])
-def test_two_ddp_processes_equal_one_process_with_the_trunk_replayed(ddp_runs, case, tmp_path):
-    two = [load(ddp_runs, case["name"], rank)["params"] for rank in (0, 1)]
+@pytest.mark.parametrize("case", [pytest.param(c, marks=marks_for(c), id=c["name"]) for c in CASES])
+def test_two_processes_equal_one_process_with_the_trunk_replayed(runs, case, tmp_path):
+    launched = runs(case["engine"])
+    two = [load(launched, case["name"], rank)["params"] for rank in (0, 1)]
     one, flos, calls = one_process_run(tmp_path, case)
     steps, k = 3, case["args"].get("gradient_accumulation_steps", 1)
     assert calls == steps * k, "one trunk forward per micro-batch in the one-process run"
     assert max_difference(two[0], two[1]) == 0.0
     assert max_difference(two[0], one) < 1e-12
     # the two ranks' flos summed: a whole second forward/backward would have doubled the plain step's count
-    assert total_flos(ddp_runs, case["name"]) == pytest.approx(flos)
+    assert total_flos(launched, case["name"]) == pytest.approx(flos)

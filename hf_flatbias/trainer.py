@@ -294,9 +294,10 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
         if self.accelerator.sync_gradients:
             self._flatness_log.close_update()
 
-    def count_flos_of_extra_pass(self, inputs: dict[str, Any]) -> None:
-        """The Trainer counts one forward/backward per micro-batch; a flatness step took a second one."""
-        self.current_flos += float(self.floating_point_ops(inputs))
+    def count_flos_of_extra_pass(self, inputs: dict[str, Any], share: float = 1.0) -> None:
+        """The Trainer counts one forward/backward per micro-batch; a flatness step took a second one, or ``share``
+        of one (output-layer SAM reusing the trunk's outputs)."""
+        self.current_flos += share * float(self.floating_point_ops(inputs))
 
     def warn_skipped_perturbation(self, consequence: str) -> None:
         self._flatness_log.skipped_perturbations += 1

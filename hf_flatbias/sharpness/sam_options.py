@@ -144,8 +144,7 @@ def select_sam_parameters(module: torch.nn.Module, spec: str) -> list[torch.nn.P
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     output_layer = ()
     if spec.strip() == "output_layer":
-        get_output = getattr(unwrap_peft_model(module), "get_output_embeddings", None)
-        head = get_output() if callable(get_output) else None
+        head = output_layer_of(module)
         if head is None:
             raise ValueError(
                 f"sam_parameters='output_layer' but {type(module).__name__}.get_output_embeddings() returns no "
@@ -153,6 +152,14 @@ def select_sam_parameters(module: torch.nn.Module, spec: str) -> list[torch.nn.P
             )
         output_layer = tuple(head.parameters())
     return select_parameters(named, spec, output_layer=output_layer)
+
+
+def output_layer_of(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The layer ``get_output_embeddings()`` returns (of the base model under peft, of the compiled module under
+    ``torch.compile``), or ``None`` where the model has none."""
+    get_output = getattr(unwrap_peft_model(getattr(module, "_orig_mod", module)), "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    return head if isinstance(head, torch.nn.Module) else None
 
 
 def ascent_rows(inputs: dict, fraction: float) -> dict:

@@ -107,8 +107,8 @@ class FlatnessHost(Protocol):
     def warn_skipped_perturbation(self, consequence: str) -> None:
         """Count and report a step whose first gradient gave no direction."""
 
-    def count_flos_of_extra_pass(self, inputs: dict[str, Any]) -> None:
-        """Count the floating-point operations of a step's second pass."""
+    def count_flos_of_extra_pass(self, inputs: dict[str, Any], share: float = 1.0) -> None:
+        """Count the floating-point operations of a step's second pass: ``share`` of a whole forward/backward."""
 
 
 class FlatnessMethod:

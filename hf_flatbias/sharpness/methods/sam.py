@@ -1,20 +1,27 @@
 """SAM, ASAM and Functional-SAM: a first pass for the gradient at ``w``, the move to ``w + e``, the second pass there,
-``w`` restored. Per micro-batch, or with one perturbation held across the update (``sam_scope="batch"``)."""
+``w`` restored. Per micro-batch, or with one perturbation held across the update (``sam_scope="batch"``). When only
+the output layer moves, the second pass reuses the first pass's trunk outputs (`hf_flatbias.sharpness.trunk_replay`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from ...flatness.lm import is_causal_lm
-from ...tensors import Perturbation
+from ...tensors import Perturbation, is_fully_sharded
 from ..engines import perturbable_parameters
-from ..sam_options import adam_preconditioner, ascent_rows, select_sam_parameters
+from ..sam_options import adam_preconditioner, ascent_rows, output_layer_of, select_sam_parameters
+from ..trunk_replay import TrunkReplay, extra_pass_share, trunk_modules, why_trunk_cannot_be_replayed
 from .base import FlatnessHost, FlatnessMethod
+
+logger = logging.get_logger(__name__)
 
 
 @dataclasses.dataclass
@@ -41,12 +48,52 @@ class SamFamily(FlatnessMethod):
         # fully_shard) replaces its parameters with sharded ones.
         select_sam_parameters(host.model, host.args.sam_parameters)
         self._selected: tuple[nn.Module, list[nn.Parameter]] | None = None
+        self._replay: tuple[nn.Module, TrunkReplay | None, float] | None = None
+        self._told: set[str] = set()
 
     def perturbed_parameters(self, module: nn.Module) -> list[nn.Parameter]:
         """The trainable parameters of ``module`` the step perturbs (``sam_parameters``), chosen once per module."""
         if self._selected is None or self._selected[0] is not module:
             self._selected = (module, select_sam_parameters(module, self.host.args.sam_parameters))
         return self._selected[1]
+
+    def trunk_replay(self, module: nn.Module) -> tuple[TrunkReplay | None, float]:
+        """When the step perturbs parameters of the output layer only: the replay of the trunk's outputs that lets
+        the second pass skip the trunk's forward, and the cost that pass then adds as a share of a whole pass.
+        ``(None, 1.0)`` where both passes run the whole forward (said once, with the reason, where the selection is
+        in the output layer). Chosen once per module."""
+        if self._replay is not None and self._replay[0] is module:
+            return self._replay[1], self._replay[2]
+        replay, share = None, 1.0
+        head = output_layer_of(module)
+        perturbed = self.perturbed_parameters(module)
+        if head is not None and {id(p) for p in perturbed} <= {id(p) for p in head.parameters()}:
+            reason = self._why_no_replay(module) or why_trunk_cannot_be_replayed(module, head, perturbed)
+            if reason is None:
+                replay, share = TrunkReplay(trunk_modules(module, head)), extra_pass_share(module, head)
+            else:
+                self._tell_once(reason, f"the step runs the whole forward twice: {reason}.")
+        self._replay = (module, replay, share)
+        return replay, share
+
+    def _why_no_replay(self, module: nn.Module) -> str | None:
+        """What of the run (options, engine) keeps the second pass from reusing the first pass's trunk outputs."""
+        args = self.host.args
+        if args.sam_scope == "batch":
+            return (
+                "sam_scope='batch' takes every micro-batch's first pass before the first second pass, so the trunk "
+                "activations of all of them would stay alive at once"
+            )
+        if args.sam_ascent_fraction < 1:
+            return "sam_ascent_fraction < 1 takes the first pass on a subset of the rows, the second on all of them"
+        if is_fully_sharded(module):
+            return "under FSDP2 the first gradient is a whole backward, which frees the trunk's graph"
+        return None
+
+    def _tell_once(self, key: str, message: str) -> None:
+        if key not in self._told:
+            self._told.add(key)
+            logger.warning("sam_parameters=%r: %s", self.host.args.sam_parameters, message)
 
     def keep_update_batches(self, micro_batches: list[dict[str, Any]]) -> None:
         # The loop prefetches every micro-batch of an update; "batch"-scope SAM needs all of them before the first
@@ -81,8 +128,10 @@ class SamFamily(FlatnessMethod):
             cotangent = cotangents[0] if cotangents else None
             restore_now = True
 
+        replay, share = self.trunk_replay(host.accelerator.unwrap_model(model))
+        replayed = False
         try:
-            with host.host_metrics_suspended():
+            with host.host_metrics_suspended(), self.replaying(replay) as replayed:
                 if cotangent is None:
                     loss = host.scaled_loss(model, inputs, num_items_in_batch)
                 else:
@@ -93,14 +142,40 @@ class SamFamily(FlatnessMethod):
             restore_now = True
             raise
         finally:
+            if replay is not None:
+                replay.clear()
             if perturbation is not None and restore_now:
                 perturbation.restore()
                 batch_scope.perturbation = None
         host.step_deepspeed_after_restore()
         host.record_perturbed_loss(loss)
         fraction = host.args.sam_ascent_fraction
-        host.count_flos_of_extra_pass(inputs if fraction == 1 else ascent_rows(inputs, fraction))
+        host.count_flos_of_extra_pass(
+            inputs if fraction == 1 else ascent_rows(inputs, fraction), share=share if replayed else 1.0
+        )
         return clean_loss
+
+    @contextlib.contextmanager
+    def replaying(self, replay: TrunkReplay | None):
+        """The second pass's context: the trunk answers from the first pass where ``replay`` recorded it (yields
+        whether it does), and what kept it from doing so is said once."""
+        if replay is None:
+            yield False
+            return
+        with replay.replaying() as replayed:
+            yield replayed
+        if replay.drew_random_numbers:
+            self._tell_once(
+                "random",
+                "the step runs the whole forward twice: the trunk draws random numbers (dropout or noise), which a "
+                "second forward draws anew; with the trunk's dropout at 0 its forward runs once per step.",
+            )
+        elif replay.computed:
+            self._tell_once(
+                "computed",
+                f"{replay.computed} trunk module calls ran again in the second pass: their inputs differ from the "
+                "first pass's (they depend on the output layer), so their outputs could not be reused.",
+            )
 
     def perturb(
         self, model: nn.Module, micro_batches: list[dict[str, Any]], num_items_in_batch
@@ -122,11 +197,16 @@ class SamFamily(FlatnessMethod):
         fraction = args.sam_ascent_fraction
         clean_losses: list[torch.Tensor] = []
         cotangents: list[Any] = []
+        replay, _ = self.trunk_replay(module)
+        # the second pass will answer the trunk's calls from this record (one micro-batch: trunk_replay says None
+        # for sam_scope="batch" and for ascent rows)
+        recording = replay.recording if replay is not None else contextlib.nullcontext
 
         def losses() -> Iterable[torch.Tensor]:
             for batch in micro_batches:
                 if functional:
-                    loss, function = host.scaled_loss_and_function(module, batch, num_items_in_batch)
+                    with recording():
+                        loss, function = host.scaled_loss_and_function(module, batch, num_items_in_batch)
                     cotangents.append(function.cotangent(loss))
                 elif fraction < 1:
                     rows = ascent_rows(batch, fraction)
@@ -135,7 +215,8 @@ class SamFamily(FlatnessMethod):
                     yield loss
                     continue
                 else:
-                    loss = host.scaled_loss(module, batch, num_items_in_batch)
+                    with recording():
+                        loss = host.scaled_loss(module, batch, num_items_in_batch)
                 clean_losses.append(loss.detach())
                 yield loss
 

@@ -1,0 +1,121 @@
+"""Cost of output-layer SAM (logits-SAM) against a plain step, with the trunk's forward run once per step.
+
+Two config-built Llamas: one whose output layer is about a third of a step's matrix-multiply work and one where it is
+about a tenth, each trained by `FlatBiasTrainer` (causal-LM loss, full logits) and `FlatBiasSFTTrainer` (trl's fused
+LM head). Three arms, interleaved so that load on a shared machine hits them alike: the plain step
+(``flatness_method="none"``), output-layer SAM as it runs now (the second pass replays the trunk's outputs), and
+output-layer SAM with the replay switched off (two whole forwards, the step before the replay). Step times are this
+process's CPU time (``time.process_time``), medians over repeats.
+
+    python benchmarks/logits_sam_cost.py [--quick] [--repeats N]
+
+The head share printed is of the per-token multiply-adds: head ``V * H`` against the layers' projections plus the
+attention scores (``2 * seq_len * H`` per layer). The last lines are ``<model>_<trainer>_<arm>_ratio=X``: step time
+over the plain step's.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from _common import TIMING_ARGUMENTS, run_timed_trainer, timing_parser  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from hf_flatbias import FlatBiasConfig, FlatBiasSFTConfig, FlatBiasSFTTrainer, FlatBiasTrainer  # noqa: E402
+from hf_flatbias.synthetic.tokenizer import make_tokenizer  # noqa: E402
+
+#: name: (vocab, hidden, layers), intermediate 4 x hidden; both at seq_len 128.
+MODELS = {"head_third": (2048, 128, 2), "head_tenth": (2000, 256, 4)}
+QUICK_MODELS = {"head_third": (1024, 64, 2), "head_tenth": (1024, 128, 4)}
+TRAINERS = ("FlatBiasTrainer", "FlatBiasSFTTrainer")
+ARMS = {
+    "plain": dict(flatness_method="none"),
+    "output_layer_sam": dict(flatness_method="sam", sam_parameters="output_layer"),
+    "output_layer_sam_two_forwards": dict(flatness_method="sam", sam_parameters="output_layer"),
+}
+
+
+def build_llama(vocab: int, hidden: int, layers: int, seq_len: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        max_position_embeddings=2 * seq_len,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def head_share(vocab: int, hidden: int, layers: int, seq_len: int) -> float:
+    per_layer = 4 * hidden * hidden + 3 * hidden * 4 * hidden + 2 * seq_len * hidden
+    return vocab * hidden / (vocab * hidden + layers * per_layer)
+
+
+def time_arm(trainer_name: str, arm: str, rows, tokenizer, shape, seq_len: int, steps: int, batch: int) -> list[float]:
+    common = dict(max_steps=steps, per_device_train_batch_size=batch, **TIMING_ARGUMENTS, **ARMS[arm])
+    model = build_llama(*shape, seq_len)
+
+    def make_trainer(out: str):
+        if trainer_name == "FlatBiasTrainer":
+            data = [{"input_ids": torch.tensor(r), "labels": torch.tensor(r)} for r in rows]
+            trainer = FlatBiasTrainer(model=model, args=FlatBiasConfig(out, **common), train_dataset=data)
+        else:
+            args = FlatBiasSFTConfig(
+                out, **common, bf16=False, gradient_checkpointing=False, max_length=None, dataset_num_proc=None
+            )
+            data = Dataset.from_dict({"input_ids": rows})
+            trainer = FlatBiasSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        if arm == "output_layer_sam_two_forwards":
+            trainer.flatness_method.trunk_replay = lambda module: (None, 1.0)
+        return trainer
+
+    return run_timed_trainer(make_trainer, clock=time.process_time)
+
+
+def main() -> None:
+    args = timing_parser(__doc__, "smaller models and fewer steps (a few minutes)").parse_args()
+    models = QUICK_MODELS if args.quick else MODELS
+    repeats = args.repeats or (2 if args.quick else 3)
+    steps, batch, seq_len = (8, 4, 64) if args.quick else (10, 8, 128)
+    times = {(m, t, a): [] for m in models for t in TRAINERS for a in ARMS}
+    for _ in range(repeats):
+        for model_name, shape in models.items():
+            tokenizer = make_tokenizer([f"w{i}" for i in range(shape[0] - 5)])
+            generator = torch.Generator().manual_seed(0)
+            rows = torch.randint(5, shape[0], (steps * batch, seq_len), generator=generator).tolist()
+            for trainer_name in TRAINERS:
+                for arm in ARMS:
+                    times[model_name, trainer_name, arm] += time_arm(
+                        trainer_name, arm, rows, tokenizer, shape, seq_len, steps, batch
+                    )
+    print(f"batch {batch} x {seq_len} tokens, AdamW, torch threads {torch.get_num_threads()}, CPU time per step")
+    for model_name, shape in models.items():
+        n_params = sum(p.numel() for p in build_llama(*shape, seq_len).parameters())
+        share = head_share(*shape, seq_len)
+        print(f"{model_name}: Llama {n_params / 1e6:.2f}M (vocab {shape[0]}, hidden {shape[1]}, {shape[2]} layers), ")
+        print(f"  head share of the multiply-adds {share:.2f}")
+        for trainer_name in TRAINERS:
+            medians = {arm: statistics.median(times[model_name, trainer_name, arm]) for arm in ARMS}
+            count = len(times[model_name, trainer_name, "plain"])
+            described = ", ".join(f"{arm} {value * 1e3:.1f} ms" for arm, value in medians.items())
+            print(f"  {trainer_name}: {described} (medians of {count})")
+    for model_name in models:
+        for trainer_name in TRAINERS:
+            plain = statistics.median(times[model_name, trainer_name, "plain"])
+            for arm in ("output_layer_sam", "output_layer_sam_two_forwards"):
+                ratio = statistics.median(times[model_name, trainer_name, arm]) / plain
+                print(f"{model_name}_{trainer_name}_{arm}_ratio={ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

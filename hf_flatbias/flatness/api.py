@@ -11,7 +11,7 @@ from transformers.utils.logging import is_progress_bar_enabled
 
 from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, RECOMMENDED_N_DRAWS
 from .contexts import TraceContexts
-from .distributed import gather_trace_samples, needs_lockstep, share_of_contexts, world
+from .distributed import gather_trace_samples, needs_lockstep, release_zero3_leftovers, share_of_contexts, world
 from .estimators import TraceSettings, per_context_estimators, trace_samples
 from .groups import GroupOf
 from .lm import check_lm_model, evaluation_mode, is_causal_lm, measured_parameters, preserved_global_rng
@@ -159,4 +159,5 @@ def _samples_across_processes(
     local = (
         trace_samples(model, contexts, settings, indices=share.indices, progress=progress) if share.indices else None
     )
+    release_zero3_leftovers(model)
     return gather_trace_samples(local, share.n_measured, world_size)

@@ -162,6 +162,19 @@ class Zero3BackwardHooks:
             setattr(module, name, count)
 
 
+def release_zero3_leftovers(model: nn.Module) -> None:
+    """Partition again every ZeRO-3 parameter a measurement left gathered, as DeepSpeed's own reset does at a step.
+
+    A module whose inputs need no gradient (the token embedding) gets no post-backward hook, so ZeRO-3 still counts
+    it active and whole after the backward; it frees it only at the optimizer step, which a measurement never
+    reaches. Called between passes, when no module is running; persistent parameters stay whole."""
+    for param in model.parameters():
+        status = getattr(param, "ds_status", None)
+        if status is not None and status.name == "AVAILABLE" and not param.ds_persist:
+            param.ds_active_sub_modules.clear()
+            param.partition()
+
+
 def lockstep_minimum(value: int, model: nn.Module) -> int:
     """``value``'s minimum over the ranks when every pass of ``model`` is a collective (the ranks must then run as
     many batches), ``value`` itself otherwise."""

@@ -169,6 +169,18 @@ def _embedding_output_scale(module: nn.Embedding, ids: torch.Tensor, output: tor
     return scale
 
 
+class _Unhooked(nn.Module):
+    """Runs a module's own forward without its hooks: an engine's hooks (ZeRO-3's fetch and release) must not see the
+    probe tensors `functional_call` puts in place of its parameters."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.inner.forward(inputs)
+
+
 def _elementwise_coefficients(
     module: nn.Module, inputs: torch.Tensor, output: torch.Tensor, names: Sequence[str], check: bool
 ) -> dict[str, torch.Tensor] | str:
@@ -191,7 +203,7 @@ def _elementwise_coefficients(
                 )
 
             def forward(parameter: torch.Tensor, name: str = name, inputs: torch.Tensor = inputs) -> torch.Tensor:
-                return functional_call(module, {name: parameter}, (inputs,))
+                return functional_call(_Unhooked(module), {f"inner.{name}": parameter}, (inputs,))
 
             _, coefficient = jvp(forward, (value,), (torch.ones_like(value),))
             if check:

@@ -87,11 +87,12 @@ def _resident_storages(model: nn.Module) -> set[int]:
 
 
 def one_context_check_bytes(model: nn.Module) -> int:
-    """What the estimator's one-context check against a plain backward holds at once: the gradient of its largest
-    tensor and that gradient's float64 copy while it is squared (`hf_flatbias.flatness.estimators.naive`'s
-    `streamed_squared_norm` drops each tensor's gradient as it forms)."""
+    """What the estimator's one-context check against a plain backward holds at once: its largest tensor's gradient,
+    three times over for a matrix tied to two uses (both uses' parts and their sum exist together while autograd
+    adds them). `hf_flatbias.flatness.estimators.naive`'s `streamed_squared_norm` squares each tensor's gradient in
+    float64 a slice at a time and drops it as it forms, so no more of the gradient is ever whole."""
     largest = max(trainable_parameters(model), key=lambda p: p.numel(), default=None)
-    return 0 if largest is None else largest.numel() * (largest.element_size() + 8)
+    return 0 if largest is None else 3 * largest.numel() * largest.element_size()
 
 
 def auto_batch_size(

@@ -107,15 +107,19 @@ def naive_squared_norms(
     return values
 
 
+_SQUARING_CHUNK = 1 << 20
+
+
 def streamed_squared_norm(output: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``||d output / d tensors||^2`` in float64, each tensor's gradient squared and dropped as the backward forms
     it: the gradient is never whole, at most one tensor's at a time (under FSDP2 and ZeRO-3, one module's full
-    gradient while the engine holds that module gathered). Sums in the order of ``tensors``, as `squared_norm` does.
+    gradient while the engine holds that module gathered). Sums in the order of ``tensors``.
     Nothing is written to ``.grad``, so the engines' gradient reductions have nothing to reduce."""
     terms: dict[int, torch.Tensor] = {}
 
     def keep_norm(position: int, grad: torch.Tensor) -> torch.Tensor:
-        terms[position] = torch.linalg.vector_norm(grad, dtype=torch.float64)
+        # float64 a slice at a time: a float64 copy of a 32,000-word embedding's gradient would double its memory
+        terms[position] = sum(chunk.double().square().sum() for chunk in grad.reshape(-1).split(_SQUARING_CHUNK))
         # a stride-0 zero of the gradient's shape is what autograd hands back: no memory
         return grad.new_zeros(()).expand_as(grad)
 
@@ -130,7 +134,7 @@ def streamed_squared_norm(output: torch.Tensor, tensors: Sequence[torch.Tensor])
             handle.remove()
     if not terms:
         return torch.zeros((), dtype=torch.float64)
-    return torch.stack([terms[n] for n in sorted(terms)]).square().sum()
+    return torch.stack([terms[n] for n in sorted(terms)]).sum()
 
 
 def _naive_group_split(

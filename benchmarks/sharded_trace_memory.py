@@ -81,7 +81,9 @@ def shard(model: torch.nn.Module, engine: str) -> torch.nn.Module:
 
     config = {
         "train_micro_batch_size_per_gpu": 1,
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        # nothing kept whole, nothing fetched ahead (the prefetch bucket, 5e7 entries by default, adds to what is
+        # gathered at once)
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0},
     }
     engine_, *_ = deepspeed.initialize(model=model, config=config)
     return engine_.module

@@ -147,7 +147,9 @@ def _samples_across_processes(
 ) -> TraceSamples:
     rank, world_size = world()
     if world_size == 1:
-        return trace_samples(model, contexts, settings, indices=indices, progress=progress)
+        samples = trace_samples(model, contexts, settings, indices=indices, progress=progress)
+        release_zero3_leftovers(model)
+        return samples
     if settings.estimator not in per_context_estimators():
         raise ValueError(
             f"across_processes=True needs a per-context estimator "

@@ -83,7 +83,13 @@ def check_equals_one_process(runs: Path, name: str) -> None:
         expected = {group: value.mean for group, value in one_process.by_group.items()}
         assert ranks[0]["by_group"] == pytest.approx(expected, rel=1e-12)
         assert len(expected) == 5  # embeddings, two blocks, final norm, output layer: the blocks were found
-    # the engine freed every parameter it gathered: none is left whole on a rank
+    # never the whole model at once (the root unit or the embeddings and one decoder layer at most), and the engine
+    # freed every parameter it gathered: none is left whole on a rank
+    model = tiny_causal_lm_float64()
+    whole_model = sum(p.numel() for p in model.parameters())
+    root = [model.model.embed_tokens, model.model.norm, model.lm_head]
+    most = sum(p.numel() for module in [*root, model.model.layers[0]] for p in module.parameters())
+    assert 0 < max(rank["most_gathered"] for rank in ranks) <= most < 0.7 * whole_model
     assert [rank["whole_after"] for rank in ranks] == [0, 0]
 
 

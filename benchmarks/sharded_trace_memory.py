@@ -21,7 +21,12 @@ The arms run one after another (1, 2, 4 processes for each engine); the machine'
 the memory. ``--model llama100m`` is `_common.llama_100m` (100M, tied head); ``llama50m`` halves its layers and
 MLP (about 51M).
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/sharded_trace_memory.py --engines fsdp2,zero3 --processes 1,2,4
+    OMP_NUM_THREADS=1 PYTHONPATH=. MALLOC_MMAP_THRESHOLD_=1048576 MALLOC_ARENA_MAX=2 \
+        python benchmarks/sharded_trace_memory.py --engines fsdp2,zero3 --processes 1,2,4
+
+The two glibc settings make freed blocks go back to the system: with glibc's defaults (a mmap threshold that rises
+to 32 MiB as large blocks are freed, an arena per thread) the multi-process arms kept 0.4-0.8 GiB more resident at
+their peak than live, which reads as memory growing with N (`benchmarks/RESULTS.md` has both runs).
 
 Last lines: ``gathered_over_model[ENGINE:N]=X`` and ``relative_difference[ENGINE:N]=X``.
 """

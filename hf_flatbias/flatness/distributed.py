@@ -6,8 +6,9 @@ per-context values back in their original order gives the one-process estimate o
 
 Under DeepSpeed ZeRO-3 and FSDP2 every forward and backward gathers parameters from all ranks, so the ranks must
 run the same sequence of passes: shares are then padded to equal length with a repeated context whose values are
-dropped. `gathered_parameters` (ZeRO-3, ``per_sample``) and `unsharded_parameters` (FSDP2, every estimator) hold
-the whole model on every rank while the trace is measured (see their docstrings for the memory this costs).
+dropped. The trace is measured through the engines' own per-module gather and free (`differentiated_parameters`,
+`Zero3BackwardHooks`, `release_zero3_leftovers`); `gathered_parameters` and `unsharded_parameters` hold the whole
+model on every rank instead, for a measure that needs it (see their docstrings for the memory this costs).
 """
 
 from __future__ import annotations

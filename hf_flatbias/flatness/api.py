@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -11,17 +10,8 @@ from torch import nn
 from transformers.utils.logging import is_progress_bar_enabled
 
 from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, RECOMMENDED_N_DRAWS
-from ..tensors import is_fully_sharded
 from .contexts import TraceContexts
-from .distributed import (
-    gather_trace_samples,
-    gathered_parameters,
-    is_zero3_partitioned,
-    needs_lockstep,
-    share_of_contexts,
-    unsharded_parameters,
-    world,
-)
+from .distributed import gather_trace_samples, needs_lockstep, release_zero3_leftovers, share_of_contexts, world
 from .estimators import TraceSettings, per_context_estimators, trace_samples
 from .groups import GroupOf
 from .lm import check_lm_model, evaluation_mode, is_causal_lm, measured_parameters, preserved_global_rng
@@ -84,8 +74,9 @@ def estimate_hessian_trace(
         across_processes: with several processes (DDP, DeepSpeed), every process calls this with the same
             arguments, measures every world-size-th context and gets the whole estimate: the one-process estimate
             on the same contexts and draws. Per-context estimators (``per_sample``, ``naive``) only. Under DeepSpeed
-            ZeRO-3, ``per_sample`` holds the whole model on every rank while it measures
-            (`hf_flatbias.flatness.distributed.gathered_parameters`); ``naive`` lets ZeRO-3 gather per module.
+            ZeRO-3 and FSDP2 the model stays sharded: each pass gathers and frees one module's (one FSDP unit's)
+            parameters at a time, through the engine's own hooks, as training does; ``by_group`` with ``naive`` is
+            refused there (it needs the whole gradient at once).
         progress: a bar with the time left on stderr, on the main process only (rank 0, counting its own share of
             the contexts). ``None`` shows it for estimates of at least `PROGRESS_MIN_CONTEXT_DRAWS` contexts x draws
             unless transformers' progress bars are disabled; ``True``/``False`` force it on or off.
@@ -156,25 +147,19 @@ def _samples_across_processes(
 ) -> TraceSamples:
     rank, world_size = world()
     if world_size == 1:
-        return trace_samples(model, contexts, settings, indices=indices, progress=progress)
+        samples = trace_samples(model, contexts, settings, indices=indices, progress=progress)
+        release_zero3_leftovers(model)
+        return samples
     if settings.estimator not in per_context_estimators():
         raise ValueError(
             f"across_processes=True needs a per-context estimator "
             f"({' or '.join(repr(name) for name in per_context_estimators())}), got {settings.estimator!r}: its "
             "units are batches of contexts, which would differ from one process."
         )
-    lockstep = needs_lockstep(model)
-    share = share_of_contexts(indices, rank, world_size, lockstep=lockstep)
-    if is_fully_sharded(model):
-        whole = unsharded_parameters(model)
-    elif is_zero3_partitioned(model) and settings.estimator == "per_sample":
-        whole = gathered_parameters(model)
-    else:
-        whole = contextlib.nullcontext()
-    with whole:
-        local = (
-            trace_samples(model, contexts, settings, indices=share.indices, progress=progress)
-            if share.indices
-            else None
-        )
+    share = share_of_contexts(indices, rank, world_size, lockstep=needs_lockstep(model))
+    # under ZeRO-3 and FSDP2 the engines gather and free each module's parameters per pass, as in training
+    local = (
+        trace_samples(model, contexts, settings, indices=share.indices, progress=progress) if share.indices else None
+    )
+    release_zero3_leftovers(model)
     return gather_trace_samples(local, share.n_measured, world_size)

@@ -6,8 +6,9 @@ per-context values back in their original order gives the one-process estimate o
 
 Under DeepSpeed ZeRO-3 and FSDP2 every forward and backward gathers parameters from all ranks, so the ranks must
 run the same sequence of passes: shares are then padded to equal length with a repeated context whose values are
-dropped. `gathered_parameters` (ZeRO-3, ``per_sample``) and `unsharded_parameters` (FSDP2, every estimator) hold
-the whole model on every rank while the trace is measured (see their docstrings for the memory this costs).
+dropped. The trace is measured through the engines' own per-module gather and free (`differentiated_parameters`,
+`Zero3BackwardHooks`, `release_zero3_leftovers`); `gathered_parameters` and `unsharded_parameters` hold the whole
+model on every rank instead, for a measure that needs it (see their docstrings for the memory this costs).
 """
 
 from __future__ import annotations
@@ -112,6 +113,77 @@ def unsharded_parameters(model: nn.Module) -> Iterator[None]:
             for group, post_forward_mesh_info, reshard_after_backward in groups:
                 group.post_forward_mesh_info = post_forward_mesh_info
                 group.reshard_after_backward = reshard_after_backward
+
+
+def differentiated_parameters(model: nn.Module, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    """The tensors a forward of ``model`` differentiates in place of ``params``: FSDP2's unsharded parameter for each
+    sharded one (the engine all-gathers into it per FSDP unit and frees its storage after), ``params`` themselves
+    otherwise (ZeRO-3 swaps the whole parameter into the same object). Call it after a forward: FSDP2 creates the
+    unsharded parameters at the first all-gather."""
+    if not is_fully_sharded(model):
+        return list(params)
+    from torch.distributed.fsdp import FSDPModule
+
+    unsharded = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    if hasattr(fsdp_param, "_unsharded_param"):
+                        unsharded[id(fsdp_param.sharded_param)] = fsdp_param._unsharded_param
+    return [unsharded.get(id(p), p) for p in params]
+
+
+class Zero3BackwardHooks:
+    """Re-arms ZeRO-3's per-module backward hooks for another backward through the same forward's graph.
+
+    ZeRO-3 fetches a module's partitioned parameters before its backward and releases them after by counters the
+    forward sets (``applied_pre_backward_ref_cnt``, ``ds_grads_remaining``), one backward per forward: a second
+    backward through a retained graph (a draw of ``per_sample``) would find the parameters released and not fetch
+    them. `snapshot` records the counts the forward left; `rearm` puts them back before each further backward, so the
+    engine gathers and frees each module's parameters per backward as it does in training. A no-op off ZeRO-3.
+    """
+
+    _COUNTERS = ("applied_pre_backward_ref_cnt", "ds_grads_remaining")
+
+    def __init__(self, model: nn.Module) -> None:
+        self._modules = list(model.modules()) if is_zero3_partitioned(model) else []
+        self._counts: list[tuple[nn.Module, str, int]] = []
+
+    def snapshot(self) -> None:
+        self._counts = [
+            (module, name, module.__dict__[name])
+            for module in self._modules
+            for name in self._COUNTERS
+            if name in module.__dict__
+        ]
+
+    def rearm(self) -> None:
+        for module, name, count in self._counts:
+            setattr(module, name, count)
+
+
+def release_zero3_leftovers(model: nn.Module) -> None:
+    """Partition again every ZeRO-3 parameter a measurement left gathered, as DeepSpeed's own reset does at a step.
+
+    A module whose inputs need no gradient (the token embedding) gets no post-backward hook, so ZeRO-3 still counts
+    it active and whole after the backward; it frees it only at the optimizer step, which a measurement never
+    reaches. Called between passes, when no module is running; persistent parameters stay whole."""
+    for param in model.parameters():
+        status = getattr(param, "ds_status", None)
+        if status is not None and status.name == "AVAILABLE" and not param.ds_persist:
+            param.ds_active_sub_modules.clear()
+            param.partition()
+
+
+def lockstep_minimum(value: int, model: nn.Module) -> int:
+    """``value``'s minimum over the ranks when every pass of ``model`` is a collective (the ranks must then run as
+    many batches), ``value`` itself otherwise."""
+    if not needs_lockstep(model) or world()[1] == 1:
+        return value
+    reduced = torch.tensor([value], dtype=torch.long, device=next(model.parameters()).device)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MIN)
+    return int(reduced)
 
 
 _MEASUREMENT_HOLDER = -1

@@ -27,6 +27,8 @@ from torch import nn
 from torch.func import functional_call, jvp
 from transformers.pytorch_utils import Conv1D
 
+from .distributed import differentiated_parameters
+
 # What each kind of layer is recognised by; "elementwise" is any parameter-leaf module whose parameters are all 1-D.
 LAYER_KINDS = ("linear", "conv1d", "embedding", "layer_norm", "elementwise")
 
@@ -167,6 +169,18 @@ def _embedding_output_scale(module: nn.Embedding, ids: torch.Tensor, output: tor
     return scale
 
 
+class _Unhooked(nn.Module):
+    """Runs a module's own forward without its hooks: an engine's hooks (ZeRO-3's fetch and release) must not see the
+    probe tensors `functional_call` puts in place of its parameters."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.inner.forward(inputs)
+
+
 def _elementwise_coefficients(
     module: nn.Module, inputs: torch.Tensor, output: torch.Tensor, names: Sequence[str], check: bool
 ) -> dict[str, torch.Tensor] | str:
@@ -189,7 +203,7 @@ def _elementwise_coefficients(
                 )
 
             def forward(parameter: torch.Tensor, name: str = name, inputs: torch.Tensor = inputs) -> torch.Tensor:
-                return functional_call(module, {name: parameter}, (inputs,))
+                return functional_call(_Unhooked(module), {f"inner.{name}": parameter}, (inputs,))
 
             _, coefficient = jvp(forward, (value,), (torch.ones_like(value),))
             if check:
@@ -227,9 +241,15 @@ class GhostNormRecorder:
         self._kinds: dict[nn.Module, str] = {}
         self._refused: dict[nn.Module, str] = {}
         self._module_names: dict[nn.Module, str] = {}
+        # Which of each module's parameters are measured, by name, as the model holds them now: FSDP2 swaps a module's
+        # sharded parameters for unsharded ones while it runs, so identities seen inside a pass are not these.
+        self._measured: dict[nn.Module, dict[str, nn.Parameter]] = {}
+        self._named_parameters = list(model.named_parameters())
         for name, module in model.named_modules():
-            if not any(id(p) in wanted for p in module.parameters(recurse=False)):
+            measured = {n: p for n, p in module.named_parameters(recurse=False) if id(p) in wanted}
+            if not measured:
                 continue
+            self._measured[module] = measured
             self._module_names[module] = name
             kind = _layer_kind(module)
             if kind is None:
@@ -244,14 +264,18 @@ class GhostNormRecorder:
         self._probing = False
 
     def _covered_ids(self) -> set[int]:
-        return {id(p) for module in self._kinds for p in module.parameters(recurse=False)}
+        return {id(p) for module in self._kinds for p in self._measured[module].values()}
+
+    def measures(self, module: nn.Module, name: str) -> bool:
+        """Whether ``module``'s parameter ``name`` is among those measured."""
+        return name in self._measured.get(module, {})
 
     def unsupported_parameters(self) -> list[tuple[str, nn.Parameter, str]]:
         """``(name, parameter, reason)`` for every wanted parameter outside the layers the recorder follows."""
         wanted, covered = {id(p) for p in self.params}, self._covered_ids()
-        owners = {id(p): module for module in self._refused for p in module.parameters(recurse=False)}
+        owners = {id(p): module for module in self._refused for p in self._measured[module].values()}
         found = []
-        for name, param in self.model.named_parameters():
+        for name, param in self._named_parameters:
             if id(param) in wanted and id(param) not in covered:
                 owner = owners.get(id(param))
                 reason = self._refused.get(owner, "") if owner is not None else ""
@@ -272,7 +296,11 @@ class GhostNormRecorder:
         if not missing:
             return
         grads = torch.autograd.grad(
-            root, [p for _, p, _ in missing], grad_outputs=grad_root, retain_graph=True, allow_unused=True
+            root,
+            differentiated_parameters(self.model, [p for _, p, _ in missing]),
+            grad_outputs=grad_root,
+            retain_graph=True,
+            allow_unused=True,
         )
         used = [
             f"'{name}' ({reason})" if reason else f"'{name}'"
@@ -293,7 +321,9 @@ class GhostNormRecorder:
         self._cache = _GramCache()
         self._static_views: dict[int, dict] = {}
         for module in self._kinds:
-            self._handles.append(module.register_forward_hook(self._record, with_kwargs=True))
+            # first among the module's forward hooks: ZeRO-3's own release the module's gathered parameters, which
+            # an elementwise or scaled-embedding check reads here
+            self._handles.append(module.register_forward_hook(self._record, with_kwargs=True, prepend=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -327,8 +357,7 @@ class GhostNormRecorder:
                 return None
             call.output_scale = scale
         elif kind == "elementwise":
-            wanted = {id(p) for p in self.params}
-            names = [name for name, p in module.named_parameters(recurse=False) if id(p) in wanted]
+            names = list(self._measured[module])
             self._probing = True
             try:
                 found = _elementwise_coefficients(module, inputs, output, names, check=module not in self._checked)
@@ -382,7 +411,6 @@ class GhostNormRecorder:
     def parameter_uses(self, calls: Sequence[LayerCall] | None = None) -> dict[int, ParamUses]:
         """The uses of each measured parameter by the recorded calls (or by ``calls``) that have an output
         gradient."""
-        wanted = self._wanted_ids
         uses: dict[int, ParamUses] = {}
         batch = self.batch_size
 
@@ -394,24 +422,24 @@ class GhostNormRecorder:
             if grad is None:
                 continue
             kind = self._kinds[module]
-            weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+            measured = self._measured[module]
+            weight, bias = measured.get("weight"), measured.get("bias")
             g = _flatten_positions(grad, batch)
             if kind == "elementwise":
-                params = dict(module.named_parameters(recurse=False))
                 for name, coefficient in call.coefficients.items():
                     c = _flatten_positions(coefficient, batch).to(g.dtype)
-                    entry(params[name]).vectors.append((call, (g * c).sum(dim=1)))
+                    entry(measured[name]).vectors.append((call, (g * c).sum(dim=1)))
                 continue
             if kind == "linear":
-                if weight is not None and id(weight) in wanted:
+                if weight is not None:
                     x = self._static(_flatten_positions(call.inputs, batch).to(g.dtype), call)
                     entry(weight).outer.append((call, OuterFactors(left=g, right=x)))
             elif kind == "conv1d":
-                if id(weight) in wanted:
+                if weight is not None:
                     x = self._static(_flatten_positions(call.inputs, batch).to(g.dtype), call)
                     entry(weight).outer.append((call, OuterFactors(left=x, right=g)))
             elif kind == "embedding":
-                if id(weight) in wanted:
+                if weight is not None:
                     ids = self._static(call.inputs.reshape(batch, -1), call)
                     if call.output_scale != 1.0:
                         g = g * call.output_scale
@@ -420,11 +448,11 @@ class GhostNormRecorder:
                         g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
                     entry(weight).outer.append((call, OuterFactors(left_ids=ids, right=g)))
             elif kind == "layer_norm":
-                if weight is not None and id(weight) in wanted:
+                if weight is not None:
                     x = _flatten_positions(call.inputs, batch)
                     normalized = F.layer_norm(x, module.normalized_shape, None, None, module.eps).to(g.dtype)
                     entry(weight).vectors.append((call, (g * normalized).sum(dim=1)))
-            if bias is not None and id(bias) in wanted and kind != "embedding":
+            if bias is not None and kind != "embedding":
                 entry(bias).vectors.append((call, g.sum(dim=1)))
         return uses
 

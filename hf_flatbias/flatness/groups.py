@@ -47,7 +47,7 @@ def _block_list(base: nn.Module) -> tuple[str, nn.ModuleList] | None:
     best = None
     for name, module in base.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > 0:
-            size = sum(p.numel() for p in module.parameters())
+            size = sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())  # ZeRO-3: 0 locally
             if size > 0 and (best is None or size > best[0]):
                 best = (size, name, module)
     return None if best is None else (best[1], best[2])

@@ -3,8 +3,9 @@
 A batch's working memory grows linearly with the number of contexts: the forward's saved activations, the recorded
 layer outputs and their gradients, the norms' coefficients and the per-context Gram matrices. One real forward and
 draw on the longest context, with every tensor it keeps counted once, gives the bytes per context; the model's own
-weights are resident whatever the batch, so the budget is on top of them; it also covers the full gradient the
-estimator's one-context check against a plain backward holds once (`one_context_check_bytes`).
+weights are resident whatever the batch (under FSDP2 and ZeRO-3 one gathered module's at a time), so the budget is on
+top of them; it also covers the largest tensor's gradient, which the estimator's one-context check against a plain
+backward holds once (`one_context_check_bytes`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 from ..machine import available_ram_bytes
 from ..tensors import trainable_parameters
 from .contexts import TraceContexts
+from .distributed import differentiated_parameters
 from .ghost import GhostNormRecorder
 from .lm import logits_at_positions, model_device
 
@@ -39,14 +41,13 @@ def default_memory_budget(device: torch.device) -> int:
 def per_sample_bytes_per_context(model: nn.Module, contexts: TraceContexts, index: int) -> int:
     """Working memory one context adds to a ``per_sample`` batch, counted on one forward and draw of context
     ``index`` (use the longest: memory grows with the length). The model must be in the mode it is measured in."""
-    resident = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     seen: set[int] = set()
     counted = 0
 
     def count(tensor: torch.Tensor) -> None:
         nonlocal counted
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in resident and storage.data_ptr() not in seen:
+        if storage.data_ptr() not in _resident_storages(model) and storage.data_ptr() not in seen:
             seen.add(storage.data_ptr())
             counted += storage.nbytes()
 
@@ -77,12 +78,21 @@ def per_sample_bytes_per_context(model: nn.Module, contexts: TraceContexts, inde
     return max(1, int(counted * SAFETY_FACTOR))
 
 
+def _resident_storages(model: nn.Module) -> set[int]:
+    """Where the model's weights and buffers live now: under FSDP2 and ZeRO-3 a module's gathered weights, which the
+    engine frees after the module (resident whatever the batch, and one module's at a time)."""
+    tensors = (*differentiated_parameters(model, list(model.parameters())), *model.buffers())
+    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+    return {t.untyped_storage().data_ptr() for t in local if t.untyped_storage().nbytes() > 0}
+
+
 def one_context_check_bytes(model: nn.Module) -> int:
-    """What the estimator's one-context check against a plain backward holds once: a full gradient, and the float64
-    copy and square of its largest tensor while it sums the squares."""
-    trainable = trainable_parameters(model)
-    largest = max((p.numel() for p in trainable), default=0)
-    return sum(p.numel() * p.element_size() for p in trainable) + 2 * 8 * largest
+    """What the estimator's one-context check against a plain backward holds at once: its largest tensor's gradient,
+    three times over for a matrix tied to two uses (both uses' parts and their sum exist together while autograd
+    adds them). `hf_flatbias.flatness.estimators.naive`'s `streamed_squared_norm` squares each tensor's gradient in
+    float64 a slice at a time and drops it as it forms, so no more of the gradient is ever whole."""
+    largest = max(trainable_parameters(model), key=lambda p: p.numel(), default=None)
+    return 0 if largest is None else 3 * largest.numel() * largest.element_size()
 
 
 def auto_batch_size(

@@ -11,6 +11,7 @@ from torch import nn
 
 from ...constants import PROBED_ESTIMATORS
 from ..contexts import TraceContexts, context_generator
+from ..distributed import lockstep_minimum
 from ..groups import ParameterGroups
 from ..memory import auto_batch_size
 from ..results import TraceSamples
@@ -96,7 +97,8 @@ def resolved_batch_size(
 ) -> int:
     """``settings.batch_size``, with ``"auto"`` measured on these contexts."""
     if settings.batch_size == "auto":
-        return auto_batch_size(model, contexts, indices)
+        # ranks measure different contexts; under ZeRO-3 and FSDP2 they must still run as many batches
+        return lockstep_minimum(auto_batch_size(model, contexts, indices), model)
     return settings.batch_size
 
 

@@ -10,9 +10,11 @@ from tqdm.auto import tqdm
 
 from ...constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, RECOMMENDED_N_DRAWS, TRACE_SYMBOLS
 from ..contexts import TraceContexts
+from ..distributed import needs_lockstep
 from ..groups import GroupOf, ParameterGroups, parameter_groups
 from ..lm import check_lm_model, measured_parameters, output_vocab_size
 from ..results import TraceSamples
+from .base import TraceEstimator
 from .registry import ESTIMATOR_REGISTRY, per_context_estimators
 from .settings import TraceSettings
 
@@ -75,6 +77,7 @@ def trace_samples(
         raise ValueError(
             f"The Fisher diagonal needs estimator={_either(per_context_estimators())} (got {settings.estimator!r})."
         )
+    _check_sharded(model, estimator, settings, diagonal)
     params = measured_parameters(model)
     groups = _groups(model, params, settings)
     bar = tqdm(
@@ -86,6 +89,30 @@ def trace_samples(
     with torch.enable_grad(), bar:
         return estimator.measure(
             model, contexts, indices, params, settings, groups=groups, diagonal=diagonal, advance=bar.update
+        )
+
+
+def _check_sharded(model: nn.Module, estimator: TraceEstimator, settings: TraceSettings, diagonal: dict | None) -> None:
+    """Refuse, before any pass, what would need the whole model's parameters or gradient on one rank of a model
+    ZeRO-3 or FSDP2 shards (the estimate is measured module by module there)."""
+    if not needs_lockstep(model):
+        return
+    sharded = "the model is sharded by ZeRO-3 or FSDP2"
+    if not estimator.per_context:
+        raise ValueError(
+            f"estimator={settings.estimator!r} cannot measure a sharded model ({sharded}): its Hessian-vector products "
+            "and probes are parameter-sized on every rank, the whole model the sharding avoids; use "
+            "estimator='per_sample' (default) or 'naive'."
+        )
+    if diagonal is not None:
+        raise ValueError(
+            f"The Fisher diagonal is not measured on a sharded model ({sharded}): it is parameter-sized on every rank; "
+            "measure it on one process or under DDP / ZeRO 0-2."
+        )
+    if settings.by_group is not False and estimator.name == "naive":
+        raise ValueError(
+            f"by_group with estimator='naive' needs each context's whole gradient on one rank ({sharded}); use "
+            "estimator='per_sample' (default), which splits the trace by group module by module."
         )
 
 

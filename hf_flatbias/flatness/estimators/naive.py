@@ -4,6 +4,7 @@ architecture, and the one `per_sample` checks itself against."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from ...tensors import squared_norm
 from ..contexts import TraceContexts
+from ..distributed import differentiated_parameters
 from ..groups import ParameterGroups
 from ..lm import check_lm_model
 from ..results import TraceSamples
@@ -88,6 +90,9 @@ def naive_squared_norms(
             if handle is not None:
                 handle.remove()
         log_prob = torch.log_softmax(logits.float(), dim=-1)[label]
+        if groups is None and diagonal is None:
+            values[k] = streamed_squared_norm(log_prob, differentiated_parameters(model, params)).cpu()
+            continue
         if groups is None:
             grads = torch.autograd.grad(log_prob, params, allow_unused=True)
             values[k] = squared_norm(grads, dtype=torch.float64).cpu()
@@ -100,6 +105,36 @@ def naive_squared_norms(
         *grads, grad_output = torch.autograd.grad(log_prob, [*params, seen["output"]], allow_unused=True)
         values[k] = _naive_group_split(decoder, params, grads, seen["input"], grad_output, groups)
     return values
+
+
+_SQUARING_CHUNK = 1 << 20
+
+
+def streamed_squared_norm(output: torch.Tensor, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``||d output / d tensors||^2`` in float64, each tensor's gradient squared and dropped as the backward forms
+    it: the gradient is never whole, at most one tensor's at a time (under FSDP2 and ZeRO-3, one module's full
+    gradient while the engine holds that module gathered). Sums in the order of ``tensors``.
+    Nothing is written to ``.grad``, so the engines' gradient reductions have nothing to reduce."""
+    terms: dict[int, torch.Tensor] = {}
+
+    def keep_norm(position: int, grad: torch.Tensor) -> torch.Tensor:
+        # float64 a slice at a time: a float64 copy of a 32,000-word embedding's gradient would double its memory
+        terms[position] = sum(chunk.double().square().sum() for chunk in grad.reshape(-1).split(_SQUARING_CHUNK))
+        # a stride-0 zero of the gradient's shape is what autograd hands back: no memory
+        return grad.new_zeros(()).expand_as(grad)
+
+    wanted = [(n, t) for n, t in enumerate(tensors) if t.requires_grad]
+    if not wanted or not output.requires_grad:
+        return torch.zeros((), dtype=torch.float64)
+    handles = [tensor.register_hook(partial(keep_norm, n)) for n, tensor in wanted]
+    try:
+        torch.autograd.grad(output, [t for _, t in wanted], allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not terms:
+        return torch.zeros((), dtype=torch.float64)
+    return torch.stack([terms[n] for n in sorted(terms)]).sum()
 
 
 def _naive_group_split(

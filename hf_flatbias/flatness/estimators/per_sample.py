@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..contexts import TraceContexts, context_generator
+from ..distributed import Zero3BackwardHooks
 from ..ghost import GhostNormRecorder
 from ..ghost_diagonal import add_squared_gradients
 from ..groups import ParameterGroups
@@ -128,8 +129,10 @@ def _per_sample_batch(
     positions = torch.tensor([contexts.positions[i] for i in indices], device=batch["input_ids"].device)
     recorder = GhostNormRecorder(model, params)
     recorder.batch_size = len(indices)
+    zero3_hooks = Zero3BackwardHooks(model)
     with recorder:
         logits = logits_at_positions(model, batch, positions)
+    zero3_hooks.snapshot()
     probs = torch.softmax(logits.detach()[:, 0].double(), dim=-1)
     labels = sample_labels(probs, indices, n_draws, settings.seed)
     signs = _output_signs(indices, n_draws, probs.shape[1], settings.seed, probs.device, kind=settings.output_probe)
@@ -137,17 +140,16 @@ def _per_sample_batch(
     decoder = check_lm_model(model)
     decoder_call = next((c for c in recorder.calls if c.module is decoder and _are_the_logits(c.output, logits)), None)
     use_expectation = settings.exact_output_expectation and decoder_call is not None
-    trainable = {id(p) for p in params}
     if use_expectation:
         # E_y ||e_y - p||^2 = 1 - ||p||^2, times what multiplies the output gradient in the decoder's own term
         multiplier = torch.zeros(len(indices), dtype=torch.float64, device=probs.device)
-        if id(decoder.weight) in trainable:
+        if recorder.measures(decoder, "weight"):
             multiplier += decoder_call.inputs.double().square().sum(dim=(1, 2))
-        if getattr(decoder, "bias", None) is not None and id(decoder.bias) in trainable:
+        if recorder.measures(decoder, "bias"):
             multiplier += 1.0
         expected_output_term = (1.0 - probs.square().sum(dim=1)) * multiplier
         if diagonal is not None:
-            _add_expected_output_diagonal(diagonal, decoder, decoder_call, probs, trainable)
+            _add_expected_output_diagonal(diagonal, decoder, decoder_call, probs, {id(p) for p in params})
     forward_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -156,9 +158,11 @@ def _per_sample_batch(
     for k in range(n_draws):
         if validate and k == 0:
             grad_logits = _label_cotangent(probs, labels[:, 0]).to(logits.dtype).unsqueeze(1)
+            zero3_hooks.rearm()
             recorder.check_unsupported_unused(logits, grad_logits)
             if signs is not None:
                 # the check against a plain backward is of a sampled label's gradient: one more backward, once
+                zero3_hooks.rearm()
                 grads = (
                     torch.autograd.grad(logits, outputs, grad_outputs=grad_logits, retain_graph=True, allow_unused=True)
                     if outputs
@@ -177,6 +181,7 @@ def _per_sample_batch(
             z = signs[:, k]
             cotangent = root * z - probs * (root * z).sum(dim=1, keepdim=True)
         grad_logits = cotangent.to(logits.dtype).unsqueeze(1)
+        zero3_hooks.rearm()
         retain_graph = k < n_draws - 1 or validate
         if diagonal is None and not validate:
             # each layer's terms formed as its output gradient arrives: the gradients at every layer output are never

@@ -1,0 +1,249 @@
+"""Per-rank peak memory of the ``per_sample`` trace of a model FSDP2 or ZeRO-3 shards, with 1, 2 and 4 CPU processes.
+
+The bound the sharded trace should keep on each rank: its own shard of the parameters, the largest block the engine
+gathers at once (one FSDP unit; one module under ZeRO-3) and one batch's activations; the parameter part should fall
+about as 1/N. Each arm is one ``torch.distributed.run`` launch (gloo) of this script in worker mode: every rank builds
+the same seeded model, shards it (``fully_shard`` on each decoder layer and the root; ``deepspeed.initialize`` at
+stage 3 with nothing kept whole), hands back freed memory, and measures ``estimate_hessian_trace(...,
+across_processes=True)``. It reports
+
+- ``peak``: the rank's peak resident memory during the measurement above what it held just before (malloc_trim, then
+  the peak reset through /proc/self/clear_refs: `large_model_trace.PeakMemory`);
+- ``held``: the rank's resident memory just before, which holds its shard (and the Python/torch runtime);
+- ``shard``: the bytes of the parameters the rank owns (its local shards);
+- ``gathered_max``: the most parameter bytes the rank held whole at any moment of the measurement, sampled every
+  few milliseconds from the engine's own state (unsharded FSDP2 parameters with storage, ZeRO-3 parameters not
+  ``NOT_AVAILABLE``): the whole model would read ``model``;
+- the estimate, and its relative difference from one plain (unsharded, no engine) process on the same contexts,
+  measured in the driver.
+
+The arms run one after another (1, 2, 4 processes for each engine); the machine's other load changes the times, not
+the memory. ``--model llama100m`` is `_common.llama_100m` (100M, tied head); ``llama50m`` halves its layers and
+MLP (about 51M).
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. MALLOC_MMAP_THRESHOLD_=1048576 MALLOC_ARENA_MAX=2 \
+        python benchmarks/sharded_trace_memory.py --engines fsdp2,zero3 --processes 1,2,4
+
+The two glibc settings make freed blocks go back to the system: with glibc's defaults (a mmap threshold that rises
+to 32 MiB as large blocks are freed, an arena per thread) the multi-process arms kept 0.4-0.8 GiB more resident at
+their peak than live, which reads as memory growing with N (`benchmarks/RESULTS.md` has both runs).
+
+Last lines: ``gathered_over_model[ENGINE:N]=X`` and ``relative_difference[ENGINE:N]=X``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+from _common import llama_100m  # noqa: E402
+from large_model_trace import FIRST_WORD, PeakMemory  # noqa: E402
+from transformers import LlamaForCausalLM  # noqa: E402
+
+from hf_flatbias.flatness import build_masked_contexts, estimate_hessian_trace  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def build(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = llama_100m()
+    if name == "llama50m":
+        config = model.config
+        config.num_hidden_layers, config.intermediate_size = 6, 1536
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    return model
+
+
+def rows(n: int, seq_len: int, vocab: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    draw = [torch.randint(FIRST_WORD, vocab, (seq_len,), generator=generator).tolist() for _ in range(n)]
+    texts = [{"input_ids": ids} for ids in draw]
+    return build_masked_contexts(texts, mask_token_id=None, causal=True, seed=0)
+
+
+def shard(model: torch.nn.Module, engine: str) -> torch.nn.Module:
+    if engine == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        # nothing kept whole, nothing fetched ahead (the prefetch bucket, 5e7 entries by default, adds to what is
+        # gathered at once)
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0},
+    }
+    engine_, *_ = deepspeed.initialize(model=model, config=config)
+    return engine_.module
+
+
+def whole_parameter_bytes(model: torch.nn.Module, engine: str) -> int:
+    """Parameter bytes the rank holds whole right now, read from the engine's state."""
+    if engine == "zero3":
+        return sum(p.ds_numel * p.element_size() for p in model.parameters() if p.ds_status.name != "NOT_AVAILABLE")
+    from torch.distributed.fsdp import FSDPModule
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                for param in group.fsdp_params:
+                    unsharded = getattr(param, "_unsharded_param", None)
+                    if unsharded is not None and unsharded.untyped_storage().nbytes() > 0:
+                        total += unsharded.numel() * unsharded.element_size()
+    return total
+
+
+def local_shard_bytes(model: torch.nn.Module, engine: str) -> int:
+    if engine == "zero3":
+        return sum(p.ds_tensor.numel() * p.ds_tensor.element_size() for p in model.parameters())
+    return sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+
+
+class HighWater:
+    """The largest value ``read()`` returned, sampled on a thread every ``interval`` seconds while the block runs."""
+
+    def __init__(self, read, interval: float = 0.002) -> None:
+        self.read, self.interval, self.value = read, interval, 0
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.value = max(self.value, self.read())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> HighWater:
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.value = max(self.value, self.read())
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = build(args.model)
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest_layer = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.model.layers)
+    data = rows(args.n_contexts, args.seq_len, model.config.vocab_size)
+    model = shard(model, args.engine)
+    gc.collect()
+    settings = {"n_draws": args.n_draws, "batch_size": args.batch_size}
+    result = {
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "shard": local_shard_bytes(model, args.engine),
+        "model": model_bytes,
+        "largest_layer": largest_layer,
+    }
+    # the first estimate on a model runs the one-context check against a plain backward; the second is the
+    # measurement as every later one runs
+    for arm in ("first", "steady"):
+        dist.barrier()
+        start = time.perf_counter()
+        gathered = HighWater(lambda: whole_parameter_bytes(model, args.engine))
+        with PeakMemory(torch.device("cpu")) as peak, gathered as hw:
+            held = PeakMemory._rss("VmRSS:")
+            estimate = estimate_hessian_trace(model, data, across_processes=True, **settings)
+        result[arm] = {
+            "peak": peak.peak,
+            "held": held,
+            "gathered_max": hw.value,
+            "mean": estimate.mean,
+            "seconds": time.perf_counter() - start,
+        }
+    Path(args.out, f"{args.engine}-{dist.get_world_size()}.rank{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def one_process_estimate(args: argparse.Namespace) -> float:
+    model = build(args.model)
+    data = rows(args.n_contexts, args.seq_len, model.config.vocab_size)
+    return estimate_hessian_trace(model, data, n_draws=args.n_draws, batch_size=args.batch_size).mean
+
+
+def driver(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]), OMP_NUM_THREADS="1")
+    results = {}
+    for engine in args.engines.split(","):
+        for n in [int(n) for n in args.processes.split(",")]:
+            command = [
+                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
+                "--master_port", str(args.port), __file__, "--worker", "--engine", engine,
+                *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                  if k in ("model", "n_contexts", "seq_len", "n_draws", "batch_size", "out")),
+            ]  # fmt: skip
+            completed = subprocess.run(command, env=env, capture_output=True, text=True)
+            if completed.returncode != 0:
+                print(completed.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"{engine} with {n} processes failed")
+            results[(engine, n)] = [json.loads((out / f"{engine}-{n}.rank{r}.json").read_text()) for r in range(n)]
+            print(f"{engine} x{n} done", file=sys.stderr, flush=True)
+    reference = one_process_estimate(args)
+    mib = 2**20
+    first = next(iter(results.values()))[0]
+    print(f"model {args.model}: {first['model'] / mib:.0f} MiB of parameters, largest decoder layer "
+          f"{first['largest_layer'] / mib:.1f} MiB; {args.n_contexts} contexts x {args.seq_len} tokens, "
+          f"{args.n_draws} draws, batch {args.batch_size}; one plain process: {reference:.6g}")  # fmt: skip
+    print("arm: first = the first estimate on the model (with its one-context check against a plain backward), "
+          "steady = every later one")  # fmt: skip
+    print("engine  N  rank  arm     held MiB  shard MiB  gathered max MiB  peak above held MiB  seconds  estimate")
+    for (engine, n), ranks in results.items():
+        for r in ranks:
+            for arm in ("first", "steady"):
+                a = r[arm]
+                print(f"{engine:6} {n:2} {r['rank']:5}  {arm:6} {a['held'] / mib:9.0f} {r['shard'] / mib:10.1f} "
+                      f"{a['gathered_max'] / mib:17.1f} {a['peak'] / mib:20.0f} {a['seconds']:8.1f}  "
+                      f"{a['mean']:.9g}")  # fmt: skip
+    for (engine, n), ranks in results.items():
+        gathered = max(r[arm]["gathered_max"] for r in ranks for arm in ("first", "steady")) / ranks[0]["model"]
+        print(f"gathered_over_model[{engine}:{n}]={gathered:.3f}")
+    for (engine, n), ranks in results.items():
+        difference = max(abs(r[arm]["mean"] - reference) for r in ranks for arm in ("first", "steady"))
+        print(f"relative_difference[{engine}:{n}]={difference / abs(reference):.2e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", default="fsdp2,zero3")
+    parser.add_argument("--processes", default="1,2,4")
+    parser.add_argument("--model", default="llama100m", choices=["llama100m", "llama50m"])
+    parser.add_argument("--n-contexts", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--n-draws", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--port", type=int, default=29631)
+    parser.add_argument("--out", default="/tmp/sharded_trace_memory")
+    parser.add_argument("--worker", action="store_true", help="internal: one rank of a launched arm")
+    parser.add_argument("--engine", default="fsdp2", help="internal: the worker's engine")
+    args = parser.parse_args()
+    worker(args) if args.worker else driver(args)
+
+
+if __name__ == "__main__":
+    main()

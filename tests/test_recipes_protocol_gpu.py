@@ -5,6 +5,9 @@ import json
 import sys
 import time
 
+import numpy as np
+import pytest
+
 
 def test_protocol_gpu_dry_run_writes_starts_rate_and_c1(recipes, tmp_path):
     completed = recipes.run(
@@ -48,3 +51,38 @@ def test_run_concurrently_kills_at_the_deadline_and_keeps_finished_runs(recipes,
     assert outcome["endless"]["killed"] and outcome["endless"]["returncode"] != 0
     assert time.monotonic() - start < 60
     assert (tmp_path / "logs" / "endless.log").exists()
+
+
+def test_ruler_c1_reads_the_records_v2s_rule_compares(recipes, tmp_path):
+    """v2's ruler read-out of a v1 work folder: the start and the first and last compared branches are read on the
+    same splits, nothing else, and the verdicts recompute from ruler_c1.json's records."""
+    protocol = recipes.load("pcfg_protocol_gpu")
+    from research import verdicts_v2
+
+    from hf_flatbias.synthetic import PCFG, build_model, make_tokenizer
+
+    vocabulary = len(make_tokenizer(PCFG.paper_shaped(0).words()))
+    seed_dir = tmp_path / "out" / "work" / "seed0"
+    saturation = {"ci_high": 0.008}
+    build_model(vocabulary, hidden=32, layers=1, seed=0).save_pretrained(seed_dir / "start")
+    start = {"measured": {"kl": 0.006, "saturation": saturation, "fisher_trace": 100.0}}
+    (seed_dir / "start" / "start.json").write_text(json.dumps(start))
+    records = []
+    for step, kl in [(10, 0.007), (20, 0.009), (30, 0.0085), (40, 0.012)]:  # step 40 leaves the saturated tier
+        build_model(vocabulary, hidden=32, layers=1, seed=step).save_pretrained(
+            seed_dir / "c1" / "branches" / f"step-{step}"
+        )
+        records.append({"step": step, "kl": kl, "saturation": {"ci_high": kl + 0.001}, "fisher_trace": 100.0 - step})
+    (seed_dir / "c1" / "result.json").write_text(json.dumps({"records": records}))
+    args = protocol.parse_arguments(["--dry-run", "--seeds", "0", "--output-dir", str(tmp_path / "out")])
+    verdicts = protocol.ruler_c1(args, tmp_path / "out")
+    reads = json.loads((tmp_path / "out" / "ruler_reads.json").read_text())["reads"]
+    # saturated tier: steps 10-30 compared (first 10, last 30); the matched tier compares the same three
+    assert set(reads) == {"start/seed0", "c1/seed0/step-10", "c1/seed0/step-30"}
+    assert verdicts["saturated"]["per_seed"]["0"]["compared_steps"] == [10, 20, 30]
+    assert verdicts["saturated"]["verdict"] == verdicts_v2.NOT_SATURATED  # one seed of the rules' four
+    probe = {key: reads[key]["readouts"]["probe"] for key in reads}
+    gain = np.mean([probe["c1/seed0/step-30"][r]["mean"] - probe["c1/seed0/step-10"][r]["mean"] for r in ("0", "1")])
+    assert verdicts["saturated"]["per_seed_difference"]["0"] == pytest.approx(gain)
+    saved = json.loads((tmp_path / "out" / "ruler_c1.json").read_text())
+    assert saved["verdicts"]["saturated"] == json.loads(json.dumps(verdicts_v2.c1_verdict(saved["seeds"], 1)))

@@ -72,7 +72,7 @@ def decide(differences: Mapping[str, Sequence[float]], *, above: bool) -> dict[s
         "per_seed_difference": {s: float(np.mean(v)) for s, v in differences.items()},
         "predicted": "above 0" if above else "below 0",
     }
-    if len(differences) < rules.SEEDS_REQUIRED:
+    if len(differences) < max(rules.SEEDS_REQUIRED, 2):  # an interval needs two seeds whatever the rule asks
         return {**row, "verdict": NOT_SATURATED, "difference": None, "reading": None}
     interval = two_way_interval([differences[s] for s in sorted(differences)])
     low, high = interval["ci"]

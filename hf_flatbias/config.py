@@ -122,7 +122,11 @@ class FlatnessArguments:
             "help": "Which trainable parameters the SAM perturbation moves (the norm of g is taken over them only): "
             "'all'; 'output_layer': the parameters of model.get_output_embeddings() (logits-SAM of Luo et al., 2026; "
             "with tied embeddings this is the input embedding too); or comma-separated fnmatch patterns of "
-            "parameter names, e.g. '*.layer.1.*,cls.*'. The update still trains every trainable parameter."
+            "parameter names, e.g. '*.layer.1.*,cls.*'. The update still trains every trainable parameter. When "
+            "only output-layer parameters move, the second pass reuses the first pass's trunk outputs (one trunk "
+            "forward per step); it falls back to two whole forwards, said once in the log, when the trunk draws "
+            "random numbers (dropout > 0), the head is tied to the input embedding, or with sam_scope='batch', "
+            "sam_ascent_fraction < 1 or a compiled model."
         },
     )
     sam_start_step: int = field(

@@ -82,6 +82,12 @@ def test_two_processes_equal_one_process_with_the_trunk_replayed(runs, case, tmp
     steps, k = 3, case["args"].get("gradient_accumulation_steps", 1)
     assert calls == steps * k, "one trunk forward per micro-batch in the one-process run"
     assert max_difference(two[0], two[1]) == 0.0
-    assert max_difference(two[0], one) < 1e-12
-    # the two ranks' flos summed: a whole second forward/backward would have doubled the plain step's count
-    assert total_flos(launched, case["name"]) == pytest.approx(flos)
+    # ZeRO-3 keeps this float64 model float32-accurate: 1.0e-7 from the one process without an engine (measured at
+    # accumulation 1); in one process under ZeRO-3 the replayed step equalled the two-forward step bit for bit
+    assert max_difference(two[0], one) < (1e-12 if case["engine"] == "ddp" else 1e-6)
+    info = json.loads((launched / f"{case['name']}.rank0.json").read_text())
+    assert info["first_layer_forwards"] == steps * k, "one trunk forward per micro-batch on each rank"
+    assert info["zero_stage"] == (3 if case["engine"] == "zero3" else None)
+    if case["engine"] == "ddp":  # (ZeRO-3's partitioned parameters count as empty in the Trainer's flos)
+        # the two ranks' flos summed: a whole second forward/backward would have doubled the plain step's count
+        assert total_flos(launched, case["name"]) == pytest.approx(flos)

@@ -347,10 +347,14 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
         return run_trace_callback_case(case, values)
 
     model, rows = TRAINING_TASKS[case.task]
+    first_layer_forwards: list[int] = []
 
     def train(resume_from_checkpoint: str | None = None) -> FlatBiasTrainer:
         args = FlatBiasConfig(**values)
         trainer = FlatBiasTrainer(model=with_lora(model(), case.lora), args=args, train_dataset=rows())
+        layers = getattr(getattr(trainer.model, "model", None), "layers", None)
+        if layers is not None:  # a decoder's trunk: how often it ran forward (output-layer SAM replays it)
+            layers[0].register_forward_pre_hook(lambda module, args: first_layer_forwards.append(1))
         trainer.train(resume_from_checkpoint=resume_from_checkpoint)
         return trainer
 
@@ -370,6 +374,7 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
     result["log_history"] = trainer.state.log_history
     result["token_weighted_loss"] = trainer._token_weighted_loss
     result["world_size"] = trainer.args.world_size
+    result["first_layer_forwards"] = len(first_layer_forwards)
     result["zero_stage"] = deepspeed_zero_stage(trainer.deepspeed_engine())
     return result
 

@@ -41,9 +41,14 @@ def sharded_model(engine: str) -> torch.nn.Module:
 
     config = {
         "train_micro_batch_size_per_gpu": 1,
-        # nothing kept whole, nothing fetched ahead (the prefetch bucket, 5e7 entries by default, adds to what is
-        # gathered at once)
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0},
+        # nothing kept whole, fetched ahead or kept for reuse: ZeRO-3's defaults (a 5e7-entry prefetch bucket, 1e9
+        # entries kept when reused soon) would hold this tiny model whole, in training as in a measurement
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_max_reuse_distance": 0,
+        },
     }
     engine_, *_ = deepspeed.initialize(model=model, config=config)
     return engine_.module

@@ -110,6 +110,10 @@ TRACE_STDERR_METRIC = "flatness/hessian_trace_stderr"
 
 SPECTRUM_MATRICES = ("fisher", "hessian")
 
+CRITICAL_DIRECTIONS = ("optimizer", "gradient_descent")
+"""The lines critical sharpness searches along: the optimizer's next update (the negative gradient without one), or
+the negative gradient."""
+
 CURVATURE_PRODUCTS = ("auto", "exact", "finite_difference")
 """How `estimate_top_eigenvalues` forms its matrix-vector products: ``exact`` (double backward / forward mode, whole
 parameters on one process), ``finite_difference`` (central differences of gradients or logits, through the engine's

@@ -19,6 +19,8 @@ from numbers import Integral, Real
 from typing import Any
 
 from .constants import (
+    CRITICAL_DIRECTIONS,
+    CURVATURE_PRODUCTS,
     DEFAULT_SAM_RHO,
     NOISE_SCALES,
     SAM_SHARPNESS_METRIC,
@@ -42,6 +44,10 @@ def _optional_int(text: str) -> int | None:
     return None if str(text).lower() in ("", "none") else int(text)
 
 
+def _optional_float(text: str) -> float | None:
+    return None if str(text).lower() in ("", "none") else float(text)
+
+
 def _setting(default: Any, help: str, parse: Callable[[str], Any], choices: Sequence[str] | None = None) -> Any:  # noqa: A002
     return dataclasses.field(default=default, metadata={"help": help, "parse": parse, "choices": choices})
 
@@ -59,6 +65,23 @@ class MeasureSettings:
         SPECTRUM_MATRICES,
     )
     top_k: int = _setting(1, "How many of the largest eigenvalues top_eigenvalue finds (default: 1).", int)
+    eigenvalue_product: str = _setting(
+        "auto",
+        "How top_eigenvalue forms its matrix-vector products: exact (double backward, whole parameters on one "
+        "process), finite_difference ((g(w+hv) - g(w-hv))/2h through the engine's own backward: works under FSDP2 "
+        "and ZeRO-3 without gathering the model, and with fused attention), or auto (default: finite_difference "
+        "when the parameters are sharded, exact otherwise).",
+        str,
+        CURVATURE_PRODUCTS,
+    )
+    eigenvalue_fd_step: float | None = _setting(
+        None,
+        "The step h of top_eigenvalue's finite differences, along a unit vector; none (default): 1e-2 for float32 "
+        "and float64 parameters, chosen by measuring the error against the exact product (best or within 1.5x of "
+        "the best h on a 107k-parameter Llama: 5e-5 to 8e-5 relative error in float32; "
+        "benchmarks/finite_difference_step.py).",
+        _optional_float,
+    )
     sam_rho: float = _setting(DEFAULT_SAM_RHO, "Radius of sam_sharpness (default: 0.05).", float)
     sam_batch_size: int | None = _setting(
         None, "Contexts per ascent step of sam_sharpness, as the training batch (default: --batch-size).", int
@@ -83,6 +106,14 @@ class MeasureSettings:
     critical_rtol: float = _setting(
         1e-3, "Relative precision of critical_sharpness's line search (default: 1e-3).", float
     )
+    critical_direction: str = _setting(
+        "optimizer",
+        "The line of critical_sharpness: optimizer (default: the optimizer's next update in training, the negative "
+        "gradient where there is no optimizer, as on the command line) or gradient_descent (the negative gradient; "
+        "the one that works under DeepSpeed, whose optimizer's update cannot be proposed and undone).",
+        str,
+        CRITICAL_DIRECTIONS,
+    )
     critical_batch_size: int | None = _setting(
         None, "Contexts per line search of critical_sharpness (default: --batch-size); the error is over them.", int
     )
@@ -99,6 +130,9 @@ class MeasureSettings:
         for name in ("sam_batch_size", "quantization_group_size", "critical_batch_size"):
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name))
+        step = self.eigenvalue_fd_step
+        if step is not None and not (_is_number(step) and math.isfinite(step) and step > 0):
+            raise ValueError(f"eigenvalue_fd_step must be a finite number > 0 (got {step!r}).")
         for name in ("sam_rho", "critical_rtol"):
             value = getattr(self, name)
             if not (_is_number(value) and math.isfinite(value) and value > 0):
@@ -198,6 +232,7 @@ def _eigenvalue_record(result: Any) -> dict[str, Any]:
             "eigenvalues": [float(v) for v in result.eigenvalues] if len(result.eigenvalues) > 1 else None,
             "n_contexts": int(result.n_contexts),
             "n_matvecs": int(result.n_matvecs),
+            "product": getattr(result, "product", None),
             "seconds": float(result.seconds),
         }
     )
@@ -287,7 +322,7 @@ MEASURE_TABLE: dict[str, MeasureSpec] = {
             help="the largest eigenvalue(s) of the Fisher or Hessian by Lanczos",
             compute="hf_flatbias.flatness.beyond_trace:top_eigenvalue",
             record=_eigenvalue_record,
-            settings=("eigenvalue_matrix", "top_k"),
+            settings=("eigenvalue_matrix", "top_k", "eigenvalue_product", "eigenvalue_fd_step"),
             metric=TOP_EIGENVALUE_METRIC,
             stderr_metric=None,
             result_key="top_eigenvalues",
@@ -383,7 +418,7 @@ MEASURE_TABLE: dict[str, MeasureSpec] = {
             "nothing applied; on the command line, with no optimizer: the negative gradient, plain gradient descent)",
             compute="hf_flatbias.flatness.beyond_trace:critical_sharpness",
             record=_critical_record,
-            settings=("critical_rtol", "critical_batch_size"),
+            settings=("critical_rtol", "critical_direction", "critical_batch_size"),
             metric="flatness/critical_sharpness",
             stderr_metric="flatness/critical_sharpness_stderr",
             result_key="critical_sharpness",

@@ -49,6 +49,9 @@ def top_eigenvalue(
         seed=seed,
         batch_size=batch_size,
         causal=causal,
+        product=settings.eigenvalue_product,
+        finite_difference_step=settings.eigenvalue_fd_step,
+        optimizer=optimizer,
     )
 
 
@@ -155,19 +158,21 @@ def critical_sharpness(
     contexts are split over the processes, each forward's loss is summed over them (so every process compares the
     same numbers and takes the same branch of the search), and the line search moves each process's own pieces of
     the parameters (FSDP2's and ZeRO-3's shards): nothing is gathered beyond what the engine's forward gathers. Under
-    DeepSpeed the optimizer's update cannot be proposed (its state lives in DeepSpeed's own partitions): pass
-    ``optimizer=None`` (gradient descent) there.
+    DeepSpeed the optimizer's update cannot be proposed (its state lives in DeepSpeed's own partitions): set
+    ``settings.critical_direction='gradient_descent'`` there (the engine's optimizer is then only used, under ZeRO-3,
+    to release its gathered parameters after each move).
     """
     start_time = time.perf_counter()
     size = settings.critical_batch_size or _fixed(batch_size)
     prepared, _, n_used = _prepare(model, contexts, n_contexts, causal)
-    space = parameter_space(model, optimizer)
-    if _is_deepspeed_optimizer(optimizer):
+    along_optimizer = optimizer is not None and settings.critical_direction == "optimizer"
+    if along_optimizer and _is_deepspeed_optimizer(optimizer):
         raise ValueError(
             "critical_sharpness along the optimizer's update does not support DeepSpeed: its engine keeps the "
-            "optimizer's state outside torch's optimizer, so the next update cannot be proposed and undone; pass "
-            "optimizer=None to search along the negative gradient (plain gradient descent)."
+            "optimizer's state outside torch's optimizer, so the next update cannot be proposed and undone; set "
+            "critical_direction='gradient_descent' to search along the negative gradient."
         )
+    space = parameter_space(model, optimizer)
     values, statuses, passes = [], [], 0
     with evaluation_mode(model), preserved_global_rng():
         for start in range(0, n_used, size):
@@ -185,7 +190,7 @@ def critical_sharpness(
                 space.release_gathered()  # ZeRO-3's gathered copies would hide the move of the partitions
                 return float(space.sum_over_processes(share_loss(m).detach().double().reshape(1)))
 
-            if optimizer is None:
+            if not along_optimizer:
                 update, learning_rate = [-g for g in grads], 1.0
             else:
                 proposed = _optimizer_update(optimizer, space, grads)
@@ -211,8 +216,8 @@ def critical_sharpness(
     return CriticalSharpnessEstimate(
         mean=mean,
         stderr=stderr,
-        direction=GRADIENT_DESCENT if optimizer is None else type(inner).__name__,
-        learning_rate=None if optimizer is None else float(_learning_rate(inner)),
+        direction=type(inner).__name__ if along_optimizer else GRADIENT_DESCENT,
+        learning_rate=float(_learning_rate(inner)) if along_optimizer else None,
         rtol=float(settings.critical_rtol),
         batch_size=size,
         n_contexts=n_used,

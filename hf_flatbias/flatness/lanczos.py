@@ -138,7 +138,7 @@ def thick_restart_lanczos(
     max_vectors = min(max_vectors, dimension)
     if max_vectors < min(k + 1, dimension):
         raise ValueError(f"max_vectors={max_vectors} must be at least k + 1 = {k + 1}.")
-    basis = torch.empty(max_vectors, dimension, dtype=start.dtype, device=start.device)
+    basis = torch.empty(max_vectors, start.numel(), dtype=start.dtype, device=start.device)
     projected = torch.zeros(max_vectors, max_vectors, dtype=torch.float64)
     basis[0] = start / vector_norm(start, sum_across)
     invariant_tolerance = 1e3 * (torch.finfo(start.dtype).eps if rounding is None else rounding)

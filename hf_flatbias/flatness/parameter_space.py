@@ -35,6 +35,7 @@ class ParameterSpace:
     """Vectors and gradients over a model's trainable parameters in the layout this process holds them.
 
     Attributes:
+        model: the module whose forward the engine hooks.
         params: the trainable parameters (the module's own tensors, sharded or not).
         layout: the engine's view of them (`PerturbableParameters`): what to edit, how to take a gradient.
         shapes: each parameter's whole shape.
@@ -42,6 +43,7 @@ class ParameterSpace:
         rank, world_size: of the default process group.
     """
 
+    model: nn.Module
     params: list[nn.Parameter]
     layout: PerturbableParameters
     shapes: list[torch.Size]
@@ -159,7 +161,11 @@ class ParameterSpace:
         return grads
 
     def release_gathered(self) -> None:
-        """Drop gathered copies an edit of the local pieces would not reach (ZeRO-3's persistent parameters)."""
+        """Drop gathered copies an edit of the local pieces would not reach: ZeRO-3's persistent parameters, and
+        FSDP2's root, which stays unsharded after a forward without a backward (a line search's, a Fisher
+        product's), so that the next forward would run on the weights before the edit."""
+        if isinstance(self.layout, FullyShardedParameters):
+            _reshard(self.model)
         self.layout.release_gathered()
 
 
@@ -170,9 +176,12 @@ def parameter_space(model: nn.Module, optimizer: object | None = None) -> Parame
     through the engine's optimizer (``optimizer``: DeepSpeed's, or the Trainer's wrapper of it), which is then
     required. Anything else holds whole parameters (one process, DDP, ZeRO 0-2).
     """
+    fully_sharded = is_fully_sharded(model)
+    if fully_sharded:
+        _reshard(model)  # the parameters are the shards (DTensors) again
     params = measured_parameters(model)
     rank, world_size = world()
-    if is_fully_sharded(model):
+    if fully_sharded:
         layout: PerturbableParameters = FullyShardedParameters(params)
         shapes = [p.shape for p in params]
         sharded = True
@@ -186,8 +195,22 @@ def parameter_space(model: nn.Module, optimizer: object | None = None) -> Parame
         shapes = [p.shape for p in params]
         sharded = False
     return ParameterSpace(
-        params=params, layout=layout, shapes=list(shapes), sharded=sharded, rank=rank, world_size=world_size
+        model=model,
+        params=params,
+        layout=layout,
+        shapes=list(shapes),
+        sharded=sharded,
+        rank=rank,
+        world_size=world_size,
     )
+
+
+def _reshard(model: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()  # local: frees the gathered copy, no collective
 
 
 def _zero3_optimizer(optimizer: object | None) -> object:

@@ -32,14 +32,15 @@ def test_finite_difference_product_is_near_the_exact_one(matrix):
         v = torch.randn(exact.dimension, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
         v /= v.norm()
         reference, approximate = exact(v), fd(v)
-    # measured 1.2e-4 (Hessian) and 5.4e-5 (Fisher) at h = 1e-2 in float32 (benchmarks/RESULTS.md)
-    assert float((approximate - reference).norm() / reference.norm()) < 1e-3
+    # along a random vector: 1.9e-3 (Hessian) and 1.5e-3 (Fisher) at h = 3e-4 in float32 (benchmarks/RESULTS.md)
+    error = float((approximate - reference).norm() / reference.norm())
+    assert error < 5e-3
     # a step far from the chosen one is far worse: the measurement that chose it can tell them apart
     with evaluation_mode(model):
         coarse = FiniteDifferenceOperator(
             model, contexts, list(range(n)), n, n, space, matrix=matrix, batch_size=3, step=0.3
         )
-        assert float((coarse(v) - reference).norm() / reference.norm()) > 1e-3
+        assert float((coarse(v) - reference).norm() / reference.norm()) > 2 * error
 
 
 def test_weights_come_back_bit_for_bit_after_products():
@@ -55,7 +56,8 @@ def test_finite_difference_top_eigenvalue_agrees_with_exact(matrix):
     exact = estimate_top_eigenvalues(tiny_causal_lm(), rows, matrix=matrix, product="exact", tol=1e-6)
     fd = estimate_top_eigenvalues(tiny_causal_lm(), rows, matrix=matrix, product="finite_difference", tol=1e-6)
     assert fd.product == "finite_difference" and exact.product == "exact"
-    assert fd.top == pytest.approx(exact.top, rel=1e-3)
+    # measured 9e-5 (Hessian) and 8e-6 (Fisher) at the default h
+    assert fd.top == pytest.approx(exact.top, rel=5e-4)
     auto = estimate_top_eigenvalues(tiny_causal_lm(), rows, matrix=matrix, max_iterations=3)
     assert auto.product == "exact"  # whole parameters on one process
 

@@ -101,3 +101,32 @@ def test_critical_sharpness_refuses_deepspeeds_optimizer_update_and_takes_its_gr
     plain = critical_sharpness(model, causal_rows(), n_contexts=4, settings=MeasureSettings(), batch_size=4)
     assert along_g.direction == plain.direction == "gradient_descent"
     assert along_g.per_batch == plain.per_batch
+
+
+def _zero3_trainer(model: torch.nn.Module):
+    from types import SimpleNamespace
+
+    plugin = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 3}})
+    return SimpleNamespace(
+        accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)),
+        model=model,
+        args=SimpleNamespace(world_size=2),
+    )
+
+
+def test_callback_takes_the_sharded_measures_under_zero3_and_refuses_the_rest_at_the_start():
+    from hf_flatbias.callbacks import HessianTraceCallback
+
+    trainer = _zero3_trainer(tiny_causal_lm())
+    descent = {"critical_direction": "gradient_descent"}
+    accepted = HessianTraceCallback(also_measure=("top_eigenvalue", "critical_sharpness"), measure_settings=descent)
+    accepted.bind_trainer(trainer)
+    accepted._check_engine_supports_estimator()
+    whole = HessianTraceCallback(also_measure=("top_eigenvalue", "weight_noise"))
+    whole.bind_trainer(trainer)
+    with pytest.raises(ValueError, match=r"\['weight_noise'\]\) does not support a sharded model"):
+        whole._check_engine_supports_estimator()
+    along_optimizer = HessianTraceCallback(also_measure=("critical_sharpness",))
+    along_optimizer.bind_trainer(trainer)
+    with pytest.raises(ValueError, match="critical_direction"):
+        along_optimizer._check_engine_supports_estimator()

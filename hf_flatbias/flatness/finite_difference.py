@@ -18,14 +18,15 @@ was chosen by measuring the product's error against the exact (double-backward) 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
-from ..constants import SPECTRUM_MATRICES
+from ..constants import CURVATURE_PRODUCTS, SPECTRUM_MATRICES
 from .contexts import TraceContexts
-from .distributed import share_of_contexts
+from .distributed import needs_lockstep, share_of_contexts
 from .lanczos import thick_restart_lanczos, vector_norm
 from .lm import logits_at_positions
 from .parameter_space import ParameterSpace, parameter_space
@@ -51,6 +52,23 @@ differences), and the products are rough there."""
 def default_finite_difference_step(dtype: torch.dtype) -> float:
     """`FINITE_DIFFERENCE_STEPS` for the parameters' dtype."""
     return FINITE_DIFFERENCE_STEPS.get(dtype, FINITE_DIFFERENCE_STEPS[torch.float32])
+
+
+def resolve_product(model: nn.Module, product: str, step: float | None) -> str:
+    """``exact`` or ``finite_difference`` for ``product``; refuses what cannot be computed before any pass."""
+    if product not in CURVATURE_PRODUCTS:
+        raise ValueError(f"product={product!r} is not supported; choose one of {list(CURVATURE_PRODUCTS)}.")
+    if step is not None and not (isinstance(step, (int, float)) and math.isfinite(step) and step > 0):
+        raise ValueError(f"finite_difference_step must be a finite number > 0 (got {step!r}).")
+    sharded = needs_lockstep(model)
+    if product == "auto":
+        product = "finite_difference" if sharded else "exact"
+    if product == "exact" and sharded:
+        raise ValueError(
+            "product='exact' needs whole parameters on one process (its double backward and forward mode cannot run "
+            "through FSDP2's or ZeRO-3's per-module gather); pass product='finite_difference' (or 'auto')."
+        )
+    return product
 
 
 class FiniteDifferenceOperator:

@@ -28,12 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..constants import CURVATURE_PRODUCTS, DEFAULT_BATCH_SIZE, DEFAULT_SAM_RHO
+from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_SAM_RHO
 from ..tensors import perturb_weights
 from .contexts import TraceContexts
 from .curvature import CurvatureOperator, check_matrix
-from .distributed import needs_lockstep
-from .finite_difference import finite_difference_top_eigenvalues
+from .finite_difference import finite_difference_top_eigenvalues, resolve_product
 from .lanczos import lanczos, thick_restart_lanczos
 from .lm import (
     check_lm_model,
@@ -265,7 +264,7 @@ def estimate_top_eigenvalues(
     if max_vectors is None:
         max_vectors = default_max_vectors(k)
     _check_positive_int("max_vectors", max_vectors)
-    product = _resolve_product(model, product, finite_difference_step)
+    product = resolve_product(model, product, finite_difference_step)
     contexts, params, n_used = _prepare(model, dataset, n_contexts, causal)
     dimension = sum(p.numel() for p in params)
     if k > dimension and product == "exact":  # ZeRO-3's partitioned parameters count their entries elsewhere
@@ -332,23 +331,6 @@ def _top_eigenvalues(
         converged=all(r <= tol * max(abs(v), 1e-30) for v, r in zip(eigenvalues, residuals, strict=True)),
         product=product,
     )
-
-
-def _resolve_product(model: nn.Module, product: str, step: float | None) -> str:
-    """``exact`` or ``finite_difference`` for ``product``; refuses what cannot be computed before any pass."""
-    if product not in CURVATURE_PRODUCTS:
-        raise ValueError(f"product={product!r} is not supported; choose one of {list(CURVATURE_PRODUCTS)}.")
-    if step is not None and not (isinstance(step, (int, float)) and math.isfinite(step) and step > 0):
-        raise ValueError(f"finite_difference_step must be a finite number > 0 (got {step!r}).")
-    sharded = needs_lockstep(model)
-    if product == "auto":
-        product = "finite_difference" if sharded else "exact"
-    if product == "exact" and sharded:
-        raise ValueError(
-            "product='exact' needs whole parameters on one process (its double backward and forward mode cannot run "
-            "through FSDP2's or ZeRO-3's per-module gather); pass product='finite_difference' (or 'auto')."
-        )
-    return product
 
 
 def estimate_spectral_density(

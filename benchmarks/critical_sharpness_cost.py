@@ -6,9 +6,14 @@ step run and undone) plus `estimate_critical_sharpness` on the same batch (forwa
 (``initial_eta=``), as a callback measuring every N steps would. Training steps and measurements alternate, so load
 on a shared machine hits both alike; medians are reported.
 
+A second arm times the measure as the callback and the command line take it
+(`hf_flatbias.flatness.beyond_trace.critical_sharpness`: its own gradient on the batch's rows with one labelled
+position each, the optimizer's proposed update and the search from the learning rate), interleaved in the same loop.
+
     python benchmarks/critical_sharpness_cost.py [--quick] [--repeats N]
 
-The last line is ``critical_sharpness_ratio=X`` (median measurement time / median training-step time).
+The last lines are ``critical_sharpness_ratio=X`` (median measurement time / median training-step time) and
+``measure_ratio=Y`` (the callback's measure, gradient included).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import torch  # noqa: E402
 from _common import build_model, choose_sizes, masked_lm_rows, timing_parser  # noqa: E402
 
 from hf_flatbias.flatness import estimate_critical_sharpness, proposed_update  # noqa: E402
+from hf_flatbias.flatness.beyond_trace import critical_sharpness  # noqa: E402
+from hf_flatbias.measures import MeasureSettings  # noqa: E402
 
 HEAD_SIZE = 64
 
@@ -54,6 +61,8 @@ def main() -> None:
     for batch in batches[:2]:  # warm-up: allocation, AdamW's state
         train_step(batch)
     forward_times, step_times, update_times, search_times, passes, lambdas = [], [], [], [], [], []
+    measure_times, measure_passes = [], []
+    settings = MeasureSettings(critical_batch_size=batch_size)
     previous_eta_c = None
     for batch in batches[2:]:
         start = time.perf_counter()
@@ -70,6 +79,11 @@ def main() -> None:
         search_times.append(result.seconds)
         passes.append(result.n_forward_passes)
         lambdas.append(result.lambda_c)
+        measured = critical_sharpness(
+            model, one_label_rows(batch), n_contexts=None, settings=settings, batch_size=batch_size, optimizer=optimizer
+        )
+        measure_times.append(measured.seconds)
+        measure_passes.append(measured.n_forward_passes)
         step_times.append(train_step(batch))
     step = statistics.median(step_times)
     update, search = statistics.median(update_times), statistics.median(search_times[1:] or search_times)
@@ -90,6 +104,22 @@ def main() -> None:
     print(f"proposed_update_ratio={update / step:.3f}")
     print(f"line_search_ratio={search / step:.3f}")
     print(f"critical_sharpness_ratio={(update + search) / step:.3f}")
+    print(
+        f"measure (callback path: gradient + proposed update + search from lr, one context per row): forward passes "
+        f"{measure_passes}, median seconds {statistics.median(measure_times):.3f}"
+    )
+    print(f"measure_ratio={statistics.median(measure_times) / step:.3f}")
+
+
+def one_label_rows(batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """The batch's rows with only their first labelled position kept: one context each, as the measure takes them."""
+    rows = []
+    for ids, labels in zip(batch["input_ids"], batch["labels"], strict=True):
+        first = int((labels != -100).nonzero()[0])
+        kept = torch.full_like(labels, -100)
+        kept[first] = labels[first]
+        rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": kept})
+    return rows
 
 
 if __name__ == "__main__":

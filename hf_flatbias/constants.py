@@ -109,6 +109,16 @@ TRACE_STDERR_METRIC = "flatness/hessian_trace_stderr"
 # `hf_flatbias.measures.MEASURE_TABLE`, torch-free like this module.
 
 SPECTRUM_MATRICES = ("fisher", "hessian")
+
+CRITICAL_DIRECTIONS = ("optimizer", "gradient_descent")
+"""The lines critical sharpness searches along: the optimizer's next update (the negative gradient without one), or
+the negative gradient."""
+
+CURVATURE_PRODUCTS = ("auto", "exact", "finite_difference")
+"""How `estimate_top_eigenvalues` forms its matrix-vector products: ``exact`` (double backward / forward mode, whole
+parameters on one process), ``finite_difference`` (central differences of gradients or logits, through the engine's
+own forward and backward: works sharded and with fused attention), ``auto`` (finite differences when the parameters
+are sharded across processes, exact otherwise)."""
 """The matrices whose eigenvalues can be measured: the Fisher (Gauss-Newton) matrix, whose trace is the paper's
 measure, or the Hessian of the data-label loss."""
 

@@ -32,6 +32,7 @@ def eigenvalue_record(result: Any) -> dict[str, Any]:
             "eigenvalues": [float(v) for v in result.eigenvalues] if len(result.eigenvalues) > 1 else None,
             "n_contexts": int(result.n_contexts),
             "n_matvecs": int(result.n_matvecs),
+            "product": getattr(result, "product", None),
             "seconds": float(result.seconds),
         }
     )

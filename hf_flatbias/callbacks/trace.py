@@ -19,7 +19,12 @@ from ..flatness.estimators import per_context_estimators
 from ..flatness.lm import check_tokenizer_fits_model, is_causal_lm, output_vocab_size
 from ..flatness.results import FlatnessRecord, TraceEstimate
 from ..measures import MEASURE_TABLE
+from ..tensors import is_fully_sharded
 from .trace_config import TraceCallbackConfig
+
+SHARDED_MEASURES = ("top_eigenvalue", "critical_sharpness")
+"""The measures beyond the trace that work on a sharded model (FSDP2, ZeRO-3): finite-difference products and a
+forward-only line search through the engine's own passes, the contexts split over processes."""
 
 _CONTEXT_COLUMNS = ("input_ids", "attention_mask", "token_type_ids", "completion_mask")
 
@@ -78,7 +83,11 @@ class HessianTraceCallback(TrainerCallback):
             measures of `hf_flatbias.measures.MEASURE_TABLE` (top_eigenvalue, sam_sharpness, weight_noise, quantization,
             critical_sharpness, forgetting), logged under their entry's keys (``flatness/<name>`` with
             ``..._stderr``), kept in `flatness_record` and recorded on the card with their settings and step; every
-            process computes them whole (they are not split across processes). ``sam_rho``'s batches are the trainer's
+            process computes ``sam_sharpness``, ``weight_noise``, ``quantization``, ``forgetting`` (and
+            ``top_eigenvalue`` with exact products) whole, while ``critical_sharpness`` and finite-difference
+            ``top_eigenvalue`` split the contexts over processes and are the two that work under FSDP2 and ZeRO-3
+            (`SHARDED_MEASURES`; the vectors in the shard space, nothing gathered beyond the engine's own passes).
+            ``sam_rho``'s batches are the trainer's
             ``per_device_train_batch_size`` contexts, each taking its own ascent step as SAM does in training.
             ``critical_sharpness`` searches along the trainer's optimizer's next update for each batch's gradient
             (`hf_flatbias.flatness.proposed_update`): weights, optimizer state, ``.grad`` and random streams are left
@@ -141,17 +150,24 @@ class HessianTraceCallback(TrainerCallback):
         # Fail at the start of training, not at the first measurement hours later.
         plugin = getattr(self._trainer.accelerator.state, "deepspeed_plugin", None)
         stage = None if plugin is None else plugin.deepspeed_config.get("zero_optimization", {}).get("stage")
-        if stage == 3 and self.config.also_measure:
+        sharded = stage == 3 or is_fully_sharded(self._trainer.model)
+        whole_model_only = [name for name in self.config.also_measure if name not in SHARDED_MEASURES]
+        if sharded and whole_model_only:
             raise ValueError(
-                f"HessianTraceCallback(also_measure={list(self.config.also_measure)}) does not support DeepSpeed "
-                "ZeRO-3 (each process computes these measures on the whole model); leave also_measure empty under "
-                "ZeRO-3."
+                f"HessianTraceCallback(also_measure={whole_model_only}) does not support a sharded model (DeepSpeed "
+                f"ZeRO-3, FSDP2): these measures take gradients of the whole model on each process; measure "
+                f"{' and '.join(SHARDED_MEASURES)} only, or leave also_measure empty."
             )
-        if plugin is not None and "critical_sharpness" in self.config.also_measure:
+        if (
+            plugin is not None
+            and "critical_sharpness" in self.config.also_measure
+            and self.config.settings().critical_direction == "optimizer"
+        ):
             raise ValueError(
-                "HessianTraceCallback(also_measure=['critical_sharpness']) does not support DeepSpeed: its engine "
-                "keeps the optimizer's state outside torch's optimizer, so the next update cannot be proposed and "
-                "undone; drop critical_sharpness from also_measure under DeepSpeed."
+                "HessianTraceCallback(also_measure=['critical_sharpness']) cannot follow the optimizer's update under "
+                "DeepSpeed: its engine keeps the optimizer's state outside torch's optimizer, so the next update "
+                "cannot be proposed and undone; pass measure_settings={'critical_direction': 'gradient_descent'} (the "
+                "negative gradient)."
             )
         several_processes = stage == 3 or self._trainer.args.world_size > 1
         if several_processes and self.config.estimator not in per_context_estimators():

@@ -10,6 +10,7 @@ from .critical_sharpness import CriticalSharpness, ProposedUpdate, estimate_crit
 from .diagonal import FisherDiagonal, estimate_fisher_diagonal
 from .estimators import TraceSettings, compute_trace_samples
 from .exact import exact_fisher_diagonal, exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
+from .finite_difference import FINITE_DIFFERENCE_STEPS
 from .forgetting import ForgettingResult, measure_forgetting
 from .forgetting_task import ForgettingTask, load_forgetting_task
 from .groups import default_group_of, parameter_groups
@@ -33,6 +34,7 @@ from .weight_noise import WeightNoisePoint, WeightNoiseSensitivity, estimate_wei
 
 __all__ = [
     "ESTIMATORS",
+    "FINITE_DIFFERENCE_STEPS",
     "CriticalSharpness",
     "FisherDiagonal",
     "FlatnessRecord",

@@ -21,11 +21,13 @@ from torch import nn
 from ..constants import DEFAULT_BATCH_SIZE
 from ..measures import MeasureSettings
 from .critical_sharpness import estimate_critical_sharpness, proposed_update
+from .distributed import share_of_contexts
 from .forgetting import ForgettingResult, measure_forgetting
 from .forgetting_task import ForgettingTask
-from .lm import evaluation_mode, preserved_global_rng
+from .lm import evaluation_mode, logits_at_positions, preserved_global_rng
+from .parameter_space import parameter_space
 from .quantization import estimate_quantization_sensitivity
-from .spectrum import _data_label_loss, _prepare, estimate_sam_sharpness, estimate_top_eigenvalues
+from .spectrum import _prepare, estimate_sam_sharpness, estimate_top_eigenvalues
 from .weight_noise import estimate_weight_noise_sensitivity
 
 GRADIENT_DESCENT = "gradient_descent"
@@ -49,6 +51,9 @@ def top_eigenvalue(
         seed=seed,
         batch_size=batch_size,
         causal=causal,
+        product=settings.eigenvalue_product,
+        finite_difference_step=settings.eigenvalue_fd_step,
+        optimizer=optimizer,
     )
 
 
@@ -188,38 +193,64 @@ def critical_sharpness(
     optimizer's next update for that batch's gradient (``optimizer``) or along ``-g``; mean and standard error over
     batches.
 
-    The gradient is taken in ``eval()`` mode with ``torch.autograd.grad``; with an optimizer it is put in ``.grad``
-    only for `proposed_update` and the previous ``.grad`` tensors are put back (the same objects), the optimizer's
-    state and hyper-parameters are restored by `proposed_update`, the weights by the line search, the global random
-    streams and module modes here. Training continues as if nothing had run.
+    The gradient is taken in ``eval()`` mode through the engine's first-gradient path (`ParameterSpace.gradient`);
+    with an optimizer it is put in ``.grad`` only for `proposed_update` and the previous ``.grad`` tensors are put
+    back (the same objects), the optimizer's state and hyper-parameters are restored by `proposed_update`, the
+    weights by the line search, the global random streams and module modes here. Training continues as if nothing
+    had run.
+
+    With several processes (DDP, FSDP2, ZeRO), every process calls this with the same arguments: each batch's
+    contexts are split over the processes, each forward's loss is summed over them (so every process compares the
+    same numbers and takes the same branch of the search), and the line search moves each process's own pieces of
+    the parameters (FSDP2's and ZeRO-3's shards): nothing is gathered beyond what the engine's forward gathers. Under
+    DeepSpeed the optimizer's update cannot be proposed (its state lives in DeepSpeed's own partitions): set
+    ``settings.critical_direction='gradient_descent'`` there (the engine's optimizer is then only used, under ZeRO-3,
+    to release its gathered parameters after each move).
     """
     start_time = time.perf_counter()
     size = settings.critical_batch_size or _fixed(batch_size)
-    prepared, params, n_used = _prepare(model, contexts, n_contexts, causal)
+    prepared, _, n_used = _prepare(model, contexts, n_contexts, causal)
+    along_optimizer = optimizer is not None and settings.critical_direction == "optimizer"
+    if along_optimizer and _is_deepspeed_optimizer(optimizer):
+        raise ValueError(
+            "critical_sharpness along the optimizer's update does not support DeepSpeed: its engine keeps the "
+            "optimizer's state outside torch's optimizer, so the next update cannot be proposed and undone; set "
+            "critical_direction='gradient_descent' to search along the negative gradient."
+        )
+    space = parameter_space(model, optimizer)
     values, statuses, passes = [], [], 0
     with evaluation_mode(model), preserved_global_rng():
         for start in range(0, n_used, size):
-            indices = list(range(start, min(start + size, n_used)))
+            batch = list(range(start, min(start + size, n_used)))
+            share = share_of_contexts(batch, space.rank, space.world_size, lockstep=True)
+            n_batch = len(batch)
+
+            def share_loss(m: nn.Module, share=share, n_batch=n_batch) -> torch.Tensor:
+                return _weighted_loss(m, prepared, share.indices, share.n_measured, n_batch)
+
             with torch.enable_grad():
-                loss = _data_label_loss(model, prepared, indices)
-                grads = torch.autograd.grad(loss, params, allow_unused=True)
-            grads = [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads, strict=True)]
+                grads = space.gradient([share_loss(model)])
 
-            def loss_fn(m: nn.Module, indices: Sequence[int] = indices) -> float:
-                return float(_data_label_loss(m, prepared, indices).double())
+            def loss_fn(m: nn.Module, share_loss=share_loss) -> float:
+                space.release_gathered()  # ZeRO-3's gathered copies would hide the move of the partitions
+                return float(space.sum_over_processes(share_loss(m).detach().double().reshape(1)))
 
-            if optimizer is None:
+            if not along_optimizer:
+                update, learning_rate = [-g for g in grads], 1.0
+            else:
+                proposed = _optimizer_update(optimizer, space, grads)
+                update, learning_rate = space.local_pieces(proposed.updates), proposed.learning_rate
+            try:
                 result = estimate_critical_sharpness(
                     model,
                     loss_fn,
-                    [-g for g in grads],
-                    learning_rate=1.0,
-                    parameters=params,
+                    update,
+                    learning_rate=learning_rate,
+                    parameters=space.tensors,
                     rtol=settings.critical_rtol,
                 )
-            else:
-                update = _optimizer_update(optimizer, params, grads)
-                result = estimate_critical_sharpness(model, loss_fn, update, rtol=settings.critical_rtol)
+            finally:
+                space.release_gathered()
             values.append(result.lambda_c)
             statuses.append(result.status)
             passes += result.n_forward_passes
@@ -230,8 +261,8 @@ def critical_sharpness(
     return CriticalSharpnessEstimate(
         mean=mean,
         stderr=stderr,
-        direction=GRADIENT_DESCENT if optimizer is None else type(inner).__name__,
-        learning_rate=None if optimizer is None else float(_learning_rate(inner)),
+        direction=type(inner).__name__ if along_optimizer else GRADIENT_DESCENT,
+        learning_rate=float(_learning_rate(inner)) if along_optimizer else None,
         rtol=float(settings.critical_rtol),
         batch_size=size,
         n_contexts=n_used,
@@ -244,23 +275,42 @@ def critical_sharpness(
     )
 
 
+def _weighted_loss(model: nn.Module, contexts, indices: Sequence[int], n_measured: int, n_batch: int) -> torch.Tensor:
+    """This process's share of a batch's mean cross-entropy: its first ``n_measured`` contexts over ``n_batch`` (the
+    rest only keep the processes' passes in step)."""
+    batch = contexts.model_inputs(indices, model)
+    device = batch["input_ids"].device
+    positions = torch.tensor([contexts.positions[i] for i in indices], device=device)
+    targets = torch.tensor([contexts.targets[i] for i in indices], device=device)
+    logits = logits_at_positions(model, batch, positions)[:, 0]
+    per_context = torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none")
+    weights = (torch.arange(len(indices), device=device) < n_measured).to(per_context.dtype)
+    return (per_context * weights).sum() / n_batch
+
+
+def _is_deepspeed_optimizer(optimizer) -> bool:
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return optimizer is not None and type(inner).__module__.startswith("deepspeed")
+
+
 def _learning_rate(optimizer: torch.optim.Optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
 
-def _optimizer_update(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]):
-    """The optimizer's next update for ``grads``: set as ``.grad`` for `proposed_update`, then the previous ``.grad``
-    objects put back (``None`` stays ``None``). A group at learning rate 0 (the end of a linear schedule) would
-    propose no step at all: it is measured at learning rate 1 instead, the same direction per unit of learning rate
-    for SGD and Adam(W), and its 0 put back."""
+def _optimizer_update(optimizer: torch.optim.Optimizer, space, grads: Sequence[torch.Tensor]):
+    """The optimizer's next update for ``grads`` (this process's pieces): set as ``.grad`` for `proposed_update`,
+    then the previous ``.grad`` objects put back (``None`` stays ``None``). A group at learning rate 0 (the end of a
+    linear schedule) would propose no step at all: it is measured at learning rate 1 instead, the same direction per
+    unit of learning rate for SGD and Adam(W), and its 0 put back."""
+    params = space.params
     saved = [p.grad for p in params]
     inner = getattr(optimizer, "optimizer", optimizer)
     zero_groups = [group for group in inner.param_groups if not float(group["lr"]) > 0]
     for group in zero_groups:
         group["lr"] = 1.0
     try:
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g.clone()
+        for p, g in zip(params, space.as_parameter_gradients(grads), strict=True):
+            p.grad = g
         return proposed_update(optimizer)
     finally:
         for p, g in zip(params, saved, strict=True):

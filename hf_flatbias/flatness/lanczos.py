@@ -73,6 +73,18 @@ def lanczos(
     raise AssertionError("unreachable")
 
 
+def _summed(partial: torch.Tensor, sum_across: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
+    return partial if sum_across is None else sum_across(partial)
+
+
+def vector_norm(vector: torch.Tensor, sum_across: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
+    """The Euclidean norm of a vector, or of a sharded one whose slices ``sum_across`` sums over (see
+    `thick_restart_lanczos`)."""
+    if sum_across is None:
+        return float(vector.norm())
+    return float(sum_across(torch.linalg.vector_norm(vector, dtype=torch.float64).square().reshape(1))) ** 0.5
+
+
 @dataclass
 class RitzPairs:
     """The largest Ritz values of a restarted Lanczos run, with their vectors and residual bounds."""
@@ -105,6 +117,8 @@ def thick_restart_lanczos(
     max_matvecs: int,
     tol: float,
     rounding: float | None = None,
+    sum_across: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    dimension: int | None = None,
 ) -> RitzPairs:
     """The ``k`` largest eigenpairs of a symmetric operator by thick-restart Lanczos, holding at most
     ``max_vectors`` basis vectors of ``start``'s dtype and device.
@@ -115,14 +129,18 @@ def thick_restart_lanczos(
     the Krylov relation ``A V = V H + f e^T``: each Ritz pair's residual is ``||f|| |last component|``. Stops when
     every one of the ``k`` residuals is at most ``tol x |value|``, at an invariant subspace (a residual within
     ``1000 x rounding`` of the matrix's scale), or after ``max_matvecs`` products.
+
+    Sharded vectors: when each process holds a slice of every vector (``start`` and the products are this process's
+    slices), ``sum_across`` sums a tensor of partial dot products over the processes (an all-reduce) and
+    ``dimension`` is the whole vectors' length. Every process then takes the same decisions from the same numbers.
     """
-    dimension = start.numel()
+    dimension = start.numel() if dimension is None else dimension
     max_vectors = min(max_vectors, dimension)
     if max_vectors < min(k + 1, dimension):
         raise ValueError(f"max_vectors={max_vectors} must be at least k + 1 = {k + 1}.")
-    basis = torch.empty(max_vectors, dimension, dtype=start.dtype, device=start.device)
+    basis = torch.empty(max_vectors, start.numel(), dtype=start.dtype, device=start.device)
     projected = torch.zeros(max_vectors, max_vectors, dtype=torch.float64)
-    basis[0] = start / start.norm()
+    basis[0] = start / vector_norm(start, sum_across)
     invariant_tolerance = 1e3 * (torch.finfo(start.dtype).eps if rounding is None else rounding)
     del start  # the caller may hand over its only reference: one vector less for the whole run
     size, n_matvecs = 1, 0
@@ -130,14 +148,14 @@ def thick_restart_lanczos(
         column = basis[:size]
         w = matvec(basis[size - 1])
         n_matvecs += 1
-        coefficients = column @ w
+        coefficients = _summed(column @ w, sum_across)
         w.addmv_(column.T, coefficients, alpha=-1)  # in place: no temporary vector
-        again = column @ w
+        again = _summed(column @ w, sum_across)
         w.addmv_(column.T, again, alpha=-1)
         h = (coefficients + again).double().cpu()
         projected[:size, size - 1] = h
         projected[size - 1, :size] = h
-        residual_norm = float(w.norm())
+        residual_norm = vector_norm(w, sum_across)
         values, vectors = torch.linalg.eigh(projected[:size, :size])
         top = torch.arange(size - 1, max(size - 1 - k, -1), -1)  # largest first
         bounds = residual_norm * vectors[-1, top].abs()

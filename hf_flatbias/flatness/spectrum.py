@@ -32,6 +32,7 @@ from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_SAM_RHO
 from ..tensors import perturb_weights
 from .contexts import TraceContexts
 from .curvature import CurvatureOperator, check_matrix
+from .finite_difference import finite_difference_top_eigenvalues, resolve_product
 from .lanczos import lanczos, thick_restart_lanczos
 from .lm import (
     check_lm_model,
@@ -60,6 +61,8 @@ class TopEigenvalues:
         n_matvecs: matrix-vector products spent (Lanczos steps plus the ``k`` residual checks).
         seconds: wall-clock time.
         converged: whether every residual reached ``tol * |eigenvalue|`` within ``max_iterations``.
+        product: how the products were formed, ``"exact"`` or ``"finite_difference"`` (whose residuals include the
+            products' own error).
     """
 
     eigenvalues: list[float]
@@ -70,6 +73,7 @@ class TopEigenvalues:
     n_matvecs: int
     seconds: float
     converged: bool
+    product: str = "exact"
 
     @property
     def top(self) -> float:
@@ -200,6 +204,9 @@ def estimate_top_eigenvalues(
     causal: bool | None = None,
     vector_dtype: torch.dtype = torch.float64,
     max_vectors: int | None = None,
+    product: str = "auto",
+    finite_difference_step: float | None = None,
+    optimizer: object | None = None,
 ) -> TopEigenvalues:
     """The ``k`` largest eigenvalues of the Fisher or the Hessian of the pre-training loss, by Lanczos.
 
@@ -229,6 +236,18 @@ def estimate_top_eigenvalues(
             parameters' dtype, whose freed memory the allocator keeps for the gradients, a few parameters' at a time):
             1.9-2.4 vectors measured in runs at 110M and 341M in float32 (`benchmarks/RESULTS.md`). Fewer vectors
             cost more products.
+        product: ``"exact"`` products (double backward for the Hessian, forward mode for the Fisher), on whole
+            parameters in one process; ``"finite_difference"``: ``(g(w + h v) - g(w - h v)) / 2h`` (the Fisher's
+            ``J v`` likewise from the logits), through the engine's own forward and backward, so it works with fused
+            attention kernels and sharded: under FSDP2 and ZeRO-3 (every process must call this) the Lanczos
+            vectors are sharded as the parameters are, dot products summed over processes, the contexts split over
+            processes, and the whole model is never gathered; under DDP the contexts are split too. ``"auto"``
+            (default): finite differences when the parameters are sharded, exact otherwise. The start vector differs
+            between the two (a seeded draw per parameter for finite differences, in any layout).
+        finite_difference_step: ``h`` (a step along a unit vector); default by the parameters' dtype,
+            `hf_flatbias.flatness.finite_difference.FINITE_DIFFERENCE_STEPS`, chosen by measuring the error
+            along the top eigenvector against the exact product (3e-4 in float32 and float64; `benchmarks/RESULTS.md`).
+        optimizer: under ZeRO-3 only, the engine's optimizer (it releases the gathered parameters after each move).
 
     Returns:
         A `TopEigenvalues`.
@@ -240,16 +259,34 @@ def estimate_top_eigenvalues(
     check_matrix(matrix)
     if not tol > 0:
         raise ValueError(f"tol must be > 0 (got {tol!r}).")
-    contexts, params, n_used = _prepare(model, dataset, n_contexts, causal)
-    dimension = sum(p.numel() for p in params)
-    if k > dimension:
-        raise ValueError(f"k={k} but the model has only {dimension} trainable parameters.")
     if max_iterations < k:
         raise ValueError(f"max_iterations={max_iterations} must be at least k={k}.")
-
     if max_vectors is None:
         max_vectors = default_max_vectors(k)
     _check_positive_int("max_vectors", max_vectors)
+    product = resolve_product(model, product, finite_difference_step)
+    contexts, params, n_used = _prepare(model, dataset, n_contexts, causal)
+    dimension = sum(p.numel() for p in params)
+    if k > dimension and product == "exact":  # ZeRO-3's partitioned parameters count their entries elsewhere
+        raise ValueError(f"k={k} but the model has only {dimension} trainable parameters.")
+    if product == "finite_difference":
+        with evaluation_mode(model), preserved_global_rng():
+            eigenvalues, residuals, n_matvecs, dimension = finite_difference_top_eigenvalues(
+                model,
+                contexts,
+                n_used,
+                k=k,
+                matrix=matrix,
+                step=finite_difference_step,
+                seed=seed,
+                batch_size=batch_size,
+                vector_dtype=vector_dtype,
+                max_vectors=max_vectors,
+                max_iterations=max_iterations,
+                tol=tol,
+                optimizer=optimizer,
+            )
+        return _top_eigenvalues(eigenvalues, residuals, matrix, n_used, dimension, n_matvecs, start_time, tol, product)
     with evaluation_mode(model), preserved_global_rng():
         operator = CurvatureOperator(
             model, contexts, n_used, params, matrix=matrix, batch_size=batch_size, vector_dtype=vector_dtype
@@ -269,15 +306,30 @@ def estimate_top_eigenvalues(
         ]
         eigenvalues, n_matvecs = pairs.values, pairs.n_matvecs + len(residuals)
         del operator, pairs  # the kept graph and the basis
+    return _top_eigenvalues(eigenvalues, residuals, matrix, n_used, dimension, n_matvecs, start_time, tol, product)
+
+
+def _top_eigenvalues(
+    eigenvalues: list[float],
+    residuals: list[float],
+    matrix: str,
+    n_contexts: int,
+    dimension: int,
+    n_matvecs: int,
+    start_time: float,
+    tol: float,
+    product: str,
+) -> TopEigenvalues:
     return TopEigenvalues(
         eigenvalues=eigenvalues,
         residuals=residuals,
         matrix=matrix,
-        n_contexts=n_used,
+        n_contexts=n_contexts,
         n_parameters=dimension,
         n_matvecs=n_matvecs,
         seconds=time.perf_counter() - start_time,
         converged=all(r <= tol * max(abs(v), 1e-30) for v, r in zip(eigenvalues, residuals, strict=True)),
+        product=product,
     )
 
 

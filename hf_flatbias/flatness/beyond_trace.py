@@ -239,7 +239,10 @@ def critical_sharpness(
                 update, learning_rate = [-g for g in grads], 1.0
             else:
                 proposed = _optimizer_update(optimizer, space, grads)
-                update, learning_rate = space.local_pieces(proposed.updates), proposed.learning_rate
+                # the optimizer lists its parameters by param group (decay, no decay), the space in model order
+                by_parameter = {id(p): u for p, u in zip(proposed.params, proposed.updates, strict=True)}
+                ordered = [by_parameter.get(id(p), torch.zeros_like(p)) for p in space.params]
+                update, learning_rate = space.local_pieces(ordered), proposed.learning_rate
             try:
                 result = estimate_critical_sharpness(
                     model,

@@ -300,7 +300,10 @@ def _validate_against_autograd(
     a weight reused outside its module) instead of returning a silently wrong trace."""
     ghost = float(recorder.squared_norms()[0])
     reference = float(naive_squared_norms(model, contexts, index, params, torch.tensor([label]))[0])
-    if not math.isclose(ghost, reference, rel_tol=1e-3, abs_tol=1e-6 * max(1.0, abs(reference))):
+    # both sides are rounded in the parameters' dtype: bfloat16's 8-bit mantissa moves them apart by ~0.2%
+    precise = all(p.dtype in (torch.float32, torch.float64) for p in params)
+    tolerance = 1e-3 if precise else 2e-2
+    if not math.isclose(ghost, reference, rel_tol=tolerance, abs_tol=1e-6 * max(1.0, abs(reference))):
         unsupported = f" Parameters outside those layers: {recorder.unsupported[:8]}." if recorder.unsupported else ""
         raise ValueError(
             f"Per-sample gradient norms do not match a plain backward on {type(model).__name__} ({ghost:.6g} vs "

@@ -5,7 +5,8 @@ about a tenth, each trained by `FlatBiasTrainer` (causal-LM loss, full logits) a
 LM head). Three arms, interleaved so that load on a shared machine hits them alike: the plain step
 (``flatness_method="none"``), output-layer SAM as it runs now (the second pass replays the trunk's outputs), and
 output-layer SAM with the replay switched off (two whole forwards, the step before the replay). Step times are this
-process's CPU time (``time.process_time``), medians over repeats.
+process's CPU time (``time.process_time``), medians over repeats; the spread printed beside each ratio is the range of
+the per-repeat ratios (each repeat's median over its plain arm's median).
 
     python benchmarks/logits_sam_cost.py [--quick] [--repeats N]
 
@@ -88,6 +89,7 @@ def main() -> None:
     repeats = args.repeats or (2 if args.quick else 3)
     steps, batch, seq_len = (8, 4, 64) if args.quick else (10, 8, 128)
     times = {(m, t, a): [] for m in models for t in TRAINERS for a in ARMS}
+    per_repeat = {key: [] for key in times}
     for _ in range(repeats):
         for model_name, shape in models.items():
             tokenizer = make_tokenizer([f"w{i}" for i in range(shape[0] - 5)])
@@ -95,9 +97,9 @@ def main() -> None:
             rows = torch.randint(5, shape[0], (steps * batch, seq_len), generator=generator).tolist()
             for trainer_name in TRAINERS:
                 for arm in ARMS:
-                    times[model_name, trainer_name, arm] += time_arm(
-                        trainer_name, arm, rows, tokenizer, shape, seq_len, steps, batch
-                    )
+                    durations = time_arm(trainer_name, arm, rows, tokenizer, shape, seq_len, steps, batch)
+                    times[model_name, trainer_name, arm] += durations
+                    per_repeat[model_name, trainer_name, arm].append(statistics.median(durations))
     print(f"batch {batch} x {seq_len} tokens, AdamW, torch threads {torch.get_num_threads()}, CPU time per step")
     for model_name, shape in models.items():
         n_params = sum(p.numel() for p in build_llama(*shape, seq_len).parameters())
@@ -114,7 +116,16 @@ def main() -> None:
             plain = statistics.median(times[model_name, trainer_name, "plain"])
             for arm in ("output_layer_sam", "output_layer_sam_two_forwards"):
                 ratio = statistics.median(times[model_name, trainer_name, arm]) / plain
-                print(f"{model_name}_{trainer_name}_{arm}_ratio={ratio:.3f}")
+                ratios = [
+                    value / base
+                    for value, base in zip(
+                        per_repeat[model_name, trainer_name, arm],
+                        per_repeat[model_name, trainer_name, "plain"],
+                        strict=True,
+                    )
+                ]
+                spread = f"per-repeat {min(ratios):.3f}-{max(ratios):.3f}"
+                print(f"{model_name}_{trainer_name}_{arm}_ratio={ratio:.3f} ({spread})")
 
 
 if __name__ == "__main__":

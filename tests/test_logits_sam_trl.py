@@ -17,6 +17,7 @@ from tests.test_trl import (  # noqa: E402
     dpo_loss_function,
     dpo_trainer,
     fresh_model,
+    next_token_logits,
     sft_loss,
     sft_trainer,
     updates_of,
@@ -74,6 +75,35 @@ def test_dpo_runs_the_policy_trunk_once_and_matches_two_forward_sam(tmp_path, to
     difference = max_param_diff(trainer.model, reference)
     assert difference < 1e-6, difference
     assert max_param_diff(fresh_model(trainer), reference) > 1e-3
+
+
+def test_sft_logs_the_clean_pass_metrics_once_and_the_second_head_computes_none(tmp_path, tokenizer, monkeypatch):
+    """trl's entropy and token accuracy logged at a step are the first pass's, at ``w``, from the full logits (a
+    second pass's zeros or values at ``w + e`` averaged in would move them), and the second pass's fused head is asked
+    for the log-probabilities only."""
+    import trl.trainer.utils as trl_utils
+
+    kernel, asked = trl_utils._ChunkedLogProbFunction, []
+
+    def apply(*args):
+        asked.append(args[-1])
+        return kernel.apply(*args)
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", type("Spy", (), {"apply": staticmethod(apply)}))
+    trainer = sft_trainer(tmp_path, tokenizer, "completion_only", max_steps=1, logging_steps=1, **HEAD_SAM)
+    (batch,) = updates_of(trainer)[0]
+    with torch.no_grad():
+        log_p = torch.log_softmax(next_token_logits(fresh_model(trainer), batch).double(), -1)
+    labels = batch["labels"][:, 1:]
+    mask = labels != -100
+    entropy = -(log_p.exp() * log_p).sum(-1)[mask].mean().item()
+    accuracy = (log_p.argmax(-1) == labels)[mask].double().mean().item()
+    trainer.train()
+    (logged,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logged["entropy"] == pytest.approx(entropy, abs=1e-5)
+    assert logged["mean_token_accuracy"] == pytest.approx(accuracy, abs=1e-6)
+    assert logged["num_tokens"] == batch["attention_mask"].sum().item()
+    assert asked == [("log_probs", "entropy", "is_top1"), ("log_probs",)]
 
 
 def test_sft_float64_step_equals_the_two_forward_step_of_the_same_head(tmp_path, tokenizer):

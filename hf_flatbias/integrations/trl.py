@@ -4,7 +4,9 @@
 what trl's ``compute_loss`` does besides the loss, handled through the mixin's hooks:
 
 * it records metrics on every call (token accuracy, entropy, token counts; DPO's rewards and margins): the second
-  pass of a step runs with them suspended, so every logged metric is the clean pass's, recorded once;
+  pass of a step runs with them suspended, so every logged metric is the clean pass's, recorded once, and its fused
+  LM head computes only what the loss reads (the log-probabilities, and DPO's WPO weights), not the fields that feed
+  the metrics (entropy, mean logit, top-1), which cost an elementwise pass over every logits tile;
 * SFT's forward returns per-token log-probabilities of the labels (a fused LM head), not logits: the Fisher penalty
   takes the logits from the model's ordinary forward, and Functional-SAM computes ``dL/dF`` and its surrogate in
   chunks from the backbone's hidden states (`hf_flatbias.sharpness.fused_head`), without the logits;
@@ -16,15 +18,17 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from transformers.trainer_utils import unwrap_peft_model
 
 try:
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+    from trl.trainer.utils import add_fused_lm_head
 except ImportError as error:  # pragma: no cover - exercised in a subprocess without trl
     raise ImportError(f'hf_flatbias\'s trl integration needs trl: pip install "hf_flatbias[trl]" ({error}).') from error
 
@@ -33,6 +37,36 @@ from ..sharpness.fused_head import FusedHeadOutputs
 from ..trainer import FlatnessTrainerMixin
 
 _REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+#: Fields of trl's fused LM head output that only its trainers' metrics read (entropy, logits/*, token accuracy).
+_METRIC_ONLY_FIELDS = ("entropy", "mean_logits", "is_top1")
+
+
+def fused_forward_without_metrics(model: nn.Module, loss_fields: tuple[str, ...]) -> Callable[..., Any] | None:
+    """A forward for ``model``, which trl gave its fused LM head, whose head computes only ``loss_fields`` (besides
+    the log-probabilities, always computed) and returns zeros for the fields only metrics read; ``None`` when
+    ``model`` has no fused head. The log-probabilities and their gradient are those of trl's forward bit for bit: the
+    kernel folds the optional fields beside them, never into them. ``model.forward`` is left as it was."""
+    fused_forward = model.__dict__.get("forward")
+    if fused_forward is None or "fused_lm_head" not in getattr(fused_forward, "__code__", type(None)).co_varnames:
+        return None
+    add_fused_lm_head(model, outputs=("log_probs", *loss_fields))
+    lean_forward = model.forward
+    model.forward = fused_forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        outputs = lean_forward(*args, **kwargs)
+        if kwargs.get("fused_lm_head"):
+            for name in _METRIC_ONLY_FIELDS:
+                if getattr(outputs, name, None) is None:
+                    dtype = torch.bool if name == "is_top1" else outputs.log_probs.dtype
+                    setattr(
+                        outputs,
+                        name,
+                        torch.zeros(outputs.log_probs.shape, dtype=dtype, device=outputs.log_probs.device),
+                    )
+        return outputs
+
+    return forward
 
 
 @dataclass
@@ -58,6 +92,11 @@ class _TrlTrainerMixin:
                 "gradient_checkpointing to save activation memory)."
             )
         super().__init__(model=model, args=args, **kwargs)
+        # the model trl gave its fused LM head, and the forward a step's second pass runs instead of trl's
+        self._fused_head_model = unwrap_peft_model(self.model)
+        self._forward_without_metrics = fused_forward_without_metrics(
+            self._fused_head_model, ("log_sum_sq_probs",) if getattr(self, "use_weighting", False) else ()
+        )
 
     def flatness_card(self, **card_kwargs: Any):
         given = card_kwargs.get("tags") or self._flatness_card_metadata.get("tags") or []
@@ -111,12 +150,18 @@ class _TrlTrainerMixin:
 
     @contextlib.contextmanager
     def host_metrics_suspended(self) -> Iterator[None]:
+        """Metrics recorded here are dropped, and the policy's fused head skips the fields only metrics read."""
         metrics, total_tokens = self._metrics, self._total_train_tokens
         self._metrics = {mode: defaultdict(list) for mode in metrics}
+        model, own_forward = self._fused_head_model, self._fused_head_model.__dict__.get("forward")
+        if self._forward_without_metrics is not None:
+            model.forward = self._forward_without_metrics
         try:
             yield
         finally:
             self._metrics, self._total_train_tokens = metrics, total_tokens
+            if self._forward_without_metrics is not None:
+                model.forward = own_forward
 
 
 class FlatBiasSFTTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, SFTTrainer):

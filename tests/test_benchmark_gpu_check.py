@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # a whole recipe's smoke run (minutes on CI's 2 cores); its parts are tested by the fast tests
 def test_gpu_check_dry_run_writes_every_part(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}

@@ -88,7 +88,7 @@ def test_output_layer_diagonal_is_exact_in_expectation():
         torch.testing.assert_close(estimate.diagonal[key], value, rtol=1e-5, atol=1e-9)
 
 
-@pytest.mark.parametrize("name", ["bert_tied", "llama_tied"])
+@pytest.mark.parametrize("name", ["bert_tied", pytest.param("llama_tied", marks=pytest.mark.slow)])
 def test_diagonal_converges_to_the_exact_fisher_diagonal(name):
     model = MODELS[name]()
     contexts = _contexts(model, 4)

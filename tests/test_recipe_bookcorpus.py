@@ -223,6 +223,7 @@ def run_bookcorpus_smoke(recipes, tmp_path: Path, setting: str, output_dir: Path
     return json.loads((output_dir / "pretraining_summary.json").read_text())
 
 
+@pytest.mark.slow  # a whole recipe's smoke run (minutes on CI's 2 cores); its parts are tested by the fast tests
 def test_bookcorpus_smoke_run_saves_a_loadable_checkpoint_and_resumes(recipes, tmp_path):
     from transformers import AutoModelForMaskedLM, AutoTokenizer
 

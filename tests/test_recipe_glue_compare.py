@@ -205,6 +205,7 @@ def test_offline_tasks_without_data_are_skipped_with_one_line(glue_compare, monk
         glue_compare.load_task_data(["rte"], None)
 
 
+@pytest.mark.slow  # a whole recipe's smoke run (minutes on CI's 2 cores); its parts are tested by the fast tests
 def test_glue_compare_smoke_on_checkpoints_saved_by_the_recipe(recipes, tmp_path):
     checkpoints = []
     for setting in ("adamw_dropout_wd", "no_dropout_no_wd_sam"):
@@ -247,6 +248,7 @@ def test_shipped_config_parses(glue_compare, recipes, tmp_path):
     assert training.learning_rate == 2e-5 and training.num_train_epochs == 3
 
 
+@pytest.mark.slow  # a whole recipe's smoke run (minutes on CI's 2 cores); its parts are tested by the fast tests
 def test_gpu_script_smoke_runs_the_whole_pipeline_on_cpu(recipes, tmp_path):
     output = tmp_path / "glue_gpu"
     command = ["bash", str(recipes.directory / "glue_gpu.sh"), "--smoke", str(output)]

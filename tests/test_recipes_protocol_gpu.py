@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 
+@pytest.mark.slow  # a whole recipe's smoke run (minutes on CI's 2 cores); its parts are tested by the fast tests
 def test_protocol_gpu_dry_run_writes_starts_rate_and_c1(recipes, tmp_path):
     completed = recipes.run(
         "pcfg_protocol_gpu.py", "--dry-run", "--seeds", "0", "--output-dir", str(tmp_path / "out"),

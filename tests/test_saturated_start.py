@@ -365,6 +365,7 @@ def test_c2_decides_between_the_largest_and_smallest_saturated_sizes():
     assert c2_verdict(sizes, planned=5)["verdict"] == "FAIL"  # larger but sharper
 
 
+@pytest.mark.slow  # a whole recipe's smoke run (minutes on CI's 2 cores); its parts are tested by the fast tests
 def test_recipe_smoke_writes_the_rule_first_and_resumes_from_disk(recipes, tmp_path, capsys):
     campaign = recipes.load("pcfg_saturated_start")
     out = ["--smoke", "--seeds", "0", "--work-dir", str(tmp_path / "w"), "--results-dir", str(tmp_path / "r")]
@@ -522,6 +523,7 @@ def test_a_negative_adversary_weight_is_refused_before_any_compute(recipes, caps
     assert "--adversary-weight must be >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a whole recipe's smoke run (minutes on CI's 2 cores); its parts are tested by the fast tests
 def test_only_seeds_runs_a_part_and_the_json_still_plans_every_seed(recipes, tmp_path, capsys):
     campaign = recipes.load("pcfg_saturated_start")
     with pytest.raises(SystemExit):

@@ -64,7 +64,14 @@ def test_functional_sam_is_refused_with_compile_before_training(tmp_path, compil
     assert "\n" not in str(no.value) and "torch_compile=False" in str(no.value)
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+# sam and a penalty run by default; the other methods' compiled steps are the same check, slower
+@pytest.mark.parametrize(
+    "method",
+    [
+        name if name in ("none", "sam", "fisher_penalty") else pytest.param(name, marks=pytest.mark.slow)
+        for name in METHODS
+    ],
+)
 def test_compiled_training_takes_the_eager_steps(tmp_path, monkeypatch, method):
     torch._dynamo.reset()
     eager = trained_parameters(tmp_path / "eager", monkeypatch, METHODS[method])

@@ -32,7 +32,6 @@ from research.campaign_v2 import (
     Sizes,
     load_material,
     pilots_markdown,
-    read_units,
     run_pilots,
     run_starts,
     starts_markdown,
@@ -41,6 +40,7 @@ from research.claims_v2 import ClaimsRun, parse_claims, pilot_decisions, run_cla
 from research.claims_v2_report import claims_markdown
 from research.ruler_reads import RULER_SMOKE, RulerSizes
 from research.rules_v2 import CLAIMS, SEEDS
+from research.units import read_units
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:

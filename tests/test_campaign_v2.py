@@ -134,7 +134,7 @@ def test_largest_saturated_choice_on_hand_made_rows():
     assert (choice["status"], choice["chosen"]) == ("none saturated", 5e-5)
 
 
-def test_run_units_skips_finished_units_and_reruns_unfinished(tmp_path):
+def test_run_phase_skips_finished_units_and_reruns_unfinished(tmp_path):
     path = tmp_path / "phase.json"
     calls = []
 
@@ -149,16 +149,16 @@ def test_run_units_skips_finished_units_and_reruns_unfinished(tmp_path):
         return work
 
     with pytest.raises(RuntimeError):
-        cv2.run_units(path, [("a", unit("a")), ("b", unit("b", fail=True))], "test")
+        cv2.run_phase(path, [("a", unit("a")), ("b", unit("b", fail=True))], "test")
     on_disk = cv2.read_units(path)
     assert on_disk["a"]["status"] == "done" and on_disk["b"] == {"partial": "b", "status": "running"}
     assert json.loads(path.read_text())["constants"]["MARGIN_KL"] == rules_v2.MARGIN_KL
     calls.clear()
-    units = cv2.run_units(path, [("a", unit("a")), ("b", unit("b")), ("c", unit("c"))], "test")
+    units = cv2.run_phase(path, [("a", unit("a")), ("b", unit("b")), ("c", unit("c"))], "test")
     assert calls == ["b", "c"]  # a was done; b's running row is not
     assert {k: v["status"] for k, v in units.items()} == {"a": "done", "b": "done", "c": "done"}
     calls.clear()
-    cv2.run_units(path, [("a", unit("a")), ("b", unit("b")), ("c", unit("c"))], "test")
+    cv2.run_phase(path, [("a", unit("a")), ("b", unit("b")), ("c", unit("c"))], "test")
     assert calls == []
 
 

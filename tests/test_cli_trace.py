@@ -7,8 +7,9 @@ import torch
 from transformers import BertConfig, BertForMaskedLM, BertModel
 
 from hf_flatbias.cli import main
-from hf_flatbias.flatness import build_masked_contexts, estimate_hessian_trace
+from hf_flatbias.flatness import estimate_hessian_trace
 from hf_flatbias.synthetic import make_tokenizer
+from tests.helpers.tiny_models import trace_command_contexts
 
 WORDS = [f"w{i}" for i in range(10)]
 
@@ -67,15 +68,8 @@ def test_trace_command_prints_and_writes_the_library_estimate(checkpoint, tmp_pa
     assert "Fisher trace Tr(F) of" in printed.out  # what the per_sample estimator measures
     assert "Tr(F) (per_sample)" in printed.err and "6/6" in printed.err  # the progress bar, on stderr
 
-    # the same measurement through the library, contexts built independently here
-    encoded = tokenizer(lines[:6])
-    rows = [
-        {"input_ids": i, "attention_mask": m}
-        for i, m in zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
-    ]
-    contexts = build_masked_contexts(
-        rows, mask_token_id=tokenizer.mask_token_id, n_contexts=6, seed=4, special_token_ids=tokenizer.all_special_ids
-    )
+    # the same measurement through the library, contexts built independently of the command
+    contexts = trace_command_contexts(tokenizer, lines, n_contexts=6, seed=4)
     expected = estimate_hessian_trace(BertForMaskedLM.from_pretrained(folder), contexts, n_draws=3, seed=4)
     assert estimate["mean"] == pytest.approx(expected.mean, rel=1e-6)
     assert estimate["stderr"] == pytest.approx(expected.stderr, rel=1e-6)

@@ -17,11 +17,19 @@ from hf_flatbias.cli import main
 from hf_flatbias.flatness import build_masked_contexts, load_forgetting_task, measure_forgetting
 from hf_flatbias.measures import MEASURE_TABLE, MeasureSettings
 from hf_flatbias.modelcard import flatness_card_from_trainer, format_comparison_table, load_flatness_card
-from tests.helpers.tiny_models import VOCAB, tiny_bert_config, tiny_mlm
+from tests.helpers.tiny_models import MLM_WORDS as WORDS
+from tests.helpers.tiny_models import (
+    VOCAB,
+    assert_training_unchanged,
+    tiny_bert_config,
+    tiny_mlm,
+    trace_command_contexts,
+    train_word_mlm,
+)
 from tests.test_cli_trace import WORDS as CLI_WORDS
 from tests.test_cli_trace import checkpoint  # noqa: F401 - the fixture
 from tests.test_modelcard import front_matter, full_card
-from tests.test_trace_callback import WORDS, _train, tokenizer  # noqa: F401 - the fixture
+from tests.test_trace_callback import tokenizer  # noqa: F401 - the fixture
 
 RECORD = {
     "value": 0.125, "stderr": 0.03125, "task": "sst2", "label_column": "label", "steps": 50, "learning_rate": 2e-05,
@@ -172,22 +180,15 @@ def test_callback_measures_forgetting_on_a_copy_and_training_is_bit_identical(tm
     texts = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (6,), generator=generator)) for _ in range(24)]
     task = tmp_path / "task.jsonl"
     task.write_text("".join(json.dumps({"text": t, "label": i % 2}) + "\n" for i, t in enumerate(texts)))
-    plain = _train(tmp_path / "plain", tokenizer, [])
+    plain = train_word_mlm(tmp_path / "plain", tokenizer, [])
     callback = HessianTraceCallback(
         n_contexts=6, n_draws=1, every_n_steps=3, batch_size=3, max_overhead=None, also_measure=("forgetting",),
         measure_settings={"forgetting_task": str(task), "forgetting_steps": 3, "forgetting_learning_rate": 1e-2,
                           "forgetting_batch_size": 4, "forgetting_train_rows": 16},
     )  # fmt: skip
-    measured = _train(tmp_path / "measured", tokenizer, [callback])
+    measured = train_word_mlm(tmp_path / "measured", tokenizer, [callback])
 
-    # the model's dropout (0.1), the collator's masking and AdamW's moments would show any consumed random number
-    # or touched weight: losses and final weights are those of the run without the callback
-    def losses(trainer):
-        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-
-    assert losses(plain) == losses(measured)
-    for p, q in zip(plain.model.parameters(), measured.model.parameters(), strict=True):
-        assert torch.equal(p, q)
+    assert_training_unchanged(plain, measured)
     logged = [entry for entry in measured.state.log_history if "flatness/forgetting" in entry]
     assert [entry["step"] for entry in logged] == [3, 6] and "flatness/forgetting_stderr" in logged[-1]
     result = callback.flatness_record.measures["forgetting"]
@@ -229,15 +230,7 @@ def test_trace_command_measures_forgetting_as_the_api_does(checkpoint, tmp_path)
     from transformers import BertForMaskedLM
 
     model = BertForMaskedLM.from_pretrained(folder)
-    encoded = text_tokenizer(lines[:6], truncation=True, max_length=128)
-    rows = [
-        {"input_ids": i, "attention_mask": m}
-        for i, m in zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
-    ]
-    contexts = build_masked_contexts(
-        rows, mask_token_id=text_tokenizer.mask_token_id, n_contexts=6, seed=1,
-        special_token_ids=text_tokenizer.all_special_ids,
-    )  # fmt: skip
+    contexts = trace_command_contexts(text_tokenizer, lines, n_contexts=6, seed=1)
     rows = load_forgetting_task(str(task), tokenizer=text_tokenizer, seed=1, max_length=32).train_rows
     direct = measure_forgetting(
         model, contexts, rows, steps=2, learning_rate=0.05, seed=1, lm_batch_size=3,

@@ -14,15 +14,16 @@ from transformers import BertForMaskedLM
 
 from hf_flatbias.callbacks import HessianTraceCallback
 from hf_flatbias.cli import build_parser, main
-from hf_flatbias.flatness import build_masked_contexts, estimate_critical_sharpness
+from hf_flatbias.flatness import estimate_critical_sharpness
 from hf_flatbias.flatness.quantization import estimate_quantization_sensitivity
 from hf_flatbias.flatness.spectrum import _data_label_loss
 from hf_flatbias.flatness.weight_noise import estimate_weight_noise_sensitivity
 from hf_flatbias.measures import EXTRA_MEASURES, MEASURE_TABLE, MEASURES, MeasureSettings
 from hf_flatbias.modelcard import flatness_card_from_trainer, format_comparison_table, load_flatness_card
+from tests.helpers.tiny_models import assert_training_unchanged, trace_command_contexts, train_word_mlm
 from tests.test_cli_trace import checkpoint  # noqa: F401 - the fixture
 from tests.test_modelcard import front_matter, full_card
-from tests.test_trace_callback import _train, tokenizer  # noqa: F401 - the fixture
+from tests.test_trace_callback import tokenizer  # noqa: F401 - the fixture
 
 NEW = ("weight_noise", "quantization", "critical_sharpness")
 RECORDS = {
@@ -150,15 +151,7 @@ def test_trace_command_takes_the_robustness_measures(checkpoint, tmp_path, capsy
     assert "estimate" not in written and set(written["measures"]) == set(NEW)
 
     model = BertForMaskedLM.from_pretrained(folder)
-    encoded = text_tokenizer(lines[:6], truncation=True, max_length=128)
-    rows = [
-        {"input_ids": i, "attention_mask": m}
-        for i, m in zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
-    ]
-    contexts = build_masked_contexts(
-        rows, mask_token_id=text_tokenizer.mask_token_id, n_contexts=6, seed=2,
-        special_token_ids=text_tokenizer.all_special_ids,
-    )  # fmt: skip
+    contexts = trace_command_contexts(text_tokenizer, lines, n_contexts=6, seed=2)
     noise = estimate_weight_noise_sensitivity(model, contexts, (0.01, 0.05), n_draws=3, seed=2, batch_size=3)
     assert written["weight_noise"]["points"][1]["mean"] == pytest.approx(noise.points[1].mean, rel=1e-6)
     record = written["measures"]["weight_noise"]
@@ -227,7 +220,7 @@ def _assert_identical(before, after):
 
 
 def test_callback_logs_the_robustness_measures_and_training_is_bit_identical(tmp_path, tokenizer):  # noqa: F811
-    plain = _train(tmp_path / "plain", tokenizer, [])
+    plain = train_word_mlm(tmp_path / "plain", tokenizer, [])
     callback = HessianTraceCallback(
         n_contexts=6,
         n_draws=1,
@@ -237,16 +230,9 @@ def test_callback_logs_the_robustness_measures_and_training_is_bit_identical(tmp
         also_measure=NEW,
         measure_settings={"noise_sigmas": (0.05,), "noise_draws": 2, "quantization_bits": (4,)},
     )
-    measured = _train(tmp_path / "measured", tokenizer, [callback])
+    measured = train_word_mlm(tmp_path / "measured", tokenizer, [callback])
 
-    # dropout, the data collator's masking and AdamW's moments would all show a consumed random number or a
-    # touched state here: the losses and final weights are those of the run without the callback
-    def losses(trainer):
-        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-
-    assert losses(plain) == losses(measured)
-    for p, q in zip(plain.model.parameters(), measured.model.parameters(), strict=True):
-        assert torch.equal(p, q)
+    assert_training_unchanged(plain, measured)
 
     logged = [entry for entry in measured.state.log_history if "flatness/critical_sharpness" in entry]
     assert [entry["step"] for entry in logged] == [3, 6]
@@ -272,7 +258,7 @@ def test_critical_sharpness_through_the_callback_follows_the_optimizer_and_resto
         n_contexts=6, n_draws=1, batch_size=3, also_measure=("critical_sharpness",), on_evaluate=False,
         measure_at_end=False, max_overhead=None,
     )  # fmt: skip
-    trainer = _train(tmp_path / "run", tokenizer, [callback])
+    trainer = train_word_mlm(tmp_path / "run", tokenizer, [callback])
     inner = trainer.optimizer.optimizer
     for group in inner.param_groups:
         group["lr"] = 1e-3  # a learning rate mid-schedule, so the optimizer's step is its own

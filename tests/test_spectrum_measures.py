@@ -5,7 +5,6 @@ import json
 import math
 
 import pytest
-import torch
 from transformers import BertForMaskedLM
 
 from hf_flatbias.callbacks import HessianTraceCallback
@@ -16,12 +15,12 @@ from hf_flatbias.constants import (
     TOP_EIGENVALUE_METRIC,
     TRACE_METRIC,
 )
-from hf_flatbias.flatness import build_masked_contexts
 from hf_flatbias.flatness.spectrum import estimate_sam_sharpness, estimate_top_eigenvalues
 from hf_flatbias.modelcard import flatness_card_from_trainer, format_comparison_table, load_flatness_card
+from tests.helpers.tiny_models import assert_training_unchanged, trace_command_contexts, train_word_mlm
 from tests.test_cli_trace import checkpoint  # noqa: F401 - the fixture
 from tests.test_modelcard import front_matter, full_card
-from tests.test_trace_callback import _train, tokenizer  # noqa: F401 - the fixture
+from tests.test_trace_callback import tokenizer  # noqa: F401 - the fixture
 
 MEASURES = {
     "top_eigenvalue": {"value": 31.5, "residual": 0.002, "matrix": "hessian", "k": 2, "eigenvalues": [31.5, 12.25],
@@ -75,11 +74,11 @@ def test_compare_shows_every_recorded_measure():
 
 
 def test_callback_logs_the_measures_without_changing_training(tmp_path, tokenizer):  # noqa: F811
-    plain = _train(tmp_path / "plain", tokenizer, [])
+    plain = train_word_mlm(tmp_path / "plain", tokenizer, [])
     callback = HessianTraceCallback(
         n_contexts=6, n_draws=2, every_n_steps=3, also_measure=("top_eigenvalue", "sam_sharpness"), sam_rho=0.1
     )
-    measured = _train(tmp_path / "measured", tokenizer, [callback])
+    measured = train_word_mlm(tmp_path / "measured", tokenizer, [callback])
     logged = [entry for entry in measured.state.log_history if TOP_EIGENVALUE_METRIC in entry]
     assert [entry["step"] for entry in logged] == [3, 6]
     assert all(SAM_SHARPNESS_METRIC in entry and SAM_SHARPNESS_STDERR_METRIC in entry for entry in logged)
@@ -99,13 +98,7 @@ def test_callback_logs_the_measures_without_changing_training(tmp_path, tokenize
     assert card.measures["sam_sharpness"]["rho"] == 0.1 and card.measures["sam_sharpness"]["n_contexts"] == 6
     card.save(tmp_path / "card")
     assert load_flatness_card(tmp_path / "card").measures == card.measures
-
-    def losses(trainer):
-        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-
-    assert losses(plain) == losses(measured)
-    for (name, p), q in zip(plain.model.named_parameters(), measured.model.parameters(), strict=True):
-        assert torch.equal(p, q), name
+    assert_training_unchanged(plain, measured)
 
 
 @pytest.mark.parametrize(
@@ -133,18 +126,7 @@ def test_trace_command_takes_every_measure(checkpoint, tmp_path, capsys):  # noq
     written = json.loads(output.read_text())
 
     model = BertForMaskedLM.from_pretrained(folder)
-    encoded = text_tokenizer(lines[:6], truncation=True, max_length=128)
-    rows = [
-        {"input_ids": ids, "attention_mask": mask}
-        for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
-    ]
-    contexts = build_masked_contexts(
-        rows,
-        mask_token_id=text_tokenizer.mask_token_id,
-        n_contexts=6,
-        seed=2,
-        special_token_ids=text_tokenizer.all_special_ids,
-    )
+    contexts = trace_command_contexts(text_tokenizer, lines, n_contexts=6, seed=2)
     eigenvalues = estimate_top_eigenvalues(model, contexts, k=2, matrix="hessian", seed=2)
     sharpness = estimate_sam_sharpness(model, contexts, 0.1, batch_size=4)
     assert written["top_eigenvalues"]["eigenvalues"] == pytest.approx(eigenvalues.eigenvalues, rel=1e-5)

@@ -4,16 +4,7 @@ import dataclasses
 import signal
 
 import pytest
-import torch
-from datasets import Dataset
-from transformers import (
-    BertConfig,
-    BertForMaskedLM,
-    DataCollatorForLanguageModeling,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_flatbias.callbacks import (
     TRACE_METRIC,
@@ -24,37 +15,20 @@ from hf_flatbias.callbacks import (
     contexts_within_budget,
 )
 from hf_flatbias.flatness import FlatnessRecord, TraceEstimate, estimate_hessian_trace
-from hf_flatbias.synthetic import make_tokenizer
 from hf_flatbias.trainer import FlatBiasTrainer
-
-WORDS = [f"w{i}" for i in range(12)]
+from tests.helpers.tiny_models import (
+    MLM_WORDS,
+    assert_training_unchanged,
+    train_word_mlm,
+    word_mlm,
+    word_mlm_tokenizer,
+    word_rows,
+)
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return make_tokenizer(WORDS, model_max_length=16)
-
-
-def _data(tokenizer, n, seed):
-    generator = torch.Generator().manual_seed(seed)
-    texts = [" ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (8,), generator=generator)) for _ in range(n)]
-    encoded = tokenizer(texts)
-    return Dataset.from_dict({"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]})
-
-
-def _model(tokenizer):
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=16,
-        pad_token_id=tokenizer.pad_token_id,
-        hidden_dropout_prob=0.1,
-    )
-    return BertForMaskedLM(config)
+    return word_mlm_tokenizer()
 
 
 class _LogRecorder(TrainerCallback):
@@ -65,43 +39,11 @@ class _LogRecorder(TrainerCallback):
         self.logs.append(dict(logs))
 
 
-def _train(tmp_path, tokenizer, callbacks, trainer_class=Trainer, bind=True):
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=6,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        logging_steps=1,
-        eval_strategy="steps",
-        eval_steps=3,
-        save_strategy="no",
-        report_to=[],
-        seed=7,
-        use_cpu=True,
-        dataloader_num_workers=0,
-    )
-    trainer = trainer_class(
-        model=_model(tokenizer),
-        args=args,
-        train_dataset=_data(tokenizer, 24, 0),
-        eval_dataset=_data(tokenizer, 8, 1),
-        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3),
-        processing_class=tokenizer,
-        callbacks=callbacks,
-    )
-    if bind:
-        for callback in callbacks:
-            if hasattr(callback, "bind_trainer"):
-                callback.bind_trainer(trainer)
-    trainer.train()
-    return trainer
-
-
 def test_logged_values_reach_log_history_and_reporters_without_changing_training(tmp_path, tokenizer):
-    plain = _train(tmp_path / "plain", tokenizer, [])
+    plain = train_word_mlm(tmp_path / "plain", tokenizer, [])
     trace = HessianTraceCallback(n_contexts=6, n_draws=2, every_n_steps=2, max_overhead=None)
     reporter = _LogRecorder()
-    measured = _train(tmp_path / "measured", tokenizer, [trace, reporter])
+    measured = train_word_mlm(tmp_path / "measured", tokenizer, [trace, reporter])
 
     traced = [entry for entry in measured.state.log_history if TRACE_METRIC in entry]
     # every 2 steps (2, 4, 6) and after each evaluation (3, 6; step 6 is measured once)
@@ -114,18 +56,12 @@ def test_logged_values_reach_log_history_and_reporters_without_changing_training
     assert trace.last_estimate.n_contexts == 6 and trace.last_estimate.n_draws == 2
 
     # identical training: same losses, same final weights, bit for bit (dropout and MLM masking use the global RNG)
-    def losses(trainer):
-        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-
-    assert losses(plain) == losses(measured)
-    for (name, p), q in zip(plain.model.named_parameters(), measured.model.parameters(), strict=True):
-        assert torch.equal(p, q), name
-    assert measured.model.training == plain.model.training
+    assert_training_unchanged(plain, measured)
 
 
 def test_the_same_contexts_give_the_same_value_on_the_same_weights(tmp_path, tokenizer):
     trace = HessianTraceCallback(n_contexts=5, n_draws=2, on_evaluate=False)
-    trainer = _train(tmp_path, tokenizer, [trace])
+    trainer = train_word_mlm(tmp_path, tokenizer, [trace])
     first, second = trace.measure(), trace.measure()
     assert first.mean == second.mean
     # the callback's own measurement at the last step saw the same weights and contexts
@@ -165,7 +101,7 @@ def test_the_budget_sizes_each_measurement_from_the_cost_of_the_previous_one():
 
 def test_a_spent_budget_skips_evaluation_measurements_but_not_the_last(tmp_path, tokenizer):
     trace = HessianTraceCallback(n_contexts=6, n_draws=2, batch_size=2, max_overhead=1e-9)
-    trainer = _train(tmp_path, tokenizer, [trace])
+    trainer = train_word_mlm(tmp_path, tokenizer, [trace])
     # evaluations at steps 3 and 6: the first measures one batch (the cost is unknown), the second finds the budget
     # spent, the last step is measured anyway, on one batch
     assert [(e["step"], e["n_contexts"]) for e in trace.measurement_history] == [(3, 2), (6, 2)]
@@ -176,13 +112,13 @@ def test_a_spent_budget_skips_evaluation_measurements_but_not_the_last(tmp_path,
     assert trace.last_estimate.n_contexts == 2
 
     generous = HessianTraceCallback(n_contexts=6, n_draws=2, batch_size=2, max_overhead=1e9)
-    _train(tmp_path / "generous", tokenizer, [generous])
+    train_word_mlm(tmp_path / "generous", tokenizer, [generous])
     assert [e["n_contexts"] for e in generous.measurement_history] == [2, 6]
 
 
 def test_full_final_measurement_takes_every_context_at_the_end_whatever_the_budget(tmp_path, tokenizer):
     trace = HessianTraceCallback(n_contexts=6, n_draws=2, batch_size=2, max_overhead=1e-9, full_final_measurement=True)
-    trainer = _train(tmp_path, tokenizer, [trace])
+    trainer = train_word_mlm(tmp_path, tokenizer, [trace])
     # the interim measurement follows the (spent) budget; the last one, on the card, takes all 6 contexts, once
     assert [(e["step"], e["n_contexts"]) for e in trace.measurement_history] == [(3, 2), (6, 6)]
     reference = estimate_hessian_trace(trainer.model, trace._contexts, n_contexts=6, n_draws=2, batch_size=2)
@@ -196,13 +132,13 @@ def test_full_final_measurement_takes_every_context_at_the_end_whatever_the_budg
 
 def test_flatbias_trainer_binds_the_callback_itself(tmp_path, tokenizer):
     trace = HessianTraceCallback(n_contexts=4, n_draws=1, on_evaluate=False, every_n_steps=6)
-    trainer = _train(tmp_path, tokenizer, [trace], trainer_class=FlatBiasTrainer, bind=False)
+    trainer = train_word_mlm(tmp_path, tokenizer, [trace], trainer_class=FlatBiasTrainer, bind=False)
     assert [e["step"] for e in trainer.state.log_history if TRACE_METRIC in e] == [6]
 
 
 def test_unbound_callback_says_how_to_bind(tmp_path, tokenizer):
     with pytest.raises(RuntimeError, match=r"bind_trainer\(trainer\)"):
-        _train(tmp_path, tokenizer, [HessianTraceCallback(n_contexts=2)], bind=False)
+        train_word_mlm(tmp_path, tokenizer, [HessianTraceCallback(n_contexts=2)], bind=False)
 
 
 def test_bad_arguments_fail_before_training(tmp_path, tokenizer):
@@ -212,13 +148,13 @@ def test_bad_arguments_fail_before_training(tmp_path, tokenizer):
         HessianTraceCallback(every_n_steps=0)
     with pytest.raises(ValueError, match="max_overhead"):
         HessianTraceCallback(max_overhead=0)
-    small = make_tokenizer(WORDS[:3], model_max_length=16)
+    small = word_mlm_tokenizer(MLM_WORDS[:3])
     callback = HessianTraceCallback(n_contexts=2)
     with pytest.raises(ValueError, match="do not belong together"):
         trainer = Trainer(
-            model=_model(small),
+            model=word_mlm(small),
             args=TrainingArguments(str(tmp_path), report_to=[], use_cpu=True),
-            eval_dataset=_data(tokenizer, 4, 0),
+            eval_dataset=word_rows(tokenizer, 4, 0),
             processing_class=tokenizer,
         )
         callback.bind_trainer(trainer)

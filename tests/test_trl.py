@@ -22,7 +22,7 @@ pytest.importorskip("trl")
 from datasets import Dataset  # noqa: E402
 
 from hf_flatbias import FlatBiasDPOConfig, FlatBiasDPOTrainer, FlatBiasSFTConfig, FlatBiasSFTTrainer  # noqa: E402
-from tests.helpers.tiny_models import flatbias_config, tiny_llama, word_tokenizer  # noqa: E402
+from tests.helpers.tiny_models import flatbias_config, logged_losses, tiny_llama, word_tokenizer  # noqa: E402
 from tests.test_regularizers import grad_list, max_param_diff, norm_of  # noqa: E402
 
 N_WORDS = 20
@@ -217,11 +217,32 @@ SFT_CASES = {
 }
 
 
-def sft_trainer(tmp_path, tokenizer, case, dtype=torch.float32, **overrides):
+def sft_trainer(
+    tmp_path,
+    tokenizer,
+    case,
+    dtype=torch.float32,
+    *,
+    model=None,
+    n_eval=0,
+    peft_config=None,
+    callbacks=None,
+    **overrides,
+):
+    """SFT of ``model`` (a fresh `tiny_llama` in ``dtype`` unless given) on ``case``'s rows (`SFT_CASES`), with
+    ``n_eval`` held-out rows of the same kind (seed 5) if any; ``overrides`` are config fields."""
     rows, case_overrides = SFT_CASES[case]
     args = sft_config(tmp_path, **{**case_overrides, **overrides})
-    model = tiny_llama(len(tokenizer)).to(dtype)
-    return FlatBiasSFTTrainer(model=model, args=args, train_dataset=rows(), processing_class=tokenizer)
+    model = tiny_llama(len(tokenizer)).to(dtype) if model is None else model
+    return FlatBiasSFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=rows(),
+        eval_dataset=rows(n=n_eval, seed=5) if n_eval else None,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=callbacks,
+    )
 
 
 @pytest.mark.parametrize(
@@ -259,10 +280,14 @@ def test_sft_sam_matches_plain_pytorch_sam(tmp_path, tokenizer, case, scope, acc
 
 
 def test_sft_sam_with_lora_perturbs_and_trains_the_adapters_only(tmp_path, tokenizer):
-    args = sft_config(tmp_path, flatness_method="sam", per_device_train_batch_size=2, gradient_accumulation_steps=2)
-    model = with_lora(tiny_llama(len(tokenizer)))
-    trainer = FlatBiasSFTTrainer(
-        model=model, args=args, train_dataset=prompt_completion_rows(), processing_class=tokenizer
+    trainer = sft_trainer(
+        tmp_path,
+        tokenizer,
+        "completion_only",
+        model=with_lora(tiny_llama(len(tokenizer))),
+        flatness_method="sam",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
     )
     reference = reference_sam_sgd(
         with_lora(tiny_llama(len(tokenizer))), updates_of(trainer), sft_loss, lr=0.1, rho=0.05, scope="micro_batch"
@@ -362,12 +387,20 @@ def test_without_trl_the_names_ask_for_the_extra(tmp_path):
 # ---------------------------------------------------------------- DPO
 
 
-def dpo_trainer(tmp_path, tokenizer, *, live_reference, **overrides):
+def dpo_trainer(tmp_path, tokenizer, *, live_reference, n_eval=0, callbacks=None, **overrides):
+    """DPO of a fresh `tiny_llama` on `preference_rows`, the reference a live copy of it or precomputed, with
+    ``n_eval`` held-out pairs (seed 5) if any; ``overrides`` are config fields."""
     model = tiny_llama(len(tokenizer))
     reference = copy.deepcopy(model) if live_reference else None
     args = dpo_config(tmp_path, precompute_ref_log_probs=not live_reference, **overrides)
     return FlatBiasDPOTrainer(
-        model=model, ref_model=reference, args=args, train_dataset=preference_rows(), processing_class=tokenizer
+        model=model,
+        ref_model=reference,
+        args=args,
+        train_dataset=preference_rows(),
+        eval_dataset=preference_rows(n=n_eval, seed=5) if n_eval else None,
+        processing_class=tokenizer,
+        callbacks=callbacks,
     )
 
 
@@ -489,14 +522,15 @@ def test_trace_callback_on_sft_measures_the_trained_parameters_on_held_out_compl
 
         peft_config = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     callback = HessianTraceCallback(n_contexts=6, n_draws=24, on_evaluate=False)
-    trainer = FlatBiasSFTTrainer(
-        model=tiny_llama(len(tokenizer)),
-        args=sft_config(tmp_path, flatness_method="sam", max_steps=2),
-        train_dataset=prompt_completion_rows(),
-        eval_dataset=prompt_completion_rows(n=6, seed=5),
-        processing_class=tokenizer,
+    trainer = sft_trainer(
+        tmp_path,
+        tokenizer,
+        "completion_only",
+        n_eval=6,
         peft_config=peft_config,
         callbacks=[callback],
+        flatness_method="sam",
+        max_steps=2,
     )
     trainer.train()
     held_out = trainer.eval_dataset
@@ -514,14 +548,8 @@ def test_trace_callback_on_dpo_measures_the_policy_on_the_chosen_responses(tmp_p
     from hf_flatbias import HessianTraceCallback
 
     callback = HessianTraceCallback(n_contexts=6, n_draws=24, on_evaluate=False)
-    trainer = FlatBiasDPOTrainer(
-        model=tiny_llama(len(tokenizer)),
-        ref_model=tiny_llama(len(tokenizer)),
-        args=dpo_config(tmp_path, flatness_method="sam", max_steps=2),
-        train_dataset=preference_rows(),
-        eval_dataset=preference_rows(n=6, seed=5),
-        processing_class=tokenizer,
-        callbacks=[callback],
+    trainer = dpo_trainer(
+        tmp_path, tokenizer, live_reference=True, n_eval=6, callbacks=[callback], flatness_method="sam", max_steps=2
     )
     trainer.train()
     for index, (ids, position) in enumerate(measured_positions(callback)):
@@ -535,13 +563,14 @@ def test_trace_callback_on_dpo_measures_the_policy_on_the_chosen_responses(tmp_p
 def test_trace_logs_leave_trl_metrics_to_the_training_loss(tmp_path, tokenizer):
     from hf_flatbias import HessianTraceCallback
 
-    trainer = FlatBiasSFTTrainer(
-        model=tiny_llama(len(tokenizer)),
-        args=sft_config(tmp_path, flatness_method="sam", max_steps=2),
-        train_dataset=prompt_completion_rows(),
-        eval_dataset=prompt_completion_rows(n=4, seed=5),
-        processing_class=tokenizer,
+    trainer = sft_trainer(
+        tmp_path,
+        tokenizer,
+        "completion_only",
+        n_eval=4,
         callbacks=[HessianTraceCallback(n_contexts=4, every_n_steps=1, on_evaluate=False)],
+        flatness_method="sam",
+        max_steps=2,
     )
     trainer.train()
     for entry in trainer.state.log_history:
@@ -652,14 +681,14 @@ def test_sft_functional_sam_through_the_fused_head_matches_the_logits_reference(
 
 def test_sft_functional_sam_with_lora_matches_the_logits_reference(tmp_path, tokenizer):
     """With LoRA the head is frozen: its term drops out, and the adapters take J^T c through the hidden states."""
-    args = sft_config(
-        tmp_path, flatness_method="functional_sam", per_device_train_batch_size=2, gradient_accumulation_steps=2
-    )
-    trainer = FlatBiasSFTTrainer(
+    trainer = sft_trainer(
+        tmp_path,
+        tokenizer,
+        "completion_only",
         model=with_lora(tiny_llama(len(tokenizer))),
-        args=args,
-        train_dataset=prompt_completion_rows(),
-        processing_class=tokenizer,
+        flatness_method="functional_sam",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
     )
     updates = updates_of(trainer)
     model = with_lora(tiny_llama(len(tokenizer)))
@@ -740,14 +769,16 @@ def test_the_card_of_a_lora_sft_run_names_sft_its_completion_loss_and_the_adapte
 
     model = tiny_llama(len(tokenizer))
     model.name_or_path = "tests/tiny-llama"  # what from_pretrained sets; PEFT records it as the base model
-    trainer = FlatBiasSFTTrainer(
+    trainer = sft_trainer(
+        tmp_path,
+        tokenizer,
+        "completion_only",
         model=model,
-        args=sft_config(tmp_path, flatness_method="sam", max_steps=1),
-        train_dataset=prompt_completion_rows(),
-        eval_dataset=prompt_completion_rows(n=4, seed=5),
-        processing_class=tokenizer,
+        n_eval=4,
         peft_config=LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
         callbacks=[HessianTraceCallback(n_contexts=4, n_draws=1, on_evaluate=False)],
+        flatness_method="sam",
+        max_steps=1,
     )
     trainer.train()
     trainer.evaluate()
@@ -771,19 +802,19 @@ def test_the_card_of_a_lora_sft_run_names_sft_its_completion_loss_and_the_adapte
 def test_the_card_of_a_dpo_run_names_the_preference_loss_and_its_source(tmp_path, tokenizer):
     from hf_flatbias import HessianTraceCallback, load_flatness_card
 
-    trainer = FlatBiasDPOTrainer(
-        model=tiny_llama(len(tokenizer)),
-        ref_model=tiny_llama(len(tokenizer)),
-        args=dpo_config(tmp_path, flatness_method="sam", max_steps=1),
-        train_dataset=preference_rows(),
-        eval_dataset=preference_rows(n=4, seed=5),
-        processing_class=tokenizer,
+    trainer = dpo_trainer(
+        tmp_path,
+        tokenizer,
+        live_reference=True,
+        n_eval=4,
         callbacks=[HessianTraceCallback(n_contexts=4, n_draws=1, on_evaluate=False)],
+        flatness_method="sam",
+        max_steps=1,
     )
     trainer.train()
     trainer.save_model()
     card = load_flatness_card(tmp_path)
-    train_loss = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry][-1]
+    train_loss = logged_losses(trainer)[-1]
     assert (card.objective, card.pretraining_loss_source, card.pretraining_loss) == ("dpo", "train", train_loss)
     assert card.loss_label == "DPO preference loss (training, last logged)"
     assert card.trace_objective == "next_token_chosen"

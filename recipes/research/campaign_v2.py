@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from .distillation import ConditionalPool, distil_to_saturation
 from .paper_language import PaperLanguage, task_classes, task_labelled_train
 from .protocol import measure_branch, train_with_branches
 from .runs import RunSpec
+from .units import read_units, rules_constants, run_units
 
 V1_STATE = Path(__file__).parent / "results" / "saturated_start" / "campaign_state"
 RESULTS = Path(__file__).parent / "results" / "campaign_v2"
@@ -176,42 +176,20 @@ def choose_largest_saturated(
 # ---------------------------------------------------------------- resumable JSON of units
 
 
-def read_units(path: Path) -> dict[str, dict[str, Any]]:
-    """The units of a phase's JSON (empty if none yet)."""
-    return json.loads(path.read_text())["units"] if path.exists() else {}
-
-
-def write_unit(path: Path, key: str, row: dict[str, Any], header: dict[str, Any]) -> None:
-    """Rewrite ``path`` with ``row`` as unit ``key`` (other units as they were on disk)."""
-    units = read_units(path)
-    units[key] = row
-    write_json(path, {**header, "units": units})
-
-
 def rules_header(phase: str) -> dict[str, Any]:
     """What every phase JSON carries: the rules module's constants, and where the prose is."""
-    constants = {name: getattr(rules, name) for name in rules.__all__}
-    return {"phase": phase, "rules": "recipes/research/results/campaign_v2/RULES_v2.md", "constants": constants}
+    return {
+        "phase": phase,
+        "rules": "recipes/research/results/campaign_v2/RULES_v2.md",
+        "constants": rules_constants(rules),
+    }
 
 
-def run_units(
+def run_phase(
     path: Path, units: Sequence[tuple[str, Callable[[Callable[[dict], None]], dict]]], phase: str
 ) -> dict[str, dict]:
-    """Run each ``(key, work)`` in order unless its row on disk is done; ``work(save)`` may ``save`` partial rows."""
-    header = rules_header(phase)
-    for key, work in units:
-        if read_units(path).get(key, {}).get("status") == "done":
-            print(f"[{phase}] {key}: done, skipped", flush=True)
-            continue
-
-        def save(row: dict[str, Any], key: str = key) -> None:
-            write_unit(path, key, {**row, "status": "running"}, header)
-
-        began = time.perf_counter()
-        row = work(save)
-        write_unit(path, key, {**row, "status": "done", "seconds_this_run": time.perf_counter() - began}, header)
-        print(f"[{phase}] {key}: done", flush=True)
-    return read_units(path)
+    """`units.run_units` under ``phase``'s header: each ``(key, work)`` in order unless its row on disk is done."""
+    return run_units(path, units, rules_header(phase), phase)
 
 
 # ---------------------------------------------------------------- starts
@@ -363,7 +341,7 @@ def run_starts(material: Material, work_dir: Path, results: Path, sizes: Sizes) 
         for width in rules.WIDTHS
         for seed in rules.SEEDS
     ]
-    return run_units(results, units, "starts")
+    return run_phase(results, units, "starts")
 
 
 # ---------------------------------------------------------------- pilots
@@ -575,7 +553,7 @@ def pilot_units(material: Material, starts: Path, pilots: Path, work_dir: Path, 
 
 def run_pilots(material: Material, starts: Path, pilots: Path, work_dir: Path, sizes: Sizes) -> dict[str, dict]:
     """Every pilot in order; ``pilots`` rewritten after each branch."""
-    return run_units(pilots, pilot_units(material, starts, pilots, work_dir, sizes), "pilots")
+    return run_phase(pilots, pilot_units(material, starts, pilots, work_dir, sizes), "pilots")
 
 
 # ---------------------------------------------------------------- the docs' rows

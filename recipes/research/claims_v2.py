@@ -3,7 +3,7 @@
 The rules are RULES_v2.md's "Claims" section and `rules_v2`'s constants, committed before this code. The phase runs
 in three stages, each resumable, in one process:
 
-1. training units (`training_units`, run by `campaign_v2.run_units` into ``claims/runs.json``): C1's continued
+1. training units (`training_units`, run by `campaign_v2.run_phase` into ``claims/runs.json``): C1's continued
    training per seed (`rules.C1_BRANCHES` annealed branches over C1's dose, every branch kept), C5's adversarial run,
    C2's run per width, C3's arms, each measured on v1's KL set and trace contexts (KL, Fisher trace; no probe);
 2. the primary read-outs: every record a claim's rule compares (`verdicts_v2`'s ``reads_pending``, decided from KL
@@ -38,13 +38,13 @@ from .campaign_v2 import (
     adversarial,
     continued_spec,
     load_start,
-    read_units,
-    run_units,
+    run_phase,
 )
 from .claims_v2_report import claim_payload, claim_records, secondary_readouts, start_record
 from .paper_language import task_labelled_train
 from .protocol import train_with_branches
 from .ruler_reads import PRIMARY, ReadStore, RulerRows, RulerSizes, read_record, ruler_rows
+from .units import read_units
 
 #: the pilots each claim's runs read (pilots.json unit keys); C4 reads the starts only
 CLAIM_PILOTS: dict[str, tuple[str, ...]] = {
@@ -343,7 +343,7 @@ def read_stage(run: ClaimsRun, claims: Sequence[str], store: ReadStore, rows: Ru
 def run_claims(run: ClaimsRun, claims: Sequence[str], seeds: Sequence[int]) -> dict[str, dict[str, Any]]:
     """The phase: training units, then the primary read-outs, then the secondary ones; returns the claim files."""
     run.claims_dir.mkdir(parents=True, exist_ok=True)
-    run_units(run.runs_path, training_units(run, claims, seeds), "claims")
+    run_phase(run.runs_path, training_units(run, claims, seeds), "claims")
     store = ReadStore(run.reads_path, run.ruler)
     language = run.material.language
     rows = ruler_rows(language.grammar, language.grammar_seed, run.ruler, run.work_dir / "cache")

@@ -4,8 +4,8 @@ quantization, and forget less after fine-tuning? Rules: `robustness_rules` (cons
 Per model seed, three arms of continued training from the committed saturated H64 start (`train_arm`: AdamW, SAM, and
 AdamW with a late SAM window, one `FlatBiasTrainer` run each), and the start itself as a reference; every one is
 measured alike (`measure_model`: KL, Fisher trace, weight-noise and quantization sensitivity, forgetting). A unit is
-one (seed, arm); `run_study` writes its row to the JSON when it finishes and a rerun skips finished units (the JSON
-helpers are campaign v2's). `verdicts` turns the rows into the pre-registered pass/fail, `study_markdown` into the
+one (seed, arm); `run_study` writes its row to the JSON when it finishes and a rerun skips finished units
+(`units.run_units`). `verdicts` turns the rows into the pre-registered pass/fail, `study_markdown` into the
 docs' tables, `plot_study` into the figure.
 """
 
@@ -31,10 +31,10 @@ from hf_flatbias.trainer import FlatBiasTrainer
 
 from . import robustness_rules as rules
 from .campaign import SHAPES
-from .campaign_v2 import read_units, write_unit
 from .paper_language import PaperLanguage, SentenceSet, setup_paper_language
 from .protocol import measure_branch
 from .runs import RunSpec, trainer_settings
+from .units import read_units, rules_constants, run_units
 
 RESULTS = Path(__file__).parent / "results" / "robustness"
 
@@ -207,8 +207,8 @@ def unit_key(seed: int, arm: str) -> str:
 
 
 def study_header() -> dict[str, Any]:
-    constants = {name: getattr(rules, name) for name in rules.__all__}
-    constants["START_DIR"] = str(rules.START_DIR.relative_to(Path(__file__).parents[2]))
+    start_dir = str(rules.START_DIR.relative_to(Path(__file__).parents[2]))
+    constants = {**rules_constants(rules), "START_DIR": start_dir}
     return {"study": "robustness (issue 37)", "rules": "recipes/research/robustness_rules.py", "constants": constants}
 
 
@@ -219,19 +219,16 @@ def run_study(
     arms: Sequence[str] = (rules.REFERENCE, *rules.ARMS),
 ) -> dict[str, dict[str, Any]]:
     """Each (seed, arm) in seed-major order unless its row on disk is done; ``work(seed, arm)`` gives the row."""
-    header = study_header()
-    for seed in seeds:
-        for arm in arms:
-            key = unit_key(seed, arm)
-            if read_units(path).get(key, {}).get("status") == "done":
-                print(f"[robustness] {key}: done, skipped", flush=True)
-                continue
-            wall, cpu = time.perf_counter(), time.process_time()
-            row = work(seed, arm)
-            timing = {"seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu}
-            write_unit(path, key, {"seed": seed, "arm": arm, **row, **timing, "status": "done"}, header)
-            print(f"[robustness] {key}: done in {timing['cpu_seconds']:.0f} CPU-s {primary_values(row)}", flush=True)
-    return read_units(path)
+
+    def unit(seed: int, arm: str) -> Callable[[Callable], dict[str, Any]]:
+        return lambda save: {"seed": seed, "arm": arm, **work(seed, arm)}
+
+    def finish(row: dict[str, Any], seconds: float, cpu_seconds: float) -> tuple[dict[str, Any], str]:
+        timed = {**row, "seconds": seconds, "cpu_seconds": cpu_seconds, "status": "done"}
+        return timed, f" in {cpu_seconds:.0f} CPU-s {primary_values(row)}"
+
+    units = [(unit_key(seed, arm), unit(seed, arm)) for seed in seeds for arm in arms]
+    return run_units(path, units, study_header(), "robustness", finish)
 
 
 def study_work(language: PaperLanguage, sizes: StudySizes, work_dir: Path) -> Callable[[int, str], dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""Tiny BERT models, rows and trainer arguments shared by the SAM / regularizer tests and the launched script.
+"""Tiny BERT models, rows and trainer arguments shared by the SAM / regularizer tests and the launched script; the
+word-level masked LM the trace-callback tests train, and the checks those tests share.
 
 Importable as ``tests.helpers.tiny_models`` from the tests (pytest puts the repository root on the path) and from
 ``tests/helpers/distributed_sam_script.py`` (launched with the repository root on PYTHONPATH). Only builders live here;
@@ -171,3 +172,114 @@ def tiny_llama(vocab_size: int, seed: int = 0):
     fields.update(vocab_size=vocab_size, eos_token_id=2)
     config = LlamaConfig(**fields)
     return randomize_norms(LlamaForCausalLM(config))
+
+
+# ---------------------------------------------------------------- a word-level masked LM trained by the Trainer
+
+MLM_WORDS = [f"w{i}" for i in range(12)]
+
+
+def word_mlm_tokenizer(words=MLM_WORDS):
+    """A word-level BERT tokenizer over ``words`` (`hf_flatbias.synthetic.make_tokenizer`), 16 tokens at most."""
+    from hf_flatbias.synthetic import make_tokenizer
+
+    return make_tokenizer(words, model_max_length=16)
+
+
+def word_rows(tokenizer, n: int, seed: int):
+    """``n`` tokenized rows of 8 random words of `MLM_WORDS`, as a `datasets.Dataset`."""
+    from datasets import Dataset
+
+    generator = torch.Generator().manual_seed(seed)
+    texts = [
+        " ".join(MLM_WORDS[i] for i in torch.randint(0, len(MLM_WORDS), (8,), generator=generator)) for _ in range(n)
+    ]
+    encoded = tokenizer(texts)
+    return Dataset.from_dict({"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]})
+
+
+def word_mlm(tokenizer) -> BertForMaskedLM:
+    """A one-layer BERT masked LM over ``tokenizer``'s words, with dropout 0.1: a consumed random number shows."""
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_dropout_prob=0.1,
+    )
+    return BertForMaskedLM(config)
+
+
+def train_word_mlm(output_dir, tokenizer, callbacks, trainer_class=None, bind=True):
+    """Six AdamW steps of `word_mlm` on 24 `word_rows` (30% of tokens masked), evaluated on 8 more every 3 steps,
+    with ``callbacks`` (bound to the trainer unless ``bind`` is False); returns the trained ``trainer_class``
+    (the stock `Trainer` by default)."""
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=3,
+        save_strategy="no",
+        report_to=[],
+        seed=7,
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
+    trainer = (trainer_class or Trainer)(
+        model=word_mlm(tokenizer),
+        args=args,
+        train_dataset=word_rows(tokenizer, 24, 0),
+        eval_dataset=word_rows(tokenizer, 8, 1),
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3),
+        processing_class=tokenizer,
+        callbacks=callbacks,
+    )
+    if bind:
+        for callback in callbacks:
+            if hasattr(callback, "bind_trainer"):
+                callback.bind_trainer(trainer)
+    trainer.train()
+    return trainer
+
+
+def logged_losses(trainer) -> list[float]:
+    """The training losses ``trainer`` logged, in order."""
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def assert_training_unchanged(plain, measured) -> None:
+    """``measured`` (a run with a measuring callback) trained as ``plain`` (the run without) did, bit for bit: the
+    same logged losses, final weights and train/eval mode. Dropout, the collator's masking and AdamW's moments would
+    show any random number the callback consumed or any weight or state it touched."""
+    assert logged_losses(plain) == logged_losses(measured)
+    for (name, p), q in zip(plain.model.named_parameters(), measured.model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert measured.model.training == plain.model.training
+
+
+def trace_command_contexts(tokenizer, lines, *, n_contexts: int, seed: int):
+    """The contexts ``hf-flatbias trace`` measures on the first ``n_contexts`` text ``lines``, built here from
+    `build_masked_contexts` rather than through the command (its special tokens never masked)."""
+    from hf_flatbias.flatness import build_masked_contexts
+
+    encoded = tokenizer(lines[:n_contexts], truncation=True, max_length=128)
+    rows = [
+        {"input_ids": ids, "attention_mask": mask}
+        for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
+    ]
+    return build_masked_contexts(
+        rows,
+        mask_token_id=tokenizer.mask_token_id,
+        n_contexts=n_contexts,
+        seed=seed,
+        special_token_ids=tokenizer.all_special_ids,
+    )

@@ -1,0 +1,68 @@
+"""A research run's resumable JSON: a header naming its rules, and one row per unit of work under ``"units"``.
+
+The file is rewritten as each unit finishes (and as a unit saves partial rows), so a stopped run loses at most the
+unit in progress; a rerun skips the units whose row says ``"done"``. Campaign v2's phases and claims and the
+robustness study write theirs through `run_units`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from hf_flatbias.results import write_json
+
+Row = dict[str, Any]
+Finish = Callable[[Row, float, float], tuple[Row, str]]
+
+
+def read_units(path: Path) -> dict[str, Row]:
+    """The units of a run's JSON (empty if none yet)."""
+    return json.loads(path.read_text())["units"] if path.exists() else {}
+
+
+def write_unit(path: Path, key: str, row: Row, header: dict[str, Any]) -> None:
+    """Rewrite ``path`` with ``row`` as unit ``key`` (other units as they were on disk)."""
+    units = read_units(path)
+    units[key] = row
+    write_json(path, {**header, "units": units})
+
+
+def rules_constants(rules: ModuleType) -> dict[str, Any]:
+    """The constants a rules module exports (its ``__all__``), by name: what a run's header records."""
+    return {name: getattr(rules, name) for name in rules.__all__}
+
+
+def done_this_run(row: Row, seconds: float, cpu_seconds: float) -> tuple[Row, str]:
+    """`run_units`' default finish: the row marked done with this run's wall-clock seconds, nothing more logged."""
+    return {**row, "status": "done", "seconds_this_run": seconds}, ""
+
+
+def run_units(
+    path: Path,
+    units: Sequence[tuple[str, Callable[[Callable[[Row], None]], Row]]],
+    header: dict[str, Any],
+    tag: str,
+    finish: Finish = done_this_run,
+) -> dict[str, Row]:
+    """Run each ``(key, work)`` in order unless its row on disk is done. ``work(save)`` returns the unit's row and
+    may ``save`` partial rows first (written with ``status: "running"``); ``finish(row, seconds, cpu_seconds)``
+    gives the row written as done and a note for the log line (`done_this_run` unless the run records more)."""
+    for key, work in units:
+        if read_units(path).get(key, {}).get("status") == "done":
+            print(f"[{tag}] {key}: done, skipped", flush=True)
+            continue
+
+        def save(row: Row, key: str = key) -> None:
+            write_unit(path, key, {**row, "status": "running"}, header)
+
+        wall, cpu = time.perf_counter(), time.process_time()
+        row = work(save)
+        done, note = finish(row, time.perf_counter() - wall, time.process_time() - cpu)
+        write_unit(path, key, done, header)
+        print(f"[{tag}] {key}: done{note}", flush=True)
+    return read_units(path)

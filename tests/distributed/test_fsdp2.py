@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.test_distributed import PER_DEVICE, launch, load, max_difference, reference_sam_sgd
+from tests.distributed.test_distributed import (
+    CRITICAL_ARGS,
+    CRITICAL_TRACE,
+    PER_DEVICE,
+    assert_critical_callback_equals_one_process,
+    launch,
+    load,
+    max_difference,
+    reference_sam_sgd,
+)
 from tests.helpers.distributed_sam_script import TRAINING_TASKS, base_arguments, with_lora
 
 pytestmark = pytest.mark.distributed
@@ -101,21 +110,13 @@ TRACE_CALLBACK_CASE = {
     # no time budget: every context is measured, as the one-process estimate is
     "trace": {"n_contexts": 7, "n_draws": 2, "batch_size": 2, "max_overhead": None},
 }
-# The callback's critical sharpness along AdamW's next update (its moments from the step at learning rate 0, measured
-# per unit learning rate) and its trace, in float64 so that the reduction orders stay far below the line search's
-# decisions and the trace's tolerance.
+# The callback's critical sharpness along torch's AdamW, sharded (`test_distributed.CRITICAL_TRACE`)
 CRITICAL_CALLBACK_CASE = {
     "name": "criticalcb-fsdp2",
     "kind": "trace_callback",
     "task": "causal_lm_float64",
-    "trace": {
-        "n_contexts": 7,
-        "n_draws": 1,
-        "batch_size": 2,
-        "max_overhead": None,
-        "also_measure": ["critical_sharpness"],
-        "measure_settings": {"critical_batch_size": 4},
-    },
+    "args": CRITICAL_ARGS,
+    "trace": CRITICAL_TRACE,
 }
 
 CASES = (
@@ -298,20 +299,4 @@ def test_trace_callback_under_fsdp2_logs_the_one_process_estimate(fsdp2_runs):
 def test_critical_sharpness_callback_under_fsdp2_equals_one_process(fsdp2_runs, tmp_path):
     """FlatBiasTrainer with the callback measuring critical sharpness (and the trace) under FSDP2: each batch's line
     search along AdamW's next update moves the shards, and logs what the same trainer in one process logs."""
-    from tests.helpers.distributed_sam_script import Case, run_trace_callback_case
-
-    name = CRITICAL_CALLBACK_CASE["name"]
-    two = [info(fsdp2_runs, name, rank) for rank in (0, 1)]
-    assert two[0]["world_size"] == 2
-    for run in two:
-        run["measures"]["critical_sharpness"].pop("seconds")
-    assert two[0]["measures"] == two[1]["measures"] and two[0]["logged_trace"] == two[1]["logged_trace"]
-    values = base_arguments(str(tmp_path))
-    values.update(per_device_train_batch_size=2 * PER_DEVICE, use_cpu=True)
-    one = run_trace_callback_case(Case(engine="launcher", **CRITICAL_CALLBACK_CASE), values)
-    sharded, whole = two[0]["measures"]["critical_sharpness"], one["measures"]["critical_sharpness"]
-    assert sharded["direction"] == whole["direction"] == "AdamW"
-    assert sharded["n_batches"] == sharded["n_converged"] == 2
-    assert sharded["n_forward_passes"] == whole["n_forward_passes"]
-    assert sharded["per_batch"] == pytest.approx(whole["per_batch"], rel=1e-9)
-    assert two[0]["logged_trace"] == pytest.approx(one["logged_trace"], rel=1e-9)
+    assert_critical_callback_equals_one_process(fsdp2_runs, CRITICAL_CALLBACK_CASE, tmp_path)

@@ -255,6 +255,7 @@ def run_trace_case(case: Case, values: dict) -> dict:
 def run_trace_callback_case(case: Case, values: dict) -> dict:
     from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
     from hf_flatbias.callbacks import TRACE_METRIC, HessianTraceCallback
+    from hf_flatbias.sharpness.engines import deepspeed_zero_stage
 
     values.update(flatness_method="none", learning_rate=0.0, max_steps=1)
     model, rows = trace_task(case.task)
@@ -270,6 +271,7 @@ def run_trace_callback_case(case: Case, values: dict) -> dict:
         "world_size": trainer.args.world_size,
         "estimate": callback.last_estimate.to_dict(),
         "measures": {name: result.to_dict() for name, result in callback.flatness_record.measures.items()},
+        "zero_stage": deepspeed_zero_stage(trainer.deepspeed_engine()),
     }
 
 

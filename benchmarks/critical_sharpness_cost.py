@@ -10,10 +10,15 @@ A second arm times the measure as the callback and the command line take it
 (`hf_flatbias.flatness.beyond_trace.critical_sharpness`: its own gradient on the batch's rows with one labelled
 position each, the optimizer's proposed update and the search from the learning rate), interleaved in the same loop.
 
-    python benchmarks/critical_sharpness_cost.py [--quick] [--repeats N]
+    python benchmarks/critical_sharpness_cost.py [--quick] [--repeats N] [--zero-stage {1,2,3}]
 
 The last lines are ``critical_sharpness_ratio=X`` (median measurement time / median training-step time) and
 ``measure_ratio=Y`` (the callback's measure, gradient included).
+
+``--zero-stage N`` times the same under DeepSpeed ZeRO-N in this one process (AdamW wrapped by the engine): a
+training step is the engine's forward, backward and step; the update is `zero_proposed_update` (the ZeRO optimizer's
+AdamW stepped on its fp32 master partitions and undone) for the batch's gradient; the measure is the callback's
+path. It prints ``zero_proposed_update_ratio=X`` and ``measure_ratio=Y``.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ HEAD_SIZE = 64
 
 
 def main() -> None:
-    args = timing_parser(__doc__, "a ~3M model and fewer repeats (under a minute)").parse_args()
+    parser = timing_parser(__doc__, "a ~3M model and fewer repeats (under a minute)")
+    parser.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None, help="time under DeepSpeed ZeRO")
+    args = parser.parse_args()
     sizes, repeats, _, batch_size = choose_sizes(
         args,
         quick=(dict(hidden=128, layers=2, vocab=8000, seq_len=64), 3, 0, 8),
@@ -49,6 +56,9 @@ def main() -> None:
         for i in range(0, len(rows), batch_size)
     ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if args.zero_stage is not None:
+        zero_main(model, optimizer, batches, args.zero_stage, batch_size, n_params)
+        return
     model.train()
 
     def train_step(batch) -> float:
@@ -108,6 +118,61 @@ def main() -> None:
         f"measure (callback path: gradient + proposed update + search from lr, one context per row): forward passes "
         f"{measure_passes}, median seconds {statistics.median(measure_times):.3f}"
     )
+    print(f"measure_ratio={statistics.median(measure_times) / step:.3f}")
+
+
+def zero_main(model, optimizer, batches, stage: int, batch_size: int, n_params: int) -> None:
+    """The DeepSpeed arm: training steps, `zero_proposed_update` and the callback's measure, interleaved."""
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", "29547")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    from hf_flatbias.flatness.parameter_space import parameter_space
+    from hf_flatbias.flatness.zero_update import zero_proposed_update
+
+    config = {
+        "train_micro_batch_size_per_gpu": batch_size,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, zero, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+
+    def train_step(batch) -> float:
+        start = time.perf_counter()
+        engine.backward(engine(**batch).loss)
+        engine.step()
+        return time.perf_counter() - start
+
+    for batch in batches[:2]:  # warm-up: allocation, AdamW's state
+        train_step(batch)
+    settings = MeasureSettings(critical_batch_size=batch_size)
+    step_times, update_times, measure_times, measure_passes = [], [], [], []
+    for batch in batches[2:]:
+        space = parameter_space(engine.module, zero)
+        grads = space.gradient([engine.module(**batch).loss])
+        space.release_gathered()
+        start = time.perf_counter()
+        zero_proposed_update(zero, space, grads)
+        update_times.append(time.perf_counter() - start)
+        measured = critical_sharpness(
+            engine.module, one_label_rows(batch), n_contexts=None, settings=settings, batch_size=batch_size,
+            optimizer=zero,
+        )  # fmt: skip
+        measure_times.append(measured.seconds)
+        measure_passes.append(measured.n_forward_passes)
+        step_times.append(train_step(batch))
+    step = statistics.median(step_times)
+    print(
+        f"model: BERT-MLM {n_params / 1e6:.2f}M parameters, batch {batch_size}, DeepSpeed ZeRO-{stage} around AdamW, "
+        f"1 process, torch threads {torch.get_num_threads()}, {len(step_times)} measurements"
+    )
+    print(
+        f"median seconds: training step {step:.3f}, zero_proposed_update {statistics.median(update_times):.3f}, "
+        f"measure {statistics.median(measure_times):.3f} (forward passes {measure_passes})"
+    )
+    print(f"zero_proposed_update_ratio={statistics.median(update_times) / step:.3f}")
     print(f"measure_ratio={statistics.median(measure_times) / step:.3f}")
 
 

@@ -103,8 +103,9 @@ class MeasureSettings:
     critical_direction: str = _setting(
         "optimizer",
         "The line of critical_sharpness: optimizer (default: the optimizer's next update in training, the negative "
-        "gradient where there is no optimizer, as on the command line) or gradient_descent (the negative gradient; "
-        "the one that works under DeepSpeed, whose optimizer's update cannot be proposed and undone).",
+        "gradient where there is no optimizer, as on the command line; under DeepSpeed ZeRO-1/2/3 the ZeRO "
+        "optimizer's update) or gradient_descent (the negative gradient; also where the update cannot be proposed: "
+        "an offloaded ZeRO optimizer).",
         str,
         CRITICAL_DIRECTIONS,
     )

@@ -81,19 +81,44 @@ def test_bad_product_settings_are_refused_before_any_pass():
 
 
 class _DeepSpeedLikeOptimizer(torch.optim.SGD):
-    """An optimizer from DeepSpeed's package, as far as the measure can tell."""
+    """An optimizer from DeepSpeed's package that is not ZeRO's (as BF16_Optimizer at stage 0), as far as the measure
+    can tell."""
 
 
-_DeepSpeedLikeOptimizer.__module__ = "deepspeed.runtime.zero.stage_1_and_2"
+_DeepSpeedLikeOptimizer.__module__ = "deepspeed.runtime.bf16_optimizer"
 
 
-def test_critical_sharpness_refuses_deepspeeds_optimizer_update_and_takes_its_gradient_descent():
+class _OffloadedZeroOptimizer:
+    """What the measure reads of a ZeRO-2 optimizer whose state is offloaded (``offload_optimizer``)."""
+
+    def __init__(self, inner: torch.optim.Optimizer):
+        self.optimizer = inner
+        self.single_partition_of_fp32_groups: list[torch.Tensor] = []
+        self.cpu_offload = True
+
+
+_OffloadedZeroOptimizer.__module__ = "deepspeed.runtime.zero.stage_1_and_2"
+
+
+@pytest.mark.parametrize(
+    "wrap,message",
+    [
+        (lambda model: _DeepSpeedLikeOptimizer(model.parameters(), lr=0.1), "needs ZeRO stage 1, 2 or 3"),
+        (lambda model: _OffloadedZeroOptimizer(torch.optim.AdamW(model.parameters())), "offload_optimizer"),
+    ],
+)
+def test_critical_sharpness_refuses_what_it_cannot_propose_under_deepspeed_before_computing(wrap, message):
+    """DeepSpeed's ZeRO-1/2/3 update is proposed (`tests/distributed/test_sharded_curvature.py`); another DeepSpeed
+    optimizer or an offloaded ZeRO one is refused, naming the fix, before any gradient; along -g it still measures."""
     model = tiny_causal_lm()
-    optimizer = _DeepSpeedLikeOptimizer(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="critical_direction='gradient_descent'"):
+    optimizer = wrap(model)
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    with pytest.raises(ValueError, match=message) as refused:
         critical_sharpness(
             model, causal_rows(), n_contexts=4, settings=MeasureSettings(), batch_size=4, optimizer=optimizer
         )
+    assert "critical_direction='gradient_descent'" in str(refused.value) and not forwards
     descent = MeasureSettings(critical_direction="gradient_descent")
     along_g = critical_sharpness(
         model, causal_rows(), n_contexts=4, settings=descent, batch_size=4, optimizer=optimizer
@@ -103,7 +128,7 @@ def test_critical_sharpness_refuses_deepspeeds_optimizer_update_and_takes_its_gr
     assert along_g.per_batch == plain.per_batch
 
 
-def _zero3_trainer(model: torch.nn.Module):
+def _zero3_trainer(model: torch.nn.Module, optimizer: object | None = None):
     from types import SimpleNamespace
 
     plugin = SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": 3}})
@@ -111,6 +136,7 @@ def _zero3_trainer(model: torch.nn.Module):
         accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)),
         model=model,
         args=SimpleNamespace(world_size=2),
+        optimizer=optimizer,
     )
 
 
@@ -128,5 +154,8 @@ def test_callback_takes_the_sharded_measures_under_zero3_and_refuses_the_rest_at
         whole._check_engine_supports_estimator()
     along_optimizer = HessianTraceCallback(also_measure=("critical_sharpness",))
     along_optimizer.bind_trainer(trainer)
-    with pytest.raises(ValueError, match="critical_direction"):
+    along_optimizer._check_engine_supports_estimator()  # ZeRO's update is proposed
+    model = tiny_causal_lm()
+    along_optimizer.bind_trainer(_zero3_trainer(model, _OffloadedZeroOptimizer(torch.optim.AdamW(model.parameters()))))
+    with pytest.raises(ValueError, match="offload_optimizer.*critical_direction"):
         along_optimizer._check_engine_supports_estimator()

@@ -18,6 +18,7 @@ from ..flatness.contexts import build_masked_contexts
 from ..flatness.estimators import per_context_estimators
 from ..flatness.lm import check_tokenizer_fits_model, is_causal_lm, output_vocab_size
 from ..flatness.results import FlatnessRecord, TraceEstimate
+from ..flatness.zero_update import check_zero_update_supported
 from ..measures import MEASURE_TABLE
 from ..tensors import is_fully_sharded
 from .trace_config import TraceCallbackConfig
@@ -90,7 +91,8 @@ class HessianTraceCallback(TrainerCallback):
             ``sam_rho``'s batches are the trainer's
             ``per_device_train_batch_size`` contexts, each taking its own ascent step as SAM does in training.
             ``critical_sharpness`` searches along the trainer's optimizer's next update for each batch's gradient
-            (`hf_flatbias.flatness.proposed_update`): weights, optimizer state, ``.grad`` and random streams are left
+            (`hf_flatbias.flatness.proposed_update`; under DeepSpeed ZeRO-1/2/3 the ZeRO optimizer's,
+            `hf_flatbias.flatness.zero_update`): weights, optimizer state, ``.grad`` and random streams are left
             bit for bit as they were. ``forgetting`` fine-tunes a copy on ``measure_settings["forgetting_task"]``
             (loaded and tokenized by the trainer's tokenizer at the start of training): the trained weights and the
             random streams are untouched.
@@ -159,16 +161,10 @@ class HessianTraceCallback(TrainerCallback):
                 f"{' and '.join(SHARDED_MEASURES)} only, or leave also_measure empty."
             )
         if (
-            plugin is not None
-            and "critical_sharpness" in self.config.also_measure
+            "critical_sharpness" in self.config.also_measure
             and self.config.settings().critical_direction == "optimizer"
         ):
-            raise ValueError(
-                "HessianTraceCallback(also_measure=['critical_sharpness']) cannot follow the optimizer's update under "
-                "DeepSpeed: its engine keeps the optimizer's state outside torch's optimizer, so the next update "
-                "cannot be proposed and undone; pass measure_settings={'critical_direction': 'gradient_descent'} (the "
-                "negative gradient)."
-            )
+            check_zero_update_supported(self._trainer.optimizer)  # an offloaded or Muon ZeRO optimizer: refused now
         several_processes = stage == 3 or self._trainer.args.world_size > 1
         if several_processes and self.config.estimator not in per_context_estimators():
             raise ValueError(

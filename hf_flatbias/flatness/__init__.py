@@ -31,6 +31,7 @@ from .spectrum import (
     estimate_top_eigenvalues,
 )
 from .weight_noise import WeightNoisePoint, WeightNoiseSensitivity, estimate_weight_noise_sensitivity, weight_noise
+from .zero_update import zero_proposed_update
 
 __all__ = [
     "ESTIMATORS",
@@ -76,4 +77,5 @@ __all__ = [
     "round_to_nearest",
     "summarize_trace_samples",
     "weight_noise",
+    "zero_proposed_update",
 ]

@@ -29,6 +29,7 @@ from .parameter_space import parameter_space
 from .quantization import estimate_quantization_sensitivity
 from .spectrum import _prepare, estimate_sam_sharpness, estimate_top_eigenvalues
 from .weight_noise import estimate_weight_noise_sensitivity
+from .zero_update import check_zero_update_supported, torch_optimizer_of, zero_optimizer_of, zero_proposed_update
 
 GRADIENT_DESCENT = "gradient_descent"
 """The direction of ``critical_sharpness`` without an optimizer: ``-g``."""
@@ -203,20 +204,15 @@ def critical_sharpness(
     contexts are split over the processes, each forward's loss is summed over them (so every process compares the
     same numbers and takes the same branch of the search), and the line search moves each process's own pieces of
     the parameters (FSDP2's and ZeRO-3's shards): nothing is gathered beyond what the engine's forward gathers. Under
-    DeepSpeed the optimizer's update cannot be proposed (its state lives in DeepSpeed's own partitions): set
-    ``settings.critical_direction='gradient_descent'`` there (the engine's optimizer is then only used, under ZeRO-3,
-    to release its gathered parameters after each move).
+    DeepSpeed ZeRO-1/2/3 the update is the ZeRO optimizer's (`zero_proposed_update`: its torch optimizer stepped on
+    its fp32 master partitions with the batch's gradient clipped as the engine clips, and undone).
     """
     start_time = time.perf_counter()
     size = settings.critical_batch_size or _fixed(batch_size)
     prepared, _, n_used = _prepare(model, contexts, n_contexts, causal)
     along_optimizer = optimizer is not None and settings.critical_direction == "optimizer"
-    if along_optimizer and _is_deepspeed_optimizer(optimizer):
-        raise ValueError(
-            "critical_sharpness along the optimizer's update does not support DeepSpeed: its engine keeps the "
-            "optimizer's state outside torch's optimizer, so the next update cannot be proposed and undone; set "
-            "critical_direction='gradient_descent' to search along the negative gradient."
-        )
+    if along_optimizer:
+        check_zero_update_supported(optimizer)
     space = parameter_space(model, optimizer)
     values, statuses, passes = [], [], 0
     with evaluation_mode(model), preserved_global_rng():
@@ -260,7 +256,7 @@ def critical_sharpness(
     found = torch.tensor([v for v in values if math.isfinite(v)], dtype=torch.float64)
     mean = float(found.mean()) if found.numel() else math.nan
     stderr = float(found.std() / math.sqrt(found.numel())) if found.numel() > 1 else math.nan
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = torch_optimizer_of(optimizer) if optimizer is not None else None
     return CriticalSharpnessEstimate(
         mean=mean,
         stderr=stderr,
@@ -291,32 +287,32 @@ def _weighted_loss(model: nn.Module, contexts, indices: Sequence[int], n_measure
     return (per_context * weights).sum() / n_batch
 
 
-def _is_deepspeed_optimizer(optimizer) -> bool:
-    inner = getattr(optimizer, "optimizer", optimizer)
-    return optimizer is not None and type(inner).__module__.startswith("deepspeed")
-
-
 def _learning_rate(optimizer: torch.optim.Optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
 
 def _optimizer_update(optimizer: torch.optim.Optimizer, space, grads: Sequence[torch.Tensor]):
-    """The optimizer's next update for ``grads`` (this process's pieces): set as ``.grad`` for `proposed_update`,
-    then the previous ``.grad`` objects put back (``None`` stays ``None``). A group at learning rate 0 (the end of a
-    linear schedule) would propose no step at all: it is measured at learning rate 1 instead, the same direction per
-    unit of learning rate for SGD and Adam(W), and its 0 put back."""
-    params = space.params
-    saved = [p.grad for p in params]
-    inner = getattr(optimizer, "optimizer", optimizer)
+    """The optimizer's next update for ``grads`` (this process's pieces). A torch optimizer gets them as ``.grad``
+    for `proposed_update`, then the previous ``.grad`` objects put back (``None`` stays ``None``); DeepSpeed's ZeRO
+    optimizer goes through `zero_proposed_update`. A group at learning rate 0 (the end of a linear schedule) would
+    propose no step at all: it is measured at learning rate 1 instead, the same direction per unit of learning rate
+    for SGD and Adam(W), and its 0 put back."""
+    inner = torch_optimizer_of(optimizer)
     zero_groups = [group for group in inner.param_groups if not float(group["lr"]) > 0]
     for group in zero_groups:
         group["lr"] = 1.0
     try:
-        for p, g in zip(params, space.as_parameter_gradients(grads), strict=True):
-            p.grad = g
-        return proposed_update(optimizer)
+        if zero_optimizer_of(optimizer) is not None:
+            return zero_proposed_update(optimizer, space, grads)
+        params = space.params
+        saved = [p.grad for p in params]
+        try:
+            for p, g in zip(params, space.as_parameter_gradients(grads), strict=True):
+                p.grad = g
+            return proposed_update(optimizer)
+        finally:
+            for p, g in zip(params, saved, strict=True):
+                p.grad = g
     finally:
-        for p, g in zip(params, saved, strict=True):
-            p.grad = g
         for group in zero_groups:
             group["lr"] = 0.0

@@ -194,8 +194,8 @@ def proposed_update(optimizer: torch.optim.Optimizer) -> ProposedUpdate:
 
     Cost: one optimizer step and one copy of the parameters and of their optimizer state, plus the returned updates.
     The Trainer's ``AcceleratedOptimizer`` is looked through to the optimizer it wraps. Step hooks registered on the
-    optimizer do fire. Engines that keep their own fp32 masters and states outside ``optimizer.state`` (DeepSpeed)
-    are not supported.
+    optimizer do fire. DeepSpeed's ZeRO optimizer keeps fp32 master partitions that are not the model's parameters:
+    `hf_flatbias.flatness.zero_update.zero_proposed_update` runs this on the torch optimizer it wraps.
 
     Raises:
         ValueError: no parameter of the optimizer has a ``.grad`` (run ``loss.backward()`` first).

@@ -148,6 +148,30 @@ if HAS_DEEPSPEED:
             "trace": {"n_contexts": 7, "n_draws": 2, "estimator": "summed"},
         }
     )
+# The callback's critical sharpness along AdamW's next update (with weight decay) and its trace, in float64
+# (`tiny_causal_lm_float64`) so that the reduction orders stay far below the line search's decisions; the update is
+# measured per unit learning rate (the step runs at 0) with the moments of that step. Under ZeRO-3 it is DeepSpeed's
+# update, stepped on float32 masters. No clipping (the tests' max_grad_norm 0): the Trainer clips outside torch's
+# optimizer, DeepSpeed inside its step, which the measured update follows.
+CRITICAL_ARGS = {"optim": "adamw_torch", "weight_decay": 0.1}
+CRITICAL_TRACE = {
+    "n_contexts": 7,
+    "n_draws": 1,
+    "batch_size": 2,
+    "max_overhead": None,
+    "also_measure": ["critical_sharpness"],
+    "measure_settings": {"critical_batch_size": 4},
+}
+CRITICAL_CALLBACK_ZERO3_CASE = {
+    "name": "criticalcb-zero3",
+    "engine": "zero3",
+    "kind": "trace_callback",
+    "task": "causal_lm_float64",
+    "args": CRITICAL_ARGS,
+    "trace": CRITICAL_TRACE,
+}
+if HAS_DEEPSPEED:
+    TWO_PROCESS_CASES.append(CRITICAL_CALLBACK_ZERO3_CASE)
 # BERT's masked LM ignores num_items_in_batch: its loss is weighted by the update's tokens over both ranks, which hold
 # unequal label counts. Each is compared with the one-process step on the same 8 rows (reference_token_weighted_sgd).
 TOKEN_WEIGHTED_VARIANTS = {
@@ -591,6 +615,33 @@ def test_trace_callback_logs_the_one_process_estimate(two_process_runs):
     )
     assert infos[0]["estimate"]["n_contexts"] == one_process.n_contexts == trace["n_contexts"]
     assert infos[0]["logged_trace"] == [pytest.approx(one_process.mean, rel=1e-6)]
+
+
+def assert_critical_callback_equals_one_process(out_dir: Path, case: dict, tmp_path: Path) -> None:
+    """Both ranks logged the same critical sharpness and trace, and they are those of the same trainer and callback in
+    this process (one process, the global batch per step, torch's AdamW)."""
+    from tests.helpers.distributed_sam_script import Case, base_arguments, run_trace_callback_case
+
+    two = [json.loads((out_dir / f"{case['name']}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert two[0]["world_size"] == 2
+    for run in two:
+        run["measures"]["critical_sharpness"].pop("seconds")
+    assert two[0]["measures"] == two[1]["measures"] and two[0]["logged_trace"] == two[1]["logged_trace"]
+    values = base_arguments(str(tmp_path))
+    values.update(case.get("args", {}), per_device_train_batch_size=2 * PER_DEVICE, use_cpu=True)
+    one = run_trace_callback_case(Case(**{**case, "engine": "ddp"}), values)
+    sharded, whole = two[0]["measures"]["critical_sharpness"], one["measures"]["critical_sharpness"]
+    assert sharded["direction"] == whole["direction"] == "AdamW"
+    assert sharded["n_batches"] == sharded["n_converged"] == 2
+    assert sharded["n_forward_passes"] == whole["n_forward_passes"]
+    assert sharded["per_batch"] == pytest.approx(whole["per_batch"], rel=1e-9)
+    assert two[0]["logged_trace"] == pytest.approx(one["logged_trace"], rel=1e-9)
+
+
+@pytest.mark.deepspeed
+def test_critical_sharpness_callback_under_zero3_follows_deepspeeds_update_as_one_process(two_process_runs, tmp_path):
+    name = CRITICAL_CALLBACK_ZERO3_CASE["name"]
+    assert_critical_callback_equals_one_process(two_process_runs(name), CRITICAL_CALLBACK_ZERO3_CASE, tmp_path)
 
 
 def token_weighted_param(case: dict):

@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.test_distributed import PER_DEVICE, launch, load, max_difference, reference_sam_sgd
+from tests.distributed.test_distributed import (
+    CRITICAL_ARGS,
+    CRITICAL_TRACE,
+    PER_DEVICE,
+    assert_critical_callback_equals_one_process,
+    launch,
+    load,
+    max_difference,
+    reference_sam_sgd,
+)
 from tests.helpers.distributed_sam_script import TRAINING_TASKS, base_arguments, with_lora
 
 pytestmark = pytest.mark.distributed
@@ -101,6 +110,14 @@ TRACE_CALLBACK_CASE = {
     # no time budget: every context is measured, as the one-process estimate is
     "trace": {"n_contexts": 7, "n_draws": 2, "batch_size": 2, "max_overhead": None},
 }
+# The callback's critical sharpness along torch's AdamW, sharded (`test_distributed.CRITICAL_TRACE`)
+CRITICAL_CALLBACK_CASE = {
+    "name": "criticalcb-fsdp2",
+    "kind": "trace_callback",
+    "task": "causal_lm_float64",
+    "args": CRITICAL_ARGS,
+    "trace": CRITICAL_TRACE,
+}
 
 CASES = (
     [{"engine": "launcher", **case} for case in MATCHED_CASES]
@@ -110,6 +127,7 @@ CASES = (
     + [RESUME_CASE]
     + [{"name": name, "engine": "launcher", "args": args} for name, (args, _) in REJECTED_CASES.items()]
     + [{"engine": "launcher", "task": "causal_lm", **case} for case in [*TRACE_CASES, TRACE_CALLBACK_CASE]]
+    + [{"engine": "launcher", **CRITICAL_CALLBACK_CASE}]
 )
 
 
@@ -276,3 +294,9 @@ def test_trace_callback_under_fsdp2_logs_the_one_process_estimate(fsdp2_runs):
         tiny_causal_lm(), infos[0]["contexts"], n_draws=trace["n_draws"], batch_size=trace["batch_size"]
     )
     assert infos[0]["logged_trace"] == [pytest.approx(one_process.mean, rel=1e-6)]
+
+
+def test_critical_sharpness_callback_under_fsdp2_equals_one_process(fsdp2_runs, tmp_path):
+    """FlatBiasTrainer with the callback measuring critical sharpness (and the trace) under FSDP2: each batch's line
+    search along AdamW's next update moves the shards, and logs what the same trainer in one process logs."""
+    assert_critical_callback_equals_one_process(fsdp2_runs, CRITICAL_CALLBACK_CASE, tmp_path)

@@ -55,7 +55,7 @@ class Case:
     resume_from_step: int | None = None
     #: "sam": train and save the weights; "trace": set up the engine on a masked LM, then every rank calls
     #: estimate_hessian_trace(across_processes=True) with ``trace`` as keyword arguments; "trace_callback": a
-    #: HessianTraceCallback(**trace) measures during a step at learning rate 0.
+    #: HessianTraceCallback(**trace) measures during a step at learning rate 0 (``also_measure`` too).
     kind: str = "sam"
     trace: dict = field(default_factory=dict)
     #: What a "sam" case trains: "classification" (`tiny_classifier` on `classification_rows`) or "masked_lm"
@@ -111,7 +111,11 @@ def causal_rows(n: int = 7, seed: int = 2) -> list[dict[str, torch.Tensor]]:
 
 
 #: What a trace case measures, by its ``task``: the model builder and its rows.
-TRACE_TASKS = {"masked_lm": ("tiny_masked_lm", "masked_rows"), "causal_lm": ("tiny_causal_lm", "causal_rows")}
+TRACE_TASKS = {
+    "masked_lm": ("tiny_masked_lm", "masked_rows"),
+    "causal_lm": ("tiny_causal_lm", "causal_rows"),
+    "causal_lm_float64": ("tiny_causal_lm_float64", "causal_rows"),
+}
 
 
 def trace_task(task: str):
@@ -251,6 +255,7 @@ def run_trace_case(case: Case, values: dict) -> dict:
 def run_trace_callback_case(case: Case, values: dict) -> dict:
     from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
     from hf_flatbias.callbacks import TRACE_METRIC, HessianTraceCallback
+    from hf_flatbias.sharpness.engines import deepspeed_zero_stage
 
     values.update(flatness_method="none", learning_rate=0.0, max_steps=1)
     model, rows = trace_task(case.task)
@@ -265,6 +270,8 @@ def run_trace_callback_case(case: Case, values: dict) -> dict:
         "contexts": callback._contexts,
         "world_size": trainer.args.world_size,
         "estimate": callback.last_estimate.to_dict(),
+        "measures": {name: result.to_dict() for name, result in callback.flatness_record.measures.items()},
+        "zero_stage": deepspeed_zero_stage(trainer.deepspeed_engine()),
     }
 
 

@@ -112,6 +112,13 @@ class MeasureSettings:
     critical_batch_size: int | None = _setting(
         None, "Contexts per line search of critical_sharpness (default: --batch-size); the error is over them.", int
     )
+    critical_max_grad_norm: float | None = _setting(
+        None,
+        "Global gradient norm the batch's gradient is clipped to before the optimizer proposes its update, as the "
+        "Trainer clips before its step (default in training: the Trainer's max_grad_norm; 0: no clipping). Under "
+        "DeepSpeed the engine's own gradient_clipping applies instead.",
+        _optional_float,
+    )
     forgetting_task: str | None = _setting(
         None,
         "The downstream task forgetting fine-tunes on: a GLUE classification task (sst2 works offline through its "
@@ -163,6 +170,9 @@ class MeasureSettings:
         for name in ("sam_batch_size", "quantization_group_size", "critical_batch_size", "forgetting_trace_draws"):
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name))
+        clip = self.critical_max_grad_norm
+        if clip is not None and not (_is_number(clip) and math.isfinite(clip) and clip >= 0):
+            raise ValueError(f"critical_max_grad_norm must be a finite number >= 0, 0 for no clipping (got {clip!r}).")
         step = self.eigenvalue_fd_step
         if step is not None and not (_is_number(step) and math.isfinite(step) and step > 0):
             raise ValueError(f"eigenvalue_fd_step must be a finite number > 0 (got {step!r}).")

@@ -158,7 +158,7 @@ MEASURE_TABLE: dict[str, MeasureSpec] = {
             "nothing applied; on the command line, with no optimizer: the negative gradient, plain gradient descent)",
             compute="hf_flatbias.flatness.beyond_trace:critical_sharpness",
             record=records.critical_record,
-            settings=("critical_rtol", "critical_direction", "critical_batch_size"),
+            settings=("critical_rtol", "critical_direction", "critical_batch_size", "critical_max_grad_norm"),
             metric="flatness/critical_sharpness",
             stderr_metric="flatness/critical_sharpness_stderr",
             result_key="critical_sharpness",

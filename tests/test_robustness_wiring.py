@@ -259,6 +259,7 @@ def test_critical_sharpness_through_the_callback_follows_the_optimizer_and_resto
         measure_at_end=False, max_overhead=None,
     )  # fmt: skip
     trainer = train_word_mlm(tmp_path / "run", tokenizer, [callback])
+    trainer.args.max_grad_norm = 0.05  # below the gradient's norm: the update measured is of the clipped gradient
     inner = trainer.optimizer.optimizer
     for group in inner.param_groups:
         group["lr"] = 1e-3  # a learning rate mid-schedule, so the optimizer's step is its own
@@ -291,14 +292,28 @@ def test_critical_sharpness_through_the_callback_follows_the_optimizer_and_resto
         ]
     )
     twin_optimizer.load_state_dict(inner.state_dict())
-    for p, g in zip(twin_params, grads, strict=True):
-        p.grad = torch.zeros_like(p) if g is None else g.clone()
-    twin_optimizer.step()
-    update = [(q - p).detach() for p, q in zip(params, twin_params, strict=True)]
-    expected = estimate_critical_sharpness(
-        model, lambda m: float(_data_label_loss(m, prepared, [0, 1, 2])), update, learning_rate=1e-3
-    )
-    assert measured.per_batch[0] == pytest.approx(expected.lambda_c, rel=1e-9)
+    state = copy.deepcopy(inner.state_dict())
+
+    def update_by_hand(max_norm: float | None) -> list[torch.Tensor]:
+        twin_optimizer.load_state_dict(copy.deepcopy(state))
+        with torch.no_grad():
+            for p, q in zip(params, twin_params, strict=True):
+                q.copy_(p)
+        for p, g in zip(twin_params, grads, strict=True):
+            p.grad = torch.zeros_like(p) if g is None else g.clone()
+        if max_norm is not None:  # the Trainer clips before its step, at its max_grad_norm
+            norm = torch.nn.utils.clip_grad_norm_(twin_params, max_norm)
+            assert norm > max_norm  # clipping binds here, so the check can tell
+        twin_optimizer.step()
+        return [(q - p).detach() for p, q in zip(params, twin_params, strict=True)]
+
+    def search(update):
+        loss = lambda m: float(_data_label_loss(m, prepared, [0, 1, 2]))  # noqa: E731
+        return estimate_critical_sharpness(model, loss, update, learning_rate=1e-3).lambda_c
+
+    expected = search(update_by_hand(trainer.args.max_grad_norm))
+    assert measured.per_batch[0] == pytest.approx(expected, rel=1e-9)
+    assert not measured.per_batch[0] == pytest.approx(search(update_by_hand(None)), rel=1e-3)
     # and it is not plain gradient descent's number
     descent = estimate_critical_sharpness(
         model,

@@ -290,6 +290,8 @@ class HessianTraceCallback(TrainerCallback):
             self._forgetting_task = self._load_forgetting_task()
         if settings.sam_batch_size is None:  # SAM's batches are the training batches it would perturb
             settings = replace(settings, sam_batch_size=self._trainer.args.per_device_train_batch_size)
+        if settings.critical_max_grad_norm is None:  # the update the optimizer takes is of the clipped gradient
+            settings = replace(settings, critical_max_grad_norm=self._trainer.args.max_grad_norm or 0.0)
         logs = {}
         for name in self.config.also_measure:
             spec = MEASURE_TABLE[name]

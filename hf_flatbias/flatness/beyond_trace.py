@@ -234,7 +234,7 @@ def critical_sharpness(
             if not along_optimizer:
                 update, learning_rate = [-g for g in grads], 1.0
             else:
-                proposed = _optimizer_update(optimizer, space, grads)
+                proposed = _optimizer_update(optimizer, space, grads, settings.critical_max_grad_norm)
                 # the optimizer lists its parameters by param group (decay, no decay), the space in model order
                 by_parameter = {id(p): u for p, u in zip(proposed.params, proposed.updates, strict=True)}
                 ordered = [by_parameter.get(id(p), torch.zeros_like(p)) for p in space.params]
@@ -291,12 +291,15 @@ def _learning_rate(optimizer: torch.optim.Optimizer) -> float:
     return float(optimizer.param_groups[0]["lr"])
 
 
-def _optimizer_update(optimizer: torch.optim.Optimizer, space, grads: Sequence[torch.Tensor]):
+def _optimizer_update(
+    optimizer: torch.optim.Optimizer, space, grads: Sequence[torch.Tensor], max_grad_norm: float | None = None
+):
     """The optimizer's next update for ``grads`` (this process's pieces). A torch optimizer gets them as ``.grad``
-    for `proposed_update`, then the previous ``.grad`` objects put back (``None`` stays ``None``); DeepSpeed's ZeRO
-    optimizer goes through `zero_proposed_update`. A group at learning rate 0 (the end of a linear schedule) would
-    propose no step at all: it is measured at learning rate 1 instead, the same direction per unit of learning rate
-    for SGD and Adam(W), and its 0 put back."""
+    for `proposed_update`, clipped first to ``max_grad_norm`` as the Trainer clips before its step, then the previous
+    ``.grad`` objects put back (``None`` stays ``None``); DeepSpeed's ZeRO optimizer goes through
+    `zero_proposed_update`, which clips as the engine does. A group at learning rate 0 (the end of a linear
+    schedule) would propose no step at all: it is measured at learning rate 1 instead, the same direction per unit of
+    learning rate for SGD and Adam(W), and its 0 put back."""
     inner = torch_optimizer_of(optimizer)
     zero_groups = [group for group in inner.param_groups if not float(group["lr"]) > 0]
     for group in zero_groups:
@@ -304,6 +307,8 @@ def _optimizer_update(optimizer: torch.optim.Optimizer, space, grads: Sequence[t
     try:
         if zero_optimizer_of(optimizer) is not None:
             return zero_proposed_update(optimizer, space, grads)
+        if max_grad_norm:
+            grads = _clipped(grads, space, max_grad_norm)
         params = space.params
         saved = [p.grad for p in params]
         try:
@@ -316,3 +321,13 @@ def _optimizer_update(optimizer: torch.optim.Optimizer, space, grads: Sequence[t
     finally:
         for group in zero_groups:
             group["lr"] = 0.0
+
+
+def _clipped(grads: Sequence[torch.Tensor], space, max_norm: float) -> list[torch.Tensor]:
+    """``torch.nn.utils.clip_grad_norm_``'s rule (the Trainer's) on the whole gradient, its norm taken over the
+    processes' pieces where they are shards (FSDP2); a copy, the pieces are left alone."""
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    if space.sharded and space.world_size > 1:
+        total = space.sum_across(total.square().reshape(1)).sqrt()[0]
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return [g * scale.to(g.dtype) for g in grads]

@@ -92,7 +92,7 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
         self._check_requested_engine_is_active()
         if self.args.sam_preconditioner != "none":
             given_cls = self.optimizer_cls_and_kwargs[0] if self.optimizer_cls_and_kwargs is not None else None
-            check_preconditioner_supports_optimizer(self.optimizer, given_cls)
+            check_preconditioner_supports_optimizer(self.optimizer, given_cls, chosen=self.args.sam_preconditioner)
         if self.accelerator.state.deepspeed_plugin is not None:  # again, with what accelerate filled in
             check_deepspeed_supports_method(self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args)
         self._fix_loss_scaling_for_models_ignoring_num_items()

@@ -232,6 +232,7 @@ class SamFamily(FlatnessMethod):
                 perturbable.params,
                 torch._foreach_div(grads, share),
                 with_gradient=args.sam_preconditioner != "adam_stored_moment",
+                chosen=args.sam_preconditioner,
             )
         perturbation = perturbable.perturb(
             grads,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -213,6 +213,12 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
         host whose ``compute_loss`` records metrics (trl's token accuracy, rewards, token counts) records them in the
         first pass only and logs them with the training loss."""
         return contextlib.nullcontext()
+
+    def head_gradients_in_forward(self) -> tuple[Callable[[], contextlib.AbstractContextManager] | None, str | None]:
+        """For output-layer SAM with the trunk replayed: a context for both passes in which the loss forms the output
+        layer's gradients in its forward, or ``None`` and why not. The plain Trainer's loss reads whole logits, whose
+        backward computes each gradient once: nothing to save."""
+        return None, None
 
     def loss_and_outputs(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch

@@ -154,3 +154,39 @@ def test_sft_float64_step_equals_the_two_forward_step_of_the_same_head(tmp_path,
     two_forward, calls_two = run(tmp_path / "b", False)
     assert (calls, calls_two) == (3, 6)
     assert max_param_diff(replayed, two_forward) < 1e-13
+
+
+@pytest.mark.parametrize("pre_shifted", [False, True])
+def test_sft_head_gradient_forward_equals_autograd_through_the_logits(pre_shifted):
+    """`forward_with_head_gradients` against the model's own float64 logits: trl's SFT loss over
+    ``num_items_in_batch`` (ignored labels left out), every parameter's gradient, the metric fields and the label mask;
+    with labels shifted inside or given pre-shifted (context parallelism)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from hf_flatbias.integrations.trl import forward_with_head_gradients
+    from tests.test_logits_sam import tiny_llama
+
+    model = tiny_llama(torch.float64, tie_word_embeddings=False)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    g = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(2, 16, (3, 7), generator=g)
+    labels = input_ids.masked_fill(torch.rand(3, 7, generator=g) < 0.3, -100)
+    targets = labels[:, 1:] if not pre_shifted else torch.cat([labels[:, 1:], torch.full((3, 1), -100)], 1)
+    label_args = {"shift_labels": targets} if pre_shifted else {"labels": labels}
+    forward = forward_with_head_gradients(model, lambda: True)
+    outputs = forward(input_ids=input_ids, fused_lm_head=True, num_items_in_batch=23, **label_args)
+    grads = torch.autograd.grad(-outputs.log_probs.sum() / 23, list(model.parameters()))
+
+    logits = model(input_ids=input_ids).logits  # fused_lm_head=False: the model's own forward
+    logits = logits if pre_shifted else logits[:, :-1]
+    mask = targets != -100
+    log_p = torch.log_softmax(logits, -1)
+    expected = log_p.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    expected_grads = torch.autograd.grad(-expected.sum() / 23, list(model.parameters()))
+    assert torch.equal(outputs.label_mask, mask)
+    assert float((outputs.log_probs - expected).detach().abs().max()) < 1e-12
+    assert float((outputs.loss - (-expected.sum() / 23)).detach().abs()) < 1e-12
+    assert max(float((a - b).abs().max()) for a, b in zip(grads, expected_grads, strict=True)) < 1e-12
+    entropy = -(log_p.exp() * log_p).sum(-1) * mask
+    assert float((outputs.entropy - entropy).detach().abs().max()) < 1e-12
+    assert torch.equal(outputs.is_top1, (log_p.argmax(-1) == targets) & mask)

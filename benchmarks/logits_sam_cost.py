@@ -14,7 +14,7 @@ plain SFT step runs it (forward with the metric fields, backward to the hidden s
 step ran it before (first pass: metrics, head gradient; second: both gradients, no metrics), against
 `label_log_probs`'s two passes.
 
-    python benchmarks/logits_sam_cost.py [--quick] [--repeats N]
+    python benchmarks/logits_sam_cost.py [--quick] [--repeats N] [--trainers NAME ...] [--no-two-forwards]
 
 The head share printed is of the per-token multiply-adds: head ``V * H`` against the layers' projections plus the
 attention scores (``2 * seq_len * H`` per layer). The last lines are ``<model>_<trainer>_<arm>_ratio=X``: step time
@@ -23,6 +23,7 @@ over the plain step's.
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 
@@ -138,7 +139,14 @@ def head_times(shape, seq_len: int, batch: int, repeats: int) -> dict[str, list[
 
 
 def main() -> None:
-    args = timing_parser(__doc__, "smaller models and fewer steps (a few minutes)").parse_args()
+    parser = timing_parser(__doc__, "smaller models and fewer steps (a few minutes)")
+    parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS), help="trainers to time")
+    parser.add_argument(
+        "--two-forwards", action=argparse.BooleanOptionalAction, default=True, help="time the two-forward arm too"
+    )
+    args = parser.parse_args()
+    trainers = tuple(args.trainers)
+    arms = [arm for arm in ARMS if args.two_forwards or arm != "output_layer_sam_two_forwards"]
     models = QUICK_MODELS if args.quick else MODELS
     repeats = args.repeats or (2 if args.quick else 3)
     steps, batch, seq_len = (8, 4, 64) if args.quick else (10, 8, 128)
@@ -149,7 +157,7 @@ def main() -> None:
         rows = torch.randint(5, shape[0], (steps * batch, seq_len), generator=generator).tolist()
         data[model_name] = (rows, make_tokenizer([f"w{i}" for i in range(shape[0] - 5)]))
     times = interleaved_step_times(
-        [(m, t, a) for m in models for t in TRAINERS for a in ARMS],
+        [(m, t, a) for m in models for t in trainers for a in arms],
         lambda key: time_arm(key[1], key[2], *data[key[0]], models[key[0]], seq_len, steps, batch),
         repeats,
     )
@@ -161,14 +169,14 @@ def main() -> None:
         print(f"  head share of the multiply-adds {share:.2f}")
         described = ", ".join(f"{arm} {median_step(t) * 1e3:.1f} ms" for arm, t in heads[model_name].items())
         print(f"  LM head alone, {batch * (seq_len - 1)} rows: {described}")
-        for trainer_name in TRAINERS:
-            medians = {arm: median_step(times[model_name, trainer_name, arm]) for arm in ARMS}
+        for trainer_name in trainers:
+            medians = {arm: median_step(times[model_name, trainer_name, arm]) for arm in arms}
             count = sum(len(repeat) for repeat in times[model_name, trainer_name, "plain"])
             described = ", ".join(f"{arm} {value * 1e3:.1f} ms" for arm, value in medians.items())
             print(f"  {trainer_name}: {described} (medians of {count})")
     for model_name in models:
-        for trainer_name in TRAINERS:
-            for arm in ("output_layer_sam", "output_layer_sam_two_forwards"):
+        for trainer_name in trainers:
+            for arm in arms[1:]:
                 ratio, low, high = step_ratio(
                     times[model_name, trainer_name, arm], times[model_name, trainer_name, "plain"]
                 )

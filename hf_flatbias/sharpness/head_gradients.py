@@ -11,7 +11,9 @@ The backward only scales them by the incoming ``g_i = dL / d log p_i``: ``g_i dh
 ``c dW`` whenever every ``g_i`` is the same ``c`` (a loss summed or averaged over tokens, as trl's default SFT loss);
 any other ``g`` (per-token weights) has ``dW`` recomputed from the saved inputs, so the answer is exact for every loss.
 The forward then costs two products where ``h`` takes no gradient (the first pass of output-layer SAM, whose trunk is
-replayed) and three where it does, and the backward none: against the fused head's four per pass.
+replayed) and three where it does, and the backward none: against the fused head's four per pass. The price is memory
+held from the forward to the backward: one head-sized gradient (in float32 at least) and, where ``h`` takes one, a
+gradient the size of the rows' hidden states, besides one chunk of logits at a time.
 
 Pure: nothing here knows about trainers or trl.
 """

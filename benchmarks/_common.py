@@ -1,5 +1,5 @@
-"""Builders shared by the benchmark scripts: a step timer and a timed training run with its command line, a
-masked-LM BERT and random masked-LM rows.
+"""Builders shared by the benchmark scripts: a step timer, a timed training run with its command line, interleaved
+arms and their step ratios, a masked-LM BERT and random masked-LM rows.
 
 The scripts run as ``python benchmarks/NAME.py`` (or under ``accelerate launch``), which puts this folder first on
 ``sys.path``, so they import this module as ``_common``.
@@ -8,9 +8,10 @@ The scripts run as ``python benchmarks/NAME.py`` (or under ``accelerate launch``
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
@@ -69,6 +70,30 @@ def run_timed_trainer(make_trainer: Callable[[str], Trainer], *, clock: Callable
         trainer.add_callback(timer)
         trainer.train()
     return timer.durations[WARMUP_STEPS:]
+
+
+def interleaved_step_times(
+    arms: Sequence[Hashable], time_arm: Callable[[Hashable], list[float]], repeats: int
+) -> dict[Hashable, list[list[float]]]:
+    """Each arm's step times, one list per repeat: every repeat runs all the arms in turn (``time_arm(arm)`` returns
+    one run's step times), so that load on a shared machine hits them alike."""
+    times: dict[Hashable, list[list[float]]] = {arm: [] for arm in arms}
+    for _ in range(repeats):
+        for arm in arms:
+            times[arm].append(time_arm(arm))
+    return times
+
+
+def median_step(per_repeat: list[list[float]]) -> float:
+    """The median of an arm's step times over all its repeats."""
+    return statistics.median(t for repeat in per_repeat for t in repeat)
+
+
+def step_ratio(arm: list[list[float]], plain: list[list[float]]) -> tuple[float, float, float]:
+    """An arm's median step over the plain arm's, and the range of the per-repeat ratios (each repeat's median over
+    the plain arm's median in the same repeat)."""
+    ratios = [statistics.median(a) / statistics.median(p) for a, p in zip(arm, plain, strict=True)]
+    return median_step(arm) / median_step(plain), min(ratios), max(ratios)
 
 
 def build_model(hidden: int, layers: int, vocab: int, seq_len: int, *, head_size: int) -> BertForMaskedLM:

@@ -3,12 +3,18 @@
 Two config-built Llamas: one whose output layer is about a third of a step's matrix-multiply work and one where it is
 about a tenth, each trained by `FlatBiasTrainer` (causal-LM loss, full logits) and `FlatBiasSFTTrainer` (trl's fused
 LM head). Three arms, interleaved so that load on a shared machine hits them alike: the plain step
-(``flatness_method="none"``), output-layer SAM as it runs now (the second pass replays the trunk's outputs), and
-output-layer SAM with the replay switched off (two whole forwards, the step before the replay). Step times are this
-process's CPU time (``time.process_time``), medians over repeats; the spread printed beside each ratio is the range of
-the per-repeat ratios (each repeat's median over its plain arm's median).
+(``flatness_method="none"``), output-layer SAM as it runs now (the second pass replays the trunk's outputs; in SFT
+both passes form the head's gradients in the forward instead of trl's fused head), and output-layer SAM with the
+replay switched off (two whole forwards through trl's head, the step before the replay). Step times are this process's
+CPU time (``time.process_time``), medians over repeats; the spread printed beside each ratio is the range of the
+per-repeat ratios (each repeat's median over its plain arm's median).
 
-    python benchmarks/logits_sam_cost.py [--quick] [--repeats N]
+Before the steps, each model's LM head alone on one batch's rows (interleaved the same way): trl's fused head as a
+plain SFT step runs it (forward with the metric fields, backward to the hidden states and the head) and as the replayed
+step ran it before (first pass: metrics, head gradient; second: both gradients, no metrics), against
+`label_log_probs`'s two passes.
+
+    python benchmarks/logits_sam_cost.py [--quick] [--repeats N] [--trainers NAME ...] [--no-two-forwards]
 
 The head share printed is of the per-token multiply-adds: head ``V * H`` against the layers' projections plus the
 attention scores (``2 * seq_len * H`` per layer). The last lines are ``<model>_<trainer>_<arm>_ratio=X``: step time
@@ -17,18 +23,27 @@ over the plain step's.
 
 from __future__ import annotations
 
+import argparse
 import os
-import statistics
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from _common import TIMING_ARGUMENTS, run_timed_trainer, timing_parser  # noqa: E402
+from _common import (  # noqa: E402
+    TIMING_ARGUMENTS,
+    interleaved_step_times,
+    median_step,
+    run_timed_trainer,
+    step_ratio,
+    timing_parser,
+)
 from datasets import Dataset  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from trl.trainer.utils import _ChunkedLogProbFunction  # noqa: E402
 
 from hf_flatbias import FlatBiasConfig, FlatBiasSFTConfig, FlatBiasSFTTrainer, FlatBiasTrainer  # noqa: E402
+from hf_flatbias.sharpness.head_gradients import label_log_probs  # noqa: E402
 from hf_flatbias.synthetic.tokenizer import make_tokenizer  # noqa: E402
 
 #: name: (vocab, hidden, layers), intermediate 4 x hidden; both at seq_len 128.
@@ -40,6 +55,15 @@ ARMS = {
     "output_layer_sam": dict(flatness_method="sam", sam_parameters="output_layer"),
     "output_layer_sam_two_forwards": dict(flatness_method="sam", sam_parameters="output_layer"),
 }
+#: The LM head alone: (head, metric fields computed, the hidden states take a gradient).
+HEAD_PASSES = {
+    "trl_plain_pass": ("trl", True, True),
+    "trl_first_pass": ("trl", True, False),
+    "trl_second_pass": ("trl", False, True),
+    "head_gradients_first_pass": ("ours", True, False),
+    "head_gradients_second_pass": ("ours", False, True),
+}
+TRL_METRIC_FIELDS = ("log_probs", "entropy", "is_top1")
 
 
 def build_llama(vocab: int, hidden: int, layers: int, seq_len: int) -> LlamaForCausalLM:
@@ -83,49 +107,80 @@ def time_arm(trainer_name: str, arm: str, rows, tokenizer, shape, seq_len: int, 
     return run_timed_trainer(make_trainer, clock=time.process_time)
 
 
+def time_head_pass(
+    arm: str, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, calls: int
+) -> list[float]:
+    """CPU time of ``calls`` forwards and backwards of the mean token NLL through one head pass of `HEAD_PASSES`."""
+    kind, metrics, hidden_gradient = HEAD_PASSES[arm]
+    durations = []
+    for _ in range(calls):
+        rows, head = hidden.clone().requires_grad_(hidden_gradient), weight.clone().requires_grad_()
+        start = time.process_time()
+        if kind == "trl":
+            fields = TRL_METRIC_FIELDS if metrics else ("log_probs",)
+            log_probs = _ChunkedLogProbFunction.apply(rows, head, None, labels, 1.0, 32768, None, 1.0, fields)[0]
+        else:
+            log_probs = label_log_probs(rows, head, None, labels, metrics=metrics).log_probs
+        (-log_probs.sum() / labels.numel()).backward()
+        durations.append(time.process_time() - start)
+    return durations
+
+
+def head_times(shape, seq_len: int, batch: int, repeats: int) -> dict[str, list[list[float]]]:
+    vocab, hidden_size, _ = shape
+    generator = torch.Generator().manual_seed(0)
+    rows = batch * (seq_len - 1)
+    hidden = torch.randn(rows, hidden_size, generator=generator)
+    weight = torch.randn(vocab, hidden_size, generator=generator) / hidden_size**0.5
+    labels = torch.randint(0, vocab, (rows,), generator=generator)
+    return interleaved_step_times(
+        list(HEAD_PASSES), lambda arm: time_head_pass(arm, hidden, weight, labels, 8), repeats
+    )
+
+
 def main() -> None:
-    args = timing_parser(__doc__, "smaller models and fewer steps (a few minutes)").parse_args()
+    parser = timing_parser(__doc__, "smaller models and fewer steps (a few minutes)")
+    parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS), help="trainers to time")
+    parser.add_argument(
+        "--two-forwards", action=argparse.BooleanOptionalAction, default=True, help="time the two-forward arm too"
+    )
+    args = parser.parse_args()
+    trainers = tuple(args.trainers)
+    arms = [arm for arm in ARMS if args.two_forwards or arm != "output_layer_sam_two_forwards"]
     models = QUICK_MODELS if args.quick else MODELS
     repeats = args.repeats or (2 if args.quick else 3)
     steps, batch, seq_len = (8, 4, 64) if args.quick else (10, 8, 128)
-    times = {(m, t, a): [] for m in models for t in TRAINERS for a in ARMS}
-    per_repeat = {key: [] for key in times}
-    for _ in range(repeats):
-        for model_name, shape in models.items():
-            tokenizer = make_tokenizer([f"w{i}" for i in range(shape[0] - 5)])
-            generator = torch.Generator().manual_seed(0)
-            rows = torch.randint(5, shape[0], (steps * batch, seq_len), generator=generator).tolist()
-            for trainer_name in TRAINERS:
-                for arm in ARMS:
-                    durations = time_arm(trainer_name, arm, rows, tokenizer, shape, seq_len, steps, batch)
-                    times[model_name, trainer_name, arm] += durations
-                    per_repeat[model_name, trainer_name, arm].append(statistics.median(durations))
+    heads = {model_name: head_times(shape, seq_len, batch, repeats) for model_name, shape in models.items()}
+    data = {}
+    for model_name, shape in models.items():
+        generator = torch.Generator().manual_seed(0)
+        rows = torch.randint(5, shape[0], (steps * batch, seq_len), generator=generator).tolist()
+        data[model_name] = (rows, make_tokenizer([f"w{i}" for i in range(shape[0] - 5)]))
+    times = interleaved_step_times(
+        [(m, t, a) for m in models for t in trainers for a in arms],
+        lambda key: time_arm(key[1], key[2], *data[key[0]], models[key[0]], seq_len, steps, batch),
+        repeats,
+    )
     print(f"batch {batch} x {seq_len} tokens, AdamW, torch threads {torch.get_num_threads()}, CPU time per step")
     for model_name, shape in models.items():
         n_params = sum(p.numel() for p in build_llama(*shape, seq_len).parameters())
         share = head_share(*shape, seq_len)
         print(f"{model_name}: Llama {n_params / 1e6:.2f}M (vocab {shape[0]}, hidden {shape[1]}, {shape[2]} layers), ")
         print(f"  head share of the multiply-adds {share:.2f}")
-        for trainer_name in TRAINERS:
-            medians = {arm: statistics.median(times[model_name, trainer_name, arm]) for arm in ARMS}
-            count = len(times[model_name, trainer_name, "plain"])
+        described = ", ".join(f"{arm} {median_step(t) * 1e3:.1f} ms" for arm, t in heads[model_name].items())
+        print(f"  LM head alone, {batch * (seq_len - 1)} rows: {described}")
+        for trainer_name in trainers:
+            medians = {arm: median_step(times[model_name, trainer_name, arm]) for arm in arms}
+            count = sum(len(repeat) for repeat in times[model_name, trainer_name, "plain"])
             described = ", ".join(f"{arm} {value * 1e3:.1f} ms" for arm, value in medians.items())
             print(f"  {trainer_name}: {described} (medians of {count})")
     for model_name in models:
-        for trainer_name in TRAINERS:
-            plain = statistics.median(times[model_name, trainer_name, "plain"])
-            for arm in ("output_layer_sam", "output_layer_sam_two_forwards"):
-                ratio = statistics.median(times[model_name, trainer_name, arm]) / plain
-                ratios = [
-                    value / base
-                    for value, base in zip(
-                        per_repeat[model_name, trainer_name, arm],
-                        per_repeat[model_name, trainer_name, "plain"],
-                        strict=True,
-                    )
-                ]
-                spread = f"per-repeat {min(ratios):.3f}-{max(ratios):.3f}"
-                print(f"{model_name}_{trainer_name}_{arm}_ratio={ratio:.3f} ({spread})")
+        for trainer_name in trainers:
+            for arm in arms[1:]:
+                ratio, low, high = step_ratio(
+                    times[model_name, trainer_name, arm], times[model_name, trainer_name, "plain"]
+                )
+                print(f"{model_name}_{trainer_name}_{arm}_ratio={ratio:.3f} (per-repeat {low:.3f}-{high:.3f})")
 
 
 if __name__ == "__main__":

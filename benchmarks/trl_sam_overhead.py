@@ -16,12 +16,19 @@ through the fused LM head, in `FlatBiasTrainer` from the logits).
 from __future__ import annotations
 
 import os
-import statistics
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from _common import TIMING_ARGUMENTS, choose_sizes, run_timed_trainer, timing_parser  # noqa: E402
+from _common import (  # noqa: E402
+    TIMING_ARGUMENTS,
+    choose_sizes,
+    interleaved_step_times,
+    median_step,
+    run_timed_trainer,
+    step_ratio,
+    timing_parser,
+)
 from datasets import Dataset  # noqa: E402
 from tokenizers import processors  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -107,23 +114,23 @@ def main() -> None:
     tokenizer.eos_token = tokenizer.sep_token
     rows = token_rows(steps * batch, sizes["seq_len"], vocab)
     n_params = sum(p.numel() for p in build_llama(vocab, **sizes).parameters())
-    times = {(name, method): [] for name in TRAINERS for method in methods}
-    for _ in range(repeats):
-        for name in TRAINERS:
-            for method in methods:
-                times[name, method] += time_steps(name, method, rows, tokenizer, sizes, steps, batch)
+    times = interleaved_step_times(
+        [(name, method) for name in TRAINERS for method in methods],
+        lambda arm: time_steps(*arm, rows, tokenizer, sizes, steps, batch),
+        repeats,
+    )
     print(
         f"model: Llama {n_params / 1e6:.2f}M parameters, batch {batch} x {sizes['seq_len']} tokens (DPO: {batch} "
         f"pairs of {sizes['seq_len']} tokens), AdamW, torch threads {torch.get_num_threads()}"
     )
     for name in TRAINERS:
-        plain, sam = statistics.median(times[name, "none"]), statistics.median(times[name, "sam"])
-        count = len(times[name, "sam"])
+        plain, sam = median_step(times[name, "none"]), median_step(times[name, "sam"])
+        count = sum(len(repeat) for repeat in times[name, "sam"])
         print(f"{name}: plain step {plain * 1e3:.1f} ms, SAM step {sam * 1e3:.1f} ms (medians of {count})")
     for name in TRAINERS:
         for method in methods[1:]:
-            ratio = statistics.median(times[name, method]) / statistics.median(times[name, "none"])
-            print(f"{name}_{method}_step_ratio={ratio:.3f}")
+            ratio, low, high = step_ratio(times[name, method], times[name, "none"])
+            print(f"{name}_{method}_step_ratio={ratio:.3f} (per-repeat {low:.3f}-{high:.3f})")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -92,7 +92,7 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
         self._check_requested_engine_is_active()
         if self.args.sam_preconditioner != "none":
             given_cls = self.optimizer_cls_and_kwargs[0] if self.optimizer_cls_and_kwargs is not None else None
-            check_preconditioner_supports_optimizer(self.optimizer, given_cls)
+            check_preconditioner_supports_optimizer(self.optimizer, given_cls, chosen=self.args.sam_preconditioner)
         if self.accelerator.state.deepspeed_plugin is not None:  # again, with what accelerate filled in
             check_deepspeed_supports_method(self.accelerator.state.deepspeed_plugin.deepspeed_config, self.args)
         self._fix_loss_scaling_for_models_ignoring_num_items()
@@ -213,6 +213,12 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
         host whose ``compute_loss`` records metrics (trl's token accuracy, rewards, token counts) records them in the
         first pass only and logs them with the training loss."""
         return contextlib.nullcontext()
+
+    def head_gradients_in_forward(self) -> tuple[Callable[[], contextlib.AbstractContextManager] | None, str | None]:
+        """For output-layer SAM with the trunk replayed: a context for both passes in which the loss forms the output
+        layer's gradients in its forward, or ``None`` and why not. The plain Trainer's loss reads whole logits, whose
+        backward computes each gradient once: nothing to save."""
+        return None, None
 
     def loss_and_outputs(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch

@@ -4,6 +4,8 @@ on the micro-batches trl's dataloader yields."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -33,9 +35,9 @@ def tokenizer():
 
 @pytest.mark.parametrize("case", ["completion_only", "packing"])
 @pytest.mark.parametrize("accumulation", [1, 2])
-# trl's fused head returns float32-accurate log-probabilities even in float64 (1e-8 from the float64 reference here):
-# in float64 the reference is held to 1e-7, and the step to the two-forward step of the same head to 1e-13 (below)
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-6), (torch.float64, 1e-7)])
+# the step's head forms its gradients in the forward, in the model's dtype: 1e-12 in float64 (trl's own fused head is
+# float32-accurate even in float64, 1e-8 from this reference)
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
 def test_sft_runs_the_trunk_once_and_matches_two_forward_sam(tmp_path, tokenizer, case, accumulation, dtype, tolerance):
     batch_size = SFT_CASES[case][1].get("per_device_train_batch_size", 4) // accumulation
     trainer = sft_trainer(
@@ -79,17 +81,26 @@ def test_dpo_runs_the_policy_trunk_once_and_matches_two_forward_sam(tmp_path, to
 
 def test_sft_logs_the_clean_pass_metrics_once_and_the_second_head_computes_none(tmp_path, tokenizer, monkeypatch):
     """trl's entropy and token accuracy logged at a step are the first pass's, at ``w``, from the full logits (a
-    second pass's zeros or values at ``w + e`` averaged in would move them), and the second pass's fused head is asked
-    for the log-probabilities only."""
+    second pass's zeros or values at ``w + e`` averaged in would move them); both passes run the head that forms its
+    gradients in the forward, not trl's kernel: the first without the hidden states' gradient and with the metrics,
+    the second with that gradient and without them."""
     import trl.trainer.utils as trl_utils
 
-    kernel, asked = trl_utils._ChunkedLogProbFunction, []
+    import hf_flatbias.integrations.trl as integration
+
+    kernel, asked, formed = trl_utils._ChunkedLogProbFunction, [], []
 
     def apply(*args):
         asked.append(args[-1])
         return kernel.apply(*args)
 
+    def spy(hidden, weight, bias, labels, **kwargs):
+        formed.append((kwargs["metrics"], hidden.requires_grad))
+        return label_log_probs(hidden, weight, bias, labels, **kwargs)
+
+    label_log_probs = integration.label_log_probs
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", type("Spy", (), {"apply": staticmethod(apply)}))
+    monkeypatch.setattr(integration, "label_log_probs", spy)
     trainer = sft_trainer(tmp_path, tokenizer, "completion_only", max_steps=1, logging_steps=1, **HEAD_SAM)
     (batch,) = updates_of(trainer)[0]
     with torch.no_grad():
@@ -103,12 +114,36 @@ def test_sft_logs_the_clean_pass_metrics_once_and_the_second_head_computes_none(
     assert logged["entropy"] == pytest.approx(entropy, abs=1e-5)
     assert logged["mean_token_accuracy"] == pytest.approx(accuracy, abs=1e-6)
     assert logged["num_tokens"] == batch["attention_mask"].sum().item()
-    assert asked == [("log_probs", "entropy", "is_top1"), ("log_probs",)]
+    assert formed == [(True, False), (False, True)]
+    assert asked == []
+
+
+def test_sft_dft_loss_keeps_trls_head_says_why_and_matches_the_two_forward_step(tmp_path, tokenizer, caplog):
+    """``loss_type="dft"`` weights each token by its probability: the step keeps trl's fused head (the gradient
+    cannot be formed before the loss), says so once, and is the two-forward step of that head."""
+
+    def run(path, replay):
+        trainer = sft_trainer(path, tokenizer, "completion_only", dtype=torch.float64, loss_type="dft", **HEAD_SAM)
+        if not replay:
+            trainer.flatness_method.trunk_replay = lambda module: (None, 1.0)
+        counter = CallCounter(trainer.model.model.layers[0])
+        trainer.train()
+        return trainer.model, counter.calls
+
+    with caplog.at_level(logging.WARNING):
+        replayed, calls = run(tmp_path / "a", True)
+    said = [r.getMessage() for r in caplog.records if "loss_type='dft'" in r.getMessage()]
+    assert len(said) == 1 and "recomputed in its backward" in said[0], said
+    two_forward, calls_two = run(tmp_path / "b", False)
+    assert (calls, calls_two) == (3, 6)
+    assert max_param_diff(replayed, two_forward) < 1e-13
 
 
 def test_sft_float64_step_equals_the_two_forward_step_of_the_same_head(tmp_path, tokenizer):
     def run(path, replay):
         trainer = sft_trainer(path, tokenizer, "completion_only", dtype=torch.float64, **HEAD_SAM)
+        # the replay alone: both steps with trl's fused head (the replayed step's own head is checked above)
+        trainer.head_gradients_in_forward = lambda: (None, None)
         if not replay:
             trainer.flatness_method.trunk_replay = lambda module: (None, 1.0)
         counter = CallCounter(trainer.model.model.layers[0])
@@ -119,3 +154,39 @@ def test_sft_float64_step_equals_the_two_forward_step_of_the_same_head(tmp_path,
     two_forward, calls_two = run(tmp_path / "b", False)
     assert (calls, calls_two) == (3, 6)
     assert max_param_diff(replayed, two_forward) < 1e-13
+
+
+@pytest.mark.parametrize("pre_shifted", [False, True])
+def test_sft_head_gradient_forward_equals_autograd_through_the_logits(pre_shifted):
+    """`forward_with_head_gradients` against the model's own float64 logits: trl's SFT loss over
+    ``num_items_in_batch`` (ignored labels left out), every parameter's gradient, the metric fields and the label mask;
+    with labels shifted inside or given pre-shifted (context parallelism)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from hf_flatbias.integrations.trl import forward_with_head_gradients
+    from tests.test_logits_sam import tiny_llama
+
+    model = tiny_llama(torch.float64, tie_word_embeddings=False)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    g = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(2, 16, (3, 7), generator=g)
+    labels = input_ids.masked_fill(torch.rand(3, 7, generator=g) < 0.3, -100)
+    targets = labels[:, 1:] if not pre_shifted else torch.cat([labels[:, 1:], torch.full((3, 1), -100)], 1)
+    label_args = {"shift_labels": targets} if pre_shifted else {"labels": labels}
+    forward = forward_with_head_gradients(model, lambda: True)
+    outputs = forward(input_ids=input_ids, fused_lm_head=True, num_items_in_batch=23, **label_args)
+    grads = torch.autograd.grad(-outputs.log_probs.sum() / 23, list(model.parameters()))
+
+    logits = model(input_ids=input_ids).logits  # fused_lm_head=False: the model's own forward
+    logits = logits if pre_shifted else logits[:, :-1]
+    mask = targets != -100
+    log_p = torch.log_softmax(logits, -1)
+    expected = log_p.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1) * mask
+    expected_grads = torch.autograd.grad(-expected.sum() / 23, list(model.parameters()))
+    assert torch.equal(outputs.label_mask, mask)
+    assert float((outputs.log_probs - expected).detach().abs().max()) < 1e-12
+    assert float((outputs.loss - (-expected.sum() / 23)).detach().abs()) < 1e-12
+    assert max(float((a - b).abs().max()) for a, b in zip(grads, expected_grads, strict=True)) < 1e-12
+    entropy = -(log_p.exp() * log_p).sum(-1) * mask
+    assert float((outputs.entropy - entropy).detach().abs().max()) < 1e-12
+    assert torch.equal(outputs.is_top1, (log_p.argmax(-1) == targets) & mask)

@@ -467,6 +467,25 @@ def test_bad_options_are_rejected_in_the_config(tmp_path, overrides, match):
         config(tmp_path, **overrides)
 
 
+@pytest.mark.parametrize("form", ["adam", "adam_stored_moment", "adam_preconditioned_ball"])
+def test_refusals_name_the_adam_form_chosen(tmp_path, form):
+    from hf_flatbias.sharpness.support import check_deepspeed_supports_method
+
+    args = config(tmp_path, sam_preconditioner=form, optim="adamw_torch")
+    model = tiny_llama()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match=f"^sam_preconditioner='{form}' reads Adam's second moment.*given a SGD"):
+        FlatBiasTrainer(model=model, args=args, train_dataset=causal_rows(), optimizers=(sgd, None))
+    with pytest.raises(ValueError, match=f"^sam_preconditioner='{form}' is not supported with DeepSpeed"):
+        check_deepspeed_supports_method({"zero_optimization": {"stage": 2}}, args)
+    param = next(model.parameters())
+    sgd.state[param]["momentum_buffer"] = torch.zeros_like(param)  # a state without Adam's second moment
+    with pytest.raises(ValueError, match=f"^sam_preconditioner='{form}' needs Adam's second moment"):
+        adam_preconditioner(sgd, [param], [torch.ones_like(param)], chosen=form)
+    with pytest.raises(ValueError, match=f"^sam_preconditioner='{form}': a perturbed parameter is not in"):
+        adam_preconditioner(sgd, [torch.zeros(2)], [torch.ones(2)], chosen=form)
+
+
 def test_yaml_text_numbers_are_read(tmp_path):
     args = config(tmp_path, sam_ascent_fraction="0.25", sam_start_step="2", sam_end_step="-1")
     assert (args.sam_ascent_fraction, args.sam_start_step, args.sam_end_step) == (0.25, 2, -1)

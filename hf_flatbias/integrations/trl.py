@@ -11,7 +11,10 @@ what trl's ``compute_loss`` does besides the loss, handled through the mixin's h
   takes the logits from the model's ordinary forward, and Functional-SAM computes ``dL/dF`` and its surrogate in
   chunks from the backbone's hidden states (`hf_flatbias.sharpness.fused_head`), without the logits;
 * DPO computes the reference model's log-probabilities inside the loss: they are computed once per micro-batch at
-  the start of a flatness step and both passes read them, as with ``precompute_ref_log_probs=True``.
+  the start of a flatness step and both passes read them, as with ``precompute_ref_log_probs=True``;
+* trl's fused head recomputes its logits in the backward (four head products per pass): for output-layer SAM with the
+  trunk replayed, SFT's passes run a fused forward whose head forms its gradients in the forward instead
+  (`forward_with_head_gradients`; two products in the first pass, three in the second).
 """
 
 from __future__ import annotations
@@ -28,17 +31,26 @@ from transformers.trainer_utils import unwrap_peft_model
 
 try:
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
-    from trl.trainer.utils import add_fused_lm_head
+    from trl.trainer.utils import FusedCausalLMOutput, add_fused_lm_head
 except ImportError as error:  # pragma: no cover - exercised in a subprocess without trl
     raise ImportError(f'hf_flatbias\'s trl integration needs trl: pip install "hf_flatbias[trl]" ({error}).') from error
 
 from ..config import FlatnessArguments
 from ..sharpness.fused_head import FusedHeadOutputs
+from ..sharpness.head_gradients import label_log_probs
 from ..trainer import FlatnessTrainerMixin
 
 _REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 #: Fields of trl's fused LM head output that only its trainers' metrics read (entropy, logits/*, token accuracy).
 _METRIC_ONLY_FIELDS = ("entropy", "mean_logits", "is_top1")
+#: Config fields with which trl's fused head transforms the logits (soft-capping, a scale) before the softmax.
+_LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "output_multiplier",
+    "lm_head_multiplier",
+    "logits_scaling",
+)
 
 
 def fused_forward_without_metrics(model: nn.Module, loss_fields: tuple[str, ...]) -> Callable[..., Any] | None:
@@ -65,6 +77,68 @@ def fused_forward_without_metrics(model: nn.Module, loss_fields: tuple[str, ...]
                         torch.zeros(outputs.log_probs.shape, dtype=dtype, device=outputs.log_probs.device),
                     )
         return outputs
+
+    return forward
+
+
+def why_head_gradients_stay_in_backward(model: nn.Module) -> str | None:
+    """Why `forward_with_head_gradients` would not compute what trl's fused forward of ``model`` computes, as a clause
+    for a message; ``None`` when it would. trl's SFT gives the head temperature 1 and no float32 cast."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    text_config = model.config.get_text_config()
+    transforms = [name for name in _LOGIT_TRANSFORMS if getattr(text_config, name, None) is not None]
+    if transforms:
+        return f"the model's config transforms the logits ({', '.join(transforms)}), which that head does not model"
+    if getattr(text_config, "output_router_logits", False):
+        return "the model's router logits are requested (a mixture of experts), which that head does not return"
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        return f"the output layer is a {type(head).__name__}, not a torch.nn.Linear"
+    if is_deepspeed_zero3_enabled():
+        return "DeepSpeed ZeRO-3 partitions the output layer, which that head would read whole"
+    return None
+
+
+def forward_with_head_gradients(model: nn.Module, metrics: Callable[[], bool]) -> Callable[..., Any]:
+    """A forward for ``model``, which trl gave its fused LM head, whose fused path (``fused_lm_head=True``) returns
+    what trl's returns, the head's label log-probabilities from `label_log_probs` (gradients formed in the forward;
+    only the trained positions scored), with the entropy and top-1 fields where ``metrics()`` says so at the call
+    (zeros elsewhere). For the models `why_head_gradients_stay_in_backward` accepts; ``model.forward`` is left as it
+    was and answers every other call."""
+    fused_forward = model.forward
+
+    def forward(*args: Any, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+        if not fused_lm_head:
+            return fused_forward(
+                *args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, **kwargs
+            )
+        kwargs["use_cache"] = False
+        last_hidden = model.base_model(*args, **kwargs).last_hidden_state
+        if shift_labels is None:
+            hidden, labels = last_hidden[:, :-1], labels[:, 1:]
+        else:  # pre-shifted (context parallelism): every position is scored as is
+            hidden, labels = last_hidden, shift_labels
+        head = model.get_output_embeddings()
+        hidden, labels = hidden.to(head.weight.device), labels.to(head.weight.device)
+        mask = labels != -100
+        with_metrics = metrics()
+        rows = label_log_probs(hidden[mask], head.weight, head.bias, labels[mask], metrics=with_metrics)
+
+        def per_position(values: torch.Tensor) -> torch.Tensor:
+            # keeps the loss connected to the model when no label is trained: a differentiable zero
+            return values.new_zeros(mask.shape).masked_scatter(mask, values)
+
+        log_probs = per_position(rows.log_probs)
+        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        zeros = torch.zeros(mask.shape, dtype=log_probs.dtype, device=mask.device)
+        return FusedCausalLMOutput(
+            loss=-log_probs.sum() / count,
+            log_probs=log_probs,
+            entropy=per_position(rows.entropy) if with_metrics else zeros,
+            is_top1=per_position(rows.is_top1) if with_metrics else zeros.bool(),
+            label_mask=mask,
+        )
 
     return forward
 
@@ -97,6 +171,7 @@ class _TrlTrainerMixin:
         self._forward_without_metrics = fused_forward_without_metrics(
             self._fused_head_model, ("log_sum_sq_probs",) if getattr(self, "use_weighting", False) else ()
         )
+        self._metrics_suspended = False
 
     def flatness_card(self, **card_kwargs: Any):
         given = card_kwargs.get("tags") or self._flatness_card_metadata.get("tags") or []
@@ -156,9 +231,11 @@ class _TrlTrainerMixin:
         model, own_forward = self._fused_head_model, self._fused_head_model.__dict__.get("forward")
         if self._forward_without_metrics is not None:
             model.forward = self._forward_without_metrics
+        self._metrics_suspended = True
         try:
             yield
         finally:
+            self._metrics_suspended = False
             self._metrics, self._total_train_tokens = metrics, total_tokens
             if self._forward_without_metrics is not None:
                 model.forward = own_forward
@@ -200,6 +277,34 @@ class FlatBiasSFTTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, SFTTrainer):
                     "which compute_loss_func and label_smoothing_factor > 0 bypass; drop them or use 'sam'."
                 )
         super().__init__(model=model, args=args, **kwargs)
+
+    def head_gradients_in_forward(self):
+        """Output-layer SAM with the trunk replayed: both passes run `forward_with_head_gradients` (the first
+        computes trl's metrics there, the second none), unless the model or the loss is one it does not cover."""
+        if self._forward_without_metrics is None:
+            return None, "the model has no trl fused LM head"
+        if self.args.loss_type != "nll":
+            return None, (
+                f"loss_type={self.args.loss_type!r} weights each token by its probability, which the head's "
+                "gradient would have to know before the loss"
+            )
+        if self.aux_loss_enabled:
+            return None, "the router's load-balancing loss (a mixture of experts) is added in trl's fused forward"
+        reason = why_head_gradients_stay_in_backward(self._fused_head_model)
+        return (None, reason) if reason is not None else (self._head_gradients_formed_in_forward, None)
+
+    @contextlib.contextmanager
+    def _head_gradients_formed_in_forward(self) -> Iterator[None]:
+        model = self._fused_head_model
+        own_forward = model.__dict__.get("forward")
+        model.forward = forward_with_head_gradients(model, lambda: not self._metrics_suspended)
+        try:
+            yield
+        finally:
+            if own_forward is None:
+                del model.forward
+            else:
+                model.forward = own_forward
 
     def loss_and_outputs(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch):
         loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)

@@ -19,6 +19,7 @@ def adam_preconditioner(
     grads: Sequence[torch.Tensor],
     *,
     with_gradient: bool = True,
+    chosen: str = "adam",
 ) -> list[torch.Tensor]:
     """Adam's per-coordinate denominator ``P = sqrt(v_hat) + eps`` from ``v_prev``, ``t``, ``betas`` and ``eps`` in
     ``optimizer``'s state and param groups.
@@ -33,6 +34,8 @@ def adam_preconditioner(
     the first step's direction is plain SAM's). A coordinate that never had a gradient (the embedding row of a token
     not yet seen) gets ``P = eps`` there too and takes nearly the whole perturbation.
 
+    ``chosen`` is the ``sam_preconditioner`` value asked for, named in the errors.
+
     Raises:
         ValueError: when a parameter's state exists but holds no ``exp_avg_sq`` (not an Adam-family optimizer).
     """
@@ -42,12 +45,14 @@ def adam_preconditioner(
         state = optimizer.state.get(param) or {}
         if state and "exp_avg_sq" not in state:
             raise ValueError(
-                f"sam_preconditioner='adam' needs Adam's second moment, but {type(optimizer).__name__}'s state holds "
-                f"{sorted(state)}; use an AdamW optimizer or sam_preconditioner='none'."
+                f"sam_preconditioner={chosen!r} needs Adam's second moment, but {type(optimizer).__name__}'s state "
+                f"holds {sorted(state)}; use an AdamW optimizer or sam_preconditioner='none'."
             )
         group = group_of.get(id(param))
         if group is None:
-            raise ValueError("sam_preconditioner='adam': a perturbed parameter is not in the optimizer's param groups.")
+            raise ValueError(
+                f"sam_preconditioner={chosen!r}: a perturbed parameter is not in the optimizer's param groups."
+            )
         beta2, eps = group["betas"][1], group["eps"]
         step = float(state["step"]) if state else 0.0
         if not with_gradient:
@@ -65,10 +70,13 @@ def adam_preconditioner(
     return denominators
 
 
-def check_preconditioner_supports_optimizer(optimizer: object = None, optimizer_cls: object = None) -> None:
-    """Raise a one-line ``ValueError`` when an Adam ``sam_preconditioner`` meets an optimizer given to the Trainer
-    (``optimizers=``, or the class of ``optimizer_cls_and_kwargs``) that holds no Adam second moment for every
-    parameter; ``None`` for either means not given (``optim`` is checked with the arguments)."""
+def check_preconditioner_supports_optimizer(
+    optimizer: object = None, optimizer_cls: object = None, *, chosen: str = "adam"
+) -> None:
+    """Raise a one-line ``ValueError`` when an Adam ``sam_preconditioner`` (``chosen``, named in the message) meets an
+    optimizer given to the Trainer (``optimizers=``, or the class of ``optimizer_cls_and_kwargs``) that holds no Adam
+    second moment for every parameter; ``None`` for either means not given (``optim`` is checked with the
+    arguments)."""
     given = optimizer if optimizer is not None else optimizer_cls
     if given is None:
         return
@@ -78,13 +86,13 @@ def check_preconditioner_supports_optimizer(optimizer: object = None, optimizer_
     name = kind.__name__
     if "Muon" in name:
         raise ValueError(
-            f"sam_preconditioner='adam' is not defined for {name}: Muon keeps a momentum buffer and no "
+            f"sam_preconditioner={chosen!r} is not defined for {name}: Muon keeps a momentum buffer and no "
             "per-coordinate second moment for its matrices (its update is the orthogonalised momentum, a "
             "spectral-norm geometry, not Adam's diagonal one), so there is no P = sqrt(v_hat) + eps to take; use "
             "sam_preconditioner='none' with Muon."
         )
     raise ValueError(
-        f"sam_preconditioner='adam' reads Adam's second moment from the optimizer's state, but the Trainer was "
+        f"sam_preconditioner={chosen!r} reads Adam's second moment from the optimizer's state, but the Trainer was "
         f"given a {name}; give it torch.optim.Adam/AdamW or use sam_preconditioner='none'."
     )
 

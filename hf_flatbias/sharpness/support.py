@@ -122,9 +122,9 @@ def check_deepspeed_supports_method(deepspeed_config: dict, args: FlatnessArgume
         check_deepspeed_supports_penalty(deepspeed_config, args.flatness_method)
     if args.sam_preconditioner != "none":
         raise ValueError(
-            "sam_preconditioner='adam' is not supported with DeepSpeed: ZeRO keeps Adam's moments in its own flat "
-            "partitions, not in a torch optimizer's per-parameter state. Use DDP (accelerate launch --multi_gpu) or "
-            "a single process, or sam_preconditioner='none'."
+            f"sam_preconditioner={args.sam_preconditioner!r} is not supported with DeepSpeed: ZeRO keeps Adam's "
+            "moments in its own flat partitions, not in a torch optimizer's per-parameter state. Use DDP (accelerate "
+            "launch --multi_gpu) or a single process, or sam_preconditioner='none'."
         )
 
 

@@ -10,7 +10,7 @@ same method run in `Trainer` and trl's trainers alike, and under DDP, DeepSpeed 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -81,6 +81,11 @@ class FlatnessHost(Protocol):
 
     def host_metrics_suspended(self) -> contextlib.AbstractContextManager:
         """The context of a second pass, in which the host's ``compute_loss`` records no metrics."""
+
+    def head_gradients_in_forward(self) -> tuple[Callable[[], contextlib.AbstractContextManager] | None, str | None]:
+        """For output-layer SAM with the trunk replayed: a context for each of the step's passes in which the host's
+        loss forms the output layer's gradients in its forward, where it would recompute the layer in its backward
+        (trl's fused LM head); or ``None`` and why not (``None, None`` where the host has nothing to save)."""
 
     # ---- SAM's schedule
 

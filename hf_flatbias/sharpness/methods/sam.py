@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -49,6 +49,9 @@ class SamFamily(FlatnessMethod):
         select_sam_parameters(host.model, host.args.sam_parameters)
         self._selected: tuple[nn.Module, list[nn.Parameter]] | None = None
         self._replay: tuple[nn.Module, TrunkReplay | None, float] | None = None
+        # with the replay, the host's context for both passes in which its loss forms the output layer's gradients in
+        # the forward (`FlatnessHost.head_gradients_in_forward`), chosen with the replay
+        self._head_passes: Callable[[], contextlib.AbstractContextManager] | None = None
         self._told: set[str] = set()
 
     def perturbed_parameters(self, module: nn.Module) -> list[nn.Parameter]:
@@ -65,16 +68,33 @@ class SamFamily(FlatnessMethod):
         if self._replay is not None and self._replay[0] is module:
             return self._replay[1], self._replay[2]
         replay, share = None, 1.0
+        self._head_passes = None
         head = output_layer_of(module)
         perturbed = self.perturbed_parameters(module)
         if head is not None and {id(p) for p in perturbed} <= {id(p) for p in head.parameters()}:
             reason = self._why_no_replay(module) or why_trunk_cannot_be_replayed(module, head, perturbed)
             if reason is None:
                 replay, share = TrunkReplay(trunk_modules(module, head)), extra_pass_share(module, head)
+                self._head_passes = self._head_gradients_in_forward()
             else:
                 self._tell_once(reason, f"the step runs the whole forward twice: {reason}.")
         self._replay = (module, replay, share)
         return replay, share
+
+    def _head_gradients_in_forward(self) -> Callable[[], contextlib.AbstractContextManager] | None:
+        """The host's context for the passes of a replayed step where its loss would recompute the output layer in
+        the backward (trl's fused LM head); what keeps the host from it is said once."""
+        if self.host.args.flatness_method == "functional_sam":
+            return None  # its second pass differentiates a surrogate, not the head's log-probabilities
+        passes, reason = self.host.head_gradients_in_forward()
+        if reason is not None:
+            self._tell_once(reason, f"the output layer's logits are recomputed in its backward: {reason}.")
+        return passes
+
+    def _head_context(self, replay: TrunkReplay | None) -> contextlib.AbstractContextManager:
+        if replay is None or self._head_passes is None:
+            return contextlib.nullcontext()
+        return self._head_passes()
 
     def _why_no_replay(self, module: nn.Module) -> str | None:
         """What of the run (options, engine) keeps the second pass from reusing the first pass's trunk outputs."""
@@ -131,7 +151,7 @@ class SamFamily(FlatnessMethod):
         replay, share = self.trunk_replay(host.accelerator.unwrap_model(model))
         replayed = False
         try:
-            with host.host_metrics_suspended(), self.replaying(replay) as replayed:
+            with host.host_metrics_suspended(), self._head_context(replay), self.replaying(replay) as replayed:
                 if cotangent is None:
                     loss = host.scaled_loss(model, inputs, num_items_in_batch)
                 else:
@@ -215,7 +235,7 @@ class SamFamily(FlatnessMethod):
                     yield loss
                     continue
                 else:
-                    with recording():
+                    with recording(), self._head_context(replay):
                         loss = host.scaled_loss(module, batch, num_items_in_batch)
                 clean_losses.append(loss.detach())
                 yield loss
@@ -232,6 +252,7 @@ class SamFamily(FlatnessMethod):
                 perturbable.params,
                 torch._foreach_div(grads, share),
                 with_gradient=args.sam_preconditioner != "adam_stored_moment",
+                chosen=args.sam_preconditioner,
             )
         perturbation = perturbable.perturb(
             grads,

@@ -1,0 +1,207 @@
+"""Label log-probabilities of a linear output layer whose gradients are formed in the forward, chunk by chunk.
+
+A fused LM head such as trl's (``ChunkedLogProbFunction``) returns each row's ``log p_i = z_i[y_i] - logsumexp(z_i)``
+of the logits ``z = h W^T + b`` without holding them whole, and recomputes them in its backward: per row, one product
+for the forward, one again in the backward, then the two gradient products (``h``'s and ``W``'s), four head-sized
+multiply-adds. Here each chunk of rows forms, while its logits are at hand, the gradients of ``sum_i log p_i``:
+
+    D_i = onehot(y_i) - softmax(z_i),   dh_i = D_i W,   dW = sum_i D_i^T h_i,   db = sum_i D_i.
+
+The backward only scales them by the incoming ``g_i = dL / d log p_i``: ``g_i dh_i`` is exact for any ``g``, and
+``c dW`` whenever every ``g_i`` is the same ``c`` (a loss summed or averaged over tokens, as trl's default SFT loss);
+any other ``g`` (per-token weights) has ``dW`` recomputed from the saved inputs, so the answer is exact for every loss.
+The forward then costs two products where ``h`` takes no gradient (the first pass of output-layer SAM, whose trunk is
+replayed) and three where it does, and the backward none: against the fused head's four per pass. The price is memory
+held from the forward to the backward: one head-sized gradient (in float32 at least) and, where ``h`` takes one, a
+gradient the size of the rows' hidden states, besides one chunk of logits at a time.
+
+Pure: nothing here knows about trainers or trl.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.autograd.function import once_differentiable
+
+#: Logits held at once: 2^27 values are 512 MiB in float32, the tile of trl's fused head (4,096 tokens x 32,768).
+CHUNK_ELEMENTS = 1 << 27
+
+
+@dataclass
+class LabelLogProbs:
+    """Per row: ``log p(y_i)``, and (when asked for) the entropy of ``softmax(z_i)`` and whether ``y_i`` is its first
+    argmax (the top-1 prediction)."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+
+
+def label_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    *,
+    metrics: bool = False,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> LabelLogProbs:
+    """``log softmax(hidden @ weight.T + bias)[i, labels[i]]`` for each row, differentiable in ``hidden``, ``weight``
+    and ``bias``, with the gradients formed in the forward (see the module); ``metrics`` adds the entropy and the
+    top-1 flag, which take no gradient. ``labels`` must all be valid indices (drop ignored rows first).
+
+    The logits are computed in the autocast dtype where autocast is on, else in ``hidden``'s; the softmax and the
+    returned values in that dtype promoted to at least float32; the gradients accumulated in it.
+    """
+    if hidden.ndim != 2 or labels.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"label_log_probs takes rows: hidden (rows, width) and labels (rows,), got {tuple(hidden.shape)} and "
+            f"{tuple(labels.shape)}."
+        )
+    grad_enabled = torch.is_grad_enabled()
+    needs = tuple(grad_enabled and t is not None and t.requires_grad for t in (hidden, weight, bias))
+    log_probs, entropy, is_top1 = _LabelLogProbs.apply(hidden, weight, bias, labels, metrics, chunk_elements, needs)
+    return LabelLogProbs(log_probs, entropy, is_top1)
+
+
+def _dtypes(hidden: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    device_type = hidden.device.type
+    compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+    return compute, torch.promote_types(compute, torch.float32)
+
+
+def _chunks(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunk_elements: int,
+    compute: torch.dtype,
+    accumulate: torch.dtype,
+) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per chunk of rows: the rows, their hidden states and the head in ``compute``, and their log-softmax in
+    ``accumulate`` (a fresh tensor the caller may overwrite)."""
+    head = weight.to(compute)
+    head_bias = None if bias is None else bias.to(compute)
+    rows_per_chunk = max(1, chunk_elements // max(1, weight.shape[0]))
+    for start in range(0, hidden.shape[0], rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        rows_hidden = hidden[rows].to(compute)
+        logits = rows_hidden @ head.T if head_bias is None else torch.addmm(head_bias, rows_hidden, head.T)
+        yield rows, rows_hidden, head, torch.log_softmax(logits.to(accumulate), dim=-1)
+
+
+def _minus_one_hot(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``softmax - onehot(y)`` (``-D``, the gradient of ``-log p(y)`` in the logits) in place of ``probs``."""
+    probs[torch.arange(labels.numel(), device=labels.device), labels] -= 1.0
+    return probs
+
+
+def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` with ``out`` in the accumulation dtype, half-precision factors not rounded first (as trl's
+    fused head accumulates)."""
+    if out.device.type == "cuda" and a.dtype in (torch.float16, torch.bfloat16):
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:
+        torch.addmm(out, a.to(out.dtype), b.to(out.dtype), out=out)
+
+
+class _LabelLogProbs(torch.autograd.Function):
+    """The forward keeps the gradients of ``-sum_i log p_i`` (``softmax - onehot`` is one elementwise pass fewer than
+    its negation); the backward scales them by ``-g``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, metrics, chunk_elements, needs):
+        ctx.set_materialize_grads(False)
+        need_hidden, need_weight, need_bias = needs
+        compute, accumulate = _dtypes(hidden)
+        rows_total = hidden.shape[0]
+        log_probs = torch.empty(rows_total, dtype=accumulate, device=hidden.device)
+        entropy = torch.empty_like(log_probs) if metrics else None
+        is_top1 = torch.empty(rows_total, dtype=torch.bool, device=hidden.device) if metrics else None
+        grad_hidden = hidden.new_zeros(hidden.shape, dtype=accumulate) if need_hidden else None
+        grad_weight = weight.new_zeros(weight.shape, dtype=accumulate) if need_weight else None
+        grad_bias = bias.new_zeros(bias.shape, dtype=accumulate) if need_bias else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for rows, rows_hidden, head, log_softmax in _chunks(
+                hidden, weight, bias, chunk_elements, compute, accumulate
+            ):
+                row_labels = labels[rows]
+                log_probs[rows] = log_softmax.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1)
+                if metrics:
+                    # the first argmax of the log-softmax is that of the logits (a constant shift per row)
+                    is_top1[rows] = log_softmax.argmax(-1) == row_labels
+                    probs = log_softmax.exp()
+                    entropy[rows] = -torch.linalg.vecdot(probs, log_softmax)
+                elif any(needs):
+                    probs = log_softmax.exp_()
+                if not any(needs):
+                    continue
+                excess = _minus_one_hot(probs, row_labels).to(compute)
+                if need_hidden:
+                    _add_product(grad_hidden[rows], excess, head)
+                if need_weight:
+                    _add_product(grad_weight, excess.T, rows_hidden)
+                if need_bias:
+                    grad_bias += excess.sum(0, dtype=accumulate)
+        ctx.save_for_backward(hidden, weight, bias, labels, grad_hidden, grad_weight, grad_bias)
+        ctx.chunk_elements, ctx.dtypes = chunk_elements, (compute, accumulate)
+        if is_top1 is not None:
+            ctx.mark_non_differentiable(is_top1)
+        return log_probs, entropy, is_top1
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_log_probs, grad_entropy, _grad_is_top1):
+        if grad_entropy is not None:
+            raise RuntimeError(
+                "label_log_probs: the entropy it returns is a metric and takes no gradient; differentiate a loss of "
+                "the log-probabilities only."
+            )
+        none = (None,) * 4
+        if grad_log_probs is None:
+            return (None, None, None, *none)
+        hidden, weight, bias, labels, grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        scale = -grad_log_probs.to(ctx.dtypes[1])
+        if grad_hidden is not None:
+            grad_hidden = (grad_hidden * scale.unsqueeze(-1)).to(hidden.dtype)
+        if grad_weight is None and grad_bias is None:
+            return (grad_hidden, None, None, *none)
+        if scale.numel() == 0 or bool((scale == scale[0]).all()):
+            common = scale[0] if scale.numel() else 0.0
+            grad_weight = None if grad_weight is None else (grad_weight * common).to(weight.dtype)
+            grad_bias = None if grad_bias is None else (grad_bias * common).to(bias.dtype)
+            return (grad_hidden, grad_weight, grad_bias, *none)
+        # per-row weights: the head's gradient is recomputed with them
+        grad_weight, grad_bias = _weighted_head_gradient(
+            hidden,
+            weight,
+            bias,
+            labels,
+            scale,
+            ctx,
+            need_weight=grad_weight is not None,
+            need_bias=grad_bias is not None,
+        )
+        return (grad_hidden, grad_weight, grad_bias, *none)
+
+
+def _weighted_head_gradient(hidden, weight, bias, labels, scale, ctx, *, need_weight, need_bias):
+    """``sum_i scale_i (softmax_i - onehot_i)^T h_i`` and ``sum_i scale_i (softmax_i - onehot_i)``, recomputed chunk
+    by chunk as the forward computed them."""
+    (compute, accumulate), chunk_elements = ctx.dtypes, ctx.chunk_elements
+    grad_weight = weight.new_zeros(weight.shape, dtype=accumulate) if need_weight else None
+    grad_bias = bias.new_zeros(bias.shape, dtype=accumulate) if need_bias else None
+    with torch.autocast(hidden.device.type, enabled=False):
+        for rows, rows_hidden, _, log_softmax in _chunks(hidden, weight, bias, chunk_elements, compute, accumulate):
+            weighted = _minus_one_hot(log_softmax.exp_(), labels[rows]).mul_(scale[rows].unsqueeze(-1))
+            if need_weight:
+                _add_product(grad_weight, weighted.to(compute).T, rows_hidden)
+            if need_bias:
+                grad_bias += weighted.sum(0)
+    return (
+        None if grad_weight is None else grad_weight.to(weight.dtype),
+        None if grad_bias is None else grad_bias.to(bias.dtype),
+    )

@@ -157,7 +157,7 @@ class ParameterSpace:
         of the mean over all contexts, the result is the gradient of that mean. ``.grad`` is left as it was.
         """
         if isinstance(self.layout, ZeroStage3Parameters):
-            return zero3_partitioned_gradient(losses, self.params, self.layout.rank)
+            return zero3_partitioned_gradient(losses, self.params)
         several = self.world_size > 1
         grads = self.layout.first_gradient(losses, average_over_processes=several or self.sharded)
         grads = self.layout.local_gradients(grads)
@@ -210,9 +210,7 @@ def parameter_space(model: nn.Module, optimizer: object | None = None) -> Parame
     )
 
 
-def zero3_partitioned_gradient(
-    losses: Iterable[torch.Tensor], params: Sequence[nn.Parameter], rank: int
-) -> list[torch.Tensor]:
+def zero3_partitioned_gradient(losses: Iterable[torch.Tensor], params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
     """``d sum(losses) / d params`` summed over ZeRO-3's partition group, as this process's partitions (the layout of
     ``param.ds_tensor``, the padding zero).
 

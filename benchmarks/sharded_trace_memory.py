@@ -29,6 +29,11 @@ to 32 MiB as large blocks are freed, an arena per thread) the multi-process arms
 their peak than live, which reads as memory growing with N (`benchmarks/RESULTS.md` has both runs).
 
 Last lines: ``gathered_over_model[ENGINE:N]=X`` and ``relative_difference[ENGINE:N]=X``.
+
+``--measure spectrum`` measures the top Hessian eigenvalue instead (`estimate_top_eigenvalues`, finite-difference
+products, float32 Lanczos vectors, ``--fd-products`` products): each product takes two gradients through the engine,
+which under ZeRO-3 were whole on every rank before they were cut to the partition. Its one arm is reported like
+"steady"; the reference is the same call on one plain process.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from large_model_trace import FIRST_WORD, PeakMemory  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
 from hf_flatbias.flatness import build_masked_contexts, estimate_hessian_trace  # noqa: E402
+from hf_flatbias.flatness.spectrum import estimate_top_eigenvalues  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -74,30 +80,41 @@ def rows(n: int, seq_len: int, vocab: int) -> list[dict]:
     return build_masked_contexts(texts, mask_token_id=None, causal=True, seed=0)
 
 
-def shard(model: torch.nn.Module, engine: str) -> torch.nn.Module:
+def shard(model: torch.nn.Module, engine: str, reuse_distance: int = 0) -> tuple[torch.nn.Module, object | None]:
+    """The sharded module and, under ZeRO-3, the engine's optimizer (a finite-difference product releases the
+    gathered parameters through it)."""
     if engine == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
-        return model
+        return model, None
     import deepspeed
 
     config = {
         "train_micro_batch_size_per_gpu": 1,
-        # nothing kept whole, nothing fetched ahead (the prefetch bucket, 5e7 entries by default, adds to what is
-        # gathered at once)
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0},
+        # nothing kept whole, fetched ahead or kept for reuse: the prefetch bucket (5e7 entries by default) adds to
+        # what is gathered at once, and a parameter used again within the reuse distance (1e9 entries by default)
+        # stays gathered from the forward to its backward, which is the whole model below 1e9 parameters
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 0,
+            "stage3_max_reuse_distance": reuse_distance,
+        },
     }
     engine_, *_ = deepspeed.initialize(model=model, config=config)
-    return engine_.module
+    return engine_.module, engine_.optimizer
 
 
 def whole_parameter_bytes(model: torch.nn.Module, engine: str) -> int:
     """Parameter bytes the rank holds whole right now, read from the engine's state."""
     if engine == "zero3":
-        return sum(p.ds_numel * p.element_size() for p in model.parameters() if p.ds_status.name != "NOT_AVAILABLE")
+        # the Llama's RMSNorm weights read as plain tensors, without ZeRO-3's attributes, at moments of the measurement
+        # (768 entries each): skipped rather than ending the sampler
+        status = [(p, getattr(p, "ds_status", None)) for p in model.parameters()]
+        return sum(p.ds_numel * p.element_size() for p, s in status if s is not None and s.name != "NOT_AVAILABLE")
     from torch.distributed.fsdp import FSDPModule
 
     total = 0
@@ -118,16 +135,23 @@ def local_shard_bytes(model: torch.nn.Module, engine: str) -> int:
 
 
 class HighWater:
-    """The largest value ``read()`` returned, sampled on a thread every ``interval`` seconds while the block runs."""
+    """The largest value ``read()`` returned, sampled on a thread every ``interval`` seconds while the block runs.
+
+    A reading that raises stops the sampler and is raised again when the block ends: a sampler that died silently
+    once reported ZeRO-3's embedding (94 MiB) as the most held whole, where the whole model (382 MiB) was."""
 
     def __init__(self, read, interval: float = 0.002) -> None:
         self.read, self.interval, self.value = read, interval, 0
         self._stop = threading.Event()
+        self._error: BaseException | None = None
 
     def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.value = max(self.value, self.read())
-            time.sleep(self.interval)
+        try:
+            while not self._stop.is_set():
+                self.value = max(self.value, self.read())
+                time.sleep(self.interval)
+        except BaseException as error:  # noqa: BLE001 - handed to the main thread
+            self._error = error
 
     def __enter__(self) -> HighWater:
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -137,6 +161,8 @@ class HighWater:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        if self._error is not None:
+            raise RuntimeError("the high-water sampler failed") from self._error
         self.value = max(self.value, self.read())
 
 
@@ -149,9 +175,8 @@ def worker(args: argparse.Namespace) -> None:
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     largest_layer = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.model.layers)
     data = rows(args.n_contexts, args.seq_len, model.config.vocab_size)
-    model = shard(model, args.engine)
+    model, optimizer = shard(model, args.engine, args.zero3_reuse_distance)
     gc.collect()
-    settings = {"n_draws": args.n_draws, "batch_size": args.batch_size}
     result = {
         "rank": rank,
         "world_size": dist.get_world_size(),
@@ -161,27 +186,53 @@ def worker(args: argparse.Namespace) -> None:
     }
     # the first estimate on a model runs the one-context check against a plain backward; the second is the
     # measurement as every later one runs
-    for arm in ("first", "steady"):
+    for arm in ARMS[args.measure]:
         dist.barrier()
         start = time.perf_counter()
         gathered = HighWater(lambda: whole_parameter_bytes(model, args.engine))
         with PeakMemory(torch.device("cpu")) as peak, gathered as hw:
             held = PeakMemory._rss("VmRSS:")
-            estimate = estimate_hessian_trace(model, data, across_processes=True, **settings)
+            if args.measure == "spectrum":
+                value = top_eigenvalue(model, data, args, optimizer)
+            else:
+                settings = {"n_draws": args.n_draws, "batch_size": args.batch_size}
+                value = estimate_hessian_trace(model, data, across_processes=True, **settings).mean
         result[arm] = {
             "peak": peak.peak,
             "held": held,
             "gathered_max": hw.value,
-            "mean": estimate.mean,
+            "mean": value,
             "seconds": time.perf_counter() - start,
         }
     Path(args.out, f"{args.engine}-{dist.get_world_size()}.rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
+ARMS = {"trace": ("first", "steady"), "spectrum": ("steady",)}
+
+
+def top_eigenvalue(model: torch.nn.Module, data: list[dict], args: argparse.Namespace, optimizer: object) -> float:
+    # float32 vectors and few products: the basis (2-3 local vectors) stays small beside the gradients measured
+    top = estimate_top_eigenvalues(
+        model,
+        data,
+        k=1,
+        matrix="hessian",
+        product="finite_difference",
+        max_iterations=args.fd_products,
+        tol=1e-12,
+        batch_size=args.batch_size,
+        vector_dtype=torch.float32,
+        optimizer=optimizer,
+    )
+    return top.eigenvalues[0]
+
+
 def one_process_estimate(args: argparse.Namespace) -> float:
     model = build(args.model)
     data = rows(args.n_contexts, args.seq_len, model.config.vocab_size)
+    if args.measure == "spectrum":
+        return top_eigenvalue(model, data, args, None)
     return estimate_hessian_trace(model, data, n_draws=args.n_draws, batch_size=args.batch_size).mean
 
 
@@ -196,7 +247,8 @@ def driver(args: argparse.Namespace) -> None:
                 sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
                 "--master_port", str(args.port), __file__, "--worker", "--engine", engine,
                 *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                  if k in ("model", "n_contexts", "seq_len", "n_draws", "batch_size", "out")),
+                  if k in ("model", "n_contexts", "seq_len", "n_draws", "batch_size", "out", "zero3_reuse_distance",
+                           "measure", "fd_products")),
             ]  # fmt: skip
             completed = subprocess.run(command, env=env, capture_output=True, text=True)
             if completed.returncode != 0:
@@ -209,22 +261,24 @@ def driver(args: argparse.Namespace) -> None:
     first = next(iter(results.values()))[0]
     print(f"model {args.model}: {first['model'] / mib:.0f} MiB of parameters, largest decoder layer "
           f"{first['largest_layer'] / mib:.1f} MiB; {args.n_contexts} contexts x {args.seq_len} tokens, "
-          f"{args.n_draws} draws, batch {args.batch_size}; one plain process: {reference:.6g}")  # fmt: skip
+          f"measure {args.measure} ({args.n_draws} draws / {args.fd_products} products), batch {args.batch_size}; "
+          f"ZeRO-3 reuse distance {args.zero3_reuse_distance}; "
+          f"one plain process: {reference:.6g}")  # fmt: skip
     print("arm: first = the first estimate on the model (with its one-context check against a plain backward), "
           "steady = every later one")  # fmt: skip
     print("engine  N  rank  arm     held MiB  shard MiB  gathered max MiB  peak above held MiB  seconds  estimate")
     for (engine, n), ranks in results.items():
         for r in ranks:
-            for arm in ("first", "steady"):
+            for arm in ARMS[args.measure]:
                 a = r[arm]
                 print(f"{engine:6} {n:2} {r['rank']:5}  {arm:6} {a['held'] / mib:9.0f} {r['shard'] / mib:10.1f} "
                       f"{a['gathered_max'] / mib:17.1f} {a['peak'] / mib:20.0f} {a['seconds']:8.1f}  "
                       f"{a['mean']:.9g}")  # fmt: skip
     for (engine, n), ranks in results.items():
-        gathered = max(r[arm]["gathered_max"] for r in ranks for arm in ("first", "steady")) / ranks[0]["model"]
+        gathered = max(r[arm]["gathered_max"] for r in ranks for arm in ARMS[args.measure]) / ranks[0]["model"]
         print(f"gathered_over_model[{engine}:{n}]={gathered:.3f}")
     for (engine, n), ranks in results.items():
-        difference = max(abs(r[arm]["mean"] - reference) for r in ranks for arm in ("first", "steady"))
+        difference = max(abs(r[arm]["mean"] - reference) for r in ranks for arm in ARMS[args.measure])
         print(f"relative_difference[{engine}:{n}]={difference / abs(reference):.2e}")
 
 
@@ -237,7 +291,15 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--n-draws", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--measure", default="trace", choices=list(ARMS))
+    parser.add_argument("--fd-products", type=int, default=2, help="--measure spectrum: Lanczos products")
     parser.add_argument("--port", type=int, default=29631)
+    parser.add_argument(
+        "--zero3-reuse-distance",
+        type=int,
+        default=0,
+        help="ZeRO-3's stage3_max_reuse_distance; DeepSpeed's default, 1e9, keeps a model below 1e9 parameters whole",
+    )
     parser.add_argument("--out", default="/tmp/sharded_trace_memory")
     parser.add_argument("--worker", action="store_true", help="internal: one rank of a launched arm")
     parser.add_argument("--engine", default="fsdp2", help="internal: the worker's engine")

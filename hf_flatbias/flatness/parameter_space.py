@@ -7,7 +7,9 @@ parameter's entries, dot products and norms are partial sums added over processe
 a move of the weights along a vector edits the local shards only (the engine's next forward gathers them). Under DDP
 and ZeRO 0-2 every process holds whole parameters and whole vectors. In every layout the contexts are split over the
 processes, each process's loss is its share of the mean over all contexts, and the gradient comes from the engine's
-own first-gradient path (`hf_flatbias.sharpness.engines`), summed over processes.
+own first-gradient path (`hf_flatbias.sharpness.engines`), summed over processes; under ZeRO-3 each parameter's
+gradient is reduce-scattered into this process's partition as the backward forms it
+(`zero3_partitioned_gradient`), so no process holds a whole gradient.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -153,6 +156,8 @@ class ParameterSpace:
         Each process passes its own losses; with the contexts split over processes, each loss the process's share
         of the mean over all contexts, the result is the gradient of that mean. ``.grad`` is left as it was.
         """
+        if isinstance(self.layout, ZeroStage3Parameters):
+            return zero3_partitioned_gradient(losses, self.params)
         several = self.world_size > 1
         grads = self.layout.first_gradient(losses, average_over_processes=several or self.sharded)
         grads = self.layout.local_gradients(grads)
@@ -203,6 +208,44 @@ def parameter_space(model: nn.Module, optimizer: object | None = None) -> Parame
         rank=rank,
         world_size=world_size,
     )
+
+
+def zero3_partitioned_gradient(losses: Iterable[torch.Tensor], params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    """``d sum(losses) / d params`` summed over ZeRO-3's partition group, as this process's partitions (the layout of
+    ``param.ds_tensor``, the padding zero).
+
+    The engine's own gradient path would reduce into its optimizer's buffers, and ``torch.autograd.grad`` alone hands
+    back every parameter's whole gradient at once. Here a hook takes each parameter's gradient as the backward forms
+    it (while ZeRO-3 holds the module gathered), reduce-scatters it into the partitions at once and gives autograd a
+    stride-0 zero: a process holds its partitions, and one parameter's gradient (twice, padded for the collective)
+    at a time. Every process runs the same backward, so the hooks, and their collectives, fire in the same order on
+    every rank. The cost is one collective per parameter per loss, where a whole gradient took one per product.
+    """
+    group = getattr(params[0], "ds_process_group", None) if params else None
+    world_size = dist.get_world_size(group=group) if dist.is_available() and dist.is_initialized() else 1
+    partitions = [torch.zeros_like(p.ds_tensor).reshape(-1) for p in params]
+
+    def reduce_into(index: int, grad: torch.Tensor) -> torch.Tensor:
+        partition = partitions[index]
+        flat = grad.reshape(-1)
+        if world_size == 1:
+            partition[: flat.numel()].add_(flat)
+        else:
+            padding = partition.numel() * world_size - flat.numel()
+            whole = torch.cat([flat, flat.new_zeros(padding)]) if padding else flat.contiguous()
+            piece = torch.empty_like(partition)
+            dist.reduce_scatter_tensor(piece, whole, op=dist.ReduceOp.SUM, group=group)
+            partition.add_(piece)
+        return grad.new_zeros(()).expand_as(grad)
+
+    handles = [p.register_hook(partial(reduce_into, i)) for i, p in enumerate(params) if p.requires_grad]
+    try:
+        for loss in losses:
+            torch.autograd.grad(loss, list(params), allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [partition.view_as(p.ds_tensor) for partition, p in zip(partitions, params, strict=True)]
 
 
 def _reshard(model: nn.Module) -> None:

@@ -9,6 +9,7 @@ Models are built from configs with random weights (nothing downloaded):
 - ``llama100m``: Llama shape, hidden 768, 12 layers, 12 query / 4 key-value heads, gated MLP 2,048, vocabulary
   32,000, tied head (100.1M)
 - ``bert335m``: BERT-large (hidden 1,024, 24 layers, 16 heads, feed-forward 4,096: 335M)
+- ``llama341m``: Llama shape, hidden 1,024, 24 layers, 16 heads, gated MLP 2,816, vocabulary 32,000, tied head (341M)
 
 Contexts: random tokens, one predicted position each (a [MASK] for BERT, the next token for Llama), ``--n-contexts``
 of ``--seq-len`` tokens in one batch. The reference is a training step's forward (logits at every position) and
@@ -40,7 +41,7 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from _common import llama_100m  # noqa: E402
+from _common import llama_100m, llama_shape  # noqa: E402
 from transformers import BertConfig, BertForMaskedLM  # noqa: E402
 
 from hf_flatbias.flatness import TraceContexts, compute_trace_samples  # noqa: E402
@@ -66,6 +67,8 @@ def build(name: str) -> torch.nn.Module:
         )
     if name == "llama100m":
         return llama_100m()
+    if name == "llama341m":
+        return llama_shape(name)
     raise ValueError(f"unknown model {name!r}")
 
 
@@ -121,9 +124,12 @@ def timing(name: str, arms: list[str], n_contexts: int, seq_len: int, rounds: in
     functions = {arm: arm_function(name, arm, model, rows) for arm in arms}
     first = {arm: cpu_seconds(functions[arm]) for arm in arms}  # untimed warm-up; the trace's self-check runs here
     seconds = {arm: [] for arm in arms}
+    print(json.dumps({"model": name, "first_call": first}), flush=True)
     for _ in range(rounds):
         for arm in arms:
             seconds[arm].append(cpu_seconds(functions[arm]))
+        # each round as it ends: a run stopped by its time limit still leaves its finished rounds
+        print(json.dumps({"model": name, "round": {arm: seconds[arm][-1] for arm in arms}}), flush=True)
     ratios = {
         arm: [s / t for s, t in zip(seconds[arm], seconds["training"], strict=True)]
         for arm in arms

@@ -14,7 +14,11 @@ gradient (and a float64 copy of its largest tensor) the estimator's one-context 
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/large_model_trace.py --n-contexts 16 --seq-len 64
 
-Last lines: ``ratio[MODEL]=X`` (per_sample contexts/s over reference contexts/s).
+``--n-draws 1,2`` measures each draw count on the same contexts and batches against one reference pass. Each row also
+gives the process's resident high-water mark (weights included): over the model's build and warm-up (the one-context
+check's full gradient is held there) and within the trace's and the reference's measured calls.
+
+Last lines: ``ratio[MODEL:CONTEXTS:DRAWS]=X`` (per_sample contexts/s over reference contexts/s).
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class PeakMemory:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.peak = 0
+        self.resident_peak = -1  # the process's resident high-water mark within the block, weights included (CPU)
 
     @staticmethod
     def _rss(field: str) -> int:
@@ -122,7 +127,8 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
         else:
-            self.peak = self._rss("VmHWM:") - self._base
+            self.resident_peak = self._rss("VmHWM:")
+            self.peak = self.resident_peak - self._base
 
 
 def timed(fn) -> tuple[float, float]:
@@ -139,16 +145,17 @@ def measure(
     seq_len: int,
     memory_budget_gib: float,
     device: torch.device,
-    n_draws: int = 1,
+    n_draws: tuple[int, ...] = (1,),
     reference: bool = True,
-) -> dict:
-    """per_sample at ``n_draws`` draws and (with ``reference``) the reference pass on the same contexts and batches;
-    ``name`` "bert" means a masked LM, anything else a causal LM."""
+) -> list[dict]:
+    """per_sample at each of ``n_draws`` draw counts and (with ``reference``) the reference pass once, on the same
+    contexts and batches, one row per draw count; ``name`` "bert" means a masked LM, anything else a causal LM."""
     model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     contexts = contexts_for(model, name, n_contexts, seq_len)
     indices = list(range(len(contexts)))
     budget = int(memory_budget_gib * 2**30)
+    traces = {}
     with evaluation_mode(model):
         longest = max(indices, key=lambda i: len(contexts.input_ids[i]))
         per_context = per_sample_bytes_per_context(model, contexts, longest)
@@ -157,50 +164,63 @@ def measure(
         # warm-up on one small batch of each, so neither pays for lazy initialisation
         warm = TraceContexts(**{**contexts.__dict__, "input_ids": contexts.input_ids[:2]})
         warm.positions, warm.targets = contexts.positions[:2], contexts.targets[:2]
-        compute_trace_samples(model, warm, n_draws=n_draws, batch_size=2)
+        for draws in n_draws:
+            compute_trace_samples(model, warm, n_draws=draws, batch_size=2)
         if reference:
             reference_pass(model, warm, 2)
-        samples = []
-        with PeakMemory(device) as trace_memory:
-            trace_wall, trace_cpu = timed(
-                lambda: samples.append(
-                    compute_trace_samples(model, contexts, n_draws=n_draws, batch_size=batch_size, seed=0)
+        warmup_resident_peak = PeakMemory._rss("VmHWM:") if device.type == "cpu" else -1
+        for draws in n_draws:
+            samples = []
+            with PeakMemory(device) as trace_memory:
+                wall, cpu = timed(
+                    lambda draws=draws, samples=samples: samples.append(
+                        compute_trace_samples(model, contexts, n_draws=draws, batch_size=batch_size, seed=0)
+                    )
                 )
-            )
+            traces[draws] = (samples[0], trace_memory, wall, cpu)
         reference_wall = reference_cpu = float("nan")
         reference_memory = PeakMemory(device)
         reference_memory.peak = -1
         if reference:
             with reference_memory:
                 reference_wall, reference_cpu = timed(lambda: reference_pass(model, contexts, batch_size))
-    # one thread on CPU: CPU seconds are the compute; wall seconds also count waiting for a shared core
-    trace_s, reference_s = (trace_wall, reference_wall) if device.type == "cuda" else (trace_cpu, reference_cpu)
-    return {
-        "model": name,
-        "parameters": n_params,
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "n_draws": n_draws,
-        "trace_mean": float(samples[0].values.mean()),
-        "contexts": len(contexts),
-        "sequence_length": seq_len,
-        "memory_budget_bytes": budget,
-        "auto_batch_size": batch_size,
-        "predicted_bytes_per_context": per_context,
-        "predicted_working_bytes": per_context * batch_size + check_bytes,
-        "trace_peak_bytes": trace_memory.peak,
-        "reference_peak_bytes": reference_memory.peak,
-        "trace_seconds": trace_s,
-        "reference_seconds": reference_s,
-        "trace_wall_seconds": trace_wall,
-        "reference_wall_seconds": reference_wall,
-        "trace_seconds_per_context": trace_s / len(contexts),
-        "trace_contexts_per_second": len(contexts) / trace_s,
-        "reference_contexts_per_second": len(contexts) / reference_s,
-        "ratio": reference_s / trace_s,
-        # where the trace's wall time goes: the recorded forward, and the backward to the layer outputs with the norms
-        "trace_forward_wall_seconds": samples[0].forward_seconds,
-        "trace_draw_wall_seconds": samples[0].draw_seconds,
-    }
+    rows = []
+    for draws, (sample, trace_memory, trace_wall, trace_cpu) in traces.items():
+        # one thread on CPU: CPU seconds are the compute; wall seconds also count waiting for a shared core
+        trace_s, reference_s = (trace_wall, reference_wall) if device.type == "cuda" else (trace_cpu, reference_cpu)
+        rows.append(
+            {
+                "model": name,
+                "parameters": n_params,
+                "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                "n_draws": draws,
+                "trace_mean": float(sample.values.mean()),
+                "contexts": len(contexts),
+                "sequence_length": seq_len,
+                "memory_budget_bytes": budget,
+                "auto_batch_size": batch_size,
+                "predicted_bytes_per_context": per_context,
+                "predicted_working_bytes": per_context * batch_size + check_bytes,
+                "trace_peak_bytes": trace_memory.peak,
+                "reference_peak_bytes": reference_memory.peak,
+                "warmup_resident_peak_bytes": warmup_resident_peak,
+                "trace_resident_peak_bytes": trace_memory.resident_peak,
+                "reference_resident_peak_bytes": reference_memory.resident_peak,
+                "trace_seconds": trace_s,
+                "reference_seconds": reference_s,
+                "trace_wall_seconds": trace_wall,
+                "reference_wall_seconds": reference_wall,
+                "trace_seconds_per_context": trace_s / len(contexts),
+                "reference_seconds_per_context": reference_s / len(contexts),
+                "trace_contexts_per_second": len(contexts) / trace_s,
+                "reference_contexts_per_second": len(contexts) / reference_s,
+                "ratio": reference_s / trace_s,
+                # where the trace's wall time goes: the recorded forward, and the backward to the layer outputs
+                "trace_forward_wall_seconds": sample.forward_seconds,
+                "trace_draw_wall_seconds": sample.draw_seconds,
+            }
+        )
+    return rows
 
 
 def main() -> None:
@@ -210,7 +230,7 @@ def main() -> None:
     )
     parser.add_argument("--n-contexts", default="64", help="comma-separated: each model is measured at each count")
     parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--n-draws", type=int, default=1)
+    parser.add_argument("--n-draws", default="1", help="comma-separated: each draw count on the same contexts")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-reference", action="store_true", help="time the trace only (no training pass)")
     parser.add_argument("--memory-budget-gib", type=float, default=4.0, help="working memory on top of the weights")
@@ -224,34 +244,40 @@ def main() -> None:
     for name in args.models.split(","):
         model = build(name, getattr(torch, args.dtype))
         for n_contexts in (int(n) for n in args.n_contexts.split(",")):
-            results.append(
-                measure(
-                    name,
-                    model,
-                    n_contexts=n_contexts,
-                    seq_len=args.seq_len,
-                    memory_budget_gib=args.memory_budget_gib,
-                    device=device,
-                    n_draws=args.n_draws,
-                    reference=not args.no_reference,
-                )
+            rows = measure(
+                name,
+                model,
+                n_contexts=n_contexts,
+                seq_len=args.seq_len,
+                memory_budget_gib=args.memory_budget_gib,
+                device=device,
+                n_draws=tuple(int(d) for d in args.n_draws.split(",")),
+                reference=not args.no_reference,
             )
-            print(json.dumps(results[-1]), flush=True)
+            for row in rows:
+                print(json.dumps(row), flush=True)
+            results.extend(rows)
         del model
     print(
         f"device {device}, {torch.get_num_threads()} thread(s), {args.seq_len} tokens per context, {args.n_draws} "
         f"draw(s), {args.dtype}"
     )
     print(
-        "| model | parameters | contexts | auto batch | predicted MiB | trace peak MiB | reference peak MiB "
-        "| trace s/context | trace / training fwd+bwd |"
+        "| model | parameters | contexts | draws | auto batch | predicted MiB | trace peak MiB | reference peak MiB "
+        "| resident high-water MiB: warm-up / trace / reference | trace s/context | reference s/context "
+        "| trace / training fwd+bwd |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        resident = " / ".join(
+            f"{r[key] / 2**20:.0f}"
+            for key in ("warmup_resident_peak_bytes", "trace_resident_peak_bytes", "reference_resident_peak_bytes")
+        )
         print(
-            f"| {r['model']} | {r['parameters'] / 1e6:.1f}M | {r['contexts']} | {r['auto_batch_size']} | "
-            f"{r['predicted_working_bytes'] / 2**20:.0f} | {r['trace_peak_bytes'] / 2**20:.0f} | "
-            f"{r['reference_peak_bytes'] / 2**20:.0f} | {r['trace_seconds_per_context']:.3f} | {1 / r['ratio']:.3f} |"
+            f"| {r['model']} | {r['parameters'] / 1e6:.1f}M | {r['contexts']} | {r['n_draws']} | "
+            f"{r['auto_batch_size']} | {r['predicted_working_bytes'] / 2**20:.0f} | "
+            f"{r['trace_peak_bytes'] / 2**20:.0f} | {r['reference_peak_bytes'] / 2**20:.0f} | {resident} | "
+            f"{r['trace_seconds_per_context']:.3f} | {r['reference_seconds_per_context']:.3f} | {1 / r['ratio']:.3f} |"
         )
     if args.json:
         with open(args.json, "w") as handle:
@@ -259,12 +285,12 @@ def main() -> None:
     for r in results:
         split = r["trace_forward_wall_seconds"] + r["trace_draw_wall_seconds"]
         print(
-            f"{r['model']} x {r['contexts']}: trace wall time in the recorded forward "
+            f"{r['model']} x {r['contexts']}, {r['n_draws']} draw(s): trace wall time in the recorded forward "
             f"{r['trace_forward_wall_seconds'] / split:.0%}, in the backward to the layer outputs and the norms "
             f"{r['trace_draw_wall_seconds'] / split:.0%}"
         )
     for r in results:
-        print(f"ratio[{r['model']}:{r['contexts']}]={r['ratio']:.3f}")
+        print(f"ratio[{r['model']}:{r['contexts']}:{r['n_draws']}]={r['ratio']:.3f}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Models are built from configs with random weights (nothing downloaded):
 - ``llama100m``: Llama shape, hidden 768, 12 layers, 12 query / 4 key-value heads, gated MLP 2,048, vocabulary
   32,000, tied head (100.1M)
 - ``bert335m``: BERT-large (hidden 1,024, 24 layers, 16 heads, feed-forward 4,096: 335M)
+- ``llama341m``: Llama shape, hidden 1,024, 24 layers, 16 heads, gated MLP 2,816, vocabulary 32,000, tied head (341M)
 
 Contexts: random tokens, one predicted position each (a [MASK] for BERT, the next token for Llama), ``--n-contexts``
 of ``--seq-len`` tokens in one batch. The reference is a training step's forward (logits at every position) and
@@ -22,6 +23,10 @@ resident set above the resident set just before the measured call (freed memory 
 peak reset through /proc/self/clear_refs: Linux only).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/trace_floor.py --models bert15m,bert110m,llama100m --rounds 3
+
+``--per-call B`` also measures the fixed cost of a call (issue 35: at most 5% of a 32-context call): the public
+`estimate_hessian_trace` on all ``--n-contexts`` rows in batches of B, against ``n_contexts / B`` calls on B rows each
+(the same batches and draws), interleaved round by round; fixed cost per call = (split - whole) / (calls - 1).
 
 Last lines: ``trace2_over_training[MODEL]=median`` and the like.
 """
@@ -40,10 +45,10 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from _common import llama_100m  # noqa: E402
+from _common import llama_100m, llama_shape  # noqa: E402
 from transformers import BertConfig, BertForMaskedLM  # noqa: E402
 
-from hf_flatbias.flatness import TraceContexts, compute_trace_samples  # noqa: E402
+from hf_flatbias.flatness import TraceContexts, compute_trace_samples, estimate_hessian_trace  # noqa: E402
 from hf_flatbias.flatness.contexts import build_masked_contexts  # noqa: E402
 from hf_flatbias.flatness.diagonal import estimate_fisher_diagonal  # noqa: E402
 from hf_flatbias.flatness.lm import evaluation_mode  # noqa: E402
@@ -66,6 +71,8 @@ def build(name: str) -> torch.nn.Module:
         )
     if name == "llama100m":
         return llama_100m()
+    if name == "llama341m":
+        return llama_shape(name)
     raise ValueError(f"unknown model {name!r}")
 
 
@@ -121,9 +128,12 @@ def timing(name: str, arms: list[str], n_contexts: int, seq_len: int, rounds: in
     functions = {arm: arm_function(name, arm, model, rows) for arm in arms}
     first = {arm: cpu_seconds(functions[arm]) for arm in arms}  # untimed warm-up; the trace's self-check runs here
     seconds = {arm: [] for arm in arms}
+    print(json.dumps({"model": name, "first_call": first}), flush=True)
     for _ in range(rounds):
         for arm in arms:
             seconds[arm].append(cpu_seconds(functions[arm]))
+        # each round as it ends: a run stopped by its time limit still leaves its finished rounds
+        print(json.dumps({"model": name, "round": {arm: seconds[arm][-1] for arm in arms}}), flush=True)
     ratios = {
         arm: [s / t for s, t in zip(seconds[arm], seconds["training"], strict=True)]
         for arm in arms
@@ -132,6 +142,37 @@ def timing(name: str, arms: list[str], n_contexts: int, seq_len: int, rounds: in
     if "diagonal" in arms and "trace2" in arms:
         ratios["diagonal/trace2"] = [d / t for d, t in zip(seconds["diagonal"], seconds["trace2"], strict=True)]
     return {"model": name, "parameters": params, "first_call": first, "seconds": seconds, "ratios": ratios}
+
+
+def per_call_cost(name: str, n_contexts: int, seq_len: int, rounds: int, batch: int) -> dict:
+    """CPU seconds of one `estimate_hessian_trace` call on ``n_contexts`` rows against the same rows in calls of
+    ``batch``: what each call pays besides its batches."""
+    model = build(name).eval()
+    rows = rows_for(model, n_contexts, seq_len)
+    chunks = [rows[start : start + batch] for start in range(0, n_contexts, batch)]
+
+    def whole():
+        estimate_hessian_trace(model, rows, batch_size=batch, seed=0)
+
+    def split():
+        for chunk in chunks:
+            estimate_hessian_trace(model, chunk, batch_size=batch, seed=0)
+
+    whole()  # the first call on a model runs its one-context check: left out here, as a long run pays it once
+    seconds = {"whole": [], "split": []}
+    for _ in range(rounds):
+        seconds["whole"].append(cpu_seconds(whole))
+        seconds["split"].append(cpu_seconds(split))
+        print(json.dumps({"model": name, "per_call_round": {k: v[-1] for k, v in seconds.items()}}), flush=True)
+    fixed = [(s - w) / (len(chunks) - 1) for w, s in zip(seconds["whole"], seconds["split"], strict=True)]
+    return {
+        "model": name,
+        "contexts": n_contexts,
+        "batch": batch,
+        "seconds": seconds,
+        "fixed_per_call": fixed,
+        "fixed_over_call": [f / w for f, w in zip(fixed, seconds["whole"], strict=True)],
+    }
 
 
 def _rss(field: str) -> int:
@@ -183,6 +224,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--per-call", type=int, default=0, help="also the fixed cost per call, in batches of this")
     parser.add_argument("--json", default=None)
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -192,7 +234,17 @@ def main() -> None:
         memory_child(name, arm, args.n_contexts, args.seq_len)
         return
     results = []
-    for name in args.models.split(","):
+    for name in args.models.split(",") if args.per_call else ():
+        cost = per_call_cost(name, args.n_contexts, args.seq_len, args.rounds, args.per_call)
+        print(json.dumps(cost), flush=True)
+        print(
+            f"{name}: {args.n_contexts} contexts in one call {spread(cost['seconds']['whole'])} CPU s, in "
+            f"{args.n_contexts // args.per_call} calls {spread(cost['seconds']['split'])}; fixed cost per call "
+            f"{spread(cost['fixed_per_call'])} CPU s\nper_call_fixed_over_call[{name}]="
+            f"{statistics.median(cost['fixed_over_call']):.3f}",
+            flush=True,
+        )
+    for name in args.models.split(",") if args.arms else ():
         arms = args.arms.split(",")
         if name in args.diagonal_models.split(",") and "diagonal" not in arms:
             arms.append("diagonal")
@@ -206,8 +258,11 @@ def main() -> None:
         f"\n{torch.__version__}, {torch.get_num_threads()} thread(s), {args.n_contexts} contexts x {args.seq_len} "
         f"tokens in one batch, {args.rounds} rounds, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}"
     )
-    print("| model | parameters | arm | CPU s (median) | first call CPU s | / training fwd+bwd (min / median / max) |")
-    print("|---|---|---|---|---|---|")
+    if results:
+        print(
+            "| model | parameters | arm | CPU s (median) | first call CPU s | / training fwd+bwd (min / median / max) |"
+        )
+        print("|---|---|---|---|---|---|")
     for r in results:
         for arm, values in r["ratios"].items():
             seconds = r["seconds"].get(arm)
@@ -215,7 +270,7 @@ def main() -> None:
             first = f"{r['first_call'][arm]:.2f}" if arm in r["first_call"] else ""
             print(f"| {r['model']} | {r['parameters'] / 1e6:.1f}M | {arm} | {median_s} | {first} | {spread(values)} |")
         print(f"| {r['model']} | | training | {statistics.median(r['seconds']['training']):.2f} | | 1 |")
-    if not args.no_memory:
+    if results and not args.no_memory:
         print("\n| model | arm | peak MiB above start | / training pass |")
         print("|---|---|---|---|")
         for r in results:

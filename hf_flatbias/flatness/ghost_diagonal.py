@@ -14,8 +14,9 @@ from torch import nn
 
 from .ghost import GhostNormRecorder, LayerCall, OuterFactors, ParamUses
 
-# Per-sample gradients of a dense use are materialised this many elements at a time (a few samples of one layer).
-_DENSE_CHUNK_ELEMENTS = 2**24
+# Per-sample gradients of a dense use are materialised this many elements at a time (a few samples of one layer, 4 MiB
+# in float32): the squares and both sums then read them from the cache the product wrote them to, not from memory.
+_DENSE_CHUNK_ELEMENTS = 2**20
 
 
 def _dense_per_sample(factors: OuterFactors, rows: slice) -> torch.Tensor:
@@ -25,27 +26,32 @@ def _dense_per_sample(factors: OuterFactors, rows: slice) -> torch.Tensor:
 
 
 def _dense_squares(
-    uses: Sequence[OuterFactors], shape: tuple[int, int], excluded: Sequence[OuterFactors] = ()
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``Q_b = (sum_u G_{u,b})^2 - (sum_x X_{x,b})^2`` elementwise over the dense uses ``uses`` and ``excluded``
-    (the squares of the per-sample gradients of every use, less the excluded uses' own terms; their cross terms with
-    the others stay), returned summed over the batch (``shape``) and over each sample's entries ((B,)), in the
-    factors' dtype (float32 at least): the caller adds them into float64 totals.
+    uses: Sequence[OuterFactors],
+    shape: tuple[int, int],
+    excluded: Sequence[OuterFactors] = (),
+    *,
+    out: torch.Tensor | None = None,
+    weight: float = 1.0,
+) -> torch.Tensor:
+    """``Q_b = (sum_u G_{u,b})^2 - (sum_x X_{x,b})^2`` elementwise over the dense uses ``uses`` (at least one) and
+    ``excluded`` (the squares of the per-sample gradients of every use, less the excluded uses' own terms; their cross
+    terms with the others stay): ``weight x sum_b Q_b`` is added into ``out`` (shaped ``shape``, float64) unless
+    ``out`` is None, and ``Q_b``'s sum over each sample's entries is returned ((B,), in the factors' dtype, float32
+    at least).
 
     A single use at one position per sample (the decoder at the predicted position) is rank one per sample:
     ``sum_b l_b^2 (r_b^2)^T``, one matrix product of the squared factors. Otherwise the per-sample gradients are
     materialised a few samples at a time by batched matrix products (as costly as a weight gradient) and squared in
     place.
     """
-    batch = (uses or excluded)[0].right.shape[0]
-    if not uses:
-        device = excluded[0].right.device
-        return torch.zeros(shape, device=device), torch.zeros(batch, device=device)
+    batch = uses[0].right.shape[0]
     if not excluded and len(uses) == 1 and uses[0].right.shape[1] == 1:
         left, right = uses[0].left[:, 0], uses[0].right[:, 0]  # (B, rows), (B, cols)
         dtype = torch.promote_types(left.dtype, torch.float32)
         left, right = left.to(dtype).square(), right.to(dtype).square()
-        return (left.T @ right).reshape(shape), left.sum(dim=1) * right.sum(dim=1)
+        if out is not None:
+            out.add_((left.T @ right).reshape(shape), alpha=weight)
+        return left.sum(dim=1) * right.sum(dim=1)
     total, per_sample_sums = None, []
     step = max(1, _DENSE_CHUNK_ELEMENTS // (shape[0] * shape[1]))
     for start in range(0, batch, step):
@@ -65,9 +71,12 @@ def _dense_squares(
         else:
             per_sample.square_()
         per_sample_sums.append(per_sample.sum(dim=(1, 2)))
-        chunk = per_sample.sum(dim=0)
-        total = chunk if total is None else total.add_(chunk)
-    return total, torch.cat(per_sample_sums)
+        if out is not None:
+            chunk = per_sample.sum(dim=0)
+            total = chunk if total is None else total.add_(chunk)
+    if out is not None:
+        out.add_(total, alpha=weight)  # a batch's sum in the factors' precision, the totals in float64
+    return torch.cat(per_sample_sums)
 
 
 def _sparse_rows(uses: Sequence[OuterFactors], n_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,13 +107,20 @@ def _dense_rows(factors: OuterFactors, samples: torch.Tensor, ids: torch.Tensor)
 
 
 def _squared_gradient_sums(
-    param: nn.Parameter, use: ParamUses, split: LayerCall | None, own_in_diagonal: bool, batch: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    param: nn.Parameter,
+    use: ParamUses,
+    split: LayerCall | None,
+    own_in_diagonal: bool,
+    batch: int,
+    out: torch.Tensor,
+    weight: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For the per-sample gradients ``g_b`` of one parameter over all its uses, with ``o_b`` the part from call
-    ``split``'s own use: ``(sum_b q_b, ||q_b||^2 summed per sample, ||o_b||^2 per sample)`` where ``q_b = g_b^2 -
-    o_b^2`` elementwise (its cross terms stay), or ``q_b = g_b^2`` in the first with ``own_in_diagonal``.
+    ``split``'s own use: adds ``weight x sum_b q_b`` into ``out`` (float64, shaped like ``param``) and returns
+    ``(||q_b||^2 summed per sample, ||o_b||^2 per sample)``, both (B,) float64, where ``q_b = g_b^2 - o_b^2``
+    elementwise (its cross terms stay), or ``q_b = g_b^2`` in what is added with ``own_in_diagonal``.
 
-    The first is shaped like ``param`` (float32 at least); the others are (B,) float64."""
+    Embedding lookups add only the rows they looked up: no parameter-sized tensor is formed for them."""
     device = param.device
     own = torch.zeros(batch, dtype=torch.float64, device=device)
     if use.vectors:
@@ -117,32 +133,29 @@ def _squared_gradient_sums(
         squared -= own_squares
         own += own_squares.sum(dim=1)
         elementwise = (squared + own_squares if own_in_diagonal else squared).sum(dim=0)
-        return elementwise.reshape(param.shape), squared.sum(dim=1), own
+        out.add_(elementwise.reshape(param.shape), alpha=weight)
+        return squared.sum(dim=1), own
     shape = (param.shape[0], param.shape[1])
     kept = [factors for call, factors in use.outer if factors.left is not None and call is not split]
     dropped = [factors for call, factors in use.outer if factors.left is not None and call is split]
     sparse = [factors for call, factors in use.outer if factors.left_ids is not None]
     if any(call is split for call, factors in use.outer if factors.left_ids is not None):
         raise ValueError("the output layer's own terms cannot be left out of an embedding lookup")
-    if kept or dropped:
-        total, per_sample = _dense_squares(kept, shape, dropped)
-        per_sample = per_sample.double()
+    if kept:
+        # with no kept dense use, (K + X)^2 - X^2 is zero over the dense part: only the own terms and the lookups
+        per_sample = _dense_squares(kept, shape, dropped, out=out, weight=weight).double()
     else:
-        total = torch.zeros(shape, dtype=torch.float64, device=device)
         per_sample = torch.zeros(batch, dtype=torch.float64, device=device)
     if dropped:
-        own_total, own_per_sample = _dense_squares(dropped, shape)
-        own += own_per_sample.double()
-        if own_in_diagonal:
-            total = total + own_total
+        own += _dense_squares(dropped, shape, out=out if own_in_diagonal else None, weight=weight).double()
     if sparse:
         samples, ids, rows = _sparse_rows(sparse, shape[0])
         crossed = rows.square()
         for factors in kept + dropped:
             crossed += 2 * rows * _dense_rows(factors, samples, ids)
-        total = total.index_add(0, ids, crossed.to(total.dtype))
+        out.index_add_(0, ids, crossed.to(out.dtype), alpha=weight)
         per_sample.index_add_(0, samples, crossed.sum(dim=1))
-    return total, per_sample, own
+    return per_sample, own
 
 
 def add_squared_gradients(
@@ -168,12 +181,11 @@ def add_squared_gradients(
     for key, use in recorder.parameter_uses().items():
         if use.outer and use.vectors:
             raise ValueError("a parameter used both as a matrix and as a vector is not supported")
-        value, per_sample, own_part = _squared_gradient_sums(
-            use.param, use, split_self_terms_of, own_in_diagonal, recorder.batch_size
-        )
         if key not in totals:
-            totals[key] = torch.zeros(use.param.shape, dtype=torch.float64, device=value.device)
-        totals[key].add_(value, alpha=weight)
+            totals[key] = torch.zeros(use.param.shape, dtype=torch.float64, device=use.param.device)
+        per_sample, own_part = _squared_gradient_sums(
+            use.param, use, split_self_terms_of, own_in_diagonal, recorder.batch_size, totals[key], weight
+        )
         by_parameter[key] = per_sample
         own += own_part
     return by_parameter, own

@@ -71,8 +71,15 @@ PROBED_ESTIMATORS = ("hutchinson", "hutchpp")
 """The estimators that draw probe vectors (``probe=``) rather than labels."""
 
 OUTPUT_PROBES = ("label", "rademacher")
-"""``per_sample``'s cotangent at the logits per draw: a sampled label's ``e_y - p`` (default), or a random-sign
-combination ``sqrt(p) * z - p (sqrt(p) . z)`` of the same covariance ``diag(p) - p p^T`` (opt-in)."""
+"""The cotangent at the logits per draw of ``per_sample`` and ``naive``: a sampled label's ``e_y - p``, or a
+random-sign combination ``sqrt(p) * z - p (sqrt(p) . z)`` of the same covariance ``diag(p) - p p^T``
+(`hf_flatbias.flatness.estimators.output_probes`)."""
+
+DEFAULT_OUTPUT_PROBE = "label"
+"""The cotangent used when none is named."""
+
+OUTPUT_PROBED_ESTIMATORS = ("per_sample", "naive")
+"""The estimators that read ``output_probe`` (the others sample labels, or probe the data-label Hessian)."""
 
 DEFAULT_BATCH_SIZE = 32
 """Contexts per forward pass of a trace estimate."""

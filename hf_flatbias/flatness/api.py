@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 from transformers.utils.logging import is_progress_bar_enabled
 
-from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, RECOMMENDED_N_DRAWS
+from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, DEFAULT_OUTPUT_PROBE, RECOMMENDED_N_DRAWS
 from .contexts import TraceContexts
 from .distributed import gather_trace_samples, needs_lockstep, release_zero3_leftovers, share_of_contexts, world
 from .estimators import TraceSettings, per_context_estimators, trace_samples
@@ -33,7 +33,7 @@ def estimate_hessian_trace(
     exact_output_expectation: bool = True,
     causal: bool | None = None,
     probe: str = "rademacher",
-    output_probe: str = "label",
+    output_probe: str = DEFAULT_OUTPUT_PROBE,
     by_group: bool | GroupOf = False,
     across_processes: bool = False,
     progress: bool | None = None,

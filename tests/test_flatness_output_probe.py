@@ -36,9 +36,8 @@ def _logit_gram(model, contexts, index):
         rows = []
         for v in range(logits.shape[0]):
             grads = torch.autograd.grad(logits[v], params, retain_graph=True, allow_unused=True)
-            rows.append(
-                torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)])
-            )
+            flat = [(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads, strict=True)]
+            rows.append(torch.cat(flat))
     jacobian = torch.stack(rows).double()
     return jacobian @ jacobian.T, torch.softmax(logits.detach().double(), dim=-1)
 

@@ -56,7 +56,8 @@ class OutputProbes:
             return label_cotangent(self.probs, self.labels[:, draw])
         vocab = self.probs.shape[1]
         signs = torch.stack([torch.randint(0, 2, (vocab,), generator=g, dtype=torch.int8) for g in self._generators])
-        z = signs.to(device=self.probs.device, dtype=torch.float64).mul_(2).sub_(1)
+        # moved as int8, widened where the probabilities are
+        z = signs.to(self.probs.device).to(torch.float64).mul_(2).sub_(1)
         weighted = self._root * z
         return weighted - self.probs * weighted.sum(dim=1, keepdim=True)
 

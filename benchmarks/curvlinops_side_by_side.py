@@ -6,21 +6,27 @@ Its ``GGNLinearOperator`` with cross-entropy (mean reduction) is the generalised
 and what ``estimate_hessian_trace`` estimates over the same contexts. Its data here are the same contexts in batches of
 ``--batch-size``, each input packing the token ids and the predicted position.
 
-- Trace: ``hutchinson_trace`` and ``hutchpp_trace`` on that operator against ``estimate_hessian_trace``
-  (``per_sample``, 2 draws). The contexts are fixed, so every estimator's error is its own sampling noise: the
-  reference is ``per_sample`` with ``--reference-draws`` draws (its error is printed), and a curvlinops mean far from
-  it would say the two do not measure the same matrix. Efficiency is ``mean squared error x CPU seconds`` over
-  ``--repeats`` seeds (lower is better).
+- Trace: ``hutchinson_trace`` (3 and 9 products) and ``hutchpp_trace`` (9) on that operator against
+  ``estimate_hessian_trace`` (``per_sample``) with sampled labels (2 draws) and with random signs at the logits (2 and
+  1 draws, ``output_probe="rademacher"``), arms interleaved within each of ``--repeats`` seeds. Efficiency is
+  ``mean squared error x median CPU seconds`` per estimate (lower is better), in two settings:
+  *fixed*: the same ``--n-contexts`` contexts every time, error against their own trace (only the estimators' own
+  sampling noise counts; curvlinops' operator is built once, not timed);
+  *fresh*: ``--n-contexts`` contexts drawn anew from the pool of ``--n-pool`` per seed, error against the pool's
+  trace (the variation between contexts counts too; the operator is built on them inside the timed estimate).
+  The references are ``per_sample`` with ``--reference-draws`` draws of random signs per context (their draw noise
+  is printed); curvlinops' means are an independent check that both measure the same matrix.
 - Top eigenvalue: ``scipy.sparse.linalg.eigsh`` (ARPACK's implicitly restarted Lanczos, as curvlinops' examples use)
   on ``GGNLinearOperator.to_scipy()`` against ``estimate_top_eigenvalues(matrix="fisher")``, both at relative tolerance
   1e-4, errors against our float64 run at 1e-8.
 
 Model: a BERT masked LM (hidden 128, 2 layers, vocabulary 4,000: 0.94M parameters) fitted ``--fit-steps`` Adam steps
-to its contexts (as `spectrum_vs_pyhessian.py`), 32 contexts of 64 tokens. CPU seconds, one thread.
+to the pool's contexts of 64 tokens (as `spectrum_vs_pyhessian.py`). CPU seconds, one thread.
 
     OMP_NUM_THREADS=1 PYTHONPATH=.:<curvlinops folder> python benchmarks/curvlinops_side_by_side.py
 
-Last lines: ``trace_efficiency_ratio[NAME]=X`` (their mse x seconds over ours) and ``top_eigenvalue_time_ratio=X``.
+Last lines: ``trace_efficiency_ratio[SETTING][THEIRS / OURS]=X`` (their mse x seconds over ours: above 1, ours is
+ahead) and ``top_eigenvalue_time_ratio=X``.
 """
 
 from __future__ import annotations

@@ -198,6 +198,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--fit-steps", type=int, default=60)
     parser.add_argument("--reference-draws", type=int, default=64)
+    parser.add_argument("--settings", default="fixed,fresh", help="Which of fixed,fresh to run.")
     parser.add_argument("--skip-eigenvalue", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -219,8 +220,7 @@ def main() -> None:
         flush=True,
     )
     efficiency = {
-        "fixed": compare_traces(model, pool, args, fresh=False),
-        "fresh": compare_traces(model, pool, args, fresh=True),
+        setting: compare_traces(model, pool, args, fresh=setting == "fresh") for setting in args.settings.split(",")
     }
     for setting, measured in efficiency.items():
         for name, value in measured.items():

@@ -133,14 +133,14 @@ def test_the_one_draw_variance_is_its_closed_form():
             )
 
 
-def test_the_default_is_the_sampled_label_and_other_values_are_refused():
+def test_the_default_is_the_random_signs_and_other_values_are_refused():
     model, rows = wide_masked_lm(0, vocab_size=VOCAB), _rows(4)
     default = estimate_hessian_trace(model, rows, n_draws=2, seed=3)
     label = estimate_hessian_trace(model, rows, n_draws=2, seed=3, output_probe="label")
     probed = estimate_hessian_trace(model, rows, n_draws=2, seed=3, output_probe="rademacher")
-    assert (default.mean, default.stderr) == (label.mean, label.stderr)
+    assert (default.mean, default.stderr) == (probed.mean, probed.stderr)
     assert probed.mean != label.mean
     with pytest.raises(ValueError, match="output_probe='gaussian' is not supported"):
         estimate_hessian_trace(model, rows, output_probe="gaussian")
     with pytest.raises(ValueError, match="applies to estimator='per_sample' or 'naive' only"):
-        estimate_hessian_trace(model, rows, output_probe="rademacher", estimator="summed")
+        estimate_hessian_trace(model, rows, output_probe="label", estimator="summed")

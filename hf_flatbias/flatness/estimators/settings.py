@@ -48,9 +48,9 @@ class TraceSettings:
     )
     output_probe: str = field(
         default=DEFAULT_OUTPUT_PROBE,
-        metadata={"help": "per_sample and naive: the cotangent at the logits per draw, 'label' (a sampled label, "
-                  "e_y - p) or 'rademacher' (random signs with the same covariance diag(p) - pp^T: unbiased, less "
-                  "draw noise on every trained model measured)."},
+        metadata={"help": "per_sample and naive: the cotangent at the logits per draw, 'rademacher' (default: random "
+                  "signs with the covariance diag(p) - pp^T, less draw noise on every trained model measured) or "
+                  "'label' (a sampled label, e_y - p, the paper's draw); both unbiased for the same trace."},
     )  # fmt: skip
     by_group: bool | GroupOf = field(
         default=False,

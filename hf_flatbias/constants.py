@@ -55,7 +55,8 @@ ESTIMATORS = tuple(TRACE_SYMBOLS)
 """The names of the Hessian-trace estimators, the command line's choices."""
 
 DEFAULT_ESTIMATOR = "per_sample"
-"""The estimator used when none is named: the paper's sampled-label Fisher trace, one backward per draw."""
+"""The estimator used when none is named: the paper's Fisher trace from per-context gradient norms, one backward per
+draw (`DEFAULT_OUTPUT_PROBE` its cotangent)."""
 
 TRACE_QUANTITIES = {
     estimator: f"{'Fisher' if symbol == 'Tr(F)' else 'Hessian'} trace {symbol}"
@@ -90,7 +91,7 @@ DEFAULT_BATCH_SIZE = 32
 # draws also measure the variance split behind `suggested_n_draws`. The paper used 50 as a secondary summary gives it
 # (unverified).
 RECOMMENDED_N_DRAWS = 2
-"""Draws of the label per context recommended for a trace estimate."""
+"""Draws per context recommended for a trace estimate."""
 
 DEFAULT_N_CONTEXTS = 1000
 """Contexts of a one-off trace measurement (``hf-flatbias trace``, the recipes' final trace). The released code

@@ -2,7 +2,7 @@
 
 ``diag F = E_{x,t} E_{y ~ f(x_-t)} (grad_theta log f(x_-t)_y)^2`` elementwise; its sum is the trace
 `hf_flatbias.flatness.api.estimate_hessian_trace` estimates. `estimate_fisher_diagonal` takes both from the same
-sampled labels: with ``per_sample`` the squared per-sample gradients come from the layer inputs and output gradients
+draws: with ``per_sample`` the squared per-sample gradients come from the layer inputs and output gradients
 the trace already records (`hf_flatbias.flatness.ghost_diagonal.add_squared_gradients`), with no further backward;
 the decoder's own terms are again replaced by their exact expectation over ``y`` (``p_v (1 - p_v) h_i^2``). Nothing
 here knows about the Trainer.

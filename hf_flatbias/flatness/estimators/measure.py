@@ -47,7 +47,7 @@ def compute_trace_samples(
     share of the contexts passes its own ``indices``; draws depend only on ``(seed, index)``. ``progress`` shows a
     bar over these contexts, with its time left, on stderr. ``diagonal`` (``per_sample`` and ``naive``), a dict to
     fill: ``diagonal[id(p)]`` accumulates, for every measured parameter ``p``, the sum over these contexts of the
-    mean over draws of the squared sampled-label gradient, elementwise (float64), from the same draws as the values
+    mean over draws of the squared per-draw gradient, elementwise (float64), from the same draws as the values
     (`hf_flatbias.flatness.diagonal`). The other arguments are those of `TraceSettings`.
     """
     settings = TraceSettings(

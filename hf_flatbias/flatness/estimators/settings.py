@@ -28,9 +28,7 @@ class TraceSettings:
 
     n_draws: int = field(
         default=RECOMMENDED_N_DRAWS,
-        metadata={
-            "help": "Draws of the label per context (probes for hutchinson, Hessian products per batch for hutchpp)."
-        },
+        metadata={"help": "Draws per context (probes for hutchinson, Hessian products per batch for hutchpp)."},
     )
     estimator: str = field(default=DEFAULT_ESTIMATOR, metadata={"help": f"One of {', '.join(ESTIMATORS)}."})
     seed: int = field(default=0, metadata={"help": "The draws of context i depend only on (seed, i)."})

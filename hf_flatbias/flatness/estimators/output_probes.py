@@ -39,8 +39,9 @@ class OutputProbes:
         self.probs = probs.double()
         self.kind = kind
         self.n_draws = n_draws
+        # drawn for the signs too: `per_sample`'s check against a plain backward is of a sampled label's gradient
+        self.labels = sample_labels(self.probs, indices, n_draws, seed)
         if kind == "label":
-            self.labels = sample_labels(self.probs, indices, n_draws, seed)
             return
         self._root = self.probs.sqrt()
         self._generators = []
@@ -60,6 +61,10 @@ class OutputProbes:
         z = signs.to(self.probs.device).to(torch.float64).mul_(2).sub_(1)
         weighted = self._root * z
         return weighted - self.probs * weighted.sum(dim=1, keepdim=True)
+
+    def first_label_cotangents(self) -> torch.Tensor:
+        """(B, V) ``e_y - p`` of each context's first sampled label, whatever ``kind``."""
+        return label_cotangent(self.probs, self.labels[:, 0])
 
 
 def label_cotangent(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -162,6 +162,14 @@ def _per_sample_batch(
         if validate and k == 0:
             zero3_hooks.rearm()
             recorder.check_unsupported_unused(logits, grad_logits)
+            if probes.kind != "label":
+                # the check is of a sampled label's gradient, as its tests measure its power (a draw of signs can
+                # hide a missed term that a label shows): one more backward, once per model
+                labelled = probes.first_label_cotangents()
+                _validate_by_backward(
+                    model, contexts, indices, params, logits, outputs, labelled, recorder, zero3_hooks
+                )
+                validate = False
         zero3_hooks.rearm()
         retain_graph = k < n_draws - 1 or validate
         if diagonal is None and not validate:
@@ -245,6 +253,32 @@ def _sum_by_group(
     for key, value in by_parameter.items():
         split[:, groups.index_of[key]] += value
     return split
+
+
+def _validate_by_backward(
+    model: nn.Module,
+    contexts: TraceContexts,
+    indices: Sequence[int],
+    params: Sequence[nn.Parameter],
+    logits: torch.Tensor,
+    outputs: Sequence[torch.Tensor],
+    cotangents: torch.Tensor,
+    recorder: GhostNormRecorder,
+    zero3_hooks: Zero3BackwardHooks,
+) -> None:
+    """`_validate_against_autograd` of the cotangents (B, V), from a backward of their own that keeps the graph."""
+    zero3_hooks.rearm()
+    grad_logits = cotangents.to(logits.dtype).unsqueeze(1)
+    grads = (
+        torch.autograd.grad(logits, outputs, grad_outputs=grad_logits, retain_graph=True, allow_unused=True)
+        if outputs
+        else []
+    )
+    recorder.set_grad_outputs(grads)
+    try:
+        _validate_against_autograd(model, contexts, indices[0], params, cotangents[:1], recorder)
+    finally:
+        recorder.set_grad_outputs([None] * len(recorder.calls))
 
 
 def _validate_against_autograd(

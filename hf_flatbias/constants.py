@@ -77,7 +77,7 @@ random-sign combination ``sqrt(p) * z - p (sqrt(p) . z)`` of the same covariance
 (`hf_flatbias.flatness.estimators.output_probes`)."""
 
 DEFAULT_OUTPUT_PROBE = "rademacher"
-"""The cotangent used when none is named: the random signs, whose one-draw variance was 1.8-7.8x lower than the
+"""The cotangent used when none is named: the random signs, whose one-draw variance was 1.8-8.9x lower than the
 sampled label's on every trained model measured (1.0-1.5x on random initialisations; benchmarks/RESULTS.md)."""
 
 OUTPUT_PROBED_ESTIMATORS = ("per_sample", "naive")

@@ -67,7 +67,7 @@ def estimate_hessian_trace(
             ``"rademacher"`` (default) ``sqrt(p) * z - p (sqrt(p) . z)`` with random signs ``z``, or ``"label"`` the
             sampled label's ``e_y - p`` (the paper's draw). Both have the covariance ``diag(p) - p p^T``, so both are
             unbiased for the same Fisher trace; the signs weight every label by ``sqrt(p_y)`` in every draw instead
-            of hitting one, and had 1.8-7.8x less draw variance on trained models (`benchmarks/RESULTS.md`).
+            of hitting one, and had 1.8-8.9x less draw variance on trained models (`benchmarks/RESULTS.md`).
         by_group: also split the trace by parameter group (`TraceEstimate.by_group`): ``True`` for embeddings,
             each block, final norm, LM head and the decoder's own output-layer term
             (`hf_flatbias.flatness.groups`), or a function from parameter name to group name. ``per_sample`` and

@@ -78,7 +78,7 @@ random-sign combination ``sqrt(p) * z - p (sqrt(p) . z)`` of the same covariance
 
 DEFAULT_OUTPUT_PROBE = "rademacher"
 """The cotangent used when none is named: the random signs, whose one-draw variance was 1.8-8.9x lower than the
-sampled label's on every trained model measured (1.0-1.5x on random initialisations; benchmarks/RESULTS.md)."""
+sampled label's on every trained model measured (1.08-1.45x on random initialisations; benchmarks/RESULTS.md)."""
 
 OUTPUT_PROBED_ESTIMATORS = ("per_sample", "naive")
 """The estimators that read ``output_probe`` (the others sample labels, or probe the data-label Hessian)."""

@@ -55,7 +55,8 @@ ESTIMATORS = tuple(TRACE_SYMBOLS)
 """The names of the Hessian-trace estimators, the command line's choices."""
 
 DEFAULT_ESTIMATOR = "per_sample"
-"""The estimator used when none is named: the paper's sampled-label Fisher trace, one backward per draw."""
+"""The estimator used when none is named: the paper's Fisher trace from per-context gradient norms, one backward per
+draw (`DEFAULT_OUTPUT_PROBE` its cotangent)."""
 
 TRACE_QUANTITIES = {
     estimator: f"{'Fisher' if symbol == 'Tr(F)' else 'Hessian'} trace {symbol}"
@@ -71,8 +72,16 @@ PROBED_ESTIMATORS = ("hutchinson", "hutchpp")
 """The estimators that draw probe vectors (``probe=``) rather than labels."""
 
 OUTPUT_PROBES = ("label", "rademacher")
-"""``per_sample``'s cotangent at the logits per draw: a sampled label's ``e_y - p`` (default), or a random-sign
-combination ``sqrt(p) * z - p (sqrt(p) . z)`` of the same covariance ``diag(p) - p p^T`` (opt-in)."""
+"""The cotangent at the logits per draw of ``per_sample`` and ``naive``: a sampled label's ``e_y - p``, or a
+random-sign combination ``sqrt(p) * z - p (sqrt(p) . z)`` of the same covariance ``diag(p) - p p^T``
+(`hf_flatbias.flatness.estimators.output_probes`)."""
+
+DEFAULT_OUTPUT_PROBE = "rademacher"
+"""The cotangent used when none is named: the random signs, whose one-draw variance was 1.8-8.9x lower than the
+sampled label's on every trained model measured (1.08-1.45x on random initialisations; benchmarks/RESULTS.md)."""
+
+OUTPUT_PROBED_ESTIMATORS = ("per_sample", "naive")
+"""The estimators that read ``output_probe`` (the others sample labels, or probe the data-label Hessian)."""
 
 DEFAULT_BATCH_SIZE = 32
 """Contexts per forward pass of a trace estimate."""
@@ -82,7 +91,7 @@ DEFAULT_BATCH_SIZE = 32
 # draws also measure the variance split behind `suggested_n_draws`. The paper used 50 as a secondary summary gives it
 # (unverified).
 RECOMMENDED_N_DRAWS = 2
-"""Draws of the label per context recommended for a trace estimate."""
+"""Draws per context recommended for a trace estimate."""
 
 DEFAULT_N_CONTEXTS = 1000
 """Contexts of a one-off trace measurement (``hf-flatbias trace``, the recipes' final trace). The released code

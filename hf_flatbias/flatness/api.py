@@ -9,7 +9,7 @@ from typing import Any
 from torch import nn
 from transformers.utils.logging import is_progress_bar_enabled
 
-from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, RECOMMENDED_N_DRAWS
+from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, DEFAULT_OUTPUT_PROBE, RECOMMENDED_N_DRAWS
 from .contexts import TraceContexts
 from .distributed import gather_trace_samples, needs_lockstep, release_zero3_leftovers, share_of_contexts, world
 from .estimators import TraceSettings, per_context_estimators, trace_samples
@@ -33,7 +33,7 @@ def estimate_hessian_trace(
     exact_output_expectation: bool = True,
     causal: bool | None = None,
     probe: str = "rademacher",
-    output_probe: str = "label",
+    output_probe: str = DEFAULT_OUTPUT_PROBE,
     by_group: bool | GroupOf = False,
     across_processes: bool = False,
     progress: bool | None = None,
@@ -63,10 +63,11 @@ def estimate_hessian_trace(
             ``naive``.
         causal: whether the model is a causal LM; detected from the model class by default.
         probe: the probe distribution of ``hutchinson`` and ``hutchpp``, ``"rademacher"`` (default) or ``"gaussian"``.
-        output_probe: with ``per_sample``, the cotangent at the logits of each draw: ``"label"`` (default) the
-            sampled label's ``e_y - p``, ``"rademacher"`` (opt-in) ``sqrt(p) * z - p (sqrt(p) . z)`` with random signs
-            ``z``, of the same covariance ``diag(p) - p p^T``: unbiased for the same Fisher trace, with less draw
-            noise when the model is confident (a draw no longer hits one label).
+        output_probe: with ``per_sample`` and ``naive``, the cotangent at the logits of each draw:
+            ``"rademacher"`` (default) ``sqrt(p) * z - p (sqrt(p) . z)`` with random signs ``z``, or ``"label"`` the
+            sampled label's ``e_y - p`` (the paper's draw). Both have the covariance ``diag(p) - p p^T``, so both are
+            unbiased for the same Fisher trace; the signs weight every label by ``sqrt(p_y)`` in every draw instead
+            of hitting one, and had 1.8-8.9x less draw variance on trained models (`benchmarks/RESULTS.md`).
         by_group: also split the trace by parameter group (`TraceEstimate.by_group`): ``True`` for embeddings,
             each block, final norm, LM head and the decoder's own output-layer term
             (`hf_flatbias.flatness.groups`), or a function from parameter name to group name. ``per_sample`` and

@@ -2,7 +2,7 @@
 
 ``diag F = E_{x,t} E_{y ~ f(x_-t)} (grad_theta log f(x_-t)_y)^2`` elementwise; its sum is the trace
 `hf_flatbias.flatness.api.estimate_hessian_trace` estimates. `estimate_fisher_diagonal` takes both from the same
-sampled labels: with ``per_sample`` the squared per-sample gradients come from the layer inputs and output gradients
+draws: with ``per_sample`` the squared per-sample gradients come from the layer inputs and output gradients
 the trace already records (`hf_flatbias.flatness.ghost_diagonal.add_squared_gradients`), with no further backward;
 the decoder's own terms are again replaced by their exact expectation over ``y`` (``p_v (1 - p_v) h_i^2``). Nothing
 here knows about the Trainer.
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, RECOMMENDED_N_DRAWS
+from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, DEFAULT_OUTPUT_PROBE, RECOMMENDED_N_DRAWS
 from .api import contexts_to_measure
 from .estimators import compute_trace_samples, per_context_estimators
 from .groups import GroupOf
@@ -62,7 +62,7 @@ def estimate_fisher_diagonal(
     exact_output_expectation: bool = True,
     causal: bool | None = None,
     group_of: GroupOf | None = None,
-    output_probe: str = "label",
+    output_probe: str = DEFAULT_OUTPUT_PROBE,
 ) -> FisherDiagonal:
     """Estimate the diagonal of the Fisher of the pre-training loss, and its trace from the same draws.
 
@@ -71,7 +71,7 @@ def estimate_fisher_diagonal(
             `estimate_hessian_trace` (the same contexts and draws give the same trace).
         estimator: ``"per_sample"`` (default: the squared per-sample gradients from the trace's own backward; dense
             layers cost about one weight gradient per draw more) or ``"naive"`` (one backward per draw, any model).
-        output_probe: as for `estimate_hessian_trace` (``per_sample`` only).
+        output_probe: as for `estimate_hessian_trace`.
         group_of: the grouping rule of ``trace.by_group`` (`hf_flatbias.flatness.groups.default_group_of` by
             default).
 

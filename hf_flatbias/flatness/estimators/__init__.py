@@ -18,6 +18,9 @@ One module per estimator (``estimator=``), found by name in `ESTIMATOR_REGISTRY`
   dominate.
 - `naive`: one forward and backward per draw; the reference loop, exact for any architecture.
 
+Each draw of `per_sample` and `naive` backpropagates a random cotangent at the logits with covariance
+``diag(p) - p p^T`` (`output_probes`): random signs by default, or the paper's sampled label.
+
 Every estimator first produces `TraceSamples`: values per sampling unit (a context, or a batch of contexts for
 ``summed``/``hutchinson``/``hutchpp``) over a subset of context indices. Units can be computed on different processes
 and concatenated before `summarize_trace_samples` turns them into a `TraceEstimate`; each context's random draws

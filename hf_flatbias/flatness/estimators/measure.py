@@ -8,7 +8,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ...constants import DEFAULT_BATCH_SIZE, DEFAULT_ESTIMATOR, RECOMMENDED_N_DRAWS, TRACE_SYMBOLS
+from ...constants import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_ESTIMATOR,
+    DEFAULT_OUTPUT_PROBE,
+    RECOMMENDED_N_DRAWS,
+    TRACE_SYMBOLS,
+)
 from ..contexts import TraceContexts
 from ..distributed import needs_lockstep
 from ..groups import GroupOf, ParameterGroups, parameter_groups
@@ -30,7 +36,7 @@ def compute_trace_samples(
     batch_size: int | str = DEFAULT_BATCH_SIZE,
     exact_output_expectation: bool = True,
     probe: str = "rademacher",
-    output_probe: str = "label",
+    output_probe: str = DEFAULT_OUTPUT_PROBE,
     by_group: bool | GroupOf = False,
     progress: bool = False,
     diagonal: dict[int, torch.Tensor] | None = None,
@@ -41,7 +47,7 @@ def compute_trace_samples(
     share of the contexts passes its own ``indices``; draws depend only on ``(seed, index)``. ``progress`` shows a
     bar over these contexts, with its time left, on stderr. ``diagonal`` (``per_sample`` and ``naive``), a dict to
     fill: ``diagonal[id(p)]`` accumulates, for every measured parameter ``p``, the sum over these contexts of the
-    mean over draws of the squared sampled-label gradient, elementwise (float64), from the same draws as the values
+    mean over draws of the squared per-draw gradient, elementwise (float64), from the same draws as the values
     (`hf_flatbias.flatness.diagonal`). The other arguments are those of `TraceSettings`.
     """
     settings = TraceSettings(

@@ -16,7 +16,8 @@ from ..distributed import differentiated_parameters
 from ..groups import ParameterGroups
 from ..lm import check_lm_model
 from ..results import TraceSamples
-from .base import TraceEstimator, sample_labels
+from .base import TraceEstimator
+from .output_probes import OutputProbes
 
 if TYPE_CHECKING:
     from .settings import TraceSettings
@@ -55,12 +56,13 @@ def _naive_context(
     with torch.no_grad():
         logits = model(**contexts.model_inputs([index], model)).logits[0, contexts.positions[index]]
     probs = torch.softmax(logits.double(), dim=-1).unsqueeze(0)
-    labels = sample_labels(probs, [index], settings.n_draws, settings.seed)[0]
+    probes = OutputProbes(probs, [index], settings.n_draws, settings.seed, settings.output_probe)
+    cotangents = torch.cat([probes.cotangent(k) for k in range(settings.n_draws)])
     if diagonal is not None and groups is not None:
-        # the split and the diagonal come from two passes over the same labels (a reference, not a fast path)
-        naive_squared_norms(model, contexts, index, params, labels, None, diagonal)
+        # the split and the diagonal come from two passes over the same draws (a reference, not a fast path)
+        naive_squared_norms(model, contexts, index, params, cotangents, None, diagonal)
         diagonal = None
-    return naive_squared_norms(model, contexts, index, params, labels, groups, diagonal)
+    return naive_squared_norms(model, contexts, index, params, cotangents, groups, diagonal)
 
 
 def naive_squared_norms(
@@ -68,41 +70,45 @@ def naive_squared_norms(
     contexts: TraceContexts,
     index: int,
     params: Sequence[nn.Parameter],
-    labels: torch.Tensor,
+    cotangents: torch.Tensor,
     groups: ParameterGroups | None = None,
     diagonal: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """One stock forward (logits everywhere) and one backward per label: squared norms (K,), or with ``groups``
-    their split (K, G), the decoder's own term formed from its input and the gradient at its output."""
+    """One stock forward (logits everywhere) and one backward per cotangent at the logits of the predicted position
+    (`hf_flatbias.flatness.estimators.output_probes`; ``e_y - p`` is the gradient of ``log p_y``), (K, V): squared
+    norms (K,), or with ``groups`` their split (K, G), the decoder's own term formed from its input and the gradient
+    at its output."""
     batch = contexts.model_inputs([index], model)
-    values = torch.empty(len(labels), *([len(groups)] if groups is not None else []), dtype=torch.float64)
+    values = torch.empty(len(cotangents), *([len(groups)] if groups is not None else []), dtype=torch.float64)
     decoder = check_lm_model(model)
     seen: dict[str, torch.Tensor] = {}
 
     def record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         seen["input"], seen["output"] = args[0].detach(), output
 
-    for k, label in enumerate(labels.tolist()):
+    for k, cotangent in enumerate(cotangents):
         handle = decoder.register_forward_hook(record) if groups is not None else None
         try:
             logits = model(**batch).logits[0, contexts.positions[index]]
         finally:
             if handle is not None:
                 handle.remove()
-        log_prob = torch.log_softmax(logits.float(), dim=-1)[label]
+        # the gradient of this scalar is J^T c (no graph through the softmax), in at least float32
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        projected = (logits.to(dtype) * cotangent.to(device=logits.device, dtype=dtype)).sum()
         if groups is None and diagonal is None:
-            values[k] = streamed_squared_norm(log_prob, differentiated_parameters(model, params)).cpu()
+            values[k] = streamed_squared_norm(projected, differentiated_parameters(model, params)).cpu()
             continue
         if groups is None:
-            grads = torch.autograd.grad(log_prob, params, allow_unused=True)
+            grads = torch.autograd.grad(projected, params, allow_unused=True)
             values[k] = squared_norm(grads, dtype=torch.float64).cpu()
             if diagonal is not None:
                 for param, grad in zip(params, grads, strict=True):
                     if grad is not None:
-                        squared = grad.double().square() / len(labels)
+                        squared = grad.double().square() / len(cotangents)
                         diagonal[id(param)] = diagonal[id(param)] + squared if id(param) in diagonal else squared
             continue
-        *grads, grad_output = torch.autograd.grad(log_prob, [*params, seen["output"]], allow_unused=True)
+        *grads, grad_output = torch.autograd.grad(projected, [*params, seen["output"]], allow_unused=True)
         values[k] = _naive_group_split(decoder, params, grads, seen["input"], grad_output, groups)
     return values
 

@@ -19,15 +19,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..contexts import TraceContexts, context_generator
+from ..contexts import TraceContexts
 from ..distributed import Zero3BackwardHooks
 from ..ghost import GhostNormRecorder
 from ..ghost_diagonal import add_squared_gradients
 from ..groups import ParameterGroups
 from ..lm import check_lm_model, logits_at_positions
 from ..results import TraceSamples
-from .base import TraceEstimator, length_sorted_batches, resolved_batch_size, sample_labels
+from .base import TraceEstimator, length_sorted_batches, resolved_batch_size
 from .naive import naive_squared_norms
+from .output_probes import OutputProbes
 
 if TYPE_CHECKING:
     from .settings import TraceSettings
@@ -134,14 +135,14 @@ def _per_sample_batch(
         logits = logits_at_positions(model, batch, positions)
     zero3_hooks.snapshot()
     probs = torch.softmax(logits.detach()[:, 0].double(), dim=-1)
-    labels = sample_labels(probs, indices, n_draws, settings.seed)
-    signs = _output_signs(indices, n_draws, probs.shape[1], settings.seed, probs.device, kind=settings.output_probe)
+    probes = OutputProbes(probs, indices, n_draws, settings.seed, settings.output_probe)
     outputs = recorder.outputs()
     decoder = check_lm_model(model)
     decoder_call = next((c for c in recorder.calls if c.module is decoder and _are_the_logits(c.output, logits)), None)
     use_expectation = settings.exact_output_expectation and decoder_call is not None
     if use_expectation:
-        # E_y ||e_y - p||^2 = 1 - ||p||^2, times what multiplies the output gradient in the decoder's own term
+        # E ||c||^2 = Tr(diag(p) - pp^T) = 1 - ||p||^2 for either cotangent, times what multiplies the output gradient
+        # in the decoder's own term
         multiplier = torch.zeros(len(indices), dtype=torch.float64, device=probs.device)
         if recorder.measures(decoder, "weight"):
             multiplier += decoder_call.inputs.double().square().sum(dim=(1, 2))
@@ -156,31 +157,19 @@ def _per_sample_batch(
     values = torch.empty(len(indices), n_draws, dtype=torch.float64)
     group_values = None if groups is None else torch.empty(len(indices), n_draws, len(groups), dtype=torch.float64)
     for k in range(n_draws):
+        cotangent = probes.cotangent(k)
+        grad_logits = cotangent.to(logits.dtype).unsqueeze(1)
         if validate and k == 0:
-            grad_logits = _label_cotangent(probs, labels[:, 0]).to(logits.dtype).unsqueeze(1)
             zero3_hooks.rearm()
             recorder.check_unsupported_unused(logits, grad_logits)
-            if signs is not None:
-                # the check against a plain backward is of a sampled label's gradient: one more backward, once
-                zero3_hooks.rearm()
-                grads = (
-                    torch.autograd.grad(logits, outputs, grad_outputs=grad_logits, retain_graph=True, allow_unused=True)
-                    if outputs
-                    else []
+            if probes.kind != "label":
+                # the check is of a sampled label's gradient, as its tests measure its power (a draw of signs can
+                # hide a missed term that a label shows): one more backward, once per model
+                labelled = probes.first_label_cotangents()
+                _validate_by_backward(
+                    model, contexts, indices, params, logits, outputs, labelled, recorder, zero3_hooks
                 )
-                recorder.set_grad_outputs(grads)
-                _validate_against_autograd(model, contexts, indices[0], params, int(labels[0, 0]), recorder)
                 validate = False
-                grads = None
-                recorder.set_grad_outputs([None] * len(recorder.calls))
-        if signs is None:
-            cotangent = _label_cotangent(probs, labels[:, k])
-        else:
-            # E[c c^T] = diag(p) - p p^T, as for e_y - p: the same Fisher, in expectation draw for draw
-            root = probs.sqrt()
-            z = signs[:, k]
-            cotangent = root * z - probs * (root * z).sum(dim=1, keepdim=True)
-        grad_logits = cotangent.to(logits.dtype).unsqueeze(1)
         zero3_hooks.rearm()
         retain_graph = k < n_draws - 1 or validate
         if diagonal is None and not validate:
@@ -216,35 +205,13 @@ def _per_sample_batch(
         else:
             values[:, k] = (sum(by_parameter.values(), torch.zeros_like(own)) + output_term).cpu()
         if validate and k == 0:
-            _validate_against_autograd(model, contexts, indices[0], params, int(labels[0, 0]), recorder)
+            _validate_against_autograd(model, contexts, indices[0], params, cotangent[:1], recorder)
             validate = False
         # this draw's gradients at every layer output (about one activation's worth) go before the next backward
         # forms its own, and the last ones drop their references to the graph
         grads = None
         recorder.set_grad_outputs([None] * len(recorder.calls))
     return values, group_values, forward_seconds, time.perf_counter() - start
-
-
-def _label_cotangent(probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``e_y - p`` per row: the gradient of ``log p_y`` with respect to the logits."""
-    cotangent = -probs.clone()
-    cotangent[torch.arange(len(labels)), labels] += 1.0
-    return cotangent
-
-
-def _output_signs(
-    indices: Sequence[int], n_draws: int, vocab: int, seed: int, device: torch.device, *, kind: str = "label"
-) -> torch.Tensor | None:
-    """(B, n_draws, V) random signs for ``output_probe="rademacher"``, row ``b`` from context ``indices[b]``'s own
-    stream (after its labels), or ``None`` for sampled labels."""
-    if kind == "label":
-        return None
-    signs = []
-    for i in indices:
-        generator = context_generator(seed, i)
-        torch.rand(n_draws, generator=generator, dtype=torch.float64)  # the labels' uniforms come first
-        signs.append(torch.randint(0, 2, (n_draws, vocab), generator=generator))
-    return torch.stack(signs).to(device=device, dtype=torch.float64) * 2 - 1
 
 
 def _add_expected_output_diagonal(
@@ -288,18 +255,44 @@ def _sum_by_group(
     return split
 
 
+def _validate_by_backward(
+    model: nn.Module,
+    contexts: TraceContexts,
+    indices: Sequence[int],
+    params: Sequence[nn.Parameter],
+    logits: torch.Tensor,
+    outputs: Sequence[torch.Tensor],
+    cotangents: torch.Tensor,
+    recorder: GhostNormRecorder,
+    zero3_hooks: Zero3BackwardHooks,
+) -> None:
+    """`_validate_against_autograd` of the cotangents (B, V), from a backward of their own that keeps the graph."""
+    zero3_hooks.rearm()
+    grad_logits = cotangents.to(logits.dtype).unsqueeze(1)
+    grads = (
+        torch.autograd.grad(logits, outputs, grad_outputs=grad_logits, retain_graph=True, allow_unused=True)
+        if outputs
+        else []
+    )
+    recorder.set_grad_outputs(grads)
+    try:
+        _validate_against_autograd(model, contexts, indices[0], params, cotangents[:1], recorder)
+    finally:
+        recorder.set_grad_outputs([None] * len(recorder.calls))
+
+
 def _validate_against_autograd(
     model: nn.Module,
     contexts: TraceContexts,
     index: int,
     params: Sequence[nn.Parameter],
-    label: int,
+    cotangent: torch.Tensor,
     recorder: GhostNormRecorder,
 ) -> None:
     """Compare the ghost norm of one context with a plain backward: catches a parameter the hooks cannot see (e.g.
     a weight reused outside its module) instead of returning a silently wrong trace."""
     ghost = float(recorder.squared_norms()[0])
-    reference = float(naive_squared_norms(model, contexts, index, params, torch.tensor([label]))[0])
+    reference = float(naive_squared_norms(model, contexts, index, params, cotangent)[0])
     # both sides are rounded in the parameters' dtype: bfloat16's 8-bit mantissa moves them apart by ~0.2%
     precise = all(p.dtype in (torch.float32, torch.float64) for p in params)
     tolerance = 1e-3 if precise else 2e-2

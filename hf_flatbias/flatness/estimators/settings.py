@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 from ...constants import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_ESTIMATOR,
+    DEFAULT_OUTPUT_PROBE,
     ESTIMATORS,
     HUTCHINSON_PROBES,
     MAX_N_DRAWS,
+    OUTPUT_PROBED_ESTIMATORS,
     OUTPUT_PROBES,
     PROBED_ESTIMATORS,
     RECOMMENDED_N_DRAWS,
@@ -26,9 +28,7 @@ class TraceSettings:
 
     n_draws: int = field(
         default=RECOMMENDED_N_DRAWS,
-        metadata={
-            "help": "Draws of the label per context (probes for hutchinson, Hessian products per batch for hutchpp)."
-        },
+        metadata={"help": "Draws per context (probes for hutchinson, Hessian products per batch for hutchpp)."},
     )
     estimator: str = field(default=DEFAULT_ESTIMATOR, metadata={"help": f"One of {', '.join(ESTIMATORS)}."})
     seed: int = field(default=0, metadata={"help": "The draws of context i depend only on (seed, i)."})
@@ -45,9 +45,10 @@ class TraceSettings:
         metadata={"help": f"Probe distribution of hutchinson and hutchpp: {', '.join(HUTCHINSON_PROBES)}."},
     )
     output_probe: str = field(
-        default="label",
-        metadata={"help": "per_sample: the cotangent at the logits per draw, 'label' (a sampled label, e_y - p) or "
-                  "'rademacher' (random signs with the same covariance diag(p) - pp^T: unbiased, less draw noise)."},
+        default=DEFAULT_OUTPUT_PROBE,
+        metadata={"help": "per_sample and naive: the cotangent at the logits per draw, 'rademacher' (default: random "
+                  "signs with the covariance diag(p) - pp^T, less draw noise on every trained model measured) or "
+                  "'label' (a sampled label, e_y - p, the paper's draw); both unbiased for the same trace."},
     )  # fmt: skip
     by_group: bool | GroupOf = field(
         default=False,
@@ -69,9 +70,10 @@ class TraceSettings:
             raise ValueError(
                 f"output_probe={self.output_probe!r} is not supported; choose one of {list(OUTPUT_PROBES)}."
             )
-        if self.output_probe != "label" and self.estimator != "per_sample":
+        if self.output_probe != DEFAULT_OUTPUT_PROBE and self.estimator not in OUTPUT_PROBED_ESTIMATORS:
+            readers = " or ".join(repr(name) for name in OUTPUT_PROBED_ESTIMATORS)
             raise ValueError(
-                f"output_probe={self.output_probe!r} applies to estimator='per_sample' only (got "
+                f"output_probe={self.output_probe!r} applies to estimator={readers} only (got "
                 f"estimator={self.estimator!r})."
             )
         if not isinstance(self.n_draws, int) or self.n_draws < 1:

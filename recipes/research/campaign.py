@@ -29,7 +29,7 @@ from hf_flatbias.synthetic.conditionals import cached_conditionals
 
 from .distillation import ConditionalPool, distil_to_saturation
 from .paper_language import PaperLanguage, setup_paper_language, task_classes
-from .protocol import measure_branch, train_with_branches
+from .protocol import FISHER_OUTPUT_PROBE, measure_branch, train_with_branches
 from .runs import RunSpec
 from .verdicts import C2_SIZES, C3_ARMS
 
@@ -304,6 +304,7 @@ def run_c2_size(args, language, pool, stop_set, seed: int, rate: float, hidden: 
         n_draws=args.trace_draws,
         seed=record["step"],  # measure_branch's seed for this branch
         progress=False,
+        output_probe=FISHER_OUTPUT_PROBE,
     )
     record.update(fisher_trace_enlarged=trace.mean, fisher_trace_enlarged_stderr=trace.stderr)
     payload = {

@@ -42,7 +42,7 @@ from .campaign_v2 import (
 )
 from .claims_v2_report import claim_payload, claim_records, secondary_readouts, start_record
 from .paper_language import task_labelled_train
-from .protocol import train_with_branches
+from .protocol import FISHER_OUTPUT_PROBE, train_with_branches
 from .ruler_reads import PRIMARY, ReadStore, RulerRows, RulerSizes, read_record, ruler_rows
 from .units import read_units
 
@@ -232,6 +232,7 @@ def enlarged_trace(run: ClaimsRun, record: dict[str, Any]) -> dict[str, float]:
         n_draws=run.sizes.trace_draws,
         seed=record["step"],
         progress=False,
+        output_probe=FISHER_OUTPUT_PROBE,
     )
     return {"fisher_trace_enlarged": trace.mean, "fisher_trace_enlarged_stderr": trace.stderr}
 

@@ -36,6 +36,10 @@ from .paper_probes import (
 from .runs import RunSpec, trainer_settings
 from .saturation import measure_saturation
 
+#: The cotangent every pre-registered rule here was written and run with: a sampled label (the package's default until
+#: 2026-12-03, when the random signs became it). Kept so that a study's units measure alike whenever they run.
+FISHER_OUTPUT_PROBE = "label"
+
 
 def measure_branch(
     model: torch.nn.Module,
@@ -68,7 +72,14 @@ def measure_branch(
         n = min(trace_contexts, len(language.trace_contexts))
         # by_group separates the output layer's own term (how confident the model is) from the encoder's share
         fisher = estimate_hessian_trace(
-            model, language.trace_contexts, n_contexts=n, n_draws=trace_draws, seed=seed, progress=False, by_group=True
+            model,
+            language.trace_contexts,
+            n_contexts=n,
+            n_draws=trace_draws,
+            seed=seed,
+            progress=False,
+            by_group=True,
+            output_probe=FISHER_OUTPUT_PROBE,
         )
         record.update(
             fisher_trace=fisher.mean,

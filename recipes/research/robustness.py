@@ -32,7 +32,7 @@ from hf_flatbias.trainer import FlatBiasTrainer
 from . import robustness_rules as rules
 from .campaign import SHAPES
 from .paper_language import PaperLanguage, SentenceSet, setup_paper_language
-from .protocol import measure_branch
+from .protocol import FISHER_OUTPUT_PROBE, measure_branch
 from .runs import RunSpec, trainer_settings
 from .units import read_units, rules_constants, run_units
 
@@ -177,7 +177,7 @@ def measure_model(model: BertForMaskedLM, language: PaperLanguage, seed: int, si
         num_labels=language.grammar.n_sentence_types,
         eval_rows=task_rows(language.probes["test"], sizes.n_eval_rows),
         seed=seed,
-        trace={"n_draws": sizes.trace_draws, "seed": 0, "progress": False},
+        trace={"n_draws": sizes.trace_draws, "seed": 0, "progress": False, "output_probe": FISHER_OUTPUT_PROBE},
     )
     values = forgetting.to_dict()
     for when in ("before", "after"):  # the trace's mean and stderr; its per-draw detail is not needed here

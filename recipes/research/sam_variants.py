@@ -20,6 +20,7 @@ from hf_flatbias.synthetic.data import MaskedWordCollator, masked_contexts, sent
 from hf_flatbias.synthetic.tokenizer import CLS_ID, N_SPECIAL, PAD_ID, SEP_ID
 from hf_flatbias.trainer import FlatBiasTrainer
 
+from .protocol import FISHER_OUTPUT_PROBE
 from .saturation import measure_saturation
 
 RHO = 0.05
@@ -114,7 +115,9 @@ def sequence_kl_per_token(model: torch.nn.Module, rows: list[dict], log_p: np.nd
 def trace_of(model: torch.nn.Module, contexts: list[dict], seed: int) -> float:
     """The Fisher trace of the pre-training loss on ``contexts`` (2 draws each), the model in eval mode."""
     model.eval()
-    estimate = estimate_hessian_trace(model, contexts, n_contexts=len(contexts), n_draws=2, seed=seed)
+    estimate = estimate_hessian_trace(
+        model, contexts, n_contexts=len(contexts), n_draws=2, seed=seed, output_probe=FISHER_OUTPUT_PROBE
+    )
     model.train()
     return float(estimate.mean)
 

@@ -3,11 +3,14 @@ head's gradients formed in its forward (`hf_flatbias.sharpness.head_gradients.la
 kernel): equal to one process on the same global batch, and to the plain-PyTorch two-forward SAM on that batch.
 
 The completion-only loss is summed over a micro-batch's trained tokens and divided by ``num_items_in_batch``, which
-the Trainer counts over every rank's micro-batches of the update; trl then multiplies the loss by the number of
-processes, because DDP averages the ranks' gradients. So each update's gradient is the global batch's summed
-token loss over its global token count, the ranks' micro-batches differing in length and in trained tokens: the
-loss of one process whose micro-batch holds both ranks' rows, with no correction, and SAM's perturbation is that
-global gradient's. A rank-local count (or a missing all-reduce of the head's gradient) would miss by ~1e-3.
+the Trainer counts over every rank's micro-batches of the update (``average_tokens_across_devices``, on by default);
+trl then multiplies the loss by the number of processes, because DDP averages the ranks' gradients. So each update's
+gradient is the global batch's summed token loss over its global token count: the loss of one process whose
+micro-batches hold both ranks' rows, with no correction, and SAM's perturbation is that global gradient's. Measured
+with deliberate faults (float64, 2 updates): the ranks' token counts kept rank-local
+(``average_tokens_across_devices=False``) miss the one process by 1.3e-2 (accumulation 1) and 1.6e-3 (2), so the
+ranks' micro-batches do hold unequal trained tokens; the head's first gradient left unaveraged across the ranks
+(each rank perturbing by its own) by 3.0e-3 and 1.2e-3; the fault-free run by 3e-17.
 
 One launch of `tests/helpers/distributed_sam_script.py` runs both cases; the one-process runs are trained here.
 """
@@ -78,7 +81,6 @@ def test_two_processes_equal_one_process_on_the_global_batch(launched, case, tmp
         assert {key: result[key] for key in both_passes} == both_passes, "each rank ran the head-gradient path"
     assert max_difference(two[0], two[1]) == 0.0
     differences = {name: max_difference(two[0], one[name]) for name in ("trained", "reference", "initial")}
-    print(case["name"], differences, "one process vs reference:", max_difference(one["trained"], one["reference"]))
     assert max_difference(one["trained"], one["reference"]) < 1e-12
     assert differences["trained"] < 1e-10
     assert differences["reference"] < 1e-10

@@ -14,10 +14,12 @@ trainer raised), and ``OUT_DIR/<name>.rank<r>.json`` (SAM metrics, timing).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,7 +32,7 @@ import torch  # noqa: E402
 from transformers import BertConfig, BertForMaskedLM  # noqa: E402
 
 from tests.helpers import tiny_models  # noqa: E402
-from tests.helpers.tiny_models import SEQ_LEN, VOCAB, tiny_classifier  # noqa: E402
+from tests.helpers.tiny_models import SEQ_LEN, VOCAB, tiny_classifier, word_tokenizer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = REPO_ROOT / "recipes" / "configs"
@@ -55,7 +57,8 @@ class Case:
     resume_from_step: int | None = None
     #: "sam": train and save the weights; "trace": set up the engine on a masked LM, then every rank calls
     #: estimate_hessian_trace(across_processes=True) with ``trace`` as keyword arguments; "trace_callback": a
-    #: HessianTraceCallback(**trace) measures during a step at learning rate 0 (``also_measure`` too).
+    #: HessianTraceCallback(**trace) measures during a step at learning rate 0 (``also_measure`` too); "sft":
+    #: FlatBiasSFTTrainer trains `sft_trainer` (``task`` unused) and saves the weights.
     kind: str = "sam"
     trace: dict = field(default_factory=dict)
     #: What a "sam" case trains: "classification" (`tiny_classifier` on `classification_rows`) or "masked_lm"
@@ -327,6 +330,59 @@ TRAINING_TASKS = {
 }
 
 
+def sft_trainer(values: dict):
+    """`tests.test_trl.sft_trainer`'s completion-only SFT of a fresh `tiny_llama`, in float64, with ``values`` as
+    its config fields (trl's bf16 default off, rows in order); the head's gradients are formed in the forward where
+    output-layer SAM replays the trunk."""
+    from tests.test_trl import N_WORDS
+    from tests.test_trl import sft_trainer as trl_sft_trainer
+
+    values = dict(values)
+    output_dir = values.pop("output_dir")
+    return trl_sft_trainer(output_dir, word_tokenizer(N_WORDS), "completion_only", dtype=torch.float64, **values)
+
+
+@contextlib.contextmanager
+def head_paths_counted() -> Iterator[dict[str, int]]:
+    """How often this process runs, inside the block, the head that forms its gradients in the forward
+    (`label_log_probs`) and trl's own fused-head kernel."""
+    import trl.trainer.utils as trl_utils
+
+    import hf_flatbias.integrations.trl as integration
+
+    counts = {"head_gradient_forwards": 0, "trl_kernel_calls": 0}
+    label_log_probs, kernel = integration.label_log_probs, trl_utils._ChunkedLogProbFunction
+
+    def counted_head(*args, **kwargs):
+        counts["head_gradient_forwards"] += 1
+        return label_log_probs(*args, **kwargs)
+
+    def counted_kernel(*args):
+        counts["trl_kernel_calls"] += 1
+        return kernel.apply(*args)
+
+    integration.label_log_probs = counted_head
+    trl_utils._ChunkedLogProbFunction = type("CountedKernel", (), {"apply": staticmethod(counted_kernel)})
+    try:
+        yield counts
+    finally:
+        integration.label_log_probs, trl_utils._ChunkedLogProbFunction = label_log_probs, kernel
+
+
+def run_sft_case(values: dict) -> dict:
+    with head_paths_counted() as counts:
+        trainer = sft_trainer(values)
+        first_layer_forwards: list[int] = []
+        trainer.model.model.layers[0].register_forward_pre_hook(lambda module, args: first_layer_forwards.append(1))
+        trainer.train()
+    return {
+        "params": trained_parameters(trainer.model),
+        "world_size": trainer.args.world_size,
+        "first_layer_forwards": len(first_layer_forwards),
+        **counts,
+    }
+
+
 def run_case(case: Case, out_dir: Path, rank: int) -> dict:
     from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
     from hf_flatbias.sharpness.engines import deepspeed_zero_stage
@@ -352,6 +408,8 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
         return run_trace_case(case, values)
     if case.kind == "trace_callback":
         return run_trace_callback_case(case, values)
+    if case.kind == "sft":
+        return run_sft_case(values)
 
     model, rows = TRAINING_TASKS[case.task]
     first_layer_forwards: list[int] = []

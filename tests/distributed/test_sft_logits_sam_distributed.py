@@ -1,0 +1,87 @@
+"""Output-layer SAM in trl's SFT under DDP (2 CPU processes over gloo), the trunk run once per micro-batch and the
+head's gradients formed in its forward (`hf_flatbias.sharpness.head_gradients.label_log_probs`, never trl's fused
+kernel): equal to one process on the same global batch, and to the plain-PyTorch two-forward SAM on that batch.
+
+The completion-only loss is summed over a micro-batch's trained tokens and divided by ``num_items_in_batch``, which
+the Trainer counts over every rank's micro-batches of the update (``average_tokens_across_devices``, on by default);
+trl then multiplies the loss by the number of processes, because DDP averages the ranks' gradients. So each update's
+gradient is the global batch's summed token loss over its global token count: the loss of one process whose
+micro-batches hold both ranks' rows, with no correction, and SAM's perturbation is that global gradient's. Measured
+with deliberate faults (float64, 2 updates): the ranks' token counts kept rank-local
+(``average_tokens_across_devices=False``) miss the one process by 1.3e-2 (accumulation 1) and 1.6e-3 (2), so the
+ranks' micro-batches do hold unequal trained tokens; the head's first gradient left unaveraged across the ranks
+(each rank perturbing by its own) by 3.0e-3 and 1.2e-3; the fault-free run by 3e-17.
+
+One launch of `tests/helpers/distributed_sam_script.py` runs both cases; the one-process runs are trained here.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from tests.distributed.test_distributed import PER_DEVICE, launch, load, max_difference  # noqa: E402
+from tests.helpers.distributed_sam_script import base_arguments, head_paths_counted, sft_trainer  # noqa: E402
+from tests.test_logits_sam import reference_head_sam_sgd  # noqa: E402
+from tests.test_trl import fresh_model, sft_loss, updates_of  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 2  # test_trl's 16 rows: 2 updates of 2 micro-batches of 2 rows on each of 2 ranks
+CASES = [
+    {
+        "name": f"ddp-sft-head_sam_acc{k}",
+        "engine": "ddp",
+        "kind": "sft",
+        "args": {"sam_parameters": "output_layer", "max_steps": STEPS, "gradient_accumulation_steps": k},
+    }
+    for k in (1, 2)
+]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    return launch("accelerate_cpu_2proc.yaml", CASES, tmp_path_factory.mktemp("sft_logits_ddp"))
+
+
+def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def one_process_run(tmp_path, case: dict) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, int]]:
+    """The same arguments in this process with both ranks' rows in each micro-batch: the initial and trained
+    weights, the plain-PyTorch two-forward SAM's on the micro-batches its dataloader yields, and the head paths it
+    ran."""
+    values = base_arguments(str(tmp_path))
+    values.update(case["args"], per_device_train_batch_size=2 * PER_DEVICE)
+    with head_paths_counted() as counts:
+        trainer = sft_trainer(values)
+        initial = parameters(fresh_model(trainer))
+        reference = reference_head_sam_sgd(fresh_model(trainer), updates_of(trainer), sft_loss)
+        trainer.train()
+    weights = {"initial": initial, "trained": parameters(trainer.model), "reference": parameters(reference)}
+    return weights, counts
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case["name"] for case in CASES])
+def test_two_processes_equal_one_process_on_the_global_batch(launched, case, tmp_path):
+    two = [load(launched, case["name"], rank)["params"] for rank in (0, 1)]
+    one, counts = one_process_run(tmp_path, case)
+    micro_batches = STEPS * case["args"]["gradient_accumulation_steps"]
+    both_passes = {"head_gradient_forwards": 2 * micro_batches, "trl_kernel_calls": 0}
+    assert counts == both_passes, "the one process formed the head's gradients in its forward"
+    for rank in (0, 1):
+        result = json.loads((launched / f"{case['name']}.rank{rank}.json").read_text())
+        assert result["world_size"] == 2
+        assert result["first_layer_forwards"] == micro_batches, "one trunk forward per micro-batch on each rank"
+        assert {key: result[key] for key in both_passes} == both_passes, "each rank ran the head-gradient path"
+    assert max_difference(two[0], two[1]) == 0.0
+    differences = {name: max_difference(two[0], one[name]) for name in ("trained", "reference", "initial")}
+    assert max_difference(one["trained"], one["reference"]) < 1e-12
+    assert differences["trained"] < 1e-10
+    assert differences["reference"] < 1e-10
+    assert differences["initial"] > 1e-3, "the steps moved the weights"

@@ -393,10 +393,11 @@ def dpo_trainer(values: dict):
 
 @contextlib.contextmanager
 def fused_head_in_model_dtype() -> Iterator[None]:
-    """trl's fused LM head (DPO's policy and reference log-probabilities) computed from the full logits in the model's
-    dtype inside the block. trl's kernel accumulates in float32 whatever the dtype, and its rounding depends on how
-    many rows a process holds: 2 processes of 2 rows then differ from 1 process of 4 by ~1e-8 in float64 (measured),
-    which would hide a cross-rank fault of that size; in float64 throughout they agree to ~1e-16."""
+    """trl's fused LM head (DPO's log-probabilities; SFT's where its own head path falls back to trl's, as under
+    ZeRO-3) computed from the full logits in the model's dtype inside the block. trl's kernel accumulates in float32
+    whatever the dtype, and its rounding depends on how many rows a process holds: 2 processes of 2 rows then differ
+    from 1 process of 4 by ~1e-8 in float64 (measured), which would hide a cross-rank fault of that size; in float64
+    throughout they agree to ~1e-16."""
     import trl.trainer.utils as trl_utils
 
     def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs):
@@ -422,8 +423,7 @@ def fused_head_in_model_dtype() -> Iterator[None]:
 
 
 def run_trl_case(values: dict, build) -> dict:
-    exact_head = fused_head_in_model_dtype() if build is dpo_trainer else contextlib.nullcontext()
-    with exact_head, head_paths_counted() as counts:
+    with fused_head_in_model_dtype(), head_paths_counted() as counts:
         trainer = build(values)
         first_layer_forwards: list[int] = []
         trainer.model.model.layers[0].register_forward_pre_hook(lambda module, args: first_layer_forwards.append(1))

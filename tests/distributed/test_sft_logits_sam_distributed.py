@@ -12,11 +12,22 @@ with deliberate faults (float64, 2 updates): the ranks' token counts kept rank-l
 ranks' micro-batches do hold unequal trained tokens; the head's first gradient left unaveraged across the ranks
 (each rank perturbing by its own) by 3.0e-3 and 1.2e-3; the fault-free run by 3e-17.
 
-One launch of `tests/helpers/distributed_sam_script.py` runs both cases; the one-process runs are trained here.
+Under ZeRO-3 the head's gradients stay in trl's head (the trunk is still replayed), which the launched script computes
+from float64 logits (`fused_head_in_model_dtype`: trl's kernel accumulates in float32). DeepSpeed keeps the
+optimizer's master weights in float32 and writes them back into the float64 model, so the trained weights are
+float32 numbers (checked) and the one process without an engine is a float64 trajectory: they differ by float32
+rounding, measured 1.05e-7 (accumulation 1) and 9.5e-8 (2), 1.19e-7 after rounding the one process's weights to
+float32, against 1.3e-2 and 3.0e-3 for the DDP faults above. They are held to 2 float32 units of each tensor's
+largest weight per update. (A one-process ZeRO-3 reference is not reachable here: the launched script's one-process
+start leaves the parameters unpartitioned, and trl's head then fails on ``ds_status``.)
+
+One launch of `tests/helpers/distributed_sam_script.py` per engine runs its cases; the one-process runs are trained
+here.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -41,11 +52,17 @@ CASES = [
     }
     for k in (1, 2)
 ]
+ZERO3_CASES = [{**case, "name": case["name"].replace("ddp", "zero3"), "engine": "zero3"} for case in CASES]
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     return launch("accelerate_cpu_2proc.yaml", CASES, tmp_path_factory.mktemp("sft_logits_ddp"))
+
+
+@pytest.fixture(scope="module")
+def launched_zero3(tmp_path_factory):
+    return launch("accelerate_cpu_2proc.yaml", ZERO3_CASES, tmp_path_factory.mktemp("sft_logits_zero3"))
 
 
 def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -85,3 +102,26 @@ def test_two_processes_equal_one_process_on_the_global_batch(launched, case, tmp
     assert differences["trained"] < 1e-10
     assert differences["reference"] < 1e-10
     assert differences["initial"] > 1e-3, "the steps moved the weights"
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+@pytest.mark.parametrize("case", ZERO3_CASES, ids=[case["name"] for case in ZERO3_CASES])
+def test_zero3_two_processes_equal_one_process_up_to_float32_master_weights(launched_zero3, case, tmp_path):
+    two = [load(launched_zero3, case["name"], rank)["params"] for rank in (0, 1)]
+    one, _ = one_process_run(tmp_path, case)
+    micro_batches = STEPS * case["args"]["gradient_accumulation_steps"]
+    trl_head = {"head_gradient_forwards": 0, "trl_kernel_calls": 2 * micro_batches}
+    for rank in (0, 1):
+        result = json.loads((launched_zero3 / f"{case['name']}.rank{rank}.json").read_text())
+        assert result["world_size"] == 2
+        assert result["first_layer_forwards"] == micro_batches, "one trunk forward per micro-batch on each rank"
+        assert {key: result[key] for key in trl_head} == trl_head, "each rank fell back to trl's head"
+    assert max_difference(two[0], two[1]) == 0.0
+    assert max_difference(two[0], {name: p.float().double() for name, p in two[0].items()}) == 0.0, "float32 masters"
+    float32_unit = torch.finfo(torch.float32).eps
+    for name, trained in one["trained"].items():
+        bound = 2 * STEPS * float32_unit * float(trained.abs().max())
+        assert float((two[0][name] - trained).abs().max()) <= bound, name
+    assert max_difference(two[0], one["initial"]) > 1e-3, "the steps moved the weights"

@@ -58,7 +58,8 @@ class Case:
     #: "sam": train and save the weights; "trace": set up the engine on a masked LM, then every rank calls
     #: estimate_hessian_trace(across_processes=True) with ``trace`` as keyword arguments; "trace_callback": a
     #: HessianTraceCallback(**trace) measures during a step at learning rate 0 (``also_measure`` too); "sft":
-    #: FlatBiasSFTTrainer trains `sft_trainer` (``task`` unused) and saves the weights.
+    #: FlatBiasSFTTrainer trains `sft_trainer` (``task`` unused) and saves the weights; "dpo": FlatBiasDPOTrainer
+    #: trains `dpo_trainer` likewise.
     kind: str = "sam"
     trace: dict = field(default_factory=dict)
     #: What a "sam" case trains: "classification" (`tiny_classifier` on `classification_rows`) or "masked_lm"
@@ -369,9 +370,61 @@ def head_paths_counted() -> Iterator[dict[str, int]]:
         integration.label_log_probs, trl_utils._ChunkedLogProbFunction = label_log_probs, kernel
 
 
-def run_sft_case(values: dict) -> dict:
-    with head_paths_counted() as counts:
-        trainer = sft_trainer(values)
+def dpo_trainer(values: dict):
+    """`tests.test_trl.dpo_trainer`'s DPO (beta 0.5, a live reference model) of a fresh `tiny_llama`, in float64 (that
+    builder's float32 would hide a cross-rank difference under rounding), on 16 of its preference pairs (its 12 are
+    too few for 2 updates of 8 pairs), with ``values`` as its config fields."""
+    import copy
+
+    from hf_flatbias import FlatBiasDPOTrainer
+    from tests.test_trl import N_WORDS, dpo_config, preference_rows
+
+    values = dict(values)
+    tokenizer = word_tokenizer(N_WORDS)
+    model = tiny_models.tiny_llama(len(tokenizer)).double()
+    return FlatBiasDPOTrainer(
+        model=model,
+        ref_model=copy.deepcopy(model),
+        args=dpo_config(values.pop("output_dir"), precompute_ref_log_probs=False, **values),
+        train_dataset=preference_rows(n=16),
+        processing_class=tokenizer,
+    )
+
+
+@contextlib.contextmanager
+def fused_head_in_model_dtype() -> Iterator[None]:
+    """trl's fused LM head (DPO's log-probabilities; SFT's where its own head path falls back to trl's, as under
+    ZeRO-3) computed from the full logits in the model's dtype inside the block. trl's kernel accumulates in float32
+    whatever the dtype, and its rounding depends on how many rows a process holds: 2 processes of 2 rows then differ
+    from 1 process of 4 by ~1e-8 in float64 (measured), which would hide a cross-rank fault of that size; in float64
+    throughout they agree to ~1e-16."""
+    import trl.trainer.utils as trl_utils
+
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, softcap, logit_scale, outputs):
+        if softcap is not None or logit_scale != 1.0:
+            raise NotImplementedError("the tests' Llama has no logit softcap or scale")
+        logits = torch.nn.functional.linear(hidden, weight, bias) / temperature
+        log_p = torch.log_softmax(logits, -1)
+        picked = log_p.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        entropy = -(log_p.exp() * log_p).sum(-1) if "entropy" in outputs else None
+        log_sum_sq = torch.logsumexp(2 * log_p, -1).detach() if "log_sum_sq_probs" in outputs else None
+        mean_logits = logits.mean(-1).detach() if "mean_logits" in outputs else None
+        is_top1 = (
+            (logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) >= logits.amax(-1)) if "is_top1" in outputs else None
+        )
+        return picked, entropy, log_sum_sq, mean_logits, is_top1
+
+    kernel = trl_utils._ChunkedLogProbFunction
+    trl_utils._ChunkedLogProbFunction = type("ModelDtypeHead", (), {"apply": staticmethod(apply)})
+    try:
+        yield
+    finally:
+        trl_utils._ChunkedLogProbFunction = kernel
+
+
+def run_trl_case(values: dict, build) -> dict:
+    with fused_head_in_model_dtype(), head_paths_counted() as counts:
+        trainer = build(values)
         first_layer_forwards: list[int] = []
         trainer.model.model.layers[0].register_forward_pre_hook(lambda module, args: first_layer_forwards.append(1))
         trainer.train()
@@ -408,8 +461,8 @@ def run_case(case: Case, out_dir: Path, rank: int) -> dict:
         return run_trace_case(case, values)
     if case.kind == "trace_callback":
         return run_trace_callback_case(case, values)
-    if case.kind == "sft":
-        return run_sft_case(values)
+    if case.kind in ("sft", "dpo"):
+        return run_trl_case(values, sft_trainer if case.kind == "sft" else dpo_trainer)
 
     model, rows = TRAINING_TASKS[case.task]
     first_layer_forwards: list[int] = []

@@ -32,6 +32,7 @@ from tests.helpers.distributed_sam_script import (
     base_arguments,
     dpo_trainer,
     fused_head_in_model_dtype,
+    trained_parameters,
 )  # noqa: E402
 from tests.test_logits_sam import reference_head_sam_sgd  # noqa: E402
 from tests.test_trl import dpo_loss_function, fresh_model, updates_of  # noqa: E402
@@ -55,10 +56,6 @@ def launched(tmp_path_factory):
     return launch("accelerate_cpu_2proc.yaml", CASES, tmp_path_factory.mktemp("dpo_logits_ddp"))
 
 
-def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
 def one_process_run(tmp_path, case: dict) -> dict[str, dict[str, torch.Tensor]]:
     """The same arguments in this process with both ranks' rows in each micro-batch: the initial and trained
     weights, and the plain-PyTorch two-forward SAM's on the micro-batches its dataloader yields."""
@@ -66,11 +63,15 @@ def one_process_run(tmp_path, case: dict) -> dict[str, dict[str, torch.Tensor]]:
     values.update(case["args"], per_device_train_batch_size=2 * PER_DEVICE)
     with fused_head_in_model_dtype():
         trainer = dpo_trainer(values)
-        initial = parameters(fresh_model(trainer))
+        initial = trained_parameters(fresh_model(trainer))
         loss = dpo_loss_function(fresh_model(trainer).eval(), beta=trainer.args.beta)
         reference = reference_head_sam_sgd(fresh_model(trainer), updates_of(trainer), loss)
         trainer.train()
-    weights = {"initial": initial, "trained": parameters(trainer.model), "reference": parameters(reference)}
+    weights = {
+        "initial": initial,
+        "trained": trained_parameters(trainer.model),
+        "reference": trained_parameters(reference),
+    }
     return weights
 
 

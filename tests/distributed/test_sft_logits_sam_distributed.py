@@ -36,7 +36,12 @@ import torch
 pytest.importorskip("trl")
 
 from tests.distributed.test_distributed import PER_DEVICE, launch, load, max_difference  # noqa: E402
-from tests.helpers.distributed_sam_script import base_arguments, head_paths_counted, sft_trainer  # noqa: E402
+from tests.helpers.distributed_sam_script import (  # noqa: E402
+    base_arguments,
+    head_paths_counted,
+    sft_trainer,
+    trained_parameters,
+)
 from tests.test_logits_sam import reference_head_sam_sgd  # noqa: E402
 from tests.test_trl import fresh_model, sft_loss, updates_of  # noqa: E402
 
@@ -65,10 +70,6 @@ def launched_zero3(tmp_path_factory):
     return launch("accelerate_cpu_2proc.yaml", ZERO3_CASES, tmp_path_factory.mktemp("sft_logits_zero3"))
 
 
-def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
 def one_process_run(tmp_path, case: dict) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, int]]:
     """The same arguments in this process with both ranks' rows in each micro-batch: the initial and trained
     weights, the plain-PyTorch two-forward SAM's on the micro-batches its dataloader yields, and the head paths it
@@ -77,10 +78,14 @@ def one_process_run(tmp_path, case: dict) -> tuple[dict[str, dict[str, torch.Ten
     values.update(case["args"], per_device_train_batch_size=2 * PER_DEVICE)
     with head_paths_counted() as counts:
         trainer = sft_trainer(values)
-        initial = parameters(fresh_model(trainer))
+        initial = trained_parameters(fresh_model(trainer))
         reference = reference_head_sam_sgd(fresh_model(trainer), updates_of(trainer), sft_loss)
         trainer.train()
-    weights = {"initial": initial, "trained": parameters(trainer.model), "reference": parameters(reference)}
+    weights = {
+        "initial": initial,
+        "trained": trained_parameters(trainer.model),
+        "reference": trained_parameters(reference),
+    }
     return weights, counts
 
 

@@ -205,7 +205,7 @@ def main() -> None:
             seq_len=size["model"]["seq_len"],
             memory_budget_gib=0.25 if args.dry_run else 40.0,
             device=torch.device(device),
-        ),
+        )[0],  # one row: one draw count
     )
     part("sam_zero2", sam_zero2, size, device)  # last: DeepSpeed leaves process-wide state behind
     report["seconds"] = timings

@@ -20,7 +20,7 @@ gives min / median / max over rounds.
 
 Memory: each arm runs in a fresh subprocess (model built, one warm-up call of the arm on 2 contexts), its peak
 resident set above the resident set just before the measured call (freed memory handed back with malloc_trim, the
-peak reset through /proc/self/clear_refs: Linux only).
+peak reset through /proc/self/clear_refs: `large_model_trace.PeakMemory`, Linux only).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/trace_floor.py --models bert15m,bert110m,llama100m --rounds 3
 
@@ -34,7 +34,6 @@ Last lines: ``trace2_over_training[MODEL]=median`` and the like.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -46,6 +45,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 from _common import llama_100m, llama_shape  # noqa: E402
+from large_model_trace import PeakMemory  # noqa: E402
 from transformers import BertConfig, BertForMaskedLM  # noqa: E402
 
 from hf_flatbias.flatness import TraceContexts, compute_trace_samples, estimate_hessian_trace  # noqa: E402
@@ -175,28 +175,14 @@ def per_call_cost(name: str, n_contexts: int, seq_len: int, rounds: int, batch: 
     }
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def memory_child(name: str, arm: str, n_contexts: int, seq_len: int) -> None:
     """In a fresh process: the peak resident set of one call of ``arm`` above the resident set before it."""
     model = build(name).eval()
     arm_function(name, arm, model, rows_for(model, 2, seq_len, seed=1))()  # warm-up (and the trace's self-check)
     run = arm_function(name, arm, model, rows_for(model, n_contexts, seq_len))
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")
-    base = _rss("VmRSS:")
-    run()
-    print(json.dumps({"peak_bytes": _rss("VmHWM:") - base}))
+    with PeakMemory(torch.device("cpu")) as peak:
+        run()
+    print(json.dumps({"peak_bytes": peak.peak}))
 
 
 def memory(name: str, arms: list[str], n_contexts: int, seq_len: int) -> dict[str, int]:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from huggingface_hub import HfApi
-from transformers import BertConfig, BertForMaskedLM
+from transformers import BertForMaskedLM
 
 from hf_flatbias.cli import main
 from hf_flatbias.commands import trace as trace_command
@@ -17,6 +17,7 @@ from hf_flatbias.flatness import build_masked_contexts, estimate_hessian_trace
 from hf_flatbias.modelcard import load_flatness_card
 from hf_flatbias.synthetic import make_tokenizer
 from tests.helpers.hub_server import HubServer, point_hub_client_at
+from tests.helpers.tiny_models import small_bert_config
 from tests.test_modelcard import full_card
 
 WORDS = [f"w{i}" for i in range(10)]
@@ -30,10 +31,7 @@ def checkpoints(tmp_path_factory):
     says which it is, plus the text they are measured on."""
     root = tmp_path_factory.mktemp("series")
     tokenizer = make_tokenizer(WORDS, model_max_length=32)
-    config = BertConfig(
-        vocab_size=len(tokenizer), hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
-        max_position_embeddings=32, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    config = small_bert_config(len(tokenizer), max_position_embeddings=32, pad_token_id=tokenizer.pad_token_id)
     folders = []
     for step in STEPS:
         folder = root / f"step{step}"

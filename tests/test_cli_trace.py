@@ -4,26 +4,19 @@ import json
 
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM, BertModel
+from transformers import BertForMaskedLM, BertModel
 
 from hf_flatbias.cli import main
 from hf_flatbias.flatness import estimate_hessian_trace
 from hf_flatbias.synthetic import make_tokenizer
-from tests.helpers.tiny_models import trace_command_contexts
+from tests.helpers.tiny_models import small_bert_config, trace_command_contexts
 
 WORDS = [f"w{i}" for i in range(10)]
 
 
 def _config(tokenizer):
-    return BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=16,
-        max_position_embeddings=32,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    # 32 positions: the tokenizer's model_max_length
+    return small_bert_config(len(tokenizer), max_position_embeddings=32, pad_token_id=tokenizer.pad_token_id)
 
 
 @pytest.fixture(scope="module")

@@ -371,22 +371,22 @@ def float64_classifier():
     return model.double()
 
 
-def test_fisher_penalty_step_approaches_the_double_backward_gradient(tmp_path):
-    """lr = 1, one step: the update is minus the step's gradient; compare with grad(L + lam N ||g_y||^2) exactly."""
-    rows = classification_rows(n=4)
-    lam, h = 0.05, 1e-6
+def one_penalty_step(tmp_path, rows, *, method: str, lam: float, h: float = 1e-6):
+    """One trainer step of ``method`` at lr 1 on `float64_classifier`: returns the model it started from and the
+    update, which is minus the step's gradient."""
     model = float64_classifier()
     start = copy.deepcopy(model)
     args = config(
-        tmp_path,
-        flatness_method="fisher_penalty",
-        penalty_lambda=lam,
-        penalty_fd_step=h,
-        learning_rate=1.0,
-        max_steps=1,
+        tmp_path, flatness_method=method, penalty_lambda=lam, penalty_fd_step=h, learning_rate=1.0, max_steps=1
     )
     trained = train(model, args, rows).model
-    update = [(p0 - p1).detach() for p0, p1 in zip(start.parameters(), trained.parameters(), strict=True)]
+    return start, [(p0 - p1).detach() for p0, p1 in zip(start.parameters(), trained.parameters(), strict=True)]
+
+
+def test_fisher_penalty_step_approaches_the_double_backward_gradient(tmp_path):
+    """Compare the step with grad(L + lam N ||g_y||^2), exactly."""
+    rows, lam = classification_rows(n=4), 0.05
+    start, update = one_penalty_step(tmp_path, rows, method="fisher_penalty", lam=lam)
 
     params = list(start.parameters())
     batch = stack(rows)
@@ -404,20 +404,9 @@ def test_fisher_penalty_step_approaches_the_double_backward_gradient(tmp_path):
 
 
 def test_grad_norm_penalty_step_approaches_the_double_backward_gradient(tmp_path):
-    rows = classification_rows(n=4)
-    lam, h = 0.3, 1e-6
-    model = float64_classifier()
-    start = copy.deepcopy(model)
-    args = config(
-        tmp_path,
-        flatness_method="grad_norm_penalty",
-        penalty_lambda=lam,
-        penalty_fd_step=h,
-        learning_rate=1.0,
-        max_steps=1,
-    )
-    trained = train(model, args, rows).model
-    update = [(p0 - p1).detach() for p0, p1 in zip(start.parameters(), trained.parameters(), strict=True)]
+    """Compare the step with grad(L + lam ||g||), exactly."""
+    rows, lam = classification_rows(n=4), 0.3
+    start, update = one_penalty_step(tmp_path, rows, method="grad_norm_penalty", lam=lam)
 
     params = list(start.parameters())
     loss = start(**stack(rows)).loss

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import BertConfig, BertForMaskedLM, TrainerCallback
+from transformers import BertForMaskedLM, TrainerCallback
 
 from hf_flatbias import cli
 from hf_flatbias.synthetic import make_tokenizer
 from tests.conftest import REPO
-from tests.helpers.tiny_models import flatbias_config, randomly_masked_rows, tiny_mlm
+from tests.helpers.tiny_models import flatbias_config, randomly_masked_rows, small_bert_config, tiny_mlm
 
 WORDS = [f"w{i}" for i in range(20)]  # a generated language: token ids 5..24
 ENGLISH = ["the film was wonderful and moving", "a dull and tired story", "great acting but a weak script"] * 4
@@ -27,15 +27,7 @@ ENGLISH = ["the film was wonderful and moving", "a dull and tired story", "great
 def _masked_lm_folder(folder: Path, words: list[str] = WORDS, seed: int = 0) -> Path:
     tokenizer = make_tokenizer(words)
     torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=8,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=16,
-        max_position_embeddings=32,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = small_bert_config(len(tokenizer), max_position_embeddings=32, pad_token_id=tokenizer.pad_token_id)
     BertForMaskedLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

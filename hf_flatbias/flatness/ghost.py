@@ -12,212 +12,35 @@ checked on the first call to really be elementwise.
 ``GhostNormRecorder`` hooks the supported modules of a model, records what each call saw during a forward, and turns
 the gradients at the recorded outputs (one ``torch.autograd.grad`` for the whole batch) into per-sample squared
 norms over the chosen parameters. A parameter it cannot follow is refused by name if the forward uses it
-(`GhostNormRecorder.check_unsupported_unused`). Nothing here knows about the Trainer.
+(`GhostNormRecorder.check_unsupported_unused`). The per-layer pieces (which modules are followed, what a call records,
+the contractions of its factors) live in `hf_flatbias.flatness.ghost_layers`. Nothing here knows about the Trainer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, jvp
-from transformers.pytorch_utils import Conv1D
 
 from .distributed import differentiated_parameters
+from .ghost_layers import (
+    GramCache,
+    LayerCall,
+    OuterFactors,
+    ParamUses,
+    elementwise_coefficients,
+    embedding_output_scale,
+    flatten_positions,
+    layer_kind,
+    outer_inner_product,
+    outer_squared_norm,
+)
 
-# What each kind of layer is recognised by; "elementwise" is any parameter-leaf module whose parameters are all 1-D.
-LAYER_KINDS = ("linear", "conv1d", "embedding", "layer_norm", "elementwise")
-
-
-@dataclass
-class LayerCall:
-    """What one call of a hooked module saw: its input (ids for embeddings) and its output tensor.
-
-    ``output_scale`` is the constant an embedding subclass multiplies its lookup by (Gemma's ``sqrt(hidden)``);
-    ``coefficients`` holds, for an elementwise module, ``d output / d parameter`` per parameter name (the normalised
-    input for an RMSNorm weight), shaped like the output.
-    """
-
-    module: nn.Module
-    inputs: torch.Tensor
-    output: torch.Tensor
-    grad_output: torch.Tensor | None = None
-    output_scale: float = 1.0
-    coefficients: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass
-class OuterFactors:
-    """Per-sample gradient ``sum_t left_t right_t^T``; ``left_ids`` stands for one-hot rows (embedding lookups)."""
-
-    right: torch.Tensor  # (B, T, cols)
-    left: torch.Tensor | None = None  # (B, T, rows)
-    left_ids: torch.Tensor | None = None  # (B, T) integer rows
-
-
-@dataclass
-class ParamUses:
-    param: nn.Parameter
-    outer: list[tuple[LayerCall, OuterFactors]] = field(default_factory=list)
-    vectors: list[tuple[LayerCall, torch.Tensor]] = field(default_factory=list)  # per-sample gradients (B, numel)
-
-
-def _flatten_positions(tensor: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """(B, ..., features) -> (B, T, features): every non-batch, non-feature axis counts as a position."""
-    return tensor.reshape(batch_size, -1, tensor.shape[-1])
-
-
-class _GramCache:
-    """Gram matrices of tensors fixed by the forward (layer inputs, token ids), computed once for all draws.
-
-    Only the output-gradient side of a ghost norm changes from one draw to the next; Q, K and V projections even
-    share one input tensor. Keys are tensor identities, valid while the recorder holds the forward's tensors.
-    """
-
-    def __init__(self) -> None:
-        self.static_ids: set[int] = set()
-        self._grams: dict[tuple[int, int], torch.Tensor] = {}
-
-    def get(self, x: torch.Tensor, y: torch.Tensor, compute) -> torch.Tensor:
-        if id(x) in self.static_ids and id(y) in self.static_ids:
-            key = (id(x), id(y))
-            if key not in self._grams:
-                self._grams[key] = compute()
-            return self._grams[key]
-        return compute()
-
-    def is_static(self, x: torch.Tensor | None) -> bool:
-        return x is not None and id(x) in self.static_ids
-
-
-def _dense_gram(x: torch.Tensor, y: torch.Tensor, cache: _GramCache) -> torch.Tensor:
-    return cache.get(x, y, lambda: torch.bmm(x, y.transpose(1, 2)))
-
-
-def _left_gram(a: OuterFactors, b: OuterFactors, cache: _GramCache) -> torch.Tensor:
-    """(B, T_a, T_b) inner products of the left factors, one-hot rows handled without materialising them."""
-    if a.left_ids is not None and b.left_ids is not None:
-        return cache.get(
-            a.left_ids, b.left_ids, lambda: (a.left_ids.unsqueeze(2) == b.left_ids.unsqueeze(1)).to(a.right.dtype)
-        )
-    if a.left_ids is not None:
-        # <onehot(id_t), left_s> = left_s[id_t]
-        dense = b.left.transpose(1, 2)  # (B, rows, T_b)
-        return torch.gather(dense, 1, a.left_ids.unsqueeze(2).expand(-1, -1, dense.shape[2]))
-    if b.left_ids is not None:
-        return _left_gram(b, a, cache).transpose(1, 2)
-    return _dense_gram(a.left, b.left, cache)
-
-
-def _outer_inner_product(a: OuterFactors, b: OuterFactors, cache: _GramCache) -> torch.Tensor:
-    """Per-sample Frobenius inner product of two outer-product gradients, shape (B,)."""
-    right_gram = _dense_gram(a.right, b.right, cache)
-    return (_left_gram(a, b, cache) * right_gram).sum(dim=(1, 2))
-
-
-def _outer_squared_norm(a: OuterFactors, cache: _GramCache) -> torch.Tensor:
-    """Per-sample squared norm, through the T x T Gram form or the materialised gradient, whichever is cheaper
-    (a Gram of a forward-fixed factor is free after the first draw)."""
-    positions, cols = a.right.shape[1], a.right.shape[2]
-    if a.left is not None:
-        rows = a.left.shape[2]
-        gram_cost = (0 if cache.is_static(a.left) else rows) + (0 if cache.is_static(a.right) else cols)
-        if rows * cols < positions * gram_cost:
-            return torch.einsum("btr,btc->brc", a.left, a.right).square().sum(dim=(1, 2))
-    return _outer_inner_product(a, a, cache)
-
-
-def _layer_kind(module: nn.Module) -> str | None:
-    """Which of `LAYER_KINDS` a module with trainable parameters is, or ``None`` for one the recorder cannot follow."""
-    if isinstance(module, nn.Linear):
-        return "linear"
-    if isinstance(module, Conv1D):
-        return "conv1d"
-    if isinstance(module, nn.Embedding):
-        return None if module.max_norm is not None or module.scale_grad_by_freq else "embedding"
-    if isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward:
-        return "layer_norm" if len(module.normalized_shape) == 1 else None
-    own = list(module.parameters(recurse=False))
-    # A parameter leaf (no sub-module holds parameters) with only vector parameters may be an elementwise norm; the
-    # first call decides (`_elementwise_coefficients`).
-    if own and len(own) == sum(1 for _ in module.parameters()) and all(p.dim() == 1 for p in own):
-        return "elementwise"
-    return None
-
-
-def _tolerance(dtype: torch.dtype) -> float:
-    return 1e-4 if dtype in (torch.float32, torch.float64) else 2e-2
-
-
-def _embedding_output_scale(module: nn.Embedding, ids: torch.Tensor, output: torch.Tensor) -> float | None:
-    """The constant an embedding subclass scales its lookup by (1.0 for the stock forward), or ``None`` when its
-    output is not a constant multiple of the looked-up rows."""
-    if type(module).forward is nn.Embedding.forward:
-        return 1.0
-    with torch.no_grad():
-        rows = F.embedding(ids, module.weight, module.padding_idx).double()
-        out = output.detach().double()
-        energy = rows.square().sum()
-        scale = float((out * rows).sum() / energy) if energy > 0 else 1.0
-        tol = _tolerance(output.dtype)
-        if not torch.allclose(out, scale * rows, rtol=tol, atol=tol * float(out.abs().max().clamp_min(1e-30))):
-            return None
-    return scale
-
-
-class _Unhooked(nn.Module):
-    """Runs a module's own forward without its hooks: an engine's hooks (ZeRO-3's fetch and release) must not see the
-    probe tensors `functional_call` puts in place of its parameters."""
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.inner.forward(inputs)
-
-
-def _elementwise_coefficients(
-    module: nn.Module, inputs: torch.Tensor, output: torch.Tensor, names: Sequence[str], check: bool
-) -> dict[str, torch.Tensor] | str:
-    """``d output / d parameter`` in the all-ones direction for each named 1-D parameter, shaped like the output, or
-    the reason the module is not elementwise in it.
-
-    Forward-mode differentiation of the module's own forward gives the coefficient whatever the formula (``weight *
-    normalised``, ``(1 + weight) * normalised``, a bias). With ``check``, a second, random direction must give the
-    coefficient times that direction: the Jacobian is diagonal, so the per-sample gradient is ``sum_t g_t * c_t``.
-    """
-    params = dict(module.named_parameters(recurse=False))
-    inputs = inputs.detach()
-    coefficients = {}
-    with torch.no_grad():
-        for name in names:
-            value = params[name].detach()
-            if value.shape[0] != output.shape[-1]:
-                return (
-                    f"its parameter '{name}' has {value.shape[0]} entries but its output's last axis {output.shape[-1]}"
-                )
-
-            def forward(parameter: torch.Tensor, name: str = name, inputs: torch.Tensor = inputs) -> torch.Tensor:
-                return functional_call(_Unhooked(module), {f"inner.{name}": parameter}, (inputs,))
-
-            _, coefficient = jvp(forward, (value,), (torch.ones_like(value),))
-            if check:
-                # on the first sample only: the structure does not depend on the sample
-                generator = torch.Generator().manual_seed(0)
-                direction = (torch.rand(value.shape, generator=generator, dtype=torch.float64) + 0.5).to(value)
-                _, along = jvp(partial(forward, inputs=inputs[:1]), (value,), (direction,))
-                expected = coefficient[:1] * direction
-                tol = _tolerance(output.dtype)
-                scale = float(expected.abs().max().clamp_min(1e-30))
-                if not torch.allclose(along, expected, rtol=tol, atol=tol * scale):
-                    return f"its output does not depend on '{name}' elementwise along the last axis"
-            coefficients[name] = coefficient
-    return coefficients
+# the records a recorder hands out stay importable from here, where their users (ghost_diagonal) look for them
+__all__ = ["GhostNormRecorder", "LayerCall", "OuterFactors", "ParamUses"]
 
 
 class GhostNormRecorder:
@@ -251,7 +74,7 @@ class GhostNormRecorder:
                 continue
             self._measured[module] = measured
             self._module_names[module] = name
-            kind = _layer_kind(module)
+            kind = layer_kind(module)
             if kind is None:
                 self._refused[module] = f"a {type(module).__name__} is not a layer per_sample can follow"
             else:
@@ -318,7 +141,7 @@ class GhostNormRecorder:
     def __enter__(self) -> GhostNormRecorder:
         self.calls = []
         self._anchors: dict[torch.device, torch.Tensor] = {}
-        self._cache = _GramCache()
+        self._cache = GramCache()
         self._static_views: dict[int, dict] = {}
         for module in self._kinds:
             # first among the module's forward hooks: ZeRO-3's own release the module's gathered parameters, which
@@ -351,7 +174,7 @@ class GhostNormRecorder:
         inputs = args[0]
         call = LayerCall(module=module, inputs=inputs.detach(), output=output)
         if kind == "embedding":
-            scale = _embedding_output_scale(module, inputs, output)
+            scale = embedding_output_scale(module, inputs, output)
             if scale is None:
                 self._refuse(module, f"a {type(module).__name__} whose output is not a constant times its lookup")
                 return None
@@ -360,7 +183,7 @@ class GhostNormRecorder:
             names = list(self._measured[module])
             self._probing = True
             try:
-                found = _elementwise_coefficients(module, inputs, output, names, check=module not in self._checked)
+                found = elementwise_coefficients(module, inputs, output, names, check=module not in self._checked)
             finally:
                 self._probing = False
             if isinstance(found, str):
@@ -424,19 +247,19 @@ class GhostNormRecorder:
             kind = self._kinds[module]
             measured = self._measured[module]
             weight, bias = measured.get("weight"), measured.get("bias")
-            g = _flatten_positions(grad, batch)
+            g = flatten_positions(grad, batch)
             if kind == "elementwise":
                 for name, coefficient in call.coefficients.items():
-                    c = _flatten_positions(coefficient, batch).to(g.dtype)
+                    c = flatten_positions(coefficient, batch).to(g.dtype)
                     entry(measured[name]).vectors.append((call, (g * c).sum(dim=1)))
                 continue
             if kind == "linear":
                 if weight is not None:
-                    x = self._static(_flatten_positions(call.inputs, batch).to(g.dtype), call)
+                    x = self._static(flatten_positions(call.inputs, batch).to(g.dtype), call)
                     entry(weight).outer.append((call, OuterFactors(left=g, right=x)))
             elif kind == "conv1d":
                 if weight is not None:
-                    x = self._static(_flatten_positions(call.inputs, batch).to(g.dtype), call)
+                    x = self._static(flatten_positions(call.inputs, batch).to(g.dtype), call)
                     entry(weight).outer.append((call, OuterFactors(left=x, right=g)))
             elif kind == "embedding":
                 if weight is not None:
@@ -449,7 +272,7 @@ class GhostNormRecorder:
                     entry(weight).outer.append((call, OuterFactors(left_ids=ids, right=g)))
             elif kind == "layer_norm":
                 if weight is not None:
-                    x = _flatten_positions(call.inputs, batch)
+                    x = flatten_positions(call.inputs, batch)
                     normalized = F.layer_norm(x, module.normalized_shape, None, None, module.eps).to(g.dtype)
                     entry(weight).vectors.append((call, (g * normalized).sum(dim=1)))
             if bias is not None and kind != "embedding":
@@ -543,11 +366,11 @@ class GhostNormRecorder:
             total = torch.zeros_like(own)
             for i, (call_i, factors_i) in enumerate(use.outer):
                 if call_i is not split_self_terms_of:
-                    total += _outer_squared_norm(factors_i, self._cache).double()
+                    total += outer_squared_norm(factors_i, self._cache).double()
                 elif own_terms:
-                    own += _outer_squared_norm(factors_i, self._cache).double()
+                    own += outer_squared_norm(factors_i, self._cache).double()
                 for _, factors_j in use.outer[i + 1 :]:
-                    total += 2 * _outer_inner_product(factors_i, factors_j, self._cache).double()
+                    total += 2 * outer_inner_product(factors_i, factors_j, self._cache).double()
             for i, (call_i, vector_i) in enumerate(use.vectors):
                 if call_i is not split_self_terms_of:
                     total += vector_i.square().sum(dim=1).double()

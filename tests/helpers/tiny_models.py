@@ -101,11 +101,10 @@ def flatbias_config(tmp_path, config_class=None, **overrides):
     return (config_class or FlatBiasConfig)(**trainer_arguments(tmp_path, **{"use_cpu": True, **overrides}))
 
 
-def wide_masked_lm(seed: int = 0, *, vocab_size: int, **overrides) -> BertForMaskedLM:
-    """A one-layer eager BERT masked LM whose wide initialisation makes predictions far from uniform, as a trained
-    model's are: the trace tests' model (``overrides`` change any config field)."""
-    torch.manual_seed(seed)
-    config = dict(
+def small_bert_config(vocab_size: int, **overrides) -> BertConfig:
+    """Hidden 8, one layer, two heads, intermediate 16, 16 positions, padding id 0: the masked LMs the trace and
+    command-line tests measure or save (``overrides`` change any field)."""
+    values = dict(
         vocab_size=vocab_size,
         hidden_size=8,
         num_hidden_layers=1,
@@ -113,11 +112,17 @@ def wide_masked_lm(seed: int = 0, *, vocab_size: int, **overrides) -> BertForMas
         intermediate_size=16,
         max_position_embeddings=16,
         pad_token_id=0,
-        initializer_range=0.4,
-        attn_implementation="eager",
     )
-    config.update(overrides)
-    return BertForMaskedLM(BertConfig(**config)).eval()
+    values.update(overrides)
+    return BertConfig(**values)
+
+
+def wide_masked_lm(seed: int = 0, *, vocab_size: int, **overrides) -> BertForMaskedLM:
+    """A `small_bert_config` eager masked LM whose wide initialisation makes predictions far from uniform, as a trained
+    model's are: the trace tests' model (``overrides`` change any config field)."""
+    torch.manual_seed(seed)
+    config = small_bert_config(vocab_size, **{"initializer_range": 0.4, "attn_implementation": "eager", **overrides})
+    return BertForMaskedLM(config).eval()
 
 
 # 4 query heads sharing 2 key/value heads: grouped-query attention; a wide initialisation makes the predictions far

@@ -351,8 +351,8 @@ class FlatBiasDPOTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, DPOTrainer):
         prepared = super().prepare_flatness_inputs(model, inputs)
         if not self.precompute_ref_logps:
             # Computed here, already on the device: under DeepSpeed the Trainer casts a batch's floating tensors to
-            # the engine's dtype (float32, bfloat16 with bf16), which would round them, where plain trl computes them
-            # inside its loss, uncast
+            # the engine's dtype (float32: flatness steps refuse half precision there), which rounds those of a
+            # float64 model, where plain trl computes them inside its loss, uncast
             prepared.update({key: inputs[key] for key in _REFERENCE_KEYS})
         return prepared
 

@@ -27,8 +27,8 @@ update (4), measured 0.71 (accumulation 1) and 0.74 (2), 9.8e-8 and 1.06e-7. The
 gradient left unaveraged across the ranks (each rank perturbing its partition by its own gradient) miss by 1.9e-3 and
 2.0e-3, 5e4 units. The first update's rewards compare the policy with the reference at the same weights and are exactly
 0; before `FlatBiasDPOTrainer` kept the reference log-probabilities it computes out of the Trainer's cast of a batch's
-floats to DeepSpeed's dtype, they were rounded to float32 and the rewards were 1.6e-8 to 7e-8 (the weights, 0.80
-units apart then, did not show it).
+floats to DeepSpeed's dtype, they were rounded to float32 and the rewards were 1.6e-8 to 7e-8 (the weights, 0.80 and
+0.74 units apart then, did not show it).
 
 One launch of `tests/helpers/distributed_sam_script.py` per engine runs its cases; the one-process runs are trained
 here.

@@ -347,6 +347,15 @@ class FlatBiasDPOTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, DPOTrainer):
         inputs.update(ref_chosen_logps=chosen, ref_rejected_logps=rejected)
         return inputs
 
+    def prepare_flatness_inputs(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+        prepared = super().prepare_flatness_inputs(model, inputs)
+        if not self.precompute_ref_logps:
+            # Computed here, already on the device: under DeepSpeed the Trainer casts a batch's floating tensors to
+            # the engine's dtype (float32: flatness steps refuse half precision there), which rounds those of a
+            # float64 model, where plain trl computes them inside its loss, uncast
+            prepared.update({key: inputs[key] for key in _REFERENCE_KEYS})
+        return prepared
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.precompute_ref_logps or not all(key in inputs for key in _REFERENCE_KEYS):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -443,6 +443,32 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
+def logits_sam_cases(kind: str, engine: str, steps: int) -> list[dict]:
+    """The launched script's output-layer SAM ("logits-SAM") cases for trl's ``kind`` trainer ("sft" or "dpo") under
+    ``engine``: ``steps`` updates at accumulation 1 and 2."""
+    return [
+        {
+            "name": f"{engine}-{kind}-head_sam_acc{k}",
+            "engine": engine,
+            "kind": kind,
+            "args": {"sam_parameters": "output_layer", "max_steps": steps, "gradient_accumulation_steps": k},
+        }
+        for k in (1, 2)
+    ]
+
+
+def assert_float32_master_rounding_apart(
+    zero3: dict[str, torch.Tensor], one: dict[str, torch.Tensor], updates: int
+) -> None:
+    """ZeRO-3's trained weights against one float64 process's: float32 numbers (DeepSpeed's float32 master weights
+    written back into the float64 model), within 2 float32 units of each tensor's largest weight per update."""
+    assert max_difference(zero3, {name: p.float().double() for name, p in zero3.items()}) == 0.0, "float32 masters"
+    float32_unit = torch.finfo(torch.float32).eps
+    for name, trained in one.items():
+        bound = 2 * updates * float32_unit * float(trained.abs().max())
+        assert float((zero3[name] - trained).abs().max()) <= bound, name
+
+
 def marks_for(engine: str) -> list:
     return [pytest.mark.deepspeed] if engine.startswith("zero") else []
 

@@ -15,11 +15,28 @@ compute that head from the full logits in float64 (`fused_head_in_model_dtype`),
 plain-PyTorch reference (`tests.test_trl.dpo_loss_function`) takes its log-softmax in float32, so it is held to
 1e-6 (measured 1.5-1.6e-8).
 
-One launch of `tests/helpers/distributed_sam_script.py` runs both cases; the one-process runs are trained here.
+Under ZeRO-3 (2 processes) the policy's trunk still runs once per micro-batch, and trl's head (which gathers its
+partitioned weight) three times: the reference model's, sharded by trl too, and the policy's clean and perturbed
+passes. DeepSpeed keeps the optimizer's master weights in float32 and writes them back into the float64 model, so the
+trained weights are float32 numbers (checked) while the one process without an engine follows a float64 trajectory (a
+one-process ZeRO-3 reference is not reachable here; see the SFT module). The initial weights are float32 numbers, so
+the trajectories start equal; each update then rounds every master weight once, by at most half a float32 unit
+(machine epsilon) of the tensor's largest weight, and the next update carries an earlier rounding along, grown by
+1 + lr * curvature at most. Two updates leave at most 0.5 + 0.5 (1 + lr * curvature) units: held to 2 units per
+update (4), measured 0.71 (accumulation 1) and 0.74 (2), 9.8e-8 and 1.06e-7. The same runs with the head's first
+gradient left unaveraged across the ranks (each rank perturbing its partition by its own gradient) miss by 1.9e-3 and
+2.0e-3, 5e4 units. The first update's rewards compare the policy with the reference at the same weights and are exactly
+0; before `FlatBiasDPOTrainer` kept the reference log-probabilities it computes out of the Trainer's cast of a batch's
+floats to DeepSpeed's dtype, they were rounded to float32 and the rewards were 1.6e-8 to 7e-8 (the weights, 0.80 and
+0.74 units apart then, did not show it).
+
+One launch of `tests/helpers/distributed_sam_script.py` per engine runs its cases; the one-process runs are trained
+here.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -27,33 +44,38 @@ import torch
 
 pytest.importorskip("trl")
 
-from tests.distributed.test_distributed import PER_DEVICE, launch, load, max_difference  # noqa: E402
-from tests.helpers.distributed_sam_script import (
+from tests.distributed.test_distributed import (  # noqa: E402
+    PER_DEVICE,
+    assert_float32_master_rounding_apart,
+    launch,
+    load,
+    logits_sam_cases,
+    max_difference,
+)
+from tests.helpers.distributed_sam_script import (  # noqa: E402
     base_arguments,
     dpo_trainer,
     fused_head_in_model_dtype,
     trained_parameters,
-)  # noqa: E402
+)
 from tests.test_logits_sam import reference_head_sam_sgd  # noqa: E402
 from tests.test_trl import dpo_loss_function, fresh_model, updates_of  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
 STEPS = 2  # 16 pairs: 2 updates of 2 micro-batches of 2 pairs on each of 2 ranks
-CASES = [
-    {
-        "name": f"ddp-dpo-head_sam_acc{k}",
-        "engine": "ddp",
-        "kind": "dpo",
-        "args": {"sam_parameters": "output_layer", "max_steps": STEPS, "gradient_accumulation_steps": k},
-    }
-    for k in (1, 2)
-]
+CASES = logits_sam_cases("dpo", "ddp", STEPS)
+ZERO3_CASES = logits_sam_cases("dpo", "zero3", STEPS)
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     return launch("accelerate_cpu_2proc.yaml", CASES, tmp_path_factory.mktemp("dpo_logits_ddp"))
+
+
+@pytest.fixture(scope="module")
+def launched_zero3(tmp_path_factory):
+    return launch("accelerate_cpu_2proc.yaml", ZERO3_CASES, tmp_path_factory.mktemp("dpo_logits_zero3"))
 
 
 def one_process_run(tmp_path, case: dict) -> dict[str, dict[str, torch.Tensor]]:
@@ -89,3 +111,24 @@ def test_two_processes_equal_one_process_on_the_global_batch(launched, case, tmp
     assert differences["trained"] < 1e-10
     assert differences["reference"] < 1e-6
     assert differences["initial"] > 1e-3, "the steps moved the weights"
+
+
+@pytest.mark.slow
+@pytest.mark.deepspeed
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+@pytest.mark.parametrize("case", ZERO3_CASES, ids=[case["name"] for case in ZERO3_CASES])
+def test_zero3_two_processes_equal_one_process_up_to_float32_master_weights(launched_zero3, case, tmp_path):
+    two = [load(launched_zero3, case["name"], rank)["params"] for rank in (0, 1)]
+    one = one_process_run(tmp_path, case)
+    micro_batches = STEPS * case["args"]["gradient_accumulation_steps"]
+    for rank in (0, 1):
+        result = json.loads((launched_zero3 / f"{case['name']}.rank{rank}.json").read_text())
+        assert result["world_size"] == 2
+        assert result["first_layer_forwards"] == micro_batches, "one policy trunk forward per micro-batch"
+        assert result["trl_kernel_calls"] == 3 * micro_batches, "trl's head: the reference once, the policy twice"
+        first_update = next(entry for entry in result["log_history"] if "rewards/margins" in entry)
+        rewards = [first_update[f"rewards/{key}"] for key in ("chosen", "rejected", "margins")]
+        assert rewards == [0.0, 0.0, 0.0], "the reference log-probabilities are the policy's at the start"
+    assert max_difference(two[0], two[1]) == 0.0
+    assert_float32_master_rounding_apart(two[0], one["trained"], STEPS)
+    assert max_difference(two[0], one["initial"]) > 1e-3, "the steps moved the weights"

@@ -35,7 +35,14 @@ import torch
 
 pytest.importorskip("trl")
 
-from tests.distributed.test_distributed import PER_DEVICE, launch, load, max_difference  # noqa: E402
+from tests.distributed.test_distributed import (  # noqa: E402
+    PER_DEVICE,
+    assert_float32_master_rounding_apart,
+    launch,
+    load,
+    logits_sam_cases,
+    max_difference,
+)
 from tests.helpers.distributed_sam_script import (  # noqa: E402
     base_arguments,
     head_paths_counted,
@@ -48,16 +55,8 @@ from tests.test_trl import fresh_model, sft_loss, updates_of  # noqa: E402
 pytestmark = pytest.mark.distributed
 
 STEPS = 2  # test_trl's 16 rows: 2 updates of 2 micro-batches of 2 rows on each of 2 ranks
-CASES = [
-    {
-        "name": f"ddp-sft-head_sam_acc{k}",
-        "engine": "ddp",
-        "kind": "sft",
-        "args": {"sam_parameters": "output_layer", "max_steps": STEPS, "gradient_accumulation_steps": k},
-    }
-    for k in (1, 2)
-]
-ZERO3_CASES = [{**case, "name": case["name"].replace("ddp", "zero3"), "engine": "zero3"} for case in CASES]
+CASES = logits_sam_cases("sft", "ddp", STEPS)
+ZERO3_CASES = logits_sam_cases("sft", "zero3", STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +123,5 @@ def test_zero3_two_processes_equal_one_process_up_to_float32_master_weights(laun
         assert result["first_layer_forwards"] == micro_batches, "one trunk forward per micro-batch on each rank"
         assert {key: result[key] for key in trl_head} == trl_head, "each rank fell back to trl's head"
     assert max_difference(two[0], two[1]) == 0.0
-    assert max_difference(two[0], {name: p.float().double() for name, p in two[0].items()}) == 0.0, "float32 masters"
-    float32_unit = torch.finfo(torch.float32).eps
-    for name, trained in one["trained"].items():
-        bound = 2 * STEPS * float32_unit * float(trained.abs().max())
-        assert float((two[0][name] - trained).abs().max()) <= bound, name
+    assert_float32_master_rounding_apart(two[0], one["trained"], STEPS)
     assert max_difference(two[0], one["initial"]) > 1e-3, "the steps moved the weights"

@@ -432,6 +432,7 @@ def run_trl_case(values: dict, build) -> dict:
         "params": trained_parameters(trainer.model),
         "world_size": trainer.args.world_size,
         "first_layer_forwards": len(first_layer_forwards),
+        "log_history": trainer.state.log_history,
         **counts,
     }
 

@@ -116,3 +116,25 @@ def test_summaries_add_up_and_bad_estimators_are_refused():
     assert set(estimate.diagonal) == {n for n, p in model.named_parameters() if p.requires_grad}
     with pytest.raises(ValueError, match="per_sample"):
         estimate_fisher_diagonal(model, contexts, estimator="hutchinson")
+
+
+@pytest.mark.parametrize("input_is_left", [False, True])
+def test_positions_with_a_zero_output_gradient_are_left_out_of_the_products(input_is_left):
+    from hf_flatbias.flatness.ghost import OuterFactors
+    from hf_flatbias.flatness.ghost_diagonal import _reaching_positions
+
+    generator = torch.Generator().manual_seed(0)
+    inputs, gradient = torch.randn(3, 6, 4, generator=generator), torch.randn(3, 6, 5, generator=generator)
+    # sample 0 reaches two positions, sample 1 one, sample 2 none; position 5 of sample 1 has a zero input only
+    reaching = torch.tensor([[0, 1, 0, 0, 1, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    gradient = gradient * reaching.unsqueeze(2)
+    inputs[1, 5] = 0.0
+    factors = OuterFactors(left=inputs, right=gradient) if input_is_left else OuterFactors(left=gradient, right=inputs)
+    kept = _reaching_positions(factors, input_is_left=input_is_left)
+    assert kept.left.shape[1] == kept.right.shape[1] == 2
+    full = torch.einsum("btr,btc->brc", factors.left, factors.right)
+    torch.testing.assert_close(torch.einsum("btr,btc->brc", kept.left, kept.right), full, rtol=0, atol=0)
+    # nothing reaches in any sample: no positions; every position reaches: the same factors
+    none = _reaching_positions(OuterFactors(left=torch.zeros(2, 3, 4), right=torch.ones(2, 3, 5)), input_is_left=False)
+    assert none.left.shape[1] == 0
+    assert _reaching_positions(factors, input_is_left=not input_is_left) is factors

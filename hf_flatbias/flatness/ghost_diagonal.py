@@ -7,7 +7,7 @@ per-sample squared norms of the trace), so that a caller forming the diagonal ne
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -79,6 +79,26 @@ def _dense_squares(
     return torch.cat(per_sample_sums)
 
 
+def _reaching_positions(factors: OuterFactors, input_is_left: bool) -> OuterFactors:
+    """The same per-sample gradients summed over fewer positions: those whose output gradient is nonzero in some
+    sample, each sample's gathered first (zero rows fill the rest). A position whose layer output does not reach the
+    logits has a zero output gradient in every draw (in the last layer, every position but the predicted one, which
+    makes each sample's gradient rank one; padding): its outer product adds nothing, but a batched product pays for
+    it."""
+    gradient = factors.right if input_is_left else factors.left
+    positions = gradient.shape[1]
+    # two one-pass reductions: a row is zero when both its largest and its smallest entry are
+    reaching = gradient.amax(dim=2).ne(0) | gradient.amin(dim=2).ne(0)
+    kept = int(reaching.sum(dim=1).max()) if positions else 0
+    if kept == positions:
+        return factors
+    order = torch.argsort(reaching.to(torch.uint8), dim=1, descending=True, stable=True)[:, :kept].unsqueeze(2)
+    return OuterFactors(
+        left=factors.left.gather(1, order.expand(-1, -1, factors.left.shape[2])),
+        right=factors.right.gather(1, order.expand(-1, -1, factors.right.shape[2])),
+    )
+
+
 def _sparse_rows(uses: Sequence[OuterFactors], n_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The per-sample gradients of embedding lookups as ``(sample, row, values)``: one entry per distinct (sample,
     looked-up row), the gradients of all its positions (and uses) summed."""
@@ -114,6 +134,7 @@ def _squared_gradient_sums(
     batch: int,
     out: torch.Tensor,
     weight: float,
+    is_static: Callable[[torch.Tensor], bool],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For the per-sample gradients ``g_b`` of one parameter over all its uses, with ``o_b`` the part from call
     ``split``'s own use: adds ``weight x sum_b q_b`` into ``out`` (float64, shaped like ``param``) and returns
@@ -136,8 +157,13 @@ def _squared_gradient_sums(
         out.add_(elementwise.reshape(param.shape), alpha=weight)
         return squared.sum(dim=1), own
     shape = (param.shape[0], param.shape[1])
-    kept = [factors for call, factors in use.outer if factors.left is not None and call is not split]
-    dropped = [factors for call, factors in use.outer if factors.left is not None and call is split]
+    dense = [
+        (call, _reaching_positions(factors, input_is_left=is_static(factors.left)))
+        for call, factors in use.outer
+        if factors.left is not None
+    ]
+    kept = [factors for call, factors in dense if call is not split]
+    dropped = [factors for call, factors in dense if call is split]
     sparse = [factors for call, factors in use.outer if factors.left_ids is not None]
     if any(call is split for call, factors in use.outer if factors.left_ids is not None):
         raise ValueError("the output layer's own terms cannot be left out of an embedding lookup")
@@ -184,7 +210,14 @@ def add_squared_gradients(
         if key not in totals:
             totals[key] = torch.zeros(use.param.shape, dtype=torch.float64, device=use.param.device)
         per_sample, own_part = _squared_gradient_sums(
-            use.param, use, split_self_terms_of, own_in_diagonal, recorder.batch_size, totals[key], weight
+            use.param,
+            use,
+            split_self_terms_of,
+            own_in_diagonal,
+            recorder.batch_size,
+            totals[key],
+            weight,
+            recorder._cache.is_static,
         )
         by_parameter[key] = per_sample
         own += own_part

@@ -20,9 +20,11 @@ Then the top Hessian eigenvalue (``estimate_top_eigenvalues``, finite difference
 Lanczos products and one residual check, as `sharded_trace_memory.py --measure spectrum`) at each batch size, and its
 relative spread over them.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/finite_difference_op_order.py --model tiny   # seconds
-    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/finite_difference_op_order.py --model llama100m \
-        --steps 3e-4,3e-3,3e-2,0.3,3 --eigenvalue-steps 3e-4,0.3 --products 2 --batch-sizes 8,2   # ~40 min
+    OMP_NUM_THREADS=1 PYTHONPATH=.:benchmarks python benchmarks/finite_difference_op_order.py --model tiny  # 1.5 min
+    OMP_NUM_THREADS=1 PYTHONPATH=.:benchmarks python benchmarks/finite_difference_op_order.py --model llama100m \
+        --steps 3e-4,3e-3,3e-2,0.3,3 --eigenvalue-steps 3e-4,0.3 --products 2 --batch-sizes 8,2
+
+The 100M product table holds the float64 model's double backward (about 12 GB resident) and takes about 25 CPU-minutes.
 """
 
 from __future__ import annotations

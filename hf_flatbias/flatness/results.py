@@ -1,4 +1,5 @@
-"""What the estimators return: raw per-unit samples, and the estimate with its error and variance split.
+"""What the estimators return: raw per-unit samples, and the estimate with its error and variance split; the top
+eigenvalues, spectral density and SAM sharpness of `hf_flatbias.flatness.spectrum`.
 
 Samples of disjoint subsets of contexts (computed on different processes, say) concatenate before
 `summarize_trace_samples` turns them into a `TraceEstimate`.
@@ -9,12 +10,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from .spectrum import SharpnessEstimate, TopEigenvalues
 
 
 @dataclass
@@ -208,3 +206,116 @@ def summarize_trace_samples(samples: TraceSamples, *, seconds: float = float("na
         by_group=by_group,
         stderr_note=stderr_note,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# beyond the trace: the spectrum and SAM's sharpness (`hf_flatbias.flatness.spectrum`)
+
+
+@dataclass
+class TopEigenvalues:
+    """The largest eigenvalues of the Hessian or Fisher of the pre-training loss.
+
+    Attributes:
+        eigenvalues: the ``k`` largest (algebraic) Ritz values, largest first.
+        residuals: ``||A x - lambda x||`` of each one's unit Ritz vector ``x``, computed with one more product each.
+            For a symmetric matrix some eigenvalue lies within the residual of each value.
+        matrix: ``"fisher"`` or ``"hessian"``.
+        n_contexts: contexts the matrix averages over.
+        n_parameters: the dimension (trainable parameters).
+        n_matvecs: matrix-vector products spent (Lanczos steps plus the ``k`` residual checks).
+        seconds: wall-clock time.
+        converged: whether every residual reached ``tol * |eigenvalue|`` within ``max_iterations``.
+        product: how the products were formed, ``"exact"`` or ``"finite_difference"`` (whose residuals include the
+            products' own error).
+    """
+
+    eigenvalues: list[float]
+    residuals: list[float]
+    matrix: str
+    n_contexts: int
+    n_parameters: int
+    n_matvecs: int
+    seconds: float
+    converged: bool
+    product: str = "exact"
+
+    @property
+    def top(self) -> float:
+        return self.eigenvalues[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SpectralDensity:
+    """Stochastic Lanczos quadrature of the eigenvalue density, normalised to integrate to 1 (multiply by
+    ``n_parameters`` for eigenvalue counts).
+
+    ``nodes[r]`` and ``weights[r]`` are run ``r``'s Ritz values and the squared first components of their vectors
+    (each run's weights sum to 1): the quadrature of ``q^T g(A) q`` for its random unit start ``q``.
+    """
+
+    nodes: list[list[float]]
+    weights: list[list[float]]
+    matrix: str
+    n_contexts: int
+    n_parameters: int
+    n_matvecs: int
+    seconds: float
+
+    def smoothed(
+        self, grid: torch.Tensor | Sequence[float] | None = None, *, sigma: float | None = None, n_points: int = 512
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(grid, density)``: the Ritz values of every run, each a Gaussian of width ``sigma`` weighted by its
+        weight, averaged over runs. ``sigma`` defaults to 1% of the span of the nodes; the default grid spans the
+        nodes with ``5 sigma`` on each side."""
+        nodes = torch.tensor([x for run in self.nodes for x in run], dtype=torch.float64)
+        weights = torch.tensor([w for run in self.weights for w in run], dtype=torch.float64) / len(self.nodes)
+        span = float(nodes.max() - nodes.min())
+        if sigma is None:
+            sigma = 0.01 * span if span > 0 else 1e-3 * max(1.0, float(nodes.abs().max()))
+        if sigma <= 0:
+            raise ValueError(f"sigma must be > 0 (got {sigma}).")
+        if grid is None:
+            grid = torch.linspace(float(nodes.min()) - 5 * sigma, float(nodes.max()) + 5 * sigma, n_points)
+        grid = torch.as_tensor(grid, dtype=torch.float64)
+        return grid, gaussian_mixture(grid, nodes, weights, sigma)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SharpnessEstimate:
+    """SAM's sharpness ``L(w + rho g/||g||) - L(w)`` of the pre-training loss, per batch, averaged over batches.
+
+    Attributes:
+        mean: the mean over batches.
+        stderr: its standard error over batches (``nan`` with one batch).
+        rho: the neighbourhood radius.
+        adaptive: ASAM's scale-invariant neighbourhood instead of SAM's.
+        batch_size: contexts per batch (each batch takes its own ascent step, as in training).
+        n_contexts: contexts used.
+        seconds: wall-clock time.
+        per_batch: the sharpness of each batch.
+    """
+
+    mean: float
+    stderr: float
+    rho: float
+    adaptive: bool
+    batch_size: int
+    n_contexts: int
+    seconds: float
+    per_batch: list[float] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def gaussian_mixture(grid: torch.Tensor, nodes: torch.Tensor, weights: torch.Tensor, sigma: float) -> torch.Tensor:
+    """``sum_j weights_j N(grid; nodes_j, sigma^2)``: a weighted set of eigenvalues as a smooth density."""
+    z = (grid.reshape(-1, 1) - nodes.reshape(1, -1)) / sigma
+    return (torch.exp(-0.5 * z.square()) * weights.reshape(1, -1)).sum(dim=1) / (sigma * math.sqrt(2 * math.pi))

@@ -57,6 +57,8 @@ LAUNCHES = [
     ),
 ]
 RELATIVE = 1e-5  # the issue's bound; measured: 5e-15 (eigenvalues), 0 (critical sharpness)
+# Held in float64 only: in float32 one process's finite-difference eigenvalue moves by 1e-4 (this tiny Llama) to 1.7e-2
+# (100M Llama) with its batch size alone, the floor under any sharded layout (benchmarks/finite_difference_op_order.py)
 # float32 weights' rounding on a move of ~1e-2: measured 6e-8 (ZeRO-3, 2 processes); not clipping the last step moves
 # the update by more than 1e-4
 UPDATE_ATOL = 1e-6

@@ -79,7 +79,7 @@ class TraceCallbackConfig:
         metadata={"help": "The share of the training time measuring may take; None measures every context always."},
     )
     full_final_measurement: bool = field(
-        default=False,
+        default=True,
         metadata={"help": "Take the final measurement (the one the model card reports) on all n_contexts contexts "
                   "whatever max_overhead leaves: as precise as a measurement without a budget, at the cost of one "
                   "estimate of n_contexts contexts (about n_contexts / batch training sequences' worth of "

@@ -15,12 +15,21 @@ the callback (its in-run ratio, no cross-run ratio). Where a full run is too slo
 two training steps and the callback's first measurement instead and replays the run's budget on those costs: a
 projected ratio, printed as such.
 
+``--arms`` names the runs of each repeat, taken in a rotated order from one repeat to the next so that a change of
+load hits every arm alike: ``plain`` (no callback), ``callback`` (the callback with ``--callback``'s settings, its
+defaults by default) and ``budgeted-final`` (the same with ``full_final_measurement=False``: the final measurement
+sized by the budget like the others, the default before it was made whole). For each run with a callback it prints
+the final measurement's CPU seconds as a multiple of one training step (the median CPU seconds between a step's
+start and end in the same run) and as a share of the run's training (its CPU seconds less the callback's own).
+
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/callback_overhead.py [--repeats 2]
         [--callback '{"max_overhead": null}'] [--model bert-base --project]
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/callback_overhead.py --model bert-base --seq-len 32 --repeats 1
+    OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/callback_overhead.py --arms plain,budgeted-final,callback
 
 Last lines: ``callback_wall_ratio=X`` and ``callback_overhead_ratio=X`` (with the run without the callback: wall and
-CPU seconds) and ``callback_in_run_ratio=X``.
+CPU seconds) and ``callback_in_run_ratio=X``; with ``--arms``, ``<arm>_ratio=X`` (CPU seconds over the same
+repeat's ``plain``), ``<arm>_in_run_ratio=X`` and ``<arm>_final_steps=X`` for each arm with a callback.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from transformers import (  # noqa: E402
     BertForMaskedLM,
     DataCollatorForLanguageModeling,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
 )
 
@@ -57,13 +67,34 @@ class TimedTraceCallback(HessianTraceCallback):
     def __init__(self, **options) -> None:
         super().__init__(**options)
         self.cpu_seconds = 0.0
+        self.cpu_per_measurement: list[float] = []
 
     def measure(self, *args, **kwargs):
         start = time.process_time()
         try:
             return super().measure(*args, **kwargs)
         finally:
-            self.cpu_seconds += time.process_time() - start
+            self.cpu_per_measurement.append(time.process_time() - start)
+            self.cpu_seconds += self.cpu_per_measurement[-1]
+
+
+class StepClock(TrainerCallback):
+    """CPU seconds of each optimizer step, from its start to its end; placed before the trace callback, so a
+    measurement taken at a step's end is not counted in the step."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._start = time.process_time()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seconds.append(time.process_time() - self._start)
+
+    def step(self) -> float:
+        """The median step, the first left out (it pays for lazy initialisation)."""
+        return statistics.median(self.seconds[1:] or self.seconds)
 
 
 MODELS = {
@@ -96,9 +127,9 @@ def build_model(name: str, tokenizer) -> BertForMaskedLM:
 
 
 def train(
-    name: str, tokenizer, train_rows, eval_rows, steps: int, eval_every: int, callback, batch: int
+    name: str, tokenizer, train_rows, eval_rows, steps: int, eval_every: int, callback, batch: int, clock=None
 ) -> tuple[float, float]:
-    """CPU and wall seconds of one ``trainer.train()``."""
+    """CPU and wall seconds of one ``trainer.train()``; ``clock`` (a `StepClock`) times its steps."""
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
             out,
@@ -122,7 +153,7 @@ def train(
             eval_dataset=eval_rows,
             data_collator=DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15),
             processing_class=tokenizer,
-            callbacks=[] if callback is None else [callback],
+            callbacks=[c for c in (clock, callback) if c is not None],
         )
         if callback is not None:
             callback.bind_trainer(trainer)
@@ -132,7 +163,9 @@ def train(
 
 
 def project(name: str, tokenizer, steps: int, eval_every: int, options: dict, batch: int) -> None:
-    """One estimate's cost against one training step, and the ratio of a ``steps``-step run they predict.
+    """One estimate's cost against one training step, and the ratios of a ``steps``-step run they predict: the
+    final measurement sized by the budget (``projected_budgeted_final_ratio``) and, unless ``--callback`` turns it
+    off, on all ``n_contexts`` contexts as the callback takes it by default (``projected_callback_overhead_ratio``).
 
     Times three AdamW steps of ``batch`` sequences (the median of the last two counts) and a first measurement as the
     callback takes it (one batch of contexts), in CPU seconds; the run is then replayed with the callback's own
@@ -192,7 +225,78 @@ def project(name: str, tokenizer, steps: int, eval_every: int, options: dict, ba
         previous = per_context
         sizes.append((at, n))
     print(f"projected measurements (step, contexts): {sizes}; {spent:.0f} CPU s over {steps * step:.0f} s of training")
-    print(f"projected_callback_overhead_ratio={1 + spent / (steps * step):.3f}")
+    budgeted_final = 1 + spent / (steps * step)
+    # the callback's default takes the final measurement on every context instead of what the budget leaves
+    whole = spent + (n_contexts - sizes[-1][1]) * per_context
+    print(
+        f"projected final measurement on all {n_contexts} contexts: {n_contexts * per_context:.0f} CPU s = "
+        f"{n_contexts * per_context / step:.1f} steps"
+    )
+    print(f"projected_budgeted_final_ratio={budgeted_final:.3f}")
+    full_final = options.get("full_final_measurement", True) and options.get("max_overhead", 0.05) is not None
+    print(f"projected_callback_overhead_ratio={1 + whole / (steps * step) if full_final else budgeted_final:.3f}")
+
+
+ARMS = ("plain", "budgeted-final", "callback")
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+
+def compare_arms(args, options: dict, tokenizer, train_rows, eval_rows) -> None:
+    """``--arms``: each repeat runs every arm once, the order rotated by one from a repeat to the next."""
+    arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown or not arms:
+        raise SystemExit(f"--arms {args.arms!r}: {unknown or 'none'} unknown; choose from {', '.join(ARMS)}.")
+    settings = {"plain": None, "budgeted-final": {**options, "full_final_measurement": False}, "callback": options}
+    cpu = {arm: [] for arm in arms}
+    ratio, in_run, final_steps, final_share, step_seconds = ({arm: [] for arm in arms} for _ in range(5))
+    for repeat in range(args.repeats):
+        order = arms[repeat % len(arms) :] + arms[: repeat % len(arms)]
+        seconds = {}
+        for arm in order:
+            callback = None if settings[arm] is None else TimedTraceCallback(**settings[arm])
+            clock = StepClock()
+            load = os.getloadavg()[0]
+            seconds[arm], wall = train(
+                args.model, tokenizer, train_rows, eval_rows, args.steps, args.eval_every, callback, args.batch, clock
+            )
+            cpu[arm].append(seconds[arm])
+            step_seconds[arm].append(clock.step())
+            line = (
+                f"repeat {repeat} {arm}: {seconds[arm]:.1f} CPU s ({wall:.0f} wall s), step {clock.step():.2f} CPU s, "
+                f"load average {load:.1f} -> {os.getloadavg()[0]:.1f}"
+            )
+            if callback is not None:
+                training = seconds[arm] - callback.cpu_seconds
+                final = callback.cpu_per_measurement[-1]
+                in_run[arm].append(seconds[arm] / training)
+                final_steps[arm].append(final / clock.step())
+                final_share[arm].append(final / training)
+                measurements = ", ".join(
+                    f"step {e['step']}: {e['n_contexts']} contexts in {cpu_s:.1f} CPU s, {e['trace']:.1f} +- "
+                    f"{e['stderr']:.1f}"
+                    for e, cpu_s in zip(callback.measurement_history, callback.cpu_per_measurement, strict=True)
+                )
+                line += (
+                    f"; callback {callback.cpu_seconds:.1f} CPU s (in-run ratio {in_run[arm][-1]:.3f}); final "
+                    f"measurement {final:.1f} CPU s = {final_steps[arm][-1]:.2f} steps = {final_share[arm][-1]:.3f} "
+                    f"of the run's training; measurements: {measurements}"
+                )
+            print(line, flush=True)
+        if "plain" in seconds:
+            for arm in arms:
+                ratio[arm].append(seconds[arm] / seconds["plain"])
+    for arm in arms:
+        print(f"{arm}: {spread(cpu[arm])} CPU s, step {spread(step_seconds[arm])} CPU s (median, min-max)")
+    for arm in arms:
+        if arm != "plain" and ratio[arm]:
+            print(f"{arm}_ratio={spread(ratio[arm])}")
+        if in_run[arm]:
+            print(f"{arm}_in_run_ratio={spread(in_run[arm])}")
+            print(f"{arm}_final_steps={spread(final_steps[arm])} (final share of training {spread(final_share[arm])})")
 
 
 def main() -> None:
@@ -206,6 +310,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN, help="tokens per training and evaluation sequence")
     parser.add_argument("--batch", type=int, default=BATCH, help="sequences per training (and evaluation) batch")
     parser.add_argument("--skip-plain", action="store_true", help="only the run with the callback (in-run ratio)")
+    parser.add_argument("--arms", help=f"runs per repeat, interleaved, from {', '.join(ARMS)} (comma-separated)")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     options = json.loads(args.callback)
@@ -222,6 +327,9 @@ def main() -> None:
         f"callback {options or 'at its defaults'}, load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
+    if args.arms:
+        compare_arms(args, options, tokenizer, train_rows, eval_rows)
+        return
     ratios, wall_ratios, in_run = [], [], []
     for repeat in range(args.repeats):
         plain = plain_wall = None

@@ -100,7 +100,8 @@ def test_the_budget_sizes_each_measurement_from_the_cost_of_the_previous_one():
 
 
 def test_a_spent_budget_skips_evaluation_measurements_but_not_the_last(tmp_path, tokenizer):
-    trace = HessianTraceCallback(n_contexts=6, n_draws=2, batch_size=2, max_overhead=1e-9)
+    # the final measurement sized by the budget too, as before full_final_measurement became the default
+    trace = HessianTraceCallback(n_contexts=6, n_draws=2, batch_size=2, max_overhead=1e-9, full_final_measurement=False)
     trainer = train_word_mlm(tmp_path, tokenizer, [trace])
     # evaluations at steps 3 and 6: the first measures one batch (the cost is unknown), the second finds the budget
     # spent, the last step is measured anyway, on one batch
@@ -117,7 +118,8 @@ def test_a_spent_budget_skips_evaluation_measurements_but_not_the_last(tmp_path,
 
 
 def test_full_final_measurement_takes_every_context_at_the_end_whatever_the_budget(tmp_path, tokenizer):
-    trace = HessianTraceCallback(n_contexts=6, n_draws=2, batch_size=2, max_overhead=1e-9, full_final_measurement=True)
+    trace = HessianTraceCallback(n_contexts=6, n_draws=2, batch_size=2, max_overhead=1e-9)  # full final: the default
+    assert trace.config.full_final_measurement
     trainer = train_word_mlm(tmp_path, tokenizer, [trace])
     # the interim measurement follows the (spent) budget; the last one, on the card, takes all 6 contexts, once
     assert [(e["step"], e["n_contexts"]) for e in trace.measurement_history] == [(3, 2), (6, 6)]
@@ -128,6 +130,59 @@ def test_full_final_measurement_takes_every_context_at_the_end_whatever_the_budg
     assert trace._needs_full_final()
     with pytest.raises(ValueError, match="full_final_measurement must be True or False"):
         HessianTraceCallback(full_final_measurement="yes")
+
+
+class _ManualClock:
+    """Stands in for the `time` module of the callback: it moves only when a step or a measured context says so,
+    so the budget's arithmetic has one right answer whatever the machine's load."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+class _StepsTakeTime(TrainerCallback):
+    def __init__(self, clock, seconds):
+        self.clock, self.seconds = clock, seconds
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.clock.now += self.seconds
+
+
+@pytest.mark.parametrize(
+    ("settings", "contexts_per_step"),
+    [
+        # 100 s per step, 1 s per context, 5%: the first measurement takes one batch (its cost unknown), then each
+        # takes what is left of 5 s per step so far: 10 - 2 at step 2, then 5 a step; the final one takes all 24
+        ({}, [2, 8, 5, 5, 5, 24]),
+        ({"full_final_measurement": False}, [2, 8, 5, 5, 5, 5]),  # the final one sized like the others, as before
+        ({"max_overhead": None}, [24] * 6),  # no budget: every context every time
+    ],
+)
+def test_interim_measurements_fit_the_budget_and_the_final_one_takes_every_context(
+    tmp_path, tokenizer, monkeypatch, settings, contexts_per_step
+):
+    from hf_flatbias.callbacks import trace as trace_module
+
+    clock = _ManualClock()
+    monkeypatch.setattr(trace_module, "time", clock)
+    estimate = trace_module.estimate_hessian_trace
+
+    def one_second_per_context(model, contexts, *, n_contexts, **options):
+        clock.now += n_contexts
+        return estimate(model, contexts, n_contexts=n_contexts, **options)
+
+    monkeypatch.setattr(trace_module, "estimate_hessian_trace", one_second_per_context)
+    trace = HessianTraceCallback(n_contexts=24, n_draws=1, batch_size=2, every_n_steps=1, on_evaluate=False, **settings)
+    train_word_mlm(tmp_path, tokenizer, [_StepsTakeTime(clock, 100.0), trace])
+    history = trace.measurement_history
+    assert [(e["step"], e["n_contexts"]) for e in history] == list(enumerate(contexts_per_step, start=1))
+    assert [e["seconds"] for e in history] == [float(n) for n in contexts_per_step]
+    if settings.get("max_overhead", 0.05) is not None:  # the interim ones spent 5% of the 500 s before step 6
+        assert sum(e["seconds"] for e in history[:-1]) <= 0.05 * 500
+    assert trace.last_estimate.n_contexts == contexts_per_step[-1]
 
 
 def test_flatbias_trainer_binds_the_callback_itself(tmp_path, tokenizer):

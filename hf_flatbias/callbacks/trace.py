@@ -59,12 +59,14 @@ class HessianTraceCallback(TrainerCallback):
     ``n_contexts`` contexts as fit in what is left of that share, judged from the seconds per context of the
     previous measurement (the first uses one batch), and never fewer than one batch; a measurement after an
     evaluation that does not fit is skipped. Measurements at ``every_n_steps`` and at the end are always taken.
-    With ``full_final_measurement=True`` the final measurement (the one on the card) uses all ``n_contexts``
-    contexts whatever the budget leaves (one full estimate on top of it), even when an interim measurement at the
-    same step was smaller. The
-    logged standard error is that of the contexts actually used, which are always the first ones of the same fixed
-    set, with the same draws: a smaller measurement is noisier, never biased. `measurement_history` records each
-    measurement's step, contexts and seconds.
+    The final measurement (the one on the card) is outside the budget: by default (``full_final_measurement``) it
+    uses all ``n_contexts`` contexts, one full estimate on top of the budgeted ones, even when an interim measurement
+    at the same step was smaller, so the card is as precise as a measurement without a budget (measured: about 9-10
+    training steps of 16 sequences for 256 contexts on a 15M BERT, 8.6% of a 100-step run and nothing to speak of
+    in a long one); ``full_final_measurement=False`` sizes it by the budget like the others. The logged standard
+    error is that of the contexts actually used, which are always the first ones of the same fixed set, with the
+    same draws: a smaller measurement is noisier, never biased. `measurement_history` records each measurement's
+    step, contexts and seconds.
 
     Measuring does not change training: the model is put in ``eval()`` and every module back in its own mode after,
     draws use their own generators and the global random streams are restored, no ``.grad`` is written

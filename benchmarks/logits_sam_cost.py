@@ -1,13 +1,16 @@
 """Cost of output-layer SAM (logits-SAM) against a plain step, with the trunk's forward run once per step.
 
 Two config-built Llamas: one whose output layer is about a third of a step's matrix-multiply work and one where it is
-about a tenth, each trained by `FlatBiasTrainer` (causal-LM loss, full logits) and `FlatBiasSFTTrainer` (trl's fused
-LM head). Three arms, interleaved so that load on a shared machine hits them alike: the plain step
-(``flatness_method="none"``), output-layer SAM as it runs now (the second pass replays the trunk's outputs; in SFT
-both passes form the head's gradients in the forward instead of trl's fused head), and output-layer SAM with the
-replay switched off (two whole forwards through trl's head, the step before the replay). Step times are this process's
-CPU time (``time.process_time``), medians over repeats; the spread printed beside each ratio is the range of the
-per-repeat ratios (each repeat's median over its plain arm's median).
+about a tenth, each trained by `FlatBiasTrainer` (causal-LM loss, full logits), `FlatBiasSFTTrainer` (trl's fused
+LM head) and `FlatBiasDPOTrainer` (trl's sigmoid DPO loss through its fused head, with a live reference model; a batch
+of ``batch / 2`` preference pairs is ``batch`` sequences, prompt and response each half of ``seq_len``). Three arms,
+interleaved so that load on a shared machine hits them alike: the plain step (``flatness_method="none"``; for DPO
+trl's step, whose loss also runs the reference model's forward), output-layer SAM as it runs now (the second pass
+replays the trunk's outputs; in SFT both passes form the head's gradients in the forward instead of trl's fused head;
+DPO's passes run trl's fused head, the reference's log-probabilities computed once at the step's start), and
+output-layer SAM with the replay switched off (two whole forwards through trl's head, the step before the replay).
+Step times are this process's CPU time (``time.process_time``), medians over repeats; the spread printed beside each
+ratio is the range of the per-repeat ratios (each repeat's median over its plain arm's median).
 
 Before the steps, each model's LM head alone on one batch's rows (interleaved the same way): trl's fused head as a
 plain SFT step runs it (forward with the metric fields, backward to the hidden states and the head) and as the replayed
@@ -24,6 +27,7 @@ over the plain step's.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import time
 
@@ -42,14 +46,24 @@ from datasets import Dataset  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from trl.trainer.utils import _ChunkedLogProbFunction  # noqa: E402
 
-from hf_flatbias import FlatBiasConfig, FlatBiasSFTConfig, FlatBiasSFTTrainer, FlatBiasTrainer  # noqa: E402
+from hf_flatbias import (  # noqa: E402
+    FlatBiasConfig,
+    FlatBiasDPOConfig,
+    FlatBiasDPOTrainer,
+    FlatBiasSFTConfig,
+    FlatBiasSFTTrainer,
+    FlatBiasTrainer,
+)
 from hf_flatbias.sharpness.head_gradients import label_log_probs  # noqa: E402
 from hf_flatbias.synthetic.tokenizer import make_tokenizer  # noqa: E402
+from tests.helpers.tiny_models import word_tokenizer  # noqa: E402
 
 #: name: (vocab, hidden, layers), intermediate 4 x hidden; both at seq_len 128.
 MODELS = {"head_third": (2048, 128, 2), "head_tenth": (2000, 256, 4)}
 QUICK_MODELS = {"head_third": (1024, 64, 2), "head_tenth": (1024, 128, 4)}
-TRAINERS = ("FlatBiasTrainer", "FlatBiasSFTTrainer")
+TRAINERS = ("FlatBiasTrainer", "FlatBiasSFTTrainer", "FlatBiasDPOTrainer")
+#: trl's defaults that would change what is timed: bf16 autocast and activation checkpointing.
+TRL_TIMING_ARGUMENTS = dict(bf16=False, gradient_checkpointing=False, max_length=None, dataset_num_proc=None)
 ARMS = {
     "plain": dict(flatness_method="none"),
     "output_layer_sam": dict(flatness_method="sam", sam_parameters="output_layer"),
@@ -86,20 +100,52 @@ def head_share(vocab: int, hidden: int, layers: int, seq_len: int) -> float:
     return vocab * hidden / (vocab * hidden + layers * per_layer)
 
 
-def time_arm(trainer_name: str, arm: str, rows, tokenizer, shape, seq_len: int, steps: int, batch: int) -> list[float]:
+def preference_pairs(rows: list[list[int]]) -> Dataset:
+    """One preference pair of `word_tokenizer`'s words per two of ``rows`` (token ids from 5): the prompt the first
+    half of the first row, the responses the second halves of both, less one word for the end-of-sequence token trl
+    appends, so that every sequence is as long as a row."""
+    half = len(rows[0]) // 2
+
+    def text(ids: list[int]) -> str:
+        return " ".join(f"w{token - 5}" for token in ids)
+
+    pairs = zip(rows[::2], rows[1::2], strict=True)
+    return Dataset.from_list(
+        [
+            {
+                "prompt": text(first[:half]),
+                "chosen": " " + text(first[half:-1]),
+                "rejected": " " + text(second[half:-1]),
+            }
+            for first, second in pairs
+        ]
+    )
+
+
+def time_arm(trainer_name: str, arm: str, data, shape, seq_len: int, steps: int, batch: int) -> list[float]:
     common = dict(max_steps=steps, per_device_train_batch_size=batch, **TIMING_ARGUMENTS, **ARMS[arm])
     model = build_llama(*shape, seq_len)
 
     def make_trainer(out: str):
         if trainer_name == "FlatBiasTrainer":
-            data = [{"input_ids": torch.tensor(r), "labels": torch.tensor(r)} for r in rows]
-            trainer = FlatBiasTrainer(model=model, args=FlatBiasConfig(out, **common), train_dataset=data)
+            rows = [{"input_ids": torch.tensor(r), "labels": torch.tensor(r)} for r in data["rows"]]
+            trainer = FlatBiasTrainer(model=model, args=FlatBiasConfig(out, **common), train_dataset=rows)
+        elif trainer_name == "FlatBiasSFTTrainer":
+            args = FlatBiasSFTConfig(out, **common, **TRL_TIMING_ARGUMENTS)
+            rows = Dataset.from_dict({"input_ids": data["rows"]})
+            trainer = FlatBiasSFTTrainer(model=model, args=args, train_dataset=rows, processing_class=data["tokenizer"])
         else:
-            args = FlatBiasSFTConfig(
-                out, **common, bf16=False, gradient_checkpointing=False, max_length=None, dataset_num_proc=None
+            # a batch of `batch` sequences: chosen and rejected of batch / 2 pairs
+            args = FlatBiasDPOConfig(
+                out, **{**common, "per_device_train_batch_size": batch // 2}, **TRL_TIMING_ARGUMENTS
             )
-            data = Dataset.from_dict({"input_ids": rows})
-            trainer = FlatBiasSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+            trainer = FlatBiasDPOTrainer(
+                model=model,
+                ref_model=copy.deepcopy(model),
+                args=args,
+                train_dataset=data["pairs"],
+                processing_class=data["pair_tokenizer"],
+            )
         if arm == "output_layer_sam_two_forwards":
             trainer.flatness_method.trunk_replay = lambda module: (None, 1.0)
         return trainer
@@ -155,10 +201,16 @@ def main() -> None:
     for model_name, shape in models.items():
         generator = torch.Generator().manual_seed(0)
         rows = torch.randint(5, shape[0], (steps * batch, seq_len), generator=generator).tolist()
-        data[model_name] = (rows, make_tokenizer([f"w{i}" for i in range(shape[0] - 5)]))
+        data[model_name] = dict(
+            rows=rows,
+            tokenizer=make_tokenizer([f"w{i}" for i in range(shape[0] - 5)]),
+            # word i is token 4 + i here (four special tokens, the end-of-sequence one among them)
+            pairs=preference_pairs(rows),
+            pair_tokenizer=word_tokenizer(shape[0] - 4),
+        )
     times = interleaved_step_times(
         [(m, t, a) for m in models for t in trainers for a in arms],
-        lambda key: time_arm(key[1], key[2], *data[key[0]], models[key[0]], seq_len, steps, batch),
+        lambda key: time_arm(key[1], key[2], data[key[0]], models[key[0]], seq_len, steps, batch),
         repeats,
     )
     print(f"batch {batch} x {seq_len} tokens, AdamW, torch threads {torch.get_num_threads()}, CPU time per step")

@@ -114,6 +114,10 @@ def errors(
         top = top.vectors[0].clone()
         references = [exact(v) for v in vectors]
         top_reference = exact(top)
+        ritz = float(top @ top_reference)
+        residual = float((top_reference - ritz * top).norm() / abs(ritz))
+        largest = float(top.abs().max())
+        print(f"  top Ritz value {ritz:.6g} (relative residual {residual:.1e}, largest |entry| {largest:.3f})")
         table = {}
         for h in steps:
             fd = FiniteDifferenceOperator(

@@ -10,9 +10,14 @@ intermediate ``h``: the default steps (`FINITE_DIFFERENCE_STEPS`) were chosen fr
 top eigenvector.
 
 Models: a small Llama at the usual initialisation (std 0.02; the shape of a real model), and the tests' tiny Llama
-(std 0.25, far more curved: the worst case).
+(std 0.25, far more curved: the worst case); ``--models llama15m`` adds `_common.llama_shape("llama15m")` (14.5M
+parameters, std 0.02). Each row also prints the error at the step proportional to the weights' norm,
+``h = RELATIVE_STEP * ||w||`` (column ``rule``), the candidate for a size-aware default: the rounding of the moved
+weights, ``||fl(w + h v) - (w + h v)|| / h ~ eps ||w|| / h`` for any unit ``v``, stays fixed under it.
 
     python benchmarks/finite_difference_step.py [--quick]
+    PYTHONPATH=.:benchmarks python benchmarks/finite_difference_step.py --quick --models llama15m --dtypes float32 \
+        --matrices hessian --steps 3e-4,1e-3,3e-3,1e-2
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from hf_flatbias.flatness.lm import evaluation_mode, measured_parameters  # noqa
 from hf_flatbias.flatness.parameter_space import parameter_space  # noqa: E402
 
 STEPS = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 1e-5, 1e-6)
+RELATIVE_STEP = 2e-5
+"""``h / ||w||`` of the candidate rule: 3e-4 at the geometric mean of the two small Llamas' norms (10.9, 19.5), where
+3e-4 was measured best along the top eigenvector."""
 
 
 def small_llama() -> torch.nn.Module:
@@ -75,7 +83,22 @@ def rows(vocab: int, n: int, seq_len: int = 16) -> list[dict[str, torch.Tensor]]
     return out
 
 
-def errors(model: torch.nn.Module, data, matrix: str, n_vectors: int) -> dict[float, float]:
+def llama15m() -> torch.nn.Module:
+    from _common import llama_shape
+
+    return llama_shape("llama15m")
+
+
+MODELS = {
+    "small": ("small Llama (std 0.02)", small_llama, 256),
+    "tiny": ("tiny Llama (std 0.25)", tiny_llama, 16),
+    "llama15m": ("Llama 15M (std 0.02)", llama15m, 32_000),
+}
+
+
+def errors(
+    model: torch.nn.Module, data, matrix: str, n_vectors: int, steps=STEPS, lanczos_products: int = 60
+) -> dict[float, tuple[float, float]]:
     contexts = TraceContexts.from_rows(data, causal=True)
     n = len(contexts)
     with evaluation_mode(model):
@@ -87,11 +110,16 @@ def errors(model: torch.nn.Module, data, matrix: str, n_vectors: int) -> dict[fl
             v = torch.randn(exact.dimension, generator=generator, dtype=torch.float64)
             vectors.append(v / v.norm())
         start = torch.randn(exact.dimension, generator=generator, dtype=torch.float64)
-        top = thick_restart_lanczos(exact, start, 1, max_vectors=8, max_matvecs=60, tol=1e-8).vectors[0].clone()
+        top = thick_restart_lanczos(exact, start, 1, max_vectors=8, max_matvecs=lanczos_products, tol=1e-8)
+        top = top.vectors[0].clone()
         references = [exact(v) for v in vectors]
         top_reference = exact(top)
+        ritz = float(top @ top_reference)
+        residual = float((top_reference - ritz * top).norm() / abs(ritz))
+        largest = float(top.abs().max())
+        print(f"  top Ritz value {ritz:.6g} (relative residual {residual:.1e}, largest |entry| {largest:.3f})")
         table = {}
-        for h in STEPS:
+        for h in steps:
             fd = FiniteDifferenceOperator(
                 model, contexts, list(range(n)), n, n, space, matrix=matrix, batch_size=n, step=h
             )
@@ -104,18 +132,31 @@ def errors(model: torch.nn.Module, data, matrix: str, n_vectors: int) -> dict[fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 vectors instead of 7")
+    parser.add_argument("--models", default="small,tiny", help=f"comma-separated, of {list(MODELS)}")
+    parser.add_argument("--dtypes", default="float32,float64")
+    parser.add_argument("--matrices", default="hessian,fisher")
+    parser.add_argument("--steps", default=",".join(f"{h:g}" for h in STEPS), help="the fixed steps h tried")
+    parser.add_argument("--lanczos-products", type=int, default=60, help="exact products for the top eigenvector")
     args = parser.parse_args()
     n_vectors = 3 if args.quick else 7
-    for name, build, vocab in (("small Llama (std 0.02)", small_llama, 256), ("tiny Llama (std 0.25)", tiny_llama, 16)):
-        for dtype in (torch.float32, torch.float64):
+    fixed = [float(h) for h in args.steps.split(",") if h]
+    for key in args.models.split(","):
+        name, build, vocab = MODELS[key]
+        for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
             model = build().to(dtype)
             n_params = sum(p.numel() for p in model.parameters())
-            for matrix in ("hessian", "fisher"):
-                table = errors(model, rows(vocab, 8), matrix, n_vectors)
-                best = min(table, key=lambda h: table[h][0])
-                cells = " ".join(f"{h:g}:{top:.1e}/{rand:.1e}" for h, (top, rand) in table.items())
-                label = f"{name}, {n_params} parameters, {str(dtype)[6:]}, {matrix}"
-                print(f"{label}: best h along the top eigenvector={best:g} | h:top/random {cells}", flush=True)
+            norm = float(torch.cat([p.detach().double().reshape(-1) for p in model.parameters()]).norm())
+            rule = RELATIVE_STEP * norm
+            for matrix in args.matrices.split(","):
+                table = errors(model, rows(vocab, 8), matrix, n_vectors, (*fixed, rule), args.lanczos_products)
+                best = min(fixed, key=lambda h: table[h][0])
+                cells = " ".join(f"{h:g}:{table[h][0]:.1e}/{table[h][1]:.1e}" for h in fixed)
+                label = f"{name}, {n_params} parameters, ||w|| {norm:.3g}, {str(dtype)[6:]}, {matrix}"
+                print(
+                    f"{label}: best h along the top eigenvector={best:g} | h:top/random {cells} | "
+                    f"rule h={rule:.2e}:{table[rule][0]:.1e}/{table[rule][1]:.1e}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -367,3 +367,27 @@ def test_committed_claim_files_recompute_and_the_docs_rows_equal_them():
     docs = (REPO / "docs" / "reproduction" / "campaign_v2.md").read_text()
     begin, end = "<!-- campaign_v2 claims: begin -->", "<!-- campaign_v2 claims: end -->"
     assert docs[docs.index(begin) + len(begin) : docs.index(end)].strip() == report.claims_markdown(claims_dir)
+
+
+def test_enlarged_trace_keeps_the_branch_depth_whatever_the_run_sizes(tmp_path, monkeypatch):
+    # the smoke sizes train 1-layer models but C2 reads H64 starts of more layers: enlarging must not cut layers
+    from types import SimpleNamespace
+
+    from hf_flatbias.synthetic import build_model
+
+    vocabulary = 40
+    build_model(vocabulary, hidden=64, layers=2, seed=0).save_pretrained(tmp_path / "branch")
+    seen = {}
+
+    def fake_trace(model, contexts, **kwargs):
+        seen.update(hidden=model.config.hidden_size, layers=model.config.num_hidden_layers, seed=kwargs["seed"])
+        return SimpleNamespace(mean=1.0, stderr=0.1)
+
+    monkeypatch.setattr(cl, "estimate_hessian_trace", fake_trace)
+    language = SimpleNamespace(tokenizer=range(vocabulary), trace_contexts=range(4))
+    run = SimpleNamespace(
+        material=SimpleNamespace(language=language), sizes=SimpleNamespace(layers=1, n_trace=4, trace_draws=1)
+    )
+    out = cl.enlarged_trace(run, {"checkpoint": str(tmp_path / "branch"), "step": 3})
+    assert seen == {"hidden": max(rules_v2.WIDTHS), "layers": 2, "seed": 3}
+    assert out == {"fisher_trace_enlarged": 1.0, "fisher_trace_enlarged_stderr": 0.1}

@@ -52,8 +52,8 @@ def test_loss_and_gradients_equal_autograd_through_the_logits(dtype, tolerance, 
     num_items = 41  # the update's trained tokens, more than this micro-batch's
 
     def chunked(h, w, b, y):
-        kept = kept_rows * VOCAB
-        return label_log_probs(h, w, b, y, chunk_elements=chunk_rows * VOCAB, kept_elements=kept).log_probs
+        kept = kept_rows * VOCAB * torch.promote_types(dtype, torch.float32).itemsize
+        return label_log_probs(h, w, b, y, chunk_elements=chunk_rows * VOCAB, kept_bytes=kept).log_probs
 
     loss = sft_loss(chunked, hidden, weight, head_bias, labels, num_items, token_weights)
     grads = torch.autograd.grad(loss, params)
@@ -97,11 +97,11 @@ def test_differentiating_the_entropy_is_refused():
         out.entropy.sum().backward()
 
 
-def head_products(hidden, weight, labels, *, row_weights=None, kept_elements=0) -> float:
+def head_products(hidden, weight, labels, *, row_weights=None, kept_bytes=0) -> float:
     """Multiply-adds of a forward and backward of the (weighted) summed log-probabilities, in units of one
     ``hidden @ W^T``."""
     with FlopCounterMode(display=False) as counter:
-        log_probs = label_log_probs(hidden, weight, None, labels, kept_elements=kept_elements).log_probs
+        log_probs = label_log_probs(hidden, weight, None, labels, kept_bytes=kept_bytes).log_probs
         loss = log_probs.sum() if row_weights is None else (log_probs * row_weights).sum()
         torch.autograd.grad(loss, [t for t in (hidden, weight) if t.requires_grad])
     return counter.get_total_flops() / (2 * hidden.shape[0] * weight.shape[0] * weight.shape[1])
@@ -120,9 +120,9 @@ def test_per_row_weights_cost_two_and_three_products_with_the_rows_kept_and_one_
     hidden, weight, _, labels = inputs(torch.float32, bias=False)
     labels = labels.clamp(min=0)
     row_weights = torch.linspace(-1.0, 1.0, ROWS)
-    everything = ROWS * VOCAB
-    assert head_products(hidden.detach(), weight, labels, row_weights=row_weights, kept_elements=everything) == 2
-    assert head_products(hidden, weight, labels, row_weights=row_weights, kept_elements=everything) == 3
+    everything = ROWS * VOCAB * 4  # bytes of float32
+    assert head_products(hidden.detach(), weight, labels, row_weights=row_weights, kept_bytes=everything) == 2
+    assert head_products(hidden, weight, labels, row_weights=row_weights, kept_bytes=everything) == 3
     # without: logits, the head's gradient formed in the forward, then recomputed (logits and product) in backward
     assert head_products(hidden.detach(), weight, labels, row_weights=row_weights) == 4
 

@@ -16,11 +16,12 @@ held from the forward to the backward: one head-sized gradient (in float32 at le
 gradient the size of the rows' hidden states, besides one chunk of logits at a time.
 
 A loss whose ``g_i`` differ between rows and are known only after it is computed (DPO's: each sequence's sign and
-sigmoid weight, times beta) would have ``dW`` recomputed, three products in a pass without ``h``'s gradient. With
-``kept_elements`` the forward keeps ``-D_i = softmax(z_i) - onehot(y_i)`` instead, chunk by chunk up to that many
-values, and the backward forms every gradient of those rows from ``-g_i D_i``: one product per gradient, for any
-``g``. A pass then costs two products without ``h``'s gradient and three with it, for any loss; the price is the
-kept values (rows x vocabulary in the accumulation dtype) held from the forward to the backward.
+sigmoid weight, times beta) has ``dW`` formed in the forward and recomputed in the backward, four products in a
+pass without ``h``'s gradient (trl's kernel: three). With ``kept_bytes`` the forward keeps
+``-D_i = softmax(z_i) - onehot(y_i)`` instead, chunk by chunk up to that many bytes, and the backward forms every
+gradient of those rows from ``-g_i D_i``: one product per gradient, for any ``g``. A pass then costs two products
+without ``h``'s gradient and three with it, for any loss; the price is the kept values (rows x vocabulary in the
+accumulation dtype) held from the forward to the backward.
 
 Pure: nothing here knows about trainers or trl.
 """
@@ -57,20 +58,17 @@ def label_log_probs(
     *,
     metrics: bool = False,
     chunk_elements: int = CHUNK_ELEMENTS,
-    kept_elements: int = 0,
+    kept_bytes: int = 0,
 ) -> LabelLogProbs:
     """``log softmax(hidden @ weight.T + bias)[i, labels[i]]`` for each row, differentiable in ``hidden``, ``weight``
     and ``bias``, with the gradients formed in the forward (see the module); ``metrics`` adds the entropy, the
     top-1 flag and the mean logit, which take no gradient. ``labels`` must all be valid indices (drop ignored rows
     first).
 
-    ``kept_elements`` > 0 is for losses whose per-row weights differ (see the module): whole chunks of rows, from the
-    first, whose ``softmax - onehot`` fits in that many values keep it to the backward, which forms their gradients
-    from it; the other rows form the hidden states' gradient in the forward and recompute the head's in the
-    backward.
-
-    The logits are computed in the autocast dtype where autocast is on, else in ``hidden``'s; the softmax and the
-    returned values in that dtype promoted to at least float32; the gradients accumulated in it.
+    ``kept_bytes`` > 0 is for losses whose per-row weights differ (see the module): whole chunks of rows, from the
+    first, whose ``softmax - onehot`` (in the accumulation dtype) fits in that many bytes keep it to the backward,
+    which forms their gradients from it; the other rows form the hidden states' gradient in the forward and
+    recompute the head's in the backward.
     """
     if hidden.ndim != 2 or labels.shape != hidden.shape[:1]:
         raise ValueError(
@@ -79,6 +77,7 @@ def label_log_probs(
         )
     grad_enabled = torch.is_grad_enabled()
     needs = tuple(grad_enabled and t is not None and t.requires_grad for t in (hidden, weight, bias))
+    kept_elements = kept_bytes // _dtypes(hidden)[1].itemsize
     log_probs, entropy, is_top1, mean_logits = _LabelLogProbs.apply(
         hidden, weight, bias, labels, metrics, chunk_elements, kept_elements, needs
     )

@@ -125,6 +125,24 @@ def test_dpo_runs_the_policy_trunk_once_and_matches_two_forward_sam(
     assert max_param_diff(fresh_model(trainer), reference) > 1e-3
 
 
+def test_dpo_logs_trls_metrics_from_the_kept_head_as_from_trls_head(tmp_path, tokenizer):
+    """The first pass's head computes the fields trl's DPO metrics read (entropy, mean logit, top-1): a step with the
+    rows kept logs what the step with trl's head logs, rewards and log-probabilities included."""
+
+    def logged(path, head):
+        trainer = dpo_trainer(path, tokenizer, live_reference=True, max_steps=1, **HEAD_SAM, **DPO_HEADS[head])
+        trainer.train()
+        (entry,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+        return entry
+
+    kept, trl = logged(tmp_path / "kept", "kept"), logged(tmp_path / "trl", "trl")
+    metrics = ["entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy", "num_tokens", "loss"]
+    metrics += [f"rewards/{key}" for key in ("chosen", "rejected", "margins")] + ["logps/chosen", "logps/rejected"]
+    for name in metrics:
+        assert kept[name] == pytest.approx(trl[name], rel=1e-5, abs=1e-6), name
+    assert kept["logits/chosen"] != 0.0 and kept["entropy"] > 0
+
+
 def completion_log_probs_in_model_dtype(model, batch):
     """`tests.test_trl.completion_log_probs` without its float32 cast: log p(completion | prompt) of every row."""
     log_probs = torch.log_softmax(next_token_logits(model, batch), -1)

@@ -138,7 +138,8 @@ class FlatnessArguments:
             "forward to its backward, where DPO's per-sequence weights are known: the head's gradient then takes "
             "one product instead of trl's recomputed logits (two head products in the first pass, three in the "
             "second, against trl's three and four). Rows beyond it recompute their logits in the backward, as trl's "
-            "fused head does; 0 keeps trl's head. Held until that pass's backward, never in both passes at once."
+            "fused head does; 0 keeps trl's head. Held until that pass's backward, never in both passes at once; the "
+            "default is the size of one tile of trl's fused head (4,096 positions x 32,768 vocabulary entries)."
         },
     )
     sam_start_step: int = field(

@@ -249,7 +249,7 @@ class _TrlTrainerMixin:
                 model.forward = own_forward
 
     @contextlib.contextmanager
-    def _head_gradients_formed_in_forward(self, kept_bytes: int = 0) -> Iterator[None]:
+    def _head_scored_by_label_log_probs(self, kept_bytes: int = 0) -> Iterator[None]:
         """Both passes of a replayed output-layer SAM step score the policy's head with `forward_with_head_gradients`
         (the first with trl's metrics, the second without)."""
         model = self._fused_head_model
@@ -314,7 +314,7 @@ class FlatBiasSFTTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, SFTTrainer):
         if self.aux_loss_enabled:
             return None, "the router's load-balancing loss (a mixture of experts) is added in trl's fused forward"
         reason = why_head_gradients_stay_in_backward(self._fused_head_model)
-        return (None, reason) if reason is not None else (self._head_gradients_formed_in_forward, None)
+        return (None, reason) if reason is not None else (self._head_scored_by_label_log_probs, None)
 
     def loss_and_outputs(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch):
         loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
@@ -367,7 +367,7 @@ class FlatBiasDPOTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, DPOTrainer):
         if reason is not None:
             return None, reason
         kept_bytes = int(budget * 2**20)
-        return (lambda: self._head_gradients_formed_in_forward(kept_bytes)), None
+        return (lambda: self._head_scored_by_label_log_probs(kept_bytes)), None
 
     def _add_values_shared_by_passes(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         if self.precompute_ref_logps or all(key in inputs for key in _REFERENCE_KEYS):

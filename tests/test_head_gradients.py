@@ -125,6 +125,9 @@ def test_per_row_weights_cost_two_and_three_products_with_the_rows_kept_and_one_
     assert head_products(hidden, weight, labels, row_weights=row_weights, kept_bytes=everything) == 3
     # without: logits, the head's gradient formed in the forward, then recomputed (logits and product) in backward
     assert head_products(hidden.detach(), weight, labels, row_weights=row_weights) == 4
+    # a budget below one chunk keeps no row: the logits recomputed in the backward, as trl's head does
+    assert head_products(hidden.detach(), weight, labels, row_weights=row_weights, kept_bytes=4) == 3
+    assert head_products(hidden, weight, labels, row_weights=row_weights, kept_bytes=4) == 4
 
 
 def test_without_gradient_nothing_is_formed_and_no_rows_is_a_differentiable_zero():

@@ -77,7 +77,9 @@ def label_log_probs(
         )
     grad_enabled = torch.is_grad_enabled()
     needs = tuple(grad_enabled and t is not None and t.requires_grad for t in (hidden, weight, bias))
-    kept_elements = kept_bytes // _dtypes(hidden)[1].itemsize
+    # with rows to keep, the weights are taken to differ per row: the head's gradient of the rows not kept is then
+    # recomputed in the backward rather than formed in the forward too, even where no chunk fits
+    kept_elements = kept_bytes // _dtypes(hidden)[1].itemsize if kept_bytes > 0 else None
     log_probs, entropy, is_top1, mean_logits = _LabelLogProbs.apply(
         hidden, weight, bias, labels, metrics, chunk_elements, kept_elements, needs
     )
@@ -140,8 +142,8 @@ class _LabelLogProbs(torch.autograd.Function):
         is_top1 = torch.empty(rows_total, dtype=torch.bool, device=hidden.device) if metrics else None
         mean_logits = _mean_logits(hidden, weight, bias, compute, accumulate) if metrics else None
         grad_hidden = hidden.new_zeros(hidden.shape, dtype=accumulate) if need_hidden else None
-        # with rows kept the loss weighs rows unequally: the head's gradient of the others is recomputed in backward
-        head_in_forward = kept_elements == 0
+        head_in_forward = kept_elements is None
+        kept_elements = kept_elements or 0
         grad_weight = weight.new_zeros(weight.shape, dtype=accumulate) if need_weight and head_in_forward else None
         grad_bias = bias.new_zeros(bias.shape, dtype=accumulate) if need_bias and head_in_forward else None
         kept: list[torch.Tensor] = []

@@ -3,12 +3,15 @@
 Two config-built Llamas: one whose output layer is about a third of a step's matrix-multiply work and one where it is
 about a tenth, each trained by `FlatBiasTrainer` (causal-LM loss, full logits), `FlatBiasSFTTrainer` (trl's fused
 LM head) and `FlatBiasDPOTrainer` (trl's sigmoid DPO loss through its fused head, with a live reference model; a batch
-of ``batch / 2`` preference pairs is ``batch`` sequences, prompt and response each half of ``seq_len``). Three arms,
+of ``batch / 2`` preference pairs is ``batch`` sequences, prompt and response each half of ``seq_len`` unless
+``--prompt-share`` says otherwise). The arms,
 interleaved so that load on a shared machine hits them alike: the plain step (``flatness_method="none"``; for DPO
 trl's step, whose loss also runs the reference model's forward), output-layer SAM as it runs now (the second pass
 replays the trunk's outputs; in SFT both passes form the head's gradients in the forward instead of trl's fused head;
-DPO's passes run trl's fused head, the reference's log-probabilities computed once at the step's start), and
-output-layer SAM with the replay switched off (two whole forwards through trl's head, the step before the replay).
+in DPO both passes keep each trained row's ``softmax - onehot`` to the head's backward, the reference's
+log-probabilities computed once at the step's start), for DPO the same step with trl's fused head in both passes
+(``sam_kept_softmax_mib=0``, the step before the kept rows), and output-layer SAM with the replay switched off (two
+whole forwards through trl's head, the step before the replay).
 Step times are this process's CPU time (``time.process_time``), medians over repeats; the spread printed beside each
 ratio is the range of the per-repeat ratios (each repeat's median over its plain arm's median).
 
@@ -18,6 +21,7 @@ step ran it before (first pass: metrics, head gradient; second: both gradients, 
 `label_log_probs`'s two passes.
 
     python benchmarks/logits_sam_cost.py [--quick] [--repeats N] [--trainers NAME ...] [--no-two-forwards]
+        [--no-trl-head] [--prompt-share F]
 
 The head share printed is of the per-token multiply-adds: head ``V * H`` against the layers' projections plus the
 attention scores (``2 * seq_len * H`` per layer). The last lines are ``<model>_<trainer>_<arm>_ratio=X``: step time
@@ -67,6 +71,8 @@ TRL_TIMING_ARGUMENTS = dict(bf16=False, gradient_checkpointing=False, max_length
 ARMS = {
     "plain": dict(flatness_method="none"),
     "output_layer_sam": dict(flatness_method="sam", sam_parameters="output_layer"),
+    # DPO only: trl's fused head in both passes
+    "output_layer_sam_trl_head": dict(flatness_method="sam", sam_parameters="output_layer", sam_kept_softmax_mib=0),
     "output_layer_sam_two_forwards": dict(flatness_method="sam", sam_parameters="output_layer"),
 }
 #: The LM head alone: (head, metric fields computed, the hidden states take a gradient).
@@ -100,11 +106,11 @@ def head_share(vocab: int, hidden: int, layers: int, seq_len: int) -> float:
     return vocab * hidden / (vocab * hidden + layers * per_layer)
 
 
-def preference_pairs(rows: list[list[int]]) -> Dataset:
+def preference_pairs(rows: list[list[int]], prompt_share: float = 0.5) -> Dataset:
     """One preference pair of `word_tokenizer`'s words per two of ``rows`` (token ids from 5): the prompt the first
-    half of the first row, the responses the second halves of both, less one word for the end-of-sequence token trl
-    appends, so that every sequence is as long as a row."""
-    half = len(rows[0]) // 2
+    ``prompt_share`` of the first row, the responses the rest of both, less one word for the end-of-sequence token
+    trl appends, so that every sequence is as long as a row."""
+    half = max(1, round(len(rows[0]) * prompt_share))
 
     def text(ids: list[int]) -> str:
         return " ".join(f"w{token - 5}" for token in ids)
@@ -190,9 +196,28 @@ def main() -> None:
     parser.add_argument(
         "--two-forwards", action=argparse.BooleanOptionalAction, default=True, help="time the two-forward arm too"
     )
+    parser.add_argument(
+        "--trl-head",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time DPO's replayed step with trl's fused head too (sam_kept_softmax_mib=0)",
+    )
+    parser.add_argument(
+        "--prompt-share",
+        type=float,
+        default=0.5,
+        help="DPO: share of each sequence that is prompt (not scored by the loss). On a CPU trl's fused head scores "
+        "every position, the head of the replayed SAM step only the response's; a small share puts both on about "
+        "the same rows, as trl's GPU kernel (which scores only the response) does",
+    )
     args = parser.parse_args()
     trainers = tuple(args.trainers)
-    arms = [arm for arm in ARMS if args.two_forwards or arm != "output_layer_sam_two_forwards"]
+    skipped = {"output_layer_sam_two_forwards": not args.two_forwards, "output_layer_sam_trl_head": not args.trl_head}
+
+    def arms_of(trainer_name: str) -> list[str]:
+        dpo_only = trainer_name != "FlatBiasDPOTrainer" and "output_layer_sam_trl_head"
+        return [arm for arm in ARMS if not skipped.get(arm) and arm != dpo_only]
+
     models = QUICK_MODELS if args.quick else MODELS
     repeats = args.repeats or (2 if args.quick else 3)
     steps, batch, seq_len = (8, 4, 64) if args.quick else (10, 8, 128)
@@ -205,15 +230,17 @@ def main() -> None:
             rows=rows,
             tokenizer=make_tokenizer([f"w{i}" for i in range(shape[0] - 5)]),
             # word i is token 4 + i here (four special tokens, the end-of-sequence one among them)
-            pairs=preference_pairs(rows),
+            pairs=preference_pairs(rows, args.prompt_share),
             pair_tokenizer=word_tokenizer(shape[0] - 4),
         )
     times = interleaved_step_times(
-        [(m, t, a) for m in models for t in trainers for a in arms],
+        [(m, t, a) for m in models for t in trainers for a in arms_of(t)],
         lambda key: time_arm(key[1], key[2], data[key[0]], models[key[0]], seq_len, steps, batch),
         repeats,
     )
     print(f"batch {batch} x {seq_len} tokens, AdamW, torch threads {torch.get_num_threads()}, CPU time per step")
+    if "FlatBiasDPOTrainer" in trainers:
+        print(f"DPO prompt share {args.prompt_share} of each sequence")
     for model_name, shape in models.items():
         n_params = sum(p.numel() for p in build_llama(*shape, seq_len).parameters())
         share = head_share(*shape, seq_len)
@@ -222,13 +249,13 @@ def main() -> None:
         described = ", ".join(f"{arm} {median_step(t) * 1e3:.1f} ms" for arm, t in heads[model_name].items())
         print(f"  LM head alone, {batch * (seq_len - 1)} rows: {described}")
         for trainer_name in trainers:
-            medians = {arm: median_step(times[model_name, trainer_name, arm]) for arm in arms}
+            medians = {arm: median_step(times[model_name, trainer_name, arm]) for arm in arms_of(trainer_name)}
             count = sum(len(repeat) for repeat in times[model_name, trainer_name, "plain"])
             described = ", ".join(f"{arm} {value * 1e3:.1f} ms" for arm, value in medians.items())
             print(f"  {trainer_name}: {described} (medians of {count})")
     for model_name in models:
         for trainer_name in trainers:
-            for arm in arms[1:]:
+            for arm in arms_of(trainer_name)[1:]:
                 ratio, low, high = step_ratio(
                     times[model_name, trainer_name, arm], times[model_name, trainer_name, "plain"]
                 )

@@ -129,6 +129,19 @@ class FlatnessArguments:
             "sam_ascent_fraction < 1 or a compiled model."
         },
     )
+    sam_kept_softmax_mib: float = field(
+        default=512.0,
+        metadata={
+            "help": "Output-layer SAM in FlatBiasDPOTrainer with one trunk forward per step: MiB for the LM head's "
+            "softmax - onehot of each pass's trained rows (rows x vocabulary values in float32, float64 for a "
+            "float64 model; e.g. 4,096 response tokens of a 32k vocabulary take 512 MiB), kept from the head's "
+            "forward to its backward, where DPO's per-sequence weights are known: the head's gradient then takes "
+            "one product instead of trl's recomputed logits (two head products in the first pass, three in the "
+            "second, against trl's three and four). Rows beyond it recompute their logits in the backward, as trl's "
+            "fused head does; 0 keeps trl's head. Held until that pass's backward, never in both passes at once; the "
+            "default is the size of one tile of trl's fused head (4,096 positions x 32,768 vocabulary entries)."
+        },
+    )
     sam_start_step: int = field(
         default=0,
         metadata={"help": "First optimizer update (global step) that takes the SAM step; earlier updates are plain."},
@@ -284,6 +297,11 @@ class FlatnessArguments:
                 f"sam_rho_schedule={self.sam_rho_schedule!r} with sam_rho_warmup_steps={self.sam_rho_warmup_steps}: "
                 "'linear_warmup' needs sam_rho_warmup_steps >= 1 and 'constant' needs 0."
             )
+        budget = self.sam_kept_softmax_mib
+        if not _is_number(budget) or not math.isfinite(budget) or budget < 0:
+            raise ValueError(
+                f"sam_kept_softmax_mib must be a finite number >= 0 (got {budget!r}); 0 keeps trl's fused LM head."
+            )
         if not isinstance(self.sam_parameters, str) or not self.sam_parameters.strip():
             raise ValueError(
                 f"sam_parameters must be 'all', 'output_layer' or name patterns (got {self.sam_parameters!r})."
@@ -391,6 +409,7 @@ _NUMERIC_FIELDS = {
     "asam_eta": float,
     "sam_every_k": int,
     "sam_ascent_fraction": float,
+    "sam_kept_softmax_mib": float,
     "sam_start_step": int,
     "sam_end_step": int,
     "sam_rho_warmup_steps": int,

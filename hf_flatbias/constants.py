@@ -22,6 +22,7 @@ SAM_STEP_OPTION_NAMES = (
     "sam_preconditioner",
     "sam_ascent_fraction",
     "sam_parameters",
+    "sam_kept_softmax_mib",
     "sam_start_step",
     "sam_end_step",
     "sam_rho_schedule",
@@ -31,8 +32,11 @@ SAM_STEP_OPTIONS: dict[str, tuple[str, ...]] = {
     "sam": SAM_STEP_OPTION_NAMES,
     # ASAM's |w| scaling is its own geometry: no second preconditioner on top of it
     "asam": tuple(name for name in SAM_STEP_OPTION_NAMES if name != "sam_preconditioner"),
-    # Functional-SAM needs dL/dF at w on every row, so its first pass cannot be cut to a share of them
-    "functional_sam": tuple(name for name in SAM_STEP_OPTION_NAMES if name != "sam_ascent_fraction"),
+    # Functional-SAM needs dL/dF at w on every row, so its first pass cannot be cut to a share of them, and its second
+    # pass differentiates a surrogate, not the head's log-probabilities
+    "functional_sam": tuple(
+        name for name in SAM_STEP_OPTION_NAMES if name not in ("sam_ascent_fraction", "sam_kept_softmax_mib")
+    ),
 }
 
 IGNORE_INDEX = -100

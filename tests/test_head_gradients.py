@@ -1,7 +1,8 @@
 """`label_log_probs`: the label log-probabilities of a linear head with the gradients formed in the forward, against
 autograd through the materialised logits (float64 and float32), in chunks with an uneven last one, ignored labels
 dropped as trl's SFT loss drops them, token-sum losses over ``num_items_in_batch``, per-token weights (the recomputed
-path), and the number of head-sized products each pass costs."""
+path, and ``softmax - onehot`` kept to the backward for all rows or the first chunks), and the number of head-sized
+products each pass costs."""
 
 from __future__ import annotations
 
@@ -42,14 +43,17 @@ def materialised(hidden, weight, bias, labels):
 @pytest.mark.parametrize("chunk_rows", [1000, 4])  # one chunk; 4-row chunks, the last of 28 trained rows uneven
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("per_token", [False, True])  # DFT-like weights: the head's gradient recomputed in backward
-def test_loss_and_gradients_equal_autograd_through_the_logits(dtype, tolerance, chunk_rows, bias, per_token):
+# rows whose softmax - onehot is kept to the backward: none, the first 3 chunks of 4 rows (or none of one chunk), all
+@pytest.mark.parametrize("kept_rows", [0, 12, ROWS])
+def test_loss_and_gradients_equal_autograd_through_the_logits(dtype, tolerance, chunk_rows, bias, per_token, kept_rows):
     hidden, weight, head_bias, labels = inputs(dtype, bias=bias)
     params = [t for t in (hidden, weight, head_bias) if t is not None]
     token_weights = torch.rand(ROWS, generator=torch.Generator().manual_seed(1), dtype=dtype) if per_token else None
     num_items = 41  # the update's trained tokens, more than this micro-batch's
 
     def chunked(h, w, b, y):
-        return label_log_probs(h, w, b, y, chunk_elements=chunk_rows * VOCAB).log_probs
+        kept = kept_rows * VOCAB * torch.promote_types(dtype, torch.float32).itemsize
+        return label_log_probs(h, w, b, y, chunk_elements=chunk_rows * VOCAB, kept_bytes=kept).log_probs
 
     loss = sft_loss(chunked, hidden, weight, head_bias, labels, num_items, token_weights)
     grads = torch.autograd.grad(loss, params)
@@ -79,6 +83,10 @@ def test_metrics_are_the_softmax_entropy_and_the_first_argmax(dtype):
     assert float((out.entropy - (-(log_p.exp() * log_p).sum(-1))).abs().max()) < tolerance
     assert torch.equal(out.is_top1, logits.argmax(-1) == labels)
     assert not out.is_top1[0] and out.is_top1[1]
+    assert float((out.mean_logits - logits.mean(-1)).abs().max()) < tolerance
+    # with a bias (row 0's logits were overwritten above)
+    with_bias = label_log_probs(hidden, weight, head_bias, labels, metrics=True).mean_logits
+    assert float((with_bias[1:] - logits[1:].mean(-1)).abs().max()) < tolerance
     assert label_log_probs(hidden, weight, head_bias, labels).entropy is None
 
 
@@ -89,10 +97,12 @@ def test_differentiating_the_entropy_is_refused():
         out.entropy.sum().backward()
 
 
-def head_products(hidden, weight, labels) -> float:
-    """Multiply-adds of a forward and backward of the summed log-probabilities, in units of one ``hidden @ W^T``."""
+def head_products(hidden, weight, labels, *, row_weights=None, kept_bytes=0) -> float:
+    """Multiply-adds of a forward and backward of the (weighted) summed log-probabilities, in units of one
+    ``hidden @ W^T``."""
     with FlopCounterMode(display=False) as counter:
-        loss = label_log_probs(hidden, weight, None, labels).log_probs.sum()
+        log_probs = label_log_probs(hidden, weight, None, labels, kept_bytes=kept_bytes).log_probs
+        loss = log_probs.sum() if row_weights is None else (log_probs * row_weights).sum()
         torch.autograd.grad(loss, [t for t in (hidden, weight) if t.requires_grad])
     return counter.get_total_flops() / (2 * hidden.shape[0] * weight.shape[0] * weight.shape[1])
 
@@ -102,6 +112,22 @@ def test_a_pass_costs_two_head_products_without_the_hidden_gradient_and_three_wi
     labels = labels.clamp(min=0)
     assert head_products(hidden.detach(), weight, labels) == 2  # logits, weight gradient; the backward only scales
     assert head_products(hidden, weight, labels) == 3  # and the hidden states' gradient
+
+
+def test_per_row_weights_cost_two_and_three_products_with_the_rows_kept_and_one_more_without():
+    """DPO-like weights, different per row and known only after the forward: with ``softmax - onehot`` kept the
+    backward forms each gradient once; without, the head's gradient recomputes the logits."""
+    hidden, weight, _, labels = inputs(torch.float32, bias=False)
+    labels = labels.clamp(min=0)
+    row_weights = torch.linspace(-1.0, 1.0, ROWS)
+    everything = ROWS * VOCAB * 4  # bytes of float32
+    assert head_products(hidden.detach(), weight, labels, row_weights=row_weights, kept_bytes=everything) == 2
+    assert head_products(hidden, weight, labels, row_weights=row_weights, kept_bytes=everything) == 3
+    # without: logits, the head's gradient formed in the forward, then recomputed (logits and product) in backward
+    assert head_products(hidden.detach(), weight, labels, row_weights=row_weights) == 4
+    # a budget below one chunk keeps no row: the logits recomputed in the backward, as trl's head does
+    assert head_products(hidden.detach(), weight, labels, row_weights=row_weights, kept_bytes=4) == 3
+    assert head_products(hidden, weight, labels, row_weights=row_weights, kept_bytes=4) == 4
 
 
 def test_without_gradient_nothing_is_formed_and_no_rows_is_a_differentiable_zero():

@@ -4,6 +4,8 @@ on the micro-batches trl's dataloader yields."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 
 import pytest
@@ -58,9 +60,43 @@ def test_sft_runs_the_trunk_once_and_matches_two_forward_sam(tmp_path, tokenizer
     assert max_param_diff(fresh_model(trainer), reference) > 1e-3
 
 
+#: How the policy's head runs in DPO's replayed step: every row's softmax - onehot kept to the backward (the default
+#: budget), none kept (a budget below one chunk: the head's gradient recomputed in the backward), trl's fused head.
+DPO_HEADS = {"kept": {}, "recomputed": {"sam_kept_softmax_mib": 1e-6}, "trl": {"sam_kept_softmax_mib": 0}}
+
+
+@contextlib.contextmanager
+def dpo_heads_counted():
+    """The calls, inside the block, of `label_log_probs` (with the bytes it may keep) and of trl's fused kernel."""
+    import trl.trainer.utils as trl_utils
+
+    import hf_flatbias.integrations.trl as integration
+
+    calls = {"kept_bytes": [], "trl": 0}
+    label_log_probs, kernel = integration.label_log_probs, trl_utils._ChunkedLogProbFunction
+
+    def counted_head(*args, **kwargs):
+        calls["kept_bytes"].append(kwargs.get("kept_bytes", 0))
+        return label_log_probs(*args, **kwargs)
+
+    def counted_kernel(*args):
+        calls["trl"] += 1
+        return kernel.apply(*args)
+
+    integration.label_log_probs = counted_head
+    trl_utils._ChunkedLogProbFunction = type("Counted", (), {"apply": staticmethod(counted_kernel)})
+    try:
+        yield calls
+    finally:
+        integration.label_log_probs, trl_utils._ChunkedLogProbFunction = label_log_probs, kernel
+
+
+@pytest.mark.parametrize("head", list(DPO_HEADS))
 @pytest.mark.parametrize("live_reference", [False, True])
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_dpo_runs_the_policy_trunk_once_and_matches_two_forward_sam(tmp_path, tokenizer, live_reference, accumulation):
+def test_dpo_runs_the_policy_trunk_once_and_matches_two_forward_sam(
+    tmp_path, tokenizer, live_reference, accumulation, head
+):
     trainer = dpo_trainer(
         tmp_path,
         tokenizer,
@@ -68,14 +104,101 @@ def test_dpo_runs_the_policy_trunk_once_and_matches_two_forward_sam(tmp_path, to
         per_device_train_batch_size=4 // accumulation,
         gradient_accumulation_steps=accumulation,
         **HEAD_SAM,
+        **DPO_HEADS[head],
     )
     counter = CallCounter(trainer.model.model.layers[0])
     loss = dpo_loss_function(fresh_model(trainer).eval(), beta=0.5)
     reference = reference_head_sam_sgd(fresh_model(trainer), updates_of(trainer), loss)
-    trainer.train()
-    assert counter.calls == trainer.args.max_steps * accumulation
+    with dpo_heads_counted() as calls:
+        trainer.train()
+    micro_batches = trainer.args.max_steps * accumulation
+    assert counter.calls == micro_batches
+    # the live reference model's log-probabilities: trl's head once per micro-batch
+    reference_calls = micro_batches if live_reference else 0
+    if head == "trl":
+        assert calls == {"kept_bytes": [], "trl": reference_calls + 2 * micro_batches}
+    else:
+        budget = int(trainer.args.sam_kept_softmax_mib * 2**20)
+        assert calls == {"kept_bytes": [budget] * (2 * micro_batches), "trl": reference_calls}
     difference = max_param_diff(trainer.model, reference)
     assert difference < 1e-6, difference
+    assert max_param_diff(fresh_model(trainer), reference) > 1e-3
+
+
+def test_dpo_logs_trls_metrics_from_the_kept_head_as_from_trls_head(tmp_path, tokenizer):
+    """The first pass's head computes the fields trl's DPO metrics read (entropy, mean logit, top-1): a step with the
+    rows kept logs what the step with trl's head logs, rewards and log-probabilities included."""
+
+    def logged(path, head):
+        trainer = dpo_trainer(path, tokenizer, live_reference=True, max_steps=1, **HEAD_SAM, **DPO_HEADS[head])
+        trainer.train()
+        (entry,) = [entry for entry in trainer.state.log_history if "loss" in entry]
+        return entry
+
+    kept, trl = logged(tmp_path / "kept", "kept"), logged(tmp_path / "trl", "trl")
+    metrics = ["entropy", "logits/chosen", "logits/rejected", "mean_token_accuracy", "num_tokens", "loss"]
+    metrics += [f"rewards/{key}" for key in ("chosen", "rejected", "margins")] + ["logps/chosen", "logps/rejected"]
+    for name in metrics:
+        assert kept[name] == pytest.approx(trl[name], rel=1e-5, abs=1e-6), name
+    assert kept["logits/chosen"] != 0.0 and kept["entropy"] > 0
+
+
+def completion_log_probs_in_model_dtype(model, batch):
+    """`tests.test_trl.completion_log_probs` without its float32 cast: log p(completion | prompt) of every row."""
+    log_probs = torch.log_softmax(next_token_logits(model, batch), -1)
+    per_token = log_probs.gather(-1, batch["input_ids"][:, 1:].unsqueeze(-1)).squeeze(-1)
+    return (per_token * batch["completion_mask"][:, 1:]).sum(1)
+
+
+@pytest.mark.parametrize("head", ["kept", "recomputed"])
+def test_dpo_float64_step_with_the_head_formed_after_the_loss_equals_the_plain_reference(tmp_path, tokenizer, head):
+    """Float64, 2 updates of 2 micro-batches, a live reference model (its log-probabilities from the full logits in
+    float64): the step whose head keeps ``softmax - onehot`` to the backward (or recomputes it there) equals the
+    plain two-forward SAM written from DPO's definition to 1e-12. The rows' weights differ in sign (chosen, rejected)
+    and in each pair's sigmoid factor, so a kept row scaled by another row's weight, or by one shared factor, moves
+    the perturbation (measured with a fault in the first pass only: its rows all scaled by their mean weight, 6.7e-3
+    from the reference after 2 updates; each row by the previous row's weight, 3.3e-3; the float32 test above then
+    misses by 4.6e-3 to 1.0e-2)."""
+    from hf_flatbias import FlatBiasDPOTrainer
+    from tests.helpers.distributed_sam_script import fused_head_in_model_dtype
+    from tests.helpers.tiny_models import tiny_llama
+    from tests.test_trl import dpo_config, preference_rows
+
+    model = tiny_llama(len(tokenizer)).double()
+    args = dpo_config(
+        tmp_path,
+        precompute_ref_log_probs=False,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        **HEAD_SAM,
+        **DPO_HEADS[head],
+    )
+    with fused_head_in_model_dtype():
+        trainer = FlatBiasDPOTrainer(
+            model=model,
+            ref_model=copy.deepcopy(model),
+            args=args,
+            train_dataset=preference_rows(),
+            processing_class=tokenizer,
+        )
+        frozen = fresh_model(trainer).eval()
+        references: dict[int, torch.Tensor] = {}
+
+        def loss(policy, batch, update):
+            if id(batch) not in references:
+                with torch.no_grad():
+                    references[id(batch)] = completion_log_probs_in_model_dtype(frozen, batch)
+            ratios = completion_log_probs_in_model_dtype(policy, batch) - references[id(batch)]
+            chosen, rejected = ratios.chunk(2)
+            return -torch.nn.functional.logsigmoid(0.5 * (chosen - rejected)).mean() / len(update)
+
+        reference = reference_head_sam_sgd(fresh_model(trainer), updates_of(trainer), loss)
+        with dpo_heads_counted() as calls:
+            trainer.train()
+    assert len(calls["kept_bytes"]) == 8 and calls["trl"] == 4  # policy's two passes; the reference's forward
+    difference = max_param_diff(trainer.model, reference)
+    assert difference < 1e-12, difference
     assert max_param_diff(fresh_model(trainer), reference) > 1e-3
 
 

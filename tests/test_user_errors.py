@@ -588,7 +588,16 @@ def test_a_refused_recipe_under_accelerate_launch_quiet_ends_with_its_own_line(r
 
 
 @pytest.mark.parametrize(
-    "name", ["sam_rho", "asam_eta", "sam_ascent_fraction", "looksam_alpha", "penalty_lambda", "penalty_fd_step"]
+    "name",
+    [
+        "sam_rho",
+        "asam_eta",
+        "sam_ascent_fraction",
+        "sam_kept_softmax_mib",
+        "looksam_alpha",
+        "penalty_lambda",
+        "penalty_fd_step",
+    ],
 )
 def test_a_boolean_for_a_float_flatness_field_is_refused_as_sam_every_k_is(name, tmp_path):
     """Issue 39, item 4: True is an int to Python; sam_every_k=True was refused and sam_rho=True accepted."""
@@ -598,6 +607,23 @@ def test_a_boolean_for_a_float_flatness_field_is_refused_as_sam_every_k_is(name,
         FlatBiasConfig(str(tmp_path), flatness_method="sam", report_to="none", **{name: True})
     with pytest.raises(ValueError, match="sam_every_k must be an integer >= 1 \\(got True\\)"):
         FlatBiasConfig(str(tmp_path), flatness_method="sam", report_to="none", sam_every_k=True)
+
+
+def test_sam_kept_softmax_mib_is_a_size_of_sam_steps(tmp_path):
+    """A negative or non-finite size, or one given to a method that never keeps softmax rows, is refused at
+    construction with the fix; a YAML string is read as a number."""
+    from hf_flatbias import FlatBiasConfig
+
+    for value in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="sam_kept_softmax_mib must be a finite number >= 0 .*0 keeps trl's"):
+            FlatBiasConfig(str(tmp_path), flatness_method="sam", report_to="none", sam_kept_softmax_mib=value)
+    for method in ("none", "functional_sam", "grad_norm_penalty"):
+        with pytest.raises(
+            ValueError, match="sam_kept_softmax_mib=0 applies to flatness_method in \\['sam', 'asam'\\]"
+        ):
+            FlatBiasConfig(str(tmp_path), flatness_method=method, report_to="none", sam_kept_softmax_mib=0)
+    config = FlatBiasConfig(str(tmp_path), flatness_method="asam", report_to="none", sam_kept_softmax_mib="64")
+    assert config.sam_kept_softmax_mib == 64.0
 
 
 def test_sam_start_step_at_or_past_max_steps_is_refused(tmp_path):

@@ -13,8 +13,10 @@ what trl's ``compute_loss`` does besides the loss, handled through the mixin's h
 * DPO computes the reference model's log-probabilities inside the loss: they are computed once per micro-batch at
   the start of a flatness step and both passes read them, as with ``precompute_ref_log_probs=True``;
 * trl's fused head recomputes its logits in the backward (four head products per pass): for output-layer SAM with the
-  trunk replayed, SFT's passes run a fused forward whose head forms its gradients in the forward instead
-  (`forward_with_head_gradients`; two products in the first pass, three in the second).
+  trunk replayed, the passes run a fused forward whose head forms its gradients without that recompute
+  (`forward_with_head_gradients`; two products in the first pass, three in the second): SFT's in the forward, DPO's
+  in the backward from each row's ``softmax - onehot`` kept from the forward (its per-token weights are known only
+  after the loss).
 """
 
 from __future__ import annotations
@@ -100,12 +102,15 @@ def why_head_gradients_stay_in_backward(model: nn.Module) -> str | None:
     return None
 
 
-def forward_with_head_gradients(model: nn.Module, metrics: Callable[[], bool]) -> Callable[..., Any]:
+def forward_with_head_gradients(
+    model: nn.Module, metrics: Callable[[], bool], kept_bytes: int = 0
+) -> Callable[..., Any]:
     """A forward for ``model``, which trl gave its fused LM head, whose fused path (``fused_lm_head=True``) returns
-    what trl's returns, the head's label log-probabilities from `label_log_probs` (gradients formed in the forward;
-    only the trained positions scored), with the entropy and top-1 fields where ``metrics()`` says so at the call
-    (zeros elsewhere). For the models `why_head_gradients_stay_in_backward` accepts; ``model.forward`` is left as it
-    was and answers every other call."""
+    what trl's returns, the head's label log-probabilities from `label_log_probs` (gradients formed in the forward,
+    or with ``kept_bytes`` > 0 from ``softmax - onehot`` kept to the backward for up to that many bytes of rows; only
+    the trained positions scored), with the entropy, mean-logit and top-1 fields where ``metrics()`` says so at the
+    call (zeros elsewhere). For the models `why_head_gradients_stay_in_backward` accepts; ``model.forward`` is left
+    as it was and answers every other call."""
     fused_forward = model.forward
 
     def forward(*args: Any, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
@@ -123,7 +128,9 @@ def forward_with_head_gradients(model: nn.Module, metrics: Callable[[], bool]) -
         hidden, labels = hidden.to(head.weight.device), labels.to(head.weight.device)
         mask = labels != -100
         with_metrics = metrics()
-        rows = label_log_probs(hidden[mask], head.weight, head.bias, labels[mask], metrics=with_metrics)
+        rows = label_log_probs(
+            hidden[mask], head.weight, head.bias, labels[mask], metrics=with_metrics, kept_bytes=kept_bytes
+        )
 
         def per_position(values: torch.Tensor) -> torch.Tensor:
             # keeps the loss connected to the model when no label is trained: a differentiable zero
@@ -136,6 +143,7 @@ def forward_with_head_gradients(model: nn.Module, metrics: Callable[[], bool]) -
             loss=-log_probs.sum() / count,
             log_probs=log_probs,
             entropy=per_position(rows.entropy) if with_metrics else zeros,
+            mean_logits=per_position(rows.mean_logits) if with_metrics else zeros,
             is_top1=per_position(rows.is_top1) if with_metrics else zeros.bool(),
             label_mask=mask,
         )
@@ -240,6 +248,21 @@ class _TrlTrainerMixin:
             if self._forward_without_metrics is not None:
                 model.forward = own_forward
 
+    @contextlib.contextmanager
+    def _head_scored_by_label_log_probs(self, kept_bytes: int = 0) -> Iterator[None]:
+        """Both passes of a replayed output-layer SAM step score the policy's head with `forward_with_head_gradients`
+        (the first with trl's metrics, the second without)."""
+        model = self._fused_head_model
+        own_forward = model.__dict__.get("forward")
+        model.forward = forward_with_head_gradients(model, lambda: not self._metrics_suspended, kept_bytes)
+        try:
+            yield
+        finally:
+            if own_forward is None:
+                del model.forward
+            else:
+                model.forward = own_forward
+
 
 class FlatBiasSFTTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, SFTTrainer):
     """trl's [`~trl.SFTTrainer`] whose steps seek flat minima; takes a [`FlatBiasSFTConfig`].
@@ -291,20 +314,7 @@ class FlatBiasSFTTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, SFTTrainer):
         if self.aux_loss_enabled:
             return None, "the router's load-balancing loss (a mixture of experts) is added in trl's fused forward"
         reason = why_head_gradients_stay_in_backward(self._fused_head_model)
-        return (None, reason) if reason is not None else (self._head_gradients_formed_in_forward, None)
-
-    @contextlib.contextmanager
-    def _head_gradients_formed_in_forward(self) -> Iterator[None]:
-        model = self._fused_head_model
-        own_forward = model.__dict__.get("forward")
-        model.forward = forward_with_head_gradients(model, lambda: not self._metrics_suspended)
-        try:
-            yield
-        finally:
-            if own_forward is None:
-                del model.forward
-            else:
-                model.forward = own_forward
+        return (None, reason) if reason is not None else (self._head_scored_by_label_log_probs, None)
 
     def loss_and_outputs(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch):
         loss = self.compute_loss(model, dict(inputs), num_items_in_batch=num_items_in_batch)
@@ -338,6 +348,26 @@ class FlatBiasDPOTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, DPOTrainer):
         the response."""
         prompt, chosen = list(row["prompt_ids"]), list(row["chosen_ids"])
         return [{"input_ids": prompt + chosen, "completion_mask": [0] * len(prompt) + [1] * len(chosen)}]
+
+    def head_gradients_in_forward(self):
+        """Output-layer SAM with the trunk replayed: both passes run `forward_with_head_gradients` with the rows'
+        ``softmax - onehot`` kept to the backward (``sam_kept_softmax_mib``), since DPO weighs each sequence's tokens
+        by a factor its loss knows only once both sequences of a pair are summed; trl's fused head where that is 0
+        or the model or loss is one it does not cover."""
+        budget = self.args.sam_kept_softmax_mib
+        if budget == 0:
+            return None, "sam_kept_softmax_mib=0 keeps trl's fused LM head"
+        if self._forward_without_metrics is None:
+            return None, "the model has no trl fused LM head"
+        if self.use_weighting:
+            return None, "use_weighting=True (WPO) reads the head's log_sum_sq_probs, which that head does not compute"
+        if self.aux_loss_enabled:
+            return None, "the router's load-balancing loss (a mixture of experts) is added in trl's fused forward"
+        reason = why_head_gradients_stay_in_backward(self._fused_head_model)
+        if reason is not None:
+            return None, reason
+        kept_bytes = int(budget * 2**20)
+        return (lambda: self._head_scored_by_label_log_probs(kept_bytes)), None
 
     def _add_values_shared_by_passes(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         if self.precompute_ref_logps or all(key in inputs for key in _REFERENCE_KEYS):

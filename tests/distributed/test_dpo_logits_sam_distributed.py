@@ -15,6 +15,9 @@ compute that head from the full logits in float64 (`fused_head_in_model_dtype`),
 plain-PyTorch reference (`tests.test_trl.dpo_loss_function`) takes its log-softmax in float32, so it is held to
 1e-6 (measured 1.5-1.6e-8).
 
+Each rank's policy head keeps its rows' ``softmax - onehot`` to the backward in both passes (trl's head scores the
+reference model only): 2 processes are 5.6e-17 from 1 at accumulation 1 and 2 (measured).
+
 Under ZeRO-3 (2 processes) the policy's trunk still runs once per micro-batch, and trl's head (which gathers its
 partitioned weight) three times: the reference model's, sharded by trl too, and the policy's clean and perturbed
 passes. DeepSpeed keeps the optimizer's master weights in float32 and writes them back into the float64 model, so the
@@ -102,10 +105,13 @@ def test_two_processes_equal_one_process_on_the_global_batch(launched, case, tmp
     two = [load(launched, case["name"], rank)["params"] for rank in (0, 1)]
     one = one_process_run(tmp_path, case)
     micro_batches = STEPS * case["args"]["gradient_accumulation_steps"]
+    # the policy's head with its softmax - onehot kept, in both passes; trl's for the reference model only
+    heads = {"head_gradient_forwards": 2 * micro_batches, "trl_kernel_calls": micro_batches}
     for rank in (0, 1):
         result = json.loads((launched / f"{case['name']}.rank{rank}.json").read_text())
         assert result["world_size"] == 2
         assert result["first_layer_forwards"] == micro_batches, "one policy trunk forward per micro-batch"
+        assert {key: result[key] for key in heads} == heads, "each rank ran the kept-softmax head"
     differences = {name: max_difference(two[0], one[name]) for name in ("trained", "reference", "initial")}
     assert max_difference(two[0], two[1]) == 0.0
     assert differences["trained"] < 1e-10

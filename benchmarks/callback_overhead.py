@@ -20,7 +20,9 @@ load hits every arm alike: ``plain`` (no callback), ``callback`` (the callback w
 defaults by default) and ``budgeted-final`` (the same with ``full_final_measurement=False``: the final measurement
 sized by the budget like the others, the default before it was made whole). For each run with a callback it prints
 the final measurement's CPU seconds as a multiple of one training step (the median CPU seconds between a step's
-start and end in the same run) and as a share of the run's training (its CPU seconds less the callback's own).
+start and end in the same run) and as a share of the run's training (its CPU seconds less the callback's own), and
+apart from it the interim measurements' share (every measurement before the final one: those ``max_overhead``
+budgets).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/callback_overhead.py [--repeats 2]
         [--callback '{"max_overhead": null}'] [--model bert-base --project]
@@ -29,7 +31,8 @@ start and end in the same run) and as a share of the run's training (its CPU sec
 
 Last lines: ``callback_wall_ratio=X`` and ``callback_overhead_ratio=X`` (with the run without the callback: wall and
 CPU seconds) and ``callback_in_run_ratio=X``; with ``--arms``, ``<arm>_ratio=X`` (CPU seconds over the same
-repeat's ``plain``), ``<arm>_in_run_ratio=X`` and ``<arm>_final_steps=X`` for each arm with a callback.
+repeat's ``plain``), ``<arm>_in_run_ratio=X``, ``<arm>_final_steps=X`` and ``<arm>_interim_share=X`` for each arm
+with a callback.
 """
 
 from __future__ import annotations
@@ -252,7 +255,7 @@ def compare_arms(args, options: dict, tokenizer, train_rows, eval_rows) -> None:
         raise SystemExit(f"--arms {args.arms!r}: {unknown or 'none'} unknown; choose from {', '.join(ARMS)}.")
     settings = {"plain": None, "budgeted-final": {**options, "full_final_measurement": False}, "callback": options}
     cpu = {arm: [] for arm in arms}
-    ratio, in_run, final_steps, final_share, step_seconds = ({arm: [] for arm in arms} for _ in range(5))
+    ratio, in_run, final_steps, final_share, interim_share, step_seconds = ({arm: [] for arm in arms} for _ in range(6))
     for repeat in range(args.repeats):
         order = arms[repeat % len(arms) :] + arms[: repeat % len(arms)]
         seconds = {}
@@ -271,10 +274,14 @@ def compare_arms(args, options: dict, tokenizer, train_rows, eval_rows) -> None:
             )
             if callback is not None:
                 training = seconds[arm] - callback.cpu_seconds
+                # the last measurement is the final one (taken at the last step); those before it are the interim
+                # ones the budget sizes
                 final = callback.cpu_per_measurement[-1]
+                interim = sum(callback.cpu_per_measurement[:-1])
                 in_run[arm].append(seconds[arm] / training)
                 final_steps[arm].append(final / clock.step())
                 final_share[arm].append(final / training)
+                interim_share[arm].append(interim / training)
                 measurements = ", ".join(
                     f"step {e['step']}: {e['n_contexts']} contexts in {cpu_s:.1f} CPU s, {e['trace']:.1f} +- "
                     f"{e['stderr']:.1f}"
@@ -283,7 +290,8 @@ def compare_arms(args, options: dict, tokenizer, train_rows, eval_rows) -> None:
                 line += (
                     f"; callback {callback.cpu_seconds:.1f} CPU s (in-run ratio {in_run[arm][-1]:.3f}); final "
                     f"measurement {final:.1f} CPU s = {final_steps[arm][-1]:.2f} steps = {final_share[arm][-1]:.3f} "
-                    f"of the run's training; measurements: {measurements}"
+                    f"of the run's training; interim measurements {interim:.1f} CPU s = {interim_share[arm][-1]:.3f} "
+                    f"of it; measurements: {measurements}"
                 )
             print(line, flush=True)
         if "plain" in seconds:
@@ -297,6 +305,7 @@ def compare_arms(args, options: dict, tokenizer, train_rows, eval_rows) -> None:
         if in_run[arm]:
             print(f"{arm}_in_run_ratio={spread(in_run[arm])}")
             print(f"{arm}_final_steps={spread(final_steps[arm])} (final share of training {spread(final_share[arm])})")
+            print(f"{arm}_interim_share={spread(interim_share[arm])} (interim measurements' CPU s / training's)")
 
 
 def main() -> None:

@@ -20,7 +20,8 @@ gives min / median / max over rounds.
 
 Memory: each arm runs in a fresh subprocess (model built, one warm-up call of the arm on 2 contexts), its peak
 resident set above the resident set just before the measured call (freed memory handed back with malloc_trim, the
-peak reset through /proc/self/clear_refs: `large_model_trace.PeakMemory`, Linux only).
+peak reset through /proc/self/clear_refs: `large_model_trace.PeakMemory`, Linux only). ``--memory-only`` skips the
+timing (the 335M shapes' memory without their CPU minutes of timing).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python benchmarks/trace_floor.py --models bert15m,bert110m,llama100m --rounds 3
 
@@ -210,6 +211,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--memory-only", action="store_true", help="only the peak memory of each arm, no timing")
     parser.add_argument("--per-call", type=int, default=0, help="also the fixed cost per call, in batches of this")
     parser.add_argument("--json", default=None)
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
@@ -234,7 +236,9 @@ def main() -> None:
         arms = args.arms.split(",")
         if name in args.diagonal_models.split(",") and "diagonal" not in arms:
             arms.append("diagonal")
-        result = timing(name, arms, args.n_contexts, args.seq_len, args.rounds)
+        if args.memory_only:
+            arms = [a for a in arms if a != "diagonal"]
+        result = {"model": name} if args.memory_only else timing(name, arms, args.n_contexts, args.seq_len, args.rounds)
         if not args.no_memory:
             result["peak_bytes"] = memory(name, [a for a in arms if a != "diagonal"], args.n_contexts, args.seq_len)
         results.append(result)
@@ -244,12 +248,14 @@ def main() -> None:
         f"\n{torch.__version__}, {torch.get_num_threads()} thread(s), {args.n_contexts} contexts x {args.seq_len} "
         f"tokens in one batch, {args.rounds} rounds, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}"
     )
-    if results:
+    if any("ratios" in r for r in results):
         print(
             "| model | parameters | arm | CPU s (median) | first call CPU s | / training fwd+bwd (min / median / max) |"
         )
         print("|---|---|---|---|---|---|")
     for r in results:
+        if "ratios" not in r:
+            continue
         for arm, values in r["ratios"].items():
             seconds = r["seconds"].get(arm)
             median_s = f"{statistics.median(seconds):.2f}" if seconds else ""
@@ -267,7 +273,7 @@ def main() -> None:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=2)
     for r in results:
-        for arm, values in r["ratios"].items():
+        for arm, values in r.get("ratios", {}).items():
             key = arm.replace("/", "_over_")
             print(f"{key}{'' if '/' in arm else '_over_training'}[{r['model']}]={statistics.median(values):.3f}")
         for arm, peak in r.get("peak_bytes", {}).items():

@@ -224,7 +224,9 @@ def enlarged_trace(run: ClaimsRun, record: dict[str, Any]) -> dict[str, float]:
     branch = BertForMaskedLM.from_pretrained(record["checkpoint"]).eval()
     largest = max(rules.WIDTHS)
     if branch.config.hidden_size != largest:
-        branch = enlarge(branch, bert_config(len(language.tokenizer), hidden=largest, layers=branch.config.num_hidden_layers))
+        branch = enlarge(
+            branch, bert_config(len(language.tokenizer), hidden=largest, layers=branch.config.num_hidden_layers)
+        )
     trace = estimate_hessian_trace(
         branch,
         language.trace_contexts,

@@ -4,7 +4,6 @@ on the micro-batches trl's dataloader yields."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 
@@ -14,6 +13,7 @@ import torch
 pytest.importorskip("trl")
 
 from tests.helpers.tiny_models import word_tokenizer  # noqa: E402
+from tests.helpers.trl_heads import head_paths_counted  # noqa: E402
 from tests.test_logits_sam import CallCounter, max_param_diff, reference_head_sam_sgd  # noqa: E402
 from tests.test_trl import (  # noqa: E402
     N_WORDS,
@@ -65,32 +65,6 @@ def test_sft_runs_the_trunk_once_and_matches_two_forward_sam(tmp_path, tokenizer
 DPO_HEADS = {"kept": {}, "recomputed": {"sam_kept_softmax_mib": 1e-6}, "trl": {"sam_kept_softmax_mib": 0}}
 
 
-@contextlib.contextmanager
-def dpo_heads_counted():
-    """The calls, inside the block, of `label_log_probs` (with the bytes it may keep) and of trl's fused kernel."""
-    import trl.trainer.utils as trl_utils
-
-    import hf_flatbias.integrations.trl as integration
-
-    calls = {"kept_bytes": [], "trl": 0}
-    label_log_probs, kernel = integration.label_log_probs, trl_utils._ChunkedLogProbFunction
-
-    def counted_head(*args, **kwargs):
-        calls["kept_bytes"].append(kwargs.get("kept_bytes", 0))
-        return label_log_probs(*args, **kwargs)
-
-    def counted_kernel(*args):
-        calls["trl"] += 1
-        return kernel.apply(*args)
-
-    integration.label_log_probs = counted_head
-    trl_utils._ChunkedLogProbFunction = type("Counted", (), {"apply": staticmethod(counted_kernel)})
-    try:
-        yield calls
-    finally:
-        integration.label_log_probs, trl_utils._ChunkedLogProbFunction = label_log_probs, kernel
-
-
 @pytest.mark.parametrize("head", list(DPO_HEADS))
 @pytest.mark.parametrize("live_reference", [False, True])
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -109,17 +83,25 @@ def test_dpo_runs_the_policy_trunk_once_and_matches_two_forward_sam(
     counter = CallCounter(trainer.model.model.layers[0])
     loss = dpo_loss_function(fresh_model(trainer).eval(), beta=0.5)
     reference = reference_head_sam_sgd(fresh_model(trainer), updates_of(trainer), loss)
-    with dpo_heads_counted() as calls:
+    with head_paths_counted() as calls:
         trainer.train()
     micro_batches = trainer.args.max_steps * accumulation
     assert counter.calls == micro_batches
     # the live reference model's log-probabilities: trl's head once per micro-batch
     reference_calls = micro_batches if live_reference else 0
     if head == "trl":
-        assert calls == {"kept_bytes": [], "trl": reference_calls + 2 * micro_batches}
+        assert calls == {
+            "head_gradient_forwards": 0,
+            "kept_bytes": [],
+            "trl_kernel_calls": reference_calls + 2 * micro_batches,
+        }
     else:
         budget = int(trainer.args.sam_kept_softmax_mib * 2**20)
-        assert calls == {"kept_bytes": [budget] * (2 * micro_batches), "trl": reference_calls}
+        assert calls == {
+            "head_gradient_forwards": 2 * micro_batches,
+            "kept_bytes": [budget] * (2 * micro_batches),
+            "trl_kernel_calls": reference_calls,
+        }
     difference = max_param_diff(trainer.model, reference)
     assert difference < 1e-6, difference
     assert max_param_diff(fresh_model(trainer), reference) > 1e-3
@@ -194,9 +176,10 @@ def test_dpo_float64_step_with_the_head_formed_after_the_loss_equals_the_plain_r
             return -torch.nn.functional.logsigmoid(0.5 * (chosen - rejected)).mean() / len(update)
 
         reference = reference_head_sam_sgd(fresh_model(trainer), updates_of(trainer), loss)
-        with dpo_heads_counted() as calls:
+        with head_paths_counted() as calls:
             trainer.train()
-    assert len(calls["kept_bytes"]) == 8 and calls["trl"] == 4  # policy's two passes; the reference's forward
+    # the policy's two passes through ours; trl's kernel for the reference's forward
+    assert len(calls["kept_bytes"]) == 8 and calls["trl_kernel_calls"] == 4
     difference = max_param_diff(trainer.model, reference)
     assert difference < 1e-12, difference
     assert max_param_diff(fresh_model(trainer), reference) > 1e-3

@@ -33,6 +33,7 @@ from transformers import BertConfig, BertForMaskedLM  # noqa: E402
 
 from tests.helpers import tiny_models  # noqa: E402
 from tests.helpers.tiny_models import SEQ_LEN, VOCAB, tiny_classifier, word_tokenizer  # noqa: E402
+from tests.helpers.trl_heads import head_paths_counted  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = REPO_ROOT / "recipes" / "configs"
@@ -341,33 +342,6 @@ def sft_trainer(values: dict):
     values = dict(values)
     output_dir = values.pop("output_dir")
     return trl_sft_trainer(output_dir, word_tokenizer(N_WORDS), "completion_only", dtype=torch.float64, **values)
-
-
-@contextlib.contextmanager
-def head_paths_counted() -> Iterator[dict[str, int]]:
-    """How often this process runs, inside the block, the head that forms its gradients in the forward
-    (`label_log_probs`) and trl's own fused-head kernel."""
-    import trl.trainer.utils as trl_utils
-
-    import hf_flatbias.integrations.trl as integration
-
-    counts = {"head_gradient_forwards": 0, "trl_kernel_calls": 0}
-    label_log_probs, kernel = integration.label_log_probs, trl_utils._ChunkedLogProbFunction
-
-    def counted_head(*args, **kwargs):
-        counts["head_gradient_forwards"] += 1
-        return label_log_probs(*args, **kwargs)
-
-    def counted_kernel(*args):
-        counts["trl_kernel_calls"] += 1
-        return kernel.apply(*args)
-
-    integration.label_log_probs = counted_head
-    trl_utils._ChunkedLogProbFunction = type("CountedKernel", (), {"apply": staticmethod(counted_kernel)})
-    try:
-        yield counts
-    finally:
-        integration.label_log_probs, trl_utils._ChunkedLogProbFunction = label_log_probs, kernel
 
 
 def dpo_trainer(values: dict):

@@ -132,6 +132,32 @@ def completion_log_probs_in_model_dtype(model, batch):
     return (per_token * batch["completion_mask"][:, 1:]).sum(1)
 
 
+def float64_dpo_trainer(path, tokenizer, **fields):
+    """DPO of a fresh float64 `tiny_llama` with a live reference copy, 2 updates of 2 micro-batches of 2 pairs,
+    output-layer SAM; ``fields`` are further config fields."""
+    from hf_flatbias import FlatBiasDPOTrainer
+    from tests.helpers.tiny_models import tiny_llama
+    from tests.test_trl import dpo_config, preference_rows
+
+    model = tiny_llama(len(tokenizer)).double()
+    args = dpo_config(
+        path,
+        precompute_ref_log_probs=False,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        **HEAD_SAM,
+        **fields,
+    )
+    return FlatBiasDPOTrainer(
+        model=model,
+        ref_model=copy.deepcopy(model),
+        args=args,
+        train_dataset=preference_rows(),
+        processing_class=tokenizer,
+    )
+
+
 @pytest.mark.parametrize("head", ["kept", "recomputed"])
 def test_dpo_float64_step_with_the_head_formed_after_the_loss_equals_the_plain_reference(tmp_path, tokenizer, head):
     """Float64, 2 updates of 2 micro-batches, a live reference model (its log-probabilities from the full logits in
@@ -141,29 +167,10 @@ def test_dpo_float64_step_with_the_head_formed_after_the_loss_equals_the_plain_r
     the perturbation (measured with a fault in the first pass only: its rows all scaled by their mean weight, 6.7e-3
     from the reference after 2 updates; each row by the previous row's weight, 3.3e-3; the float32 test above then
     misses by 4.6e-3 to 1.0e-2)."""
-    from hf_flatbias import FlatBiasDPOTrainer
     from tests.helpers.distributed_sam_script import fused_head_in_model_dtype
-    from tests.helpers.tiny_models import tiny_llama
-    from tests.test_trl import dpo_config, preference_rows
 
-    model = tiny_llama(len(tokenizer)).double()
-    args = dpo_config(
-        tmp_path,
-        precompute_ref_log_probs=False,
-        max_steps=2,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        **HEAD_SAM,
-        **DPO_HEADS[head],
-    )
     with fused_head_in_model_dtype():
-        trainer = FlatBiasDPOTrainer(
-            model=model,
-            ref_model=copy.deepcopy(model),
-            args=args,
-            train_dataset=preference_rows(),
-            processing_class=tokenizer,
-        )
+        trainer = float64_dpo_trainer(tmp_path, tokenizer, **DPO_HEADS[head])
         frozen = fresh_model(trainer).eval()
         references: dict[int, torch.Tensor] = {}
 
@@ -309,31 +316,11 @@ def test_dpo_kept_head_equals_trls_head_for_other_losses_and_token_weights(tmp_p
     train as with trl's own head: float64 (both heads exact there), 2 updates of 2 micro-batches, a live reference.
     Measured with a fault in the kept head's backward (every token's weight given the mean magnitude, its own sign):
     all four miss by 3.5e-3 to 6.6e-2."""
-    from hf_flatbias import FlatBiasDPOTrainer
     from tests.helpers.distributed_sam_script import fused_head_in_model_dtype
-    from tests.helpers.tiny_models import tiny_llama
-    from tests.test_trl import dpo_config, preference_rows
 
     def trained(head):
-        model = tiny_llama(len(tokenizer)).double()
-        args = dpo_config(
-            tmp_path / head,
-            precompute_ref_log_probs=False,
-            max_steps=2,
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=2,
-            **HEAD_SAM,
-            **DPO_HEADS[head],
-            **loss,
-        )
         with fused_head_in_model_dtype(), head_paths_counted() as calls:
-            trainer = FlatBiasDPOTrainer(
-                model=model,
-                ref_model=copy.deepcopy(model),
-                args=args,
-                train_dataset=preference_rows(),
-                processing_class=tokenizer,
-            )
+            trainer = float64_dpo_trainer(tmp_path / head, tokenizer, **DPO_HEADS[head], **loss)
             trainer.train()
         assert calls["head_gradient_forwards"] == (8 if head == "kept" else 0)
         return trainer.model, fresh_model(trainer)

@@ -18,7 +18,7 @@ the contractions of its factors) live in `hf_flatbias.flatness.ghost_layers`. No
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -53,8 +53,9 @@ class GhostNormRecorder:
             modules acting elementwise through 1-D parameters (RMSNorm and its kin) are measured; the others are
             listed in `unsupported`, and `check_unsupported_unused` refuses them if the forward uses them.
 
-    Use as a context manager around the forward; then call `outputs()` for the tensors to differentiate,
-    `set_grad_outputs(...)` with their gradients, and `squared_norms(...)`.
+    Use as a context manager around the forward; then `gradients_at_outputs(root, grad_root)` (one backward that
+    reaches every recorded output) and `squared_norms(...)`, or `streamed_squared_norm_terms`, which forms each
+    layer's terms as its gradient arrives.
     """
 
     def __init__(self, model: nn.Module, params: Sequence[nn.Parameter]) -> None:
@@ -85,6 +86,7 @@ class GhostNormRecorder:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._checked: set[nn.Module] = set()
         self._probing = False
+        self._receive: Callable[[LayerCall, torch.Tensor], None] | None = None
 
     def _covered_ids(self) -> set[int]:
         return {id(p) for module in self._kinds for p in self._measured[module].values()}
@@ -207,6 +209,9 @@ class GhostNormRecorder:
         # leaf reaches them all and their gradients can be consumed as they arrive (`streamed_squared_norm_terms`)
         output = output + self._anchor(output)
         call.output = output
+        # the hook lives on the graph, not on the tensor: the output itself can be let go (`release_outputs`) where
+        # the graph does not save it
+        output.register_hook(partial(self._arrived, call))
         self.calls.append(call)
         return output
 
@@ -215,8 +220,41 @@ class GhostNormRecorder:
             self._anchors[output.device] = torch.zeros((), device=output.device, requires_grad=True)
         return self._anchors[output.device]
 
-    def outputs(self) -> list[torch.Tensor]:
-        return [call.output for call in self.calls]
+    def release_outputs(self) -> None:
+        """Drop the recorder's references to the recorded outputs. Those the graph does not save (a projection
+        whose output only feeds an add or a rotary product, about a third of a decoder layer's outputs) are then freed
+        at once instead of at the end of the measurement; their gradients still arrive (`gradients_at_outputs`)."""
+        for call in self.calls:
+            call.output = None
+
+    def _arrived(self, call: LayerCall, grad: torch.Tensor) -> None:
+        # a call dropped by `_refuse` after its output was hooked is no longer measured
+        if self._receive is not None and call.module in self._kinds:
+            self._receive(call, grad)
+
+    def _store(self, call: LayerCall, grad: torch.Tensor) -> None:
+        call.grad_output = grad
+
+    def gradients_at_outputs(
+        self,
+        root: torch.Tensor,
+        grad_root: torch.Tensor,
+        *,
+        retain_graph: bool = False,
+        receive: Callable[[LayerCall, torch.Tensor], None] | None = None,
+    ) -> None:
+        """One backward of ``grad_root`` from ``root`` that reaches every recorded output: each call's gradient goes
+        to ``receive(call, grad)`` as it arrives, or by default into ``call.grad_output`` (``None`` for a call the
+        root does not depend on)."""
+        for call in self.calls:
+            call.grad_output = None
+        self._receive = self._store if receive is None else receive
+        try:
+            if self.calls:
+                anchors = list(self._anchors.values())
+                torch.autograd.grad(root, anchors, grad_root, retain_graph=retain_graph, allow_unused=True)
+        finally:
+            self._receive = None
 
     def set_grad_outputs(self, grads: Sequence[torch.Tensor | None]) -> None:
         for call, grad in zip(self.calls, grads, strict=True):
@@ -292,7 +330,7 @@ class GhostNormRecorder:
         return total
 
     def _device(self) -> torch.device:
-        return self.calls[0].output.device if self.calls else self.params[0].device
+        return self.calls[0].inputs.device if self.calls else self.params[0].device
 
     def streamed_squared_norm_terms(
         self,
@@ -327,14 +365,7 @@ class GhostNormRecorder:
             own = own + own_part
             call.grad_output = None
 
-        handles = [call.output.register_hook(partial(receive, call)) for call in self.calls]
-        try:
-            if self.calls:
-                anchors = list(self._anchors.values())
-                torch.autograd.grad(root, anchors, grad_root, retain_graph=retain_graph, allow_unused=True)
-        finally:
-            for handle in handles:
-                handle.remove()
+        self.gradients_at_outputs(root, grad_root, retain_graph=retain_graph, receive=receive)
         parts, own_part = self.squared_norm_terms(split_self_terms_of, own_terms=own_terms, calls=held)
         by_parameter.update(parts)
         for call in held:

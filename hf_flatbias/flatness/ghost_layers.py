@@ -30,12 +30,13 @@ class LayerCall:
 
     ``output_scale`` is the constant an embedding subclass multiplies its lookup by (Gemma's ``sqrt(hidden)``);
     ``coefficients`` holds, for an elementwise module, ``d output / d parameter`` per parameter name (the normalised
-    input for an RMSNorm weight), shaped like the output.
+    input for an RMSNorm weight), shaped like the output. ``output`` is let go after the forward
+    (`GhostNormRecorder.release_outputs`): its gradient arrives through a hook.
     """
 
     module: nn.Module
     inputs: torch.Tensor
-    output: torch.Tensor
+    output: torch.Tensor | None
     grad_output: torch.Tensor | None = None
     output_scale: float = 1.0
     coefficients: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -61,16 +61,16 @@ def per_sample_bytes_per_context(model: nn.Module, contexts: TraceContexts, inde
     positions = torch.tensor([contexts.positions[index]], device=batch["input_ids"].device)
     with torch.enable_grad(), recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         logits = logits_at_positions(model, batch, positions)
-    outputs = recorder.outputs()
-    if outputs:
+    # the estimator lets go of the outputs the graph does not save (the saved ones were counted as saved tensors)
+    recorder.release_outputs()
+    if recorder.calls:
         probs = torch.softmax(logits.detach()[:, 0].double(), dim=-1)
         grad_logits = (-probs).to(logits.dtype).unsqueeze(1)
         grad_logits[0, 0, int(probs.argmax())] += 1.0
-        grads = torch.autograd.grad(logits, outputs, grad_outputs=grad_logits, allow_unused=True)
-        recorder.set_grad_outputs(grads)
+        recorder.gradients_at_outputs(logits, grad_logits)
         recorder.squared_norms()
         for call in recorder.calls:
-            for tensor in (call.output, call.grad_output, *call.coefficients.values()):
+            for tensor in (call.grad_output, *call.coefficients.values()):
                 if tensor is not None:
                     count(tensor)
         for gram in recorder._cache._grams.values():

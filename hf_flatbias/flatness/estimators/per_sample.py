@@ -136,9 +136,10 @@ def _per_sample_batch(
     zero3_hooks.snapshot()
     probs = torch.softmax(logits.detach()[:, 0].double(), dim=-1)
     probes = OutputProbes(probs, indices, n_draws, settings.seed, settings.output_probe)
-    outputs = recorder.outputs()
     decoder = check_lm_model(model)
     decoder_call = next((c for c in recorder.calls if c.module is decoder and _are_the_logits(c.output, logits)), None)
+    # the outputs the graph does not save (a decoder layer's query, key, attention and MLP projections) go now
+    recorder.release_outputs()
     use_expectation = settings.exact_output_expectation and decoder_call is not None
     if use_expectation:
         # E ||c||^2 = Tr(diag(p) - pp^T) = 1 - ||p||^2 for either cotangent, times what multiplies the output gradient
@@ -166,9 +167,7 @@ def _per_sample_batch(
                 # the check is of a sampled label's gradient, as its tests measure its power (a draw of signs can
                 # hide a missed term that a label shows): one more backward, once per model
                 labelled = probes.first_label_cotangents()
-                _validate_by_backward(
-                    model, contexts, indices, params, logits, outputs, labelled, recorder, zero3_hooks
-                )
+                _validate_by_backward(model, contexts, indices, params, logits, labelled, recorder, zero3_hooks)
                 validate = False
         zero3_hooks.rearm()
         retain_graph = k < n_draws - 1 or validate
@@ -179,15 +178,7 @@ def _per_sample_batch(
                 logits, grad_logits, decoder_call, own_terms=not use_expectation, retain_graph=retain_graph
             )
         else:
-            # no recorded output: none of the parameters reaches the logits, and every norm is zero
-            grads = (
-                torch.autograd.grad(
-                    logits, outputs, grad_outputs=grad_logits, retain_graph=retain_graph, allow_unused=True
-                )
-                if outputs
-                else []
-            )
-            recorder.set_grad_outputs(grads)
+            recorder.gradients_at_outputs(logits, grad_logits, retain_graph=retain_graph)
             if diagonal is not None:
                 # the per-sample norms come from the same squares as the diagonal: no Gram matrices
                 by_parameter, own = add_squared_gradients(
@@ -208,8 +199,7 @@ def _per_sample_batch(
             _validate_against_autograd(model, contexts, indices[0], params, cotangent[:1], recorder)
             validate = False
         # this draw's gradients at every layer output (about one activation's worth) go before the next backward
-        # forms its own, and the last ones drop their references to the graph
-        grads = None
+        # forms its own
         recorder.set_grad_outputs([None] * len(recorder.calls))
     return values, group_values, forward_seconds, time.perf_counter() - start
 
@@ -261,7 +251,6 @@ def _validate_by_backward(
     indices: Sequence[int],
     params: Sequence[nn.Parameter],
     logits: torch.Tensor,
-    outputs: Sequence[torch.Tensor],
     cotangents: torch.Tensor,
     recorder: GhostNormRecorder,
     zero3_hooks: Zero3BackwardHooks,
@@ -269,12 +258,7 @@ def _validate_by_backward(
     """`_validate_against_autograd` of the cotangents (B, V), from a backward of their own that keeps the graph."""
     zero3_hooks.rearm()
     grad_logits = cotangents.to(logits.dtype).unsqueeze(1)
-    grads = (
-        torch.autograd.grad(logits, outputs, grad_outputs=grad_logits, retain_graph=True, allow_unused=True)
-        if outputs
-        else []
-    )
-    recorder.set_grad_outputs(grads)
+    recorder.gradients_at_outputs(logits, grad_logits, retain_graph=True)
     try:
         _validate_against_autograd(model, contexts, indices[0], params, cotangents[:1], recorder)
     finally:

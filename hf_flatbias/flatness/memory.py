@@ -1,7 +1,8 @@
 """How many contexts one ``per_sample`` batch may hold within a memory budget (``batch_size="auto"``).
 
-A batch's working memory grows linearly with the number of contexts: the forward's saved activations, the recorded
-layer outputs and their gradients, the norms' coefficients and the per-context Gram matrices. One real forward and
+A batch's working memory grows linearly with the number of contexts: the forward's saved activations (the recorded
+layer outputs the graph does not save are let go after the forward), the gradients at the recorded outputs, the
+norms' coefficients and the per-context Gram matrices. One real forward and
 draw on the longest context, with every tensor it keeps counted once, gives the bytes per context; the model's own
 weights are resident whatever the batch (under FSDP2 and ZeRO-3 one gathered module's at a time), so the budget is on
 top of them; it also covers the largest tensor's gradient, which the estimator's one-context check against a plain

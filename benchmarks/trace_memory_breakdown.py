@@ -3,7 +3,7 @@ training pass's), counted tensor by tensor, each storage once:
 
 - ``graph``: the tensors the forward's autograd graph saves for the backward (weights and buffers left out);
 - ``outputs_not_in_graph``: the recorded layer outputs the graph does not save, which the recorder held until the end
-  of the measurement before `GhostNormRecorder.release_outputs` (now freed after the forward);
+  of the measurement before it held them weakly (issue 35, sixth pass; now freed as the forward goes);
 - ``coefficients``: the elementwise norms' ``d output / d weight`` (RMSNorm), held per call;
 - ``largest_output_gradient``: the largest single gradient at a recorded output, what one draw's streamed backward
   holds per layer in flight on top of the backward's own tensors.
@@ -62,17 +62,28 @@ def breakdown(model: torch.nn.Module, n_contexts: int, seq_len: int) -> dict[str
 
     recorder = GhostNormRecorder(model, measured_parameters(model))
     recorder.batch_size = len(indices)
+    outputs: list[torch.Tensor] = []  # the recorded (anchored) outputs, held here to be counted
+
+    def keep(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            outputs.append(output)
+
     with torch.enable_grad(), recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        # after the recorder's own hook, which it puts first
+        handles = [module.register_forward_hook(keep) for module in recorder._kinds]
         logits_at_positions(model, batch, positions)
+        for handle in handles:
+            handle.remove()
     found: dict[str, dict[int, int]] = collections.defaultdict(dict)
-    for call in recorder.calls:
-        storage = call.output.untyped_storage()
+    for output in outputs:
+        storage = output.untyped_storage()
         if storage.data_ptr() not in saved:
             found["outputs_not_in_graph"][storage.data_ptr()] = storage.nbytes()
+    for call in recorder.calls:
         for coefficient in call.coefficients.values():
             storage = coefficient.untyped_storage()
             found["coefficients"][storage.data_ptr()] = storage.nbytes()
-    largest = max((call.output.numel() * call.output.element_size() for call in recorder.calls), default=0)
+    largest = max((output.numel() * output.element_size() for output in outputs), default=0)
     return {
         "calls": len(recorder.calls),
         "graph_mib": sum(saved.values()) / MIB,

@@ -18,6 +18,7 @@ the contractions of its factors) live in `hf_flatbias.flatness.ghost_layers`. No
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -52,14 +53,19 @@ class GhostNormRecorder:
             `Conv1D`, `nn.Embedding` (also a subclass scaling its lookup by a constant), `nn.LayerNorm` and of
             modules acting elementwise through 1-D parameters (RMSNorm and its kin) are measured; the others are
             listed in `unsupported`, and `check_unsupported_unused` refuses them if the forward uses them.
+        keep_outputs_of: modules whose recorded outputs stay held (`LayerCall.output`), e.g. the decoder, whose
+            output the caller compares with the logits; the others are held weakly.
 
     Use as a context manager around the forward; then `gradients_at_outputs(root, grad_root)` (one backward that
     reaches every recorded output) and `squared_norms(...)`, or `streamed_squared_norm_terms`, which forms each
     layer's terms as its gradient arrives.
     """
 
-    def __init__(self, model: nn.Module, params: Sequence[nn.Parameter]) -> None:
+    def __init__(
+        self, model: nn.Module, params: Sequence[nn.Parameter], keep_outputs_of: Sequence[nn.Module] = ()
+    ) -> None:
         self.model = model
+        self._keep_outputs_of = tuple(keep_outputs_of)
         self.params = list(params)
         wanted = {id(p) for p in self.params}
         self._kinds: dict[nn.Module, str] = {}
@@ -174,7 +180,7 @@ class GhostNormRecorder:
             self._refuse(module, f"a {type(module).__name__} called with other than one tensor argument")
             return None
         inputs = args[0]
-        call = LayerCall(module=module, inputs=inputs.detach(), output=output)
+        call = LayerCall(module=module, inputs=inputs.detach(), output_ref=weakref.ref(output))
         if kind == "embedding":
             scale = embedding_output_scale(module, inputs, output)
             if scale is None:
@@ -202,15 +208,15 @@ class GhostNormRecorder:
             # A broadcast call (e.g. position embeddings of shape (1, T, d)) serves every sample: expanding it
             # here gives each sample its own gradient at the output.
             output = output.expand(self.batch_size, *output.shape[1:])
-            call.output = output
             call.inputs = call.inputs.expand(self.batch_size, *call.inputs.shape[1:])
             call.coefficients = {name: c.expand(self.batch_size, *c.shape[1:]) for name, c in call.coefficients.items()}
         # a zero leaf added to every recorded output puts each on a path to one tensor, so that one backward to that
         # leaf reaches them all and their gradients can be consumed as they arrive (`streamed_squared_norm_terms`)
         output = output + self._anchor(output)
-        call.output = output
-        # the hook lives on the graph, not on the tensor: the output itself can be let go (`release_outputs`) where
-        # the graph does not save it
+        # held weakly, its gradient caught by a hook that lives on the graph, not on the tensor: an output the graph
+        # does not save is freed as soon as the forward is done with it
+        kept = any(module is m for m in self._keep_outputs_of)
+        call.output_ref = (lambda: output) if kept else weakref.ref(output)
         output.register_hook(partial(self._arrived, call))
         self.calls.append(call)
         return output
@@ -219,13 +225,6 @@ class GhostNormRecorder:
         if output.device not in self._anchors:
             self._anchors[output.device] = torch.zeros((), device=output.device, requires_grad=True)
         return self._anchors[output.device]
-
-    def release_outputs(self) -> None:
-        """Drop the recorder's references to the recorded outputs. Those the graph does not save (a projection
-        whose output only feeds an add or a rotary product, about a third of a decoder layer's outputs) are then freed
-        at once instead of at the end of the measurement; their gradients still arrive (`gradients_at_outputs`)."""
-        for call in self.calls:
-            call.output = None
 
     def _arrived(self, call: LayerCall, grad: torch.Tensor) -> None:
         # a call dropped by `_refuse` after its output was hooked is no longer measured

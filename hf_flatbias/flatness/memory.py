@@ -62,8 +62,6 @@ def per_sample_bytes_per_context(model: nn.Module, contexts: TraceContexts, inde
     positions = torch.tensor([contexts.positions[index]], device=batch["input_ids"].device)
     with torch.enable_grad(), recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         logits = logits_at_positions(model, batch, positions)
-    # the estimator lets go of the outputs the graph does not save (the saved ones were counted as saved tensors)
-    recorder.release_outputs()
     if recorder.calls:
         probs = torch.softmax(logits.detach()[:, 0].double(), dim=-1)
         grad_logits = (-probs).to(logits.dtype).unsqueeze(1)

@@ -128,7 +128,8 @@ def _per_sample_batch(
     start = time.perf_counter()
     batch = contexts.model_inputs(indices, model)
     positions = torch.tensor([contexts.positions[i] for i in indices], device=batch["input_ids"].device)
-    recorder = GhostNormRecorder(model, params)
+    decoder = check_lm_model(model)
+    recorder = GhostNormRecorder(model, params, keep_outputs_of=(decoder,))
     recorder.batch_size = len(indices)
     zero3_hooks = Zero3BackwardHooks(model)
     with recorder:
@@ -136,10 +137,7 @@ def _per_sample_batch(
     zero3_hooks.snapshot()
     probs = torch.softmax(logits.detach()[:, 0].double(), dim=-1)
     probes = OutputProbes(probs, indices, n_draws, settings.seed, settings.output_probe)
-    decoder = check_lm_model(model)
     decoder_call = next((c for c in recorder.calls if c.module is decoder and _are_the_logits(c.output, logits)), None)
-    # the outputs the graph does not save (a decoder layer's query, key, attention and MLP projections) go now
-    recorder.release_outputs()
     use_expectation = settings.exact_output_expectation and decoder_call is not None
     if use_expectation:
         # E ||c||^2 = Tr(diag(p) - pp^T) = 1 - ||p||^2 for either cotangent, times what multiplies the output gradient
@@ -227,13 +225,13 @@ def _add_expected_output_diagonal(
         diagonal[id(param)] += value
 
 
-def _are_the_logits(output: torch.Tensor, logits: torch.Tensor) -> bool:
+def _are_the_logits(output: torch.Tensor | None, logits: torch.Tensor) -> bool:
     """Whether the decoder's output is the model's logits, or an identity of them (ZeRO-3 wraps module outputs in
     autograd functions that pass values through): the output expectation holds only then, not after a softcap or a
     scale."""
     if output is logits:
         return True
-    return output.shape == logits.shape and torch.equal(output.detach(), logits.detach())
+    return output is not None and output.shape == logits.shape and torch.equal(output.detach(), logits.detach())
 
 
 def _sum_by_group(

@@ -40,6 +40,13 @@ from .ghost_layers import (
     outer_squared_norm,
 )
 
+
+def _deliver(recorder: weakref.ref[GhostNormRecorder], call: LayerCall, grad: torch.Tensor) -> None:
+    alive = recorder()
+    if alive is not None:
+        alive._arrived(call, grad)
+
+
 # the records a recorder hands out stay importable from here, where their users (ghost_diagonal) look for them
 __all__ = ["GhostNormRecorder", "LayerCall", "OuterFactors", "ParamUses"]
 
@@ -148,6 +155,7 @@ class GhostNormRecorder:
 
     def __enter__(self) -> GhostNormRecorder:
         self.calls = []
+        self._kept_outputs: list[torch.Tensor] = []
         self._anchors: dict[torch.device, torch.Tensor] = {}
         self._cache = GramCache()
         self._static_views: dict[int, dict] = {}
@@ -215,9 +223,12 @@ class GhostNormRecorder:
         output = output + self._anchor(output)
         # held weakly, its gradient caught by a hook that lives on the graph, not on the tensor: an output the graph
         # does not save is freed as soon as the forward is done with it
-        kept = any(module is m for m in self._keep_outputs_of)
-        call.output_ref = (lambda: output) if kept else weakref.ref(output)
-        output.register_hook(partial(self._arrived, call))
+        call.output_ref = weakref.ref(output)
+        if any(module is m for m in self._keep_outputs_of):
+            self._kept_outputs.append(output)
+        # the hook holds the recorder weakly: the graph it lives on must not keep the recorder (and, through the kept
+        # outputs, the graph itself) alive in a reference cycle after the measurement
+        output.register_hook(partial(_deliver, weakref.ref(self), call))
         self.calls.append(call)
         return output
 

@@ -70,7 +70,7 @@ def captured_dense_uses(model, rows, n_draws: int = 2) -> list[tuple[tuple[int, 
             {
                 key: (use.param.shape, use.outer[0][1])
                 for key, use in recorder.parameter_uses().items()
-                if len(use.outer) == 1 and use.outer[0][1].left is not None and use.outer[0][0].output.shape[1] > 1
+                if len(use.outer) == 1 and use.outer[0][1].left is not None and use.outer[0][1].right.shape[1] > 1
             }
         )
         return add_squared_gradients(recorder, totals, **kwargs)

@@ -62,3 +62,42 @@ def test_auto_batch_size_gives_the_same_estimate():
     assert auto.mean == pytest.approx(fixed.mean, rel=1e-6)
     with pytest.raises(ValueError, match="'auto'"):
         estimate_hessian_trace(model, rows, batch_size="big")
+
+
+def test_the_recorder_holds_only_what_the_graph_saves_and_no_graph_after_it():
+    """The recorded outputs the graph does not save (the query and output projections of a Llama layer) are freed
+    as the forward goes, their gradients still reach the recorder, and nothing of a measurement outlives it."""
+    import gc
+    import weakref
+
+    from hf_flatbias.flatness.ghost import GhostNormRecorder
+    from hf_flatbias.flatness.lm import logits_at_positions
+
+    model = _llama()
+    contexts = TraceContexts.from_rows(_rows(3, 8), causal=True)
+    batch = contexts.model_inputs([0, 1, 2], model)
+    decoder = model.get_output_embeddings()
+    recorder = GhostNormRecorder(model, list(model.parameters()), keep_outputs_of=(decoder,))
+    recorder.batch_size = 3
+    with recorder:
+        logits = logits_at_positions(model, batch, torch.tensor(contexts.positions))
+    names = {module: name for name, module in model.named_modules()}
+    freed = {names[call.module].split(".")[-1] for call in recorder.calls if call.output is None}
+    assert {"q_proj", "o_proj", "down_proj"} <= freed
+    assert next(call for call in recorder.calls if call.module is decoder).output is logits
+    grad = torch.ones_like(logits)
+    recorder.gradients_at_outputs(logits, grad, retain_graph=True)
+    assert all(call.grad_output is not None for call in recorder.calls)
+    # the same gradients as autograd's at the outputs the graph keeps
+    kept = [call for call in recorder.calls if call.output is not None]
+    expected = torch.autograd.grad(logits, [call.output for call in kept], grad, retain_graph=True)
+    for call, reference in zip(kept, expected, strict=True):
+        torch.testing.assert_close(call.grad_output, reference, rtol=0, atol=0)
+    # no reference cycle: the graph and the recorder go with the last references to them, without the collector
+    gc.disable()
+    try:
+        recorder_ref, logits_ref = weakref.ref(recorder), weakref.ref(logits)
+        del recorder, logits, kept, expected, call, reference
+        assert recorder_ref() is None and logits_ref() is None
+    finally:
+        gc.enable()

@@ -18,7 +18,8 @@ the contractions of its factors) live in `hf_flatbias.flatness.ghost_layers`. No
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -39,6 +40,13 @@ from .ghost_layers import (
     outer_squared_norm,
 )
 
+
+def _deliver(recorder: weakref.ref[GhostNormRecorder], call: LayerCall, grad: torch.Tensor) -> None:
+    alive = recorder()
+    if alive is not None:
+        alive._arrived(call, grad)
+
+
 # the records a recorder hands out stay importable from here, where their users (ghost_diagonal) look for them
 __all__ = ["GhostNormRecorder", "LayerCall", "OuterFactors", "ParamUses"]
 
@@ -52,13 +60,19 @@ class GhostNormRecorder:
             `Conv1D`, `nn.Embedding` (also a subclass scaling its lookup by a constant), `nn.LayerNorm` and of
             modules acting elementwise through 1-D parameters (RMSNorm and its kin) are measured; the others are
             listed in `unsupported`, and `check_unsupported_unused` refuses them if the forward uses them.
+        keep_outputs_of: modules whose recorded outputs stay held (`LayerCall.output`), e.g. the decoder, whose
+            output the caller compares with the logits; the others are held weakly.
 
-    Use as a context manager around the forward; then call `outputs()` for the tensors to differentiate,
-    `set_grad_outputs(...)` with their gradients, and `squared_norms(...)`.
+    Use as a context manager around the forward; then `gradients_at_outputs(root, grad_root)` (one backward that
+    reaches every recorded output) and `squared_norms(...)`, or `streamed_squared_norm_terms`, which forms each
+    layer's terms as its gradient arrives.
     """
 
-    def __init__(self, model: nn.Module, params: Sequence[nn.Parameter]) -> None:
+    def __init__(
+        self, model: nn.Module, params: Sequence[nn.Parameter], keep_outputs_of: Sequence[nn.Module] = ()
+    ) -> None:
         self.model = model
+        self._keep_outputs_of = tuple(keep_outputs_of)
         self.params = list(params)
         wanted = {id(p) for p in self.params}
         self._kinds: dict[nn.Module, str] = {}
@@ -85,6 +99,7 @@ class GhostNormRecorder:
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._checked: set[nn.Module] = set()
         self._probing = False
+        self._receive: Callable[[LayerCall, torch.Tensor], None] | None = None
 
     def _covered_ids(self) -> set[int]:
         return {id(p) for module in self._kinds for p in self._measured[module].values()}
@@ -140,6 +155,7 @@ class GhostNormRecorder:
 
     def __enter__(self) -> GhostNormRecorder:
         self.calls = []
+        self._kept_outputs: list[torch.Tensor] = []
         self._anchors: dict[torch.device, torch.Tensor] = {}
         self._cache = GramCache()
         self._static_views: dict[int, dict] = {}
@@ -172,7 +188,7 @@ class GhostNormRecorder:
             self._refuse(module, f"a {type(module).__name__} called with other than one tensor argument")
             return None
         inputs = args[0]
-        call = LayerCall(module=module, inputs=inputs.detach(), output=output)
+        call = LayerCall(module=module, inputs=inputs.detach(), output_ref=weakref.ref(output))
         if kind == "embedding":
             scale = embedding_output_scale(module, inputs, output)
             if scale is None:
@@ -200,13 +216,19 @@ class GhostNormRecorder:
             # A broadcast call (e.g. position embeddings of shape (1, T, d)) serves every sample: expanding it
             # here gives each sample its own gradient at the output.
             output = output.expand(self.batch_size, *output.shape[1:])
-            call.output = output
             call.inputs = call.inputs.expand(self.batch_size, *call.inputs.shape[1:])
             call.coefficients = {name: c.expand(self.batch_size, *c.shape[1:]) for name, c in call.coefficients.items()}
         # a zero leaf added to every recorded output puts each on a path to one tensor, so that one backward to that
         # leaf reaches them all and their gradients can be consumed as they arrive (`streamed_squared_norm_terms`)
         output = output + self._anchor(output)
-        call.output = output
+        # held weakly, its gradient caught by a hook that lives on the graph, not on the tensor: an output the graph
+        # does not save is freed as soon as the forward is done with it
+        call.output_ref = weakref.ref(output)
+        if any(module is m for m in self._keep_outputs_of):
+            self._kept_outputs.append(output)
+        # the hook holds the recorder weakly: the graph it lives on must not keep the recorder (and, through the kept
+        # outputs, the graph itself) alive in a reference cycle after the measurement
+        output.register_hook(partial(_deliver, weakref.ref(self), call))
         self.calls.append(call)
         return output
 
@@ -215,8 +237,34 @@ class GhostNormRecorder:
             self._anchors[output.device] = torch.zeros((), device=output.device, requires_grad=True)
         return self._anchors[output.device]
 
-    def outputs(self) -> list[torch.Tensor]:
-        return [call.output for call in self.calls]
+    def _arrived(self, call: LayerCall, grad: torch.Tensor) -> None:
+        # a call dropped by `_refuse` after its output was hooked is no longer measured
+        if self._receive is not None and call.module in self._kinds:
+            self._receive(call, grad)
+
+    def _store(self, call: LayerCall, grad: torch.Tensor) -> None:
+        call.grad_output = grad
+
+    def gradients_at_outputs(
+        self,
+        root: torch.Tensor,
+        grad_root: torch.Tensor,
+        *,
+        retain_graph: bool = False,
+        receive: Callable[[LayerCall, torch.Tensor], None] | None = None,
+    ) -> None:
+        """One backward of ``grad_root`` from ``root`` that reaches every recorded output: each call's gradient goes
+        to ``receive(call, grad)`` as it arrives, or by default into ``call.grad_output`` (``None`` for a call the
+        root does not depend on)."""
+        for call in self.calls:
+            call.grad_output = None
+        self._receive = self._store if receive is None else receive
+        try:
+            if self.calls:
+                anchors = list(self._anchors.values())
+                torch.autograd.grad(root, anchors, grad_root, retain_graph=retain_graph, allow_unused=True)
+        finally:
+            self._receive = None
 
     def set_grad_outputs(self, grads: Sequence[torch.Tensor | None]) -> None:
         for call, grad in zip(self.calls, grads, strict=True):
@@ -292,7 +340,7 @@ class GhostNormRecorder:
         return total
 
     def _device(self) -> torch.device:
-        return self.calls[0].output.device if self.calls else self.params[0].device
+        return self.calls[0].inputs.device if self.calls else self.params[0].device
 
     def streamed_squared_norm_terms(
         self,
@@ -327,14 +375,7 @@ class GhostNormRecorder:
             own = own + own_part
             call.grad_output = None
 
-        handles = [call.output.register_hook(partial(receive, call)) for call in self.calls]
-        try:
-            if self.calls:
-                anchors = list(self._anchors.values())
-                torch.autograd.grad(root, anchors, grad_root, retain_graph=retain_graph, allow_unused=True)
-        finally:
-            for handle in handles:
-                handle.remove()
+        self.gradients_at_outputs(root, grad_root, retain_graph=retain_graph, receive=receive)
         parts, own_part = self.squared_norm_terms(split_self_terms_of, own_terms=own_terms, calls=held)
         by_parameter.update(parts)
         for call in held:

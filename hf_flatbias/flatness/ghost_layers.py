@@ -10,7 +10,7 @@ differentiation (`elementwise_coefficients`). Nothing here hooks a model or know
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -30,15 +30,22 @@ class LayerCall:
 
     ``output_scale`` is the constant an embedding subclass multiplies its lookup by (Gemma's ``sqrt(hidden)``);
     ``coefficients`` holds, for an elementwise module, ``d output / d parameter`` per parameter name (the normalised
-    input for an RMSNorm weight), shaped like the output.
+    input for an RMSNorm weight), shaped like the output. The output is held weakly (``output`` is ``None`` once only
+    the recorder would keep it): its gradient arrives through a hook on the graph, and a layer output the graph does
+    not save (a decoder layer's query, key, attention and MLP projections) is freed as soon as the forward is done
+    with it.
     """
 
     module: nn.Module
     inputs: torch.Tensor
-    output: torch.Tensor
+    output_ref: Callable[[], torch.Tensor | None]
     grad_output: torch.Tensor | None = None
     output_scale: float = 1.0
     coefficients: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def output(self) -> torch.Tensor | None:
+        return self.output_ref()
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """How many contexts one ``per_sample`` batch may hold within a memory budget (``batch_size="auto"``).
 
-A batch's working memory grows linearly with the number of contexts: the forward's saved activations, the recorded
-layer outputs and their gradients, the norms' coefficients and the per-context Gram matrices. One real forward and
+A batch's working memory grows linearly with the number of contexts: the forward's saved activations (the recorded
+layer outputs the graph does not save are let go after the forward), the gradients at the recorded outputs, the
+norms' coefficients and the per-context Gram matrices. One real forward and
 draw on the longest context, with every tensor it keeps counted once, gives the bytes per context; the model's own
 weights are resident whatever the batch (under FSDP2 and ZeRO-3 one gathered module's at a time), so the budget is on
 top of them; it also covers the largest tensor's gradient, which the estimator's one-context check against a plain
@@ -61,16 +62,14 @@ def per_sample_bytes_per_context(model: nn.Module, contexts: TraceContexts, inde
     positions = torch.tensor([contexts.positions[index]], device=batch["input_ids"].device)
     with torch.enable_grad(), recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         logits = logits_at_positions(model, batch, positions)
-    outputs = recorder.outputs()
-    if outputs:
+    if recorder.calls:
         probs = torch.softmax(logits.detach()[:, 0].double(), dim=-1)
         grad_logits = (-probs).to(logits.dtype).unsqueeze(1)
         grad_logits[0, 0, int(probs.argmax())] += 1.0
-        grads = torch.autograd.grad(logits, outputs, grad_outputs=grad_logits, allow_unused=True)
-        recorder.set_grad_outputs(grads)
+        recorder.gradients_at_outputs(logits, grad_logits)
         recorder.squared_norms()
         for call in recorder.calls:
-            for tensor in (call.output, call.grad_output, *call.coefficients.values()):
+            for tensor in (call.grad_output, *call.coefficients.values()):
                 if tensor is not None:
                     count(tensor)
         for gram in recorder._cache._grams.values():

@@ -128,7 +128,8 @@ def _per_sample_batch(
     start = time.perf_counter()
     batch = contexts.model_inputs(indices, model)
     positions = torch.tensor([contexts.positions[i] for i in indices], device=batch["input_ids"].device)
-    recorder = GhostNormRecorder(model, params)
+    decoder = check_lm_model(model)
+    recorder = GhostNormRecorder(model, params, keep_outputs_of=(decoder,))
     recorder.batch_size = len(indices)
     zero3_hooks = Zero3BackwardHooks(model)
     with recorder:
@@ -136,8 +137,6 @@ def _per_sample_batch(
     zero3_hooks.snapshot()
     probs = torch.softmax(logits.detach()[:, 0].double(), dim=-1)
     probes = OutputProbes(probs, indices, n_draws, settings.seed, settings.output_probe)
-    outputs = recorder.outputs()
-    decoder = check_lm_model(model)
     decoder_call = next((c for c in recorder.calls if c.module is decoder and _are_the_logits(c.output, logits)), None)
     use_expectation = settings.exact_output_expectation and decoder_call is not None
     if use_expectation:
@@ -166,9 +165,7 @@ def _per_sample_batch(
                 # the check is of a sampled label's gradient, as its tests measure its power (a draw of signs can
                 # hide a missed term that a label shows): one more backward, once per model
                 labelled = probes.first_label_cotangents()
-                _validate_by_backward(
-                    model, contexts, indices, params, logits, outputs, labelled, recorder, zero3_hooks
-                )
+                _validate_by_backward(model, contexts, indices, params, logits, labelled, recorder, zero3_hooks)
                 validate = False
         zero3_hooks.rearm()
         retain_graph = k < n_draws - 1 or validate
@@ -179,15 +176,7 @@ def _per_sample_batch(
                 logits, grad_logits, decoder_call, own_terms=not use_expectation, retain_graph=retain_graph
             )
         else:
-            # no recorded output: none of the parameters reaches the logits, and every norm is zero
-            grads = (
-                torch.autograd.grad(
-                    logits, outputs, grad_outputs=grad_logits, retain_graph=retain_graph, allow_unused=True
-                )
-                if outputs
-                else []
-            )
-            recorder.set_grad_outputs(grads)
+            recorder.gradients_at_outputs(logits, grad_logits, retain_graph=retain_graph)
             if diagonal is not None:
                 # the per-sample norms come from the same squares as the diagonal: no Gram matrices
                 by_parameter, own = add_squared_gradients(
@@ -208,8 +197,7 @@ def _per_sample_batch(
             _validate_against_autograd(model, contexts, indices[0], params, cotangent[:1], recorder)
             validate = False
         # this draw's gradients at every layer output (about one activation's worth) go before the next backward
-        # forms its own, and the last ones drop their references to the graph
-        grads = None
+        # forms its own
         recorder.set_grad_outputs([None] * len(recorder.calls))
     return values, group_values, forward_seconds, time.perf_counter() - start
 
@@ -237,13 +225,13 @@ def _add_expected_output_diagonal(
         diagonal[id(param)] += value
 
 
-def _are_the_logits(output: torch.Tensor, logits: torch.Tensor) -> bool:
+def _are_the_logits(output: torch.Tensor | None, logits: torch.Tensor) -> bool:
     """Whether the decoder's output is the model's logits, or an identity of them (ZeRO-3 wraps module outputs in
     autograd functions that pass values through): the output expectation holds only then, not after a softcap or a
     scale."""
     if output is logits:
         return True
-    return output.shape == logits.shape and torch.equal(output.detach(), logits.detach())
+    return output is not None and output.shape == logits.shape and torch.equal(output.detach(), logits.detach())
 
 
 def _sum_by_group(
@@ -261,7 +249,6 @@ def _validate_by_backward(
     indices: Sequence[int],
     params: Sequence[nn.Parameter],
     logits: torch.Tensor,
-    outputs: Sequence[torch.Tensor],
     cotangents: torch.Tensor,
     recorder: GhostNormRecorder,
     zero3_hooks: Zero3BackwardHooks,
@@ -269,12 +256,7 @@ def _validate_by_backward(
     """`_validate_against_autograd` of the cotangents (B, V), from a backward of their own that keeps the graph."""
     zero3_hooks.rearm()
     grad_logits = cotangents.to(logits.dtype).unsqueeze(1)
-    grads = (
-        torch.autograd.grad(logits, outputs, grad_outputs=grad_logits, retain_graph=True, allow_unused=True)
-        if outputs
-        else []
-    )
-    recorder.set_grad_outputs(grads)
+    recorder.gradients_at_outputs(logits, grad_logits, retain_graph=True)
     try:
         _validate_against_autograd(model, contexts, indices[0], params, cotangents[:1], recorder)
     finally:

@@ -139,6 +139,45 @@ def test_c1_verdict_fails_undecides_and_falls_back_to_matched_as_stated():
     assert c1_verdict({str(s): records for s in range(5)})["regime"] == "matched, not saturated"
 
 
+def test_a_trunk_stopped_between_branches_resumes_from_its_latest_checkpoint(tmp_path, monkeypatch, capsys):
+    """Checkpoints every ``checkpoint_every`` steps and at every branch: a long trunk killed between branches loses
+    at most ``checkpoint_every`` steps, never its measured branches (a 40,000-step pilot outlasts a session)."""
+    import research.branches
+
+    shape = {"n_levels": 3, "symbols_per_level": 3, "n_words": 12, "binary_rules_per_symbol": 4}
+    language = setup_paper_language(0, n_train=200, n_kl=8, n_trace=8, n_probe=40, shape=shape)
+    measure = dict(trace_contexts=8, trace_draws=1, hutchinson_draws=1, probes=False)
+    spec = RunSpec(label="s", steps=20, eval_every=10, batch_size=8, warmup_steps=0, hidden=16, layers=1)
+    on_step_end = research.branches.BranchEvaluator.on_step_end
+
+    def run(killed_at=None):
+        def step_end(self, args, state, control, **kwargs):
+            on_step_end(self, args, state, control, **kwargs)
+            if state.global_step == killed_at:
+                raise KeyboardInterrupt  # as the session's end kills the process, before this step's save
+            return control
+
+        monkeypatch.setattr(research.branches.BranchEvaluator, "on_step_end", step_end)
+        kwargs = dict(branch_every=10, anneal_steps=5, measure_kwargs=measure, checkpoint_every=6)
+        try:
+            return train_with_branches(language, spec, tmp_path, **kwargs)
+        except KeyboardInterrupt:
+            return None
+
+    def checkpoints():
+        return sorted(path.name for path in (tmp_path / "trunk").glob("checkpoint-*"))
+
+    run(killed_at=11)  # the last save was the branch's at 10 (the cadence alone would have left checkpoint-6)
+    assert checkpoints() == ["checkpoint-10"]
+    first = json.loads((tmp_path / "branches.json").read_text())["records"]
+    assert [r["step"] for r in first] == [10]
+    run(killed_at=13)  # resumed at 10, then saved by the cadence at 12, with no branch there
+    assert "resuming from" in capsys.readouterr().out and checkpoints() == ["checkpoint-12"]
+    records = run()
+    assert "checkpoint-12 with 1 measured branches" in capsys.readouterr().out
+    assert [r["step"] for r in records] == [10, 20] and records[0] == first[0]
+
+
 def test_build_model_heads_default_and_override():
     assert build_model(20, hidden=64, layers=1).config.num_attention_heads == 2  # hidden // 32, as before
     assert build_model(20, hidden=64, layers=1, heads=4).config.num_attention_heads == 4

@@ -180,5 +180,7 @@ class BranchEvaluator(TrainerCallback):
         self.records.append(record)
         if self.partial_path is not None:
             write_json(self.partial_path, {"records": self.records})
+        if args.save_strategy != "no":
+            control.should_save = True  # a checkpoint at the branch's step: a rerun resumes after this branch
         if self.stop_when is not None and self.stop_when(self.records):
             control.should_training_stop = True

@@ -21,6 +21,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from hf_flatbias.config import FlatBiasConfig
 from hf_flatbias.flatness import estimate_hessian_trace
+from hf_flatbias.results import write_json
 from hf_flatbias.synthetic import MaskedWordCollator, build_model
 from hf_flatbias.trainer import FlatBiasTrainer
 
@@ -39,6 +40,7 @@ from .saturation import measure_saturation
 #: The cotangent every pre-registered rule here was written and run with: a sampled label (the package's default until
 #: 2026-12-03, when the random signs became it). Kept so that a study's units measure alike whenever they run.
 FISHER_OUTPUT_PROBE = "label"
+TRUNK_CHECKPOINT_EVERY = 5000  # steps between a trunk's checkpoints when its branches are further apart
 
 
 def measure_branch(
@@ -140,6 +142,7 @@ def train_with_branches(
     keep_branches: bool = False,
     train_dataset: Dataset | None = None,
     stop_when: Callable[[list[dict[str, Any]]], bool] | None = None,
+    checkpoint_every: int = TRUNK_CHECKPOINT_EVERY,
 ) -> list[dict[str, Any]]:
     """Train ``spec``'s trunk and measure an annealed branch every ``branch_every`` steps; resumes where it stopped.
 
@@ -153,8 +156,10 @@ def train_with_branches(
     bare state dict, which refuses BERT's tied embeddings), so a stopped run starts again from the start.
 
     ``output_dir/branches.json`` is rewritten after every branch and the trunk (weights, optimizer, scheduler, random
-    states) is saved right after it, so a rerun continues from the last measured branch: the records up to that
-    step are kept and the trunk's Trainer resumes from its checkpoint (the masking collator restarts its own stream).
+    states) is saved right after it, and also every ``checkpoint_every`` steps between branches (a single branch at
+    the end of a 40,000-step trunk would otherwise outlast a session and be lost whole), so a rerun continues from the
+    last checkpoint: the records up to that step are kept and the trunk's Trainer resumes from its checkpoint (the
+    masking collator restarts its own stream).
     """
     if branch_every < 1 or spec.steps < branch_every:
         raise ValueError(f"need 1 <= branch_every <= steps, got {branch_every} and {spec.steps}.")
@@ -170,6 +175,9 @@ def train_with_branches(
             return records  # decided before the run was stopped: nothing more to train
     elif last is not None:
         last = None  # a checkpoint without its records: start again rather than lose branches silently
+    if last is None:
+        # written before the first checkpoint, so one taken ahead of the first branch resumes with no records lost
+        write_json(records_path, {"records": []})
     train_dataset = language.train if train_dataset is None else train_dataset
     model = _model_for(spec, language)
     if start_model is not None:
@@ -208,7 +216,8 @@ def train_with_branches(
     settings = trainer_settings(spec, trunk_dir)
     settings.update(logging_steps=branch_every)
     if not wrapped:
-        settings.update(save_strategy="steps", save_steps=branch_every, save_total_limit=1)
+        # the evaluator also asks for a save at every branch, so each measured branch has a checkpoint at its step
+        settings.update(save_strategy="steps", save_steps=min(branch_every, checkpoint_every), save_total_limit=1)
     trainer = FlatBiasTrainer(
         model=model,
         args=FlatBiasConfig(**settings),

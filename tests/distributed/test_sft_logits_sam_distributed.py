@@ -101,8 +101,8 @@ def one_process_run(
 def per_rank_perturbation(updates: list[list[dict]]) -> list[list[dict]]:
     """The updates with each micro-batch cut into its ranks' rows (accelerate gives rank r every second batch of
     ``PER_DEVICE`` rows: the first half of one process's micro-batch is rank 0's): `reference_head_sam_sgd` then
-    perturbs the head by each rank's own rows' gradient (the deliberate fault), while the loss
-    stays normalised by the update's global token count (`sft_loss` counts over all of an update's batches)."""
+    perturbs the head by each rank's own rows' gradient (the deliberate fault), while the loss stays normalised by
+    the update's global token count (`sft_loss` counts over all of an update's batches)."""
     return [
         [
             {key: value[rank * PER_DEVICE : (rank + 1) * PER_DEVICE] for key, value in batch.items()}

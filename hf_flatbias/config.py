@@ -129,19 +129,6 @@ class FlatnessArguments:
             "sam_ascent_fraction < 1 or a compiled model."
         },
     )
-    sam_kept_softmax_mib: float = field(
-        default=512.0,
-        metadata={
-            "help": "Output-layer SAM in FlatBiasDPOTrainer with one trunk forward per step: MiB for the LM head's "
-            "softmax - onehot of each pass's trained rows (rows x vocabulary values in float32, float64 for a "
-            "float64 model; e.g. 4,096 response tokens of a 32k vocabulary take 512 MiB), kept from the head's "
-            "forward to its backward, where DPO's per-sequence weights are known: the head's gradient then takes "
-            "one product instead of trl's recomputed logits (two head products in the first pass, three in the "
-            "second, against trl's three and four). Rows beyond it recompute their logits in the backward, as trl's "
-            "fused head does; 0 keeps trl's head. Held until that pass's backward, never in both passes at once; the "
-            "default is the size of one tile of trl's fused head (4,096 positions x 32,768 vocabulary entries)."
-        },
-    )
     sam_start_step: int = field(
         default=0,
         metadata={"help": "First optimizer update (global step) that takes the SAM step; earlier updates are plain."},
@@ -211,7 +198,7 @@ class FlatnessArguments:
     def _convert_numeric_strings(self) -> None:
         # YAML 1.1 reads `sam_rho: 5e-2` (no dot) as the string "5e-2": accept a number written as text, refuse the
         # rest here rather than as a type error deep inside the first step
-        for name, kind in _NUMERIC_FIELDS.items():
+        for name, kind in self._numeric_field_types().items():
             value = getattr(self, name)
             if not isinstance(value, str):
                 continue
@@ -220,8 +207,12 @@ class FlatnessArguments:
             except ValueError:
                 raise ValueError(
                     f"{name} must be a number, got the string {value!r}; write it as a number, e.g. "
-                    f"{name}={_FIELD_DEFAULTS[name]!r}."
+                    f"{name}={self.__dataclass_fields__[name].default!r}."
                 ) from None
+
+    def _numeric_field_types(self) -> dict[str, type]:
+        """The numeric fields and their types (a config that adds its own extends this)."""
+        return _NUMERIC_FIELDS
 
     def _validate_flatness_arguments(self) -> None:
         if self.flatness_method not in FLATNESS_METHODS:
@@ -297,22 +288,18 @@ class FlatnessArguments:
                 f"sam_rho_schedule={self.sam_rho_schedule!r} with sam_rho_warmup_steps={self.sam_rho_warmup_steps}: "
                 "'linear_warmup' needs sam_rho_warmup_steps >= 1 and 'constant' needs 0."
             )
-        budget = self.sam_kept_softmax_mib
-        if not _is_number(budget) or not math.isfinite(budget) or budget < 0:
-            raise ValueError(
-                f"sam_kept_softmax_mib must be a finite number >= 0 (got {budget!r}); 0 keeps trl's fused LM head."
-            )
         if not isinstance(self.sam_parameters, str) or not self.sam_parameters.strip():
             raise ValueError(
                 f"sam_parameters must be 'all', 'output_layer' or name patterns (got {self.sam_parameters!r})."
             )
         reads = SAM_STEP_OPTIONS.get(self.flatness_method, ())
-        for name in SAM_STEP_OPTION_NAMES:
-            if name not in reads and getattr(self, name) != _FIELD_DEFAULTS_ALL[name]:
+        for name in self.sam_step_option_names:
+            default = self.__dataclass_fields__[name].default
+            if name not in reads and getattr(self, name) != default:
                 users = [method for method, options in SAM_STEP_OPTIONS.items() if name in options]
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} applies to flatness_method in {users}, not "
-                    f"{self.flatness_method!r}; leave {name} at its default {_FIELD_DEFAULTS_ALL[name]!r}."
+                    f"{self.flatness_method!r}; leave {name} at its default {default!r}."
                 )
         if self.sam_preconditioner != "none":
             optim = str(getattr(self.optim, "value", self.optim))
@@ -372,6 +359,12 @@ class FlatnessArguments:
             )
 
     @property
+    def sam_step_option_names(self) -> tuple[str, ...]:
+        """The options of the SAM step (``SAM_STEP_OPTION_NAMES``) this config carries: the shared ones, and those
+        only its trainer reads (`FlatBiasDPOConfig`'s ``sam_kept_softmax_mib``)."""
+        return tuple(name for name in SAM_STEP_OPTION_NAMES if name in self.__dataclass_fields__)
+
+    @property
     def uses_sam(self) -> bool:
         return self.flatness_method in SAM_METHODS
 
@@ -409,7 +402,6 @@ _NUMERIC_FIELDS = {
     "asam_eta": float,
     "sam_every_k": int,
     "sam_ascent_fraction": float,
-    "sam_kept_softmax_mib": float,
     "sam_start_step": int,
     "sam_end_step": int,
     "sam_rho_warmup_steps": int,
@@ -417,8 +409,6 @@ _NUMERIC_FIELDS = {
     "penalty_lambda": float,
     "penalty_fd_step": float,
 }
-_FIELD_DEFAULTS_ALL = {name: f.default for name, f in FlatnessArguments.__dataclass_fields__.items()}
-_FIELD_DEFAULTS = {name: _FIELD_DEFAULTS_ALL[name] for name in _NUMERIC_FIELDS}
 
 
 @dataclass

@@ -18,6 +18,8 @@ SAM_METHODS = ("sam", "asam", "functional_sam", "looksam")
 PENALTY_METHODS = ("fisher_penalty", "grad_norm_penalty")
 # The options of the SAM step itself (the perturbation's geometry, rows, parameters, window and radius schedule) and
 # the methods that read them; the card records them with the training settings of a run whose method reads them.
+# A config carries those its trainer reads (`FlatnessArguments.sam_step_option_names`): sam_kept_softmax_mib, the
+# budget of DPO's head for the rows it keeps, is FlatBiasDPOConfig's only, so only a DPO run's card records it.
 SAM_STEP_OPTION_NAMES = (
     "sam_preconditioner",
     "sam_ascent_fraction",

@@ -827,6 +827,34 @@ def test_the_card_of_a_dpo_run_names_the_preference_loss_and_its_source(tmp_path
     assert "chosen response per preference pair" in text and "reference model is not measured" in text
 
 
+@pytest.mark.parametrize("method", ["sam", "asam"])
+def test_only_a_dpo_config_carries_the_kept_softmax_budget_and_only_its_card_records_it(tmp_path, method):
+    """sam_kept_softmax_mib is read by FlatBiasDPOTrainer alone: the plain and SFT configs have no such field (a
+    value given to them would have been ignored in silence) and their SAM cards do not mention it; a DPO card
+    records the value the run used."""
+    from types import SimpleNamespace
+
+    from hf_flatbias import FlatBiasConfig, load_flatness_card
+    from hf_flatbias.modelcard import flatness_card_from_trainer
+
+    configs = {
+        "plain": FlatBiasConfig(str(tmp_path / "plain"), flatness_method=method, report_to="none", use_cpu=True),
+        "sft": sft_config(tmp_path / "sft", flatness_method=method),
+        "dpo": dpo_config(tmp_path / "dpo", flatness_method=method, sam_kept_softmax_mib=64),
+    }
+    for name, args in configs.items():
+        carried = "sam_kept_softmax_mib" in args.__dataclass_fields__
+        assert carried == hasattr(args, "sam_kept_softmax_mib") == (name == "dpo"), name
+        assert ("sam_kept_softmax_mib" in args.to_dict()) == carried, name
+        trainer = SimpleNamespace(args=args, state=SimpleNamespace(log_history=[], global_step=1, epoch=1.0))
+        flatness_card_from_trainer(trainer).save(args.output_dir)
+        training = load_flatness_card(args.output_dir).training_hyperparameters
+        assert "sam_parameters" in training, f"{name}: the shared SAM step options are recorded"
+        text = (tmp_path / name / "README.md").read_text(encoding="utf-8")
+        assert ("sam_kept_softmax_mib" in text) == carried, name
+        assert training.get("sam_kept_softmax_mib") == (64.0 if carried else None), name
+
+
 def front_matter_of(text: str) -> dict:
     import yaml
 

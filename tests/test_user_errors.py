@@ -593,7 +593,6 @@ def test_a_refused_recipe_under_accelerate_launch_quiet_ends_with_its_own_line(r
         "sam_rho",
         "asam_eta",
         "sam_ascent_fraction",
-        "sam_kept_softmax_mib",
         "looksam_alpha",
         "penalty_lambda",
         "penalty_fd_step",
@@ -609,21 +608,30 @@ def test_a_boolean_for_a_float_flatness_field_is_refused_as_sam_every_k_is(name,
         FlatBiasConfig(str(tmp_path), flatness_method="sam", report_to="none", sam_every_k=True)
 
 
-def test_sam_kept_softmax_mib_is_a_size_of_sam_steps(tmp_path):
-    """A negative or non-finite size, or one given to a method that never keeps softmax rows, is refused at
-    construction with the fix; a YAML string is read as a number."""
-    from hf_flatbias import FlatBiasConfig
+def test_sam_kept_softmax_mib_is_a_size_of_dpo_sam_steps(tmp_path):
+    """A negative, non-finite or boolean size, or one given to a method that never keeps softmax rows, is refused at
+    construction with the fix; a YAML string is read as a number. Only FlatBiasDPOConfig has the field (only
+    FlatBiasDPOTrainer reads it): the other configs refuse it as any unknown argument, not ignore it."""
+    pytest.importorskip("trl")
+    from hf_flatbias import FlatBiasConfig, FlatBiasDPOConfig, FlatBiasSFTConfig
 
-    for value in (-1.0, float("nan"), float("inf")):
+    def dpo(**values):
+        return FlatBiasDPOConfig(str(tmp_path), report_to="none", use_cpu=True, **values)
+
+    for value in (-1.0, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="sam_kept_softmax_mib must be a finite number >= 0 .*0 keeps trl's"):
-            FlatBiasConfig(str(tmp_path), flatness_method="sam", report_to="none", sam_kept_softmax_mib=value)
-    for method in ("none", "functional_sam", "grad_norm_penalty"):
+            dpo(flatness_method="sam", sam_kept_softmax_mib=value)
+    with pytest.raises(ValueError, match="sam_kept_softmax_mib must be a number, got the string 'big'"):
+        dpo(flatness_method="sam", sam_kept_softmax_mib="big")
+    for method in ("none", "functional_sam", "looksam", "grad_norm_penalty"):
         with pytest.raises(
             ValueError, match="sam_kept_softmax_mib=0 applies to flatness_method in \\['sam', 'asam'\\]"
         ):
-            FlatBiasConfig(str(tmp_path), flatness_method=method, report_to="none", sam_kept_softmax_mib=0)
-    config = FlatBiasConfig(str(tmp_path), flatness_method="asam", report_to="none", sam_kept_softmax_mib="64")
-    assert config.sam_kept_softmax_mib == 64.0
+            dpo(flatness_method=method, sam_kept_softmax_mib=0)
+    assert dpo(flatness_method="asam", sam_kept_softmax_mib="64").sam_kept_softmax_mib == 64.0
+    for config_class in (FlatBiasConfig, FlatBiasSFTConfig):
+        with pytest.raises(TypeError, match="unexpected keyword argument 'sam_kept_softmax_mib'"):
+            config_class(str(tmp_path), flatness_method="sam", report_to="none", sam_kept_softmax_mib=0)
 
 
 def test_sam_start_step_at_or_past_max_steps_is_refused(tmp_path):

@@ -22,9 +22,10 @@ what trl's ``compute_loss`` does besides the loss, handled through the mixin's h
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised in a subprocess without trl
     raise ImportError(f'hf_flatbias\'s trl integration needs trl: pip install "hf_flatbias[trl]" ({error}).') from error
 
-from ..config import FlatnessArguments
+from ..config import FlatnessArguments, _is_number
 from ..sharpness.fused_head import FusedHeadOutputs
 from ..sharpness.head_gradients import label_log_probs
 from ..trainer import FlatnessTrainerMixin
@@ -158,7 +159,33 @@ class FlatBiasSFTConfig(FlatnessArguments, SFTConfig):
 
 @dataclass
 class FlatBiasDPOConfig(FlatnessArguments, DPOConfig):
-    """trl's [`~trl.DPOConfig`] (its defaults kept) with the flatness options of [`FlatBiasConfig`]."""
+    """trl's [`~trl.DPOConfig`] (its defaults kept) with the flatness options of [`FlatBiasConfig`], and the one
+    option only `FlatBiasDPOTrainer` reads: how much of its LM head's ``softmax - onehot`` output-layer SAM keeps."""
+
+    sam_kept_softmax_mib: float = field(
+        default=512.0,
+        metadata={
+            "help": "Output-layer SAM in FlatBiasDPOTrainer with one trunk forward per step: MiB for the LM head's "
+            "softmax - onehot of each pass's trained rows (rows x vocabulary values in float32, float64 for a "
+            "float64 model; e.g. 4,096 response tokens of a 32k vocabulary take 512 MiB), kept from the head's "
+            "forward to its backward, where DPO's per-sequence weights are known: the head's gradient then takes "
+            "one product instead of trl's recomputed logits (two head products in the first pass, three in the "
+            "second, against trl's three and four). Rows beyond it recompute their logits in the backward, as trl's "
+            "fused head does; 0 keeps trl's head. Held until that pass's backward, never in both passes at once; the "
+            "default is the size of one tile of trl's fused head (4,096 positions x 32,768 vocabulary entries)."
+        },
+    )
+
+    def _numeric_field_types(self) -> dict[str, type]:
+        return {**super()._numeric_field_types(), "sam_kept_softmax_mib": float}
+
+    def _validate_sam_step_options(self) -> None:
+        budget = self.sam_kept_softmax_mib
+        if not _is_number(budget) or not math.isfinite(budget) or budget < 0:
+            raise ValueError(
+                f"sam_kept_softmax_mib must be a finite number >= 0 (got {budget!r}); 0 keeps trl's fused LM head."
+            )
+        super()._validate_sam_step_options()  # with the rule shared by every option: only for the methods reading it
 
 
 class _TrlTrainerMixin:

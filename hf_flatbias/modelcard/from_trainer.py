@@ -260,7 +260,8 @@ def _training_hyperparameters(args: Any) -> dict[str, Any]:
         "sam_scope",
         "sam_perturbation",
         # the SAM step's own options (geometry, ascent rows, parameters, window, rho schedule), for the methods that
-        # read them only
+        # read them only, and of those a trainer alone reads (DPO's sam_kept_softmax_mib) only where its config
+        # carries them: the others' configs have no such field, and getattr's None skips it below
         *SAM_STEP_OPTIONS.get(getattr(args, "flatness_method", "none"), ()),
     )
     # max_steps > 0 overrides num_train_epochs: record the one that decided how long training ran

@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from ..constants import SAM_STEP_OPTION_NAMES
-
 if TYPE_CHECKING:
     from ..config import FlatnessArguments
 
@@ -138,7 +136,7 @@ def check_fsdp_supports_sam_options(args: FlatnessArguments) -> None:
             "DeepSpeed ZeRO-2/3."
         )
     changed = [
-        name for name in SAM_STEP_OPTION_NAMES if getattr(args, name) != type(args).__dataclass_fields__[name].default
+        name for name in args.sam_step_option_names if getattr(args, name) != args.__dataclass_fields__[name].default
     ]
     if changed:
         raise ValueError(

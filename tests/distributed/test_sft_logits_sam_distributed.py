@@ -18,8 +18,12 @@ optimizer's master weights in float32 and writes them back into the float64 mode
 float32 numbers (checked) and the one process without an engine is a float64 trajectory: they differ by float32
 rounding, measured 1.05e-7 (accumulation 1) and 9.5e-8 (2), 1.19e-7 after rounding the one process's weights to
 float32, against 1.3e-2 and 3.0e-3 for the DDP faults above. They are held to 2 float32 units of each tensor's
-largest weight per update. (A one-process ZeRO-3 reference is not reachable here: the launched script's one-process
-start leaves the parameters unpartitioned, and trl's head then fails on ``ds_status``.)
+largest weight per update (4; measured 0.76 and 0.75). The fault of each rank perturbing the head by its own rows'
+gradient is also computed in this process, as the plain-PyTorch reference with each micro-batch cut into its ranks'
+rows (`per_rank_perturbation`; under DDP it lands where the launched fault run did, 3.0e-3 and 1.2e-3 from the
+2 processes): the ZeRO-3 weights are 8.1e4 and 3.2e4 units from it (3.0e-3 and 1.2e-3), and the test asserts more
+than 100 times the tolerance, so it can fail. (A one-process ZeRO-3 reference is not reachable here: the launched
+script's one-process start leaves the parameters unpartitioned, and trl's head then fails on ``ds_status``.)
 
 One launch of `tests/helpers/distributed_sam_script.py` per engine runs its cases; the one-process runs are trained
 here.
@@ -69,23 +73,54 @@ def launched_zero3(tmp_path_factory):
     return launch("accelerate_cpu_2proc.yaml", ZERO3_CASES, tmp_path_factory.mktemp("sft_logits_zero3"))
 
 
-def one_process_run(tmp_path, case: dict) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, int]]:
+def one_process_run(
+    tmp_path, case: dict, *, per_rank_fault: bool = False
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, int]]:
     """The same arguments in this process with both ranks' rows in each micro-batch: the initial and trained
     weights, the plain-PyTorch two-forward SAM's on the micro-batches its dataloader yields, and the head paths it
-    ran."""
+    ran; with ``per_rank_fault``, also that reference with a deliberate fault (`per_rank_perturbation`)."""
     values = base_arguments(str(tmp_path))
     values.update(case["args"], per_device_train_batch_size=2 * PER_DEVICE)
     with head_paths_counted() as counts:
         trainer = sft_trainer(values)
         initial = trained_parameters(fresh_model(trainer))
         reference = reference_head_sam_sgd(fresh_model(trainer), updates_of(trainer), sft_loss)
+        if per_rank_fault:
+            fault = reference_head_sam_sgd(fresh_model(trainer), per_rank_perturbation(updates_of(trainer)), sft_loss)
         trainer.train()
     weights = {
         "initial": initial,
         "trained": trained_parameters(trainer.model),
         "reference": trained_parameters(reference),
     }
+    if per_rank_fault:
+        weights["per_rank_fault"] = trained_parameters(fault)
     return weights, counts
+
+
+def per_rank_perturbation(updates: list[list[dict]]) -> list[list[dict]]:
+    """The updates with each micro-batch cut into its ranks' rows (accelerate gives rank r every second batch of
+    ``PER_DEVICE`` rows: the first half of one process's micro-batch is rank 0's): `reference_head_sam_sgd` then
+    perturbs the head by each rank's own rows' gradient (the deliberate fault), while the loss stays normalised by
+    the update's global token count (`sft_loss` counts over all of an update's batches)."""
+    return [
+        [
+            {key: value[rank * PER_DEVICE : (rank + 1) * PER_DEVICE] for key, value in batch.items()}
+            for batch in update
+            for rank in (0, 1)
+        ]
+        for update in updates
+    ]
+
+
+def float32_units_apart(zero3: dict[str, torch.Tensor], one: dict[str, torch.Tensor]) -> float:
+    """The largest distance between the two runs' tensors, in float32 units of each tensor's largest weight (the unit
+    of `assert_float32_master_rounding_apart`, which allows 2 per update)."""
+    unit = torch.finfo(torch.float32).eps
+    return max(
+        float((zero3[name] - weights).abs().max()) / (unit * float(weights.abs().max()))
+        for name, weights in one.items()
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case["name"] for case in CASES])
@@ -116,7 +151,7 @@ def test_two_processes_equal_one_process_on_the_global_batch(launched, case, tmp
 @pytest.mark.parametrize("case", ZERO3_CASES, ids=[case["name"] for case in ZERO3_CASES])
 def test_zero3_two_processes_equal_one_process_up_to_float32_master_weights(launched_zero3, case, tmp_path):
     two = [load(launched_zero3, case["name"], rank)["params"] for rank in (0, 1)]
-    one, _ = one_process_run(tmp_path, case)
+    one, _ = one_process_run(tmp_path, case, per_rank_fault=True)
     micro_batches = STEPS * case["args"]["gradient_accumulation_steps"]
     trl_head = {"head_gradient_forwards": 0, "trl_kernel_calls": 2 * micro_batches}
     for rank in (0, 1):
@@ -126,4 +161,6 @@ def test_zero3_two_processes_equal_one_process_up_to_float32_master_weights(laun
         assert {key: result[key] for key in trl_head} == trl_head, "each rank fell back to trl's head"
     assert max_difference(two[0], two[1]) == 0.0
     assert_float32_master_rounding_apart(two[0], one["trained"], STEPS)
+    # the fault run (each rank perturbing by its own rows), in this process: 8.1e4 and 3.2e4 units (measured)
+    assert float32_units_apart(two[0], one["per_rank_fault"]) > 100 * 2 * STEPS, "the tolerance tells the fault apart"
     assert max_difference(two[0], one["initial"]) > 1e-3, "the steps moved the weights"

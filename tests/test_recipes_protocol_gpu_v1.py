@@ -1,5 +1,5 @@
-"""recipes/pcfg_protocol_gpu.py: its CPU dry run end to end (starts, rate pilot, C1, merge) and the deadline
-that kills what runs past it."""
+"""recipes/pcfg_protocol_gpu_v1.py (campaign v1 at the GPU's shape): its CPU dry run end to end (starts, rate pilot,
+C1, merge), the deadline that kills what runs past it (`research.deadline`, shared with the v2 driver)."""
 
 import json
 import sys
@@ -12,7 +12,7 @@ import pytest
 @pytest.mark.slow  # a whole recipe's smoke run (minutes on CI's 2 cores); its parts are tested by the fast tests
 def test_protocol_gpu_dry_run_writes_starts_rate_and_c1(recipes, tmp_path):
     completed = recipes.run(
-        "pcfg_protocol_gpu.py", "--dry-run", "--seeds", "0", "--output-dir", str(tmp_path / "out"),
+        "pcfg_protocol_gpu_v1.py", "--dry-run", "--seeds", "0", "--output-dir", str(tmp_path / "out"),
         "--later-claims", "c5", tmp_path=tmp_path,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stdout + completed.stderr
@@ -38,15 +38,17 @@ def test_protocol_gpu_dry_run_writes_starts_rate_and_c1(recipes, tmp_path):
 
 
 def test_run_concurrently_kills_at_the_deadline_and_keeps_finished_runs(recipes, tmp_path):
-    protocol = recipes.load("pcfg_protocol_gpu")
+    from research.deadline import run_concurrently
+
     start = time.monotonic()
-    outcome = protocol.run_concurrently(
+    outcome = run_concurrently(
         {
             "quick": [sys.executable, "-c", "pass"],
             "endless": [sys.executable, "-c", "import time; time.sleep(120)"],
         },
         start + 5,
         tmp_path / "logs",
+        pythonpath="",
     )
     assert outcome["quick"] == {**outcome["quick"], "returncode": 0, "killed": False}
     assert outcome["endless"]["killed"] and outcome["endless"]["returncode"] != 0
@@ -57,7 +59,7 @@ def test_run_concurrently_kills_at_the_deadline_and_keeps_finished_runs(recipes,
 def test_ruler_c1_reads_the_records_v2s_rule_compares(recipes, tmp_path):
     """v2's ruler read-out of a v1 work folder: the start and the first and last compared branches are read on the
     same splits, nothing else, and the verdicts recompute from ruler_c1.json's records."""
-    protocol = recipes.load("pcfg_protocol_gpu")
+    protocol = recipes.load("pcfg_protocol_gpu_v1")
     from research import verdicts_v2
 
     from hf_flatbias.synthetic import PCFG, build_model, make_tokenizer

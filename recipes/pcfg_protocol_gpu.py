@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 from research.campaign_v2 import (
+    RESULTS,
     SMOKE,
     Sizes,
     load_material,
@@ -121,6 +122,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     if args.results_dir is None:
         results = RECIPES / "research" / "results" / "campaign_v2_gpu"
         args.results_dir = args.output_dir / "results" if args.dry_run else results
+    if args.results_dir.resolve() == RESULTS.resolve():
+        parser.error(f"--results-dir {args.results_dir} is the CPU campaign's: pass a folder of this driver's own.")
     args.phases = [p for p in PHASES if p in args.phases]
     return args
 
@@ -132,6 +135,7 @@ def campaign_sizes(args: argparse.Namespace) -> Sizes:
 
 
 def ruler_sizes(args: argparse.Namespace) -> RulerSizes:
+    """The ruler of the claims: the flags' cut of the gated ruler (C and the fine-tuning as gated), or the smoke's."""
     if args.dry_run:
         return RULER_SMOKE
     return RulerSizes(n_test=args.ruler_test, n_fit=args.ruler_fit, n_splits=args.ruler_splits, n_cv=0)
@@ -196,6 +200,13 @@ def main(argv=None) -> dict:
         ]
         print(*filter(None, tables), sep="\n\n")
         return {}
+    calls_path = args.results_dir / "gpu_calls.json"
+    state = json.loads(calls_path.read_text()) if calls_path.exists() else {"calls": []}
+    # the device is each call's own (below): a run may move between machines, never between shapes
+    shape = {k: str(v) for k, v in dataclasses.asdict(sizes).items() if k != "device"}
+    settings = {"sizes": shape, "ruler": dataclasses.asdict(ruler_sizes(args))}
+    if state["calls"] and {k: state[k] for k in settings} != settings:
+        raise SystemExit(f"{args.results_dir} holds a run of other sizes or ruler: pass another --results-dir.")
     began = time.monotonic()
     device = torch.cuda.get_device_name(0) if sizes.device == "cuda" else "cpu"
     print(f"campaign v2 at the {'dry run' if args.dry_run else 'GPU'}'s shape on {device}", flush=True)
@@ -214,10 +225,7 @@ def main(argv=None) -> dict:
         **outcome,
         "standing": standing(args.results_dir, sizes.widths),
     }
-    calls_path = args.results_dir / "gpu_calls.json"
-    calls = json.loads(calls_path.read_text())["calls"] if calls_path.exists() else []
-    shape = {k: str(v) for k, v in dataclasses.asdict(sizes).items()}
-    write_json(calls_path, {"sizes": shape, "ruler": dataclasses.asdict(ruler_sizes(args)), "calls": [*calls, call]})
+    write_json(calls_path, {**settings, "calls": [*state["calls"], call]})
     print(json.dumps(call["standing"], indent=1), flush=True)
     ended = "killed at the deadline" if outcome["killed"] else f"exit {outcome['returncode']}"
     print(f"{ended} after {outcome['seconds']:.0f} s; the same command resumes", flush=True)

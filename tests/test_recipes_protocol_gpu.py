@@ -32,6 +32,16 @@ def test_the_gpu_shape_changes_the_shape_only_and_trains_on_the_device(recipes, 
     assert protocol.parse_arguments(["--dry-run", "--output-dir", str(tmp_path)]).results_dir == tmp_path / "results"
     with pytest.raises(SystemExit):
         protocol.parse_arguments(["--phases", "starts,claimz"])
+    with pytest.raises(SystemExit):  # the CPU campaign's results are never written by this driver
+        protocol.parse_arguments(["--results-dir", str(cv2.RESULTS)])
+    # a results folder of other sizes is refused before any process starts
+    results = tmp_path / "other"
+    sizes = {k: str(v) for k, v in dataclasses.asdict(protocol.GPU_SIZES).items() if k != "device"}
+    calls = {"sizes": sizes, "ruler": dataclasses.asdict(rr.RULER_SMOKE), "calls": [{"seconds": 1.0}]}
+    results.mkdir()
+    (results / "gpu_calls.json").write_text(json.dumps(calls))
+    with pytest.raises(SystemExit, match="other sizes or ruler"):
+        protocol.main(["--dry-run", "--results-dir", str(results), "--output-dir", str(tmp_path)])
     # the continued runs train where the sizes say (the Trainer picks the accelerator unless told the CPU)
     from hf_flatbias.synthetic import build_model
 

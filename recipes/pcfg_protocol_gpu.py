@@ -16,13 +16,17 @@ and its C = 0.3 was cross-validated on the 3-level grammar, not this one.
 Each command runs the phases in one child process (one model at a time on the GPU; the probes fit on the CPU) and
 kills it at ``--budget-minutes``: every finished unit (a start, a pilot, a claim's run, a read split) is already in
 its JSON, written whole as it finishes, and the next command skips it; a killed decay resumes from its last 500-step
-checkpoint, a killed trunk from its last branch. Each command appends its wall time and where the phases stand to
+checkpoint, a killed trunk from its last branch (the Trainer writes a trunk's checkpoint in place: a kill inside that
+write, under a second per branch interval, leaves a partial ``trunk/checkpoint-N`` the resume stops on; deleting that
+folder resumes from the previous one). Each command appends its wall time and where the phases stand to
 ``RESULTS/gpu_calls.json``. Results: ``--results-dir`` (default ``recipes/research/results/campaign_v2_gpu``, never the
 CPU campaign's); checkpoints and caches: ``--output-dir`` (a fresh machine needs that folder back to resume: the
 starts' and branches' weights, about 13 MB per H256 model).
 
 BUDGET (assumed, not measured on a GPU): ~15 ms per step of H256-L4 at batch 1024 (H512 ~2x), ~30 s per branch or
-start measurement, ~1 min of language setup per command (the exact conditionals are cached in the output folder).
+start measurement. Measured on the CPU here (one thread): the exact conditionals of the 30,000-sentence pool at this
+grammar ~85 s (500 in 1.4 s), once (then cached: 384 MB in the output folder); C5's task labels of 200,000 sentences
+~150 s (2,000 in 1.5 s), in every command that runs a C5 unit.
 Starts: 15 x (8,000 + 4,000-12,000) steps, about 1-1.5 GPU-hours (8-10 commands); pilots: C1's dose up to 40,000
 steps (~10 min), C2's rates up to 4 x dose per width, C3 up to 3, C5 up to 4 branches of the dose, about 1-3 hours
 at a 20-40k dose; claims: about 4.5 x 5 dose-length runs (C3's SAM arms 2x) plus ~60 ruler reads (each 3 probe splits

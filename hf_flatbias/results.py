@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """``payload`` as indented JSON at ``path`` (numpy numbers as floats), creating its folder."""
+    """``payload`` as indented JSON at ``path`` (numpy numbers as floats), creating its folder.
+
+    Written whole or not at all (a sibling file renamed over ``path``): a run killed mid-write, as a resumable
+    run stopped at a deadline is, leaves the previous file readable."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, default=float))
+    partial = path.with_name(f"{path.name}.partial")
+    partial.write_text(json.dumps(payload, indent=2, default=float))
+    os.replace(partial, path)

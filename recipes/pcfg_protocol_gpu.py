@@ -1,290 +1,243 @@
-"""The saturated-start protocol (issue 23) at a GPU's shape on one GPU, in one command of at most ~10 minutes.
+"""Campaign v2 (issue 33) at a GPU's shape on one GPU, in commands of at most ~10 minutes that resume each other.
 
-Runs `pcfg_saturated_start.py` in phases, each phase's model seeds as concurrent processes on the one GPU (the models
-are far too small to fill it: a step is bound by kernel launches and data, and processes overlap on its idle time;
-each gets an equal share of the CPU threads, since the probes fit on the CPU): (1) every seed distils its start on
-the exact conditionals until the stop set is saturated; (2) seed 0's rate pilot picks the continued-training rate by
-the stated KL-only rule; (3) every seed continues with the paper's objective from its start, annealed branches
-measured; (4) ``--later-claims`` (C3, C5, C2) as further phases while the budget lasts; (5) a merge writes every
-claim's JSON with its verdict (undecided while seeds are missing).
-Shape: the released grammar's (`PCFG.paper_shaped` defaults: 4 levels of 10 symbols, 200 words), BERT H256-L4
-(3.3M parameters), batch 1024, AdamW beta2 0.98, weight decay 0.01, fp32 (the annealed branches train without
-autocast, so bf16 would treat trunk and branches differently). The route is ours, not the paper's training.
+The design is ``recipes/pcfg_campaign_v2.py``'s, run through the same functions (rules `research.rules_v2`, prose
+RULES_v2.md; `campaign_v2.run_starts`, `campaign_v2.run_pilots`, `claims_v2.run_claims`; the same JSON, rows and
+resumption): (1) starts, every width and seed distilled to the margin (stop-set KL <= 0.007, upper <= 0.010) by up to
+three 4,000-step extension decays; (2) the KL/trace-only pilots: C1's dose, C2's rate per width, C3's dropout, C5's
+adversary weight; (3) the claims C1, C4, C6, C5, C2, C3 (``--claims``) from those starts at the pilots' choices,
+read by the ruler. Only the shape differs from the CPU campaign, `GPU_SIZES`: the released grammar
+(`PCFG.paper_shaped` defaults: 4 levels of 10 symbols, 200 words); BERT-L4 at H256 (C1, C3, C5, the pilots), H512
+and H192 (C2: the rules' H64 / H128 / H48 times four); batch 1024; no v1 start exists at this shape, so every start
+is fresh and first runs v1's GPU distillation to its end (8,000 steps, peak 1e-3, warm-up 200) before the rules'
+extensions. Ladders, doses, step counts, tiers and verdicts are the rules' own. The ruler is cut to the budget by
+default (``--ruler-splits 3 --ruler-fit 5000 --ruler-test 5000``, no CV rows; the gated ruler is 5 x 20,000 on 10,000)
+and its C = 0.3 was cross-validated on the 3-level grammar, not this one.
 
-CAMPAIGN V2 (issue 33, ``docs/reproduction/campaign_v2.md``): after the merge, C1 is also read with v2's ruler
-(`research.ruler_reads`, C fixed at the gate's 0.3, ``--ruler-splits`` disjoint fit splits of ``--ruler-fit`` fresh
-sentences and one common test set, the same splits for every model): each finished seed's start and its first and
-last compared C1 branches (v2's saturated tier; v1's matched tier as the sensitivity row), C1's v2 verdict with the
-two-way seed x split interval (`research.verdicts_v2.c1_verdict`) into ``ruler_c1.json``. The ruler's default size
-here is cut to the GPU budget (3 x 5,000 rows: the probes run on the CPU, at the released grammar's 18 x 256 = 4,608
-feature columns): it is not the gated 5 x 20,000 ruler, and C = 0.3 was cross-validated on the 3-level grammar. Not
-yet carried over to the GPU shape: v2's margins (starts to stop-set KL <= 0.007), its dose/rate/dropout/weight
-pilots and claims C2-C6 under v2's rules; those run on the CPU (``recipes/pcfg_campaign_v2.py``).
+Each command runs the phases in one child process (one model at a time on the GPU; the probes fit on the CPU) and
+kills it at ``--budget-minutes``: every finished unit (a start, a pilot, a claim's run, a read split) is already in
+its JSON, written whole as it finishes, and the next command skips it; a killed decay resumes from its last 500-step
+checkpoint, a killed trunk from its last branch (the Trainer writes a trunk's checkpoint in place: a kill inside that
+write, under a second per branch interval, leaves a partial ``trunk/checkpoint-N`` the resume stops on; deleting that
+folder resumes from the previous one). Each command appends its wall time and where the phases stand to
+``RESULTS/gpu_calls.json``. Results: ``--results-dir`` (default ``recipes/research/results/campaign_v2_gpu``, never the
+CPU campaign's); checkpoints and caches: ``--output-dir`` (a fresh machine needs that folder back to resume: the
+starts' and branches' weights, about 13 MB per H256 model).
 
-BUDGET (assumed, not measured on a GPU): ~15 ms per step of H256-L4 at batch 1024 including the batch's assembly,
-~30 s per branch measurement, ~25 s of language setup per process. Distillation: 8,000 steps (~2 minutes);
-continued training: 4,000 trunk steps, a branch every 1,000 annealed over 500 (4 branches, ~3 minutes per seed,
-seeds concurrent). The script stops starting work once ``--budget-minutes`` are spent, kills what still runs at the
-deadline (a finished start, pilot or seed is already on disk and a rerun resumes from it), and merges whatever
-finished; each phase's wall time is printed and written to ``protocol_gpu.json`` so the next session can resize.
+BUDGET (assumed, not measured on a GPU): ~15 ms per step of H256-L4 at batch 1024 (H512 ~2x), ~30 s per branch or
+start measurement. Measured on the CPU here (one thread): the exact conditionals of the 30,000-sentence pool at this
+grammar ~85 s (500 in 1.4 s), once (then cached: 384 MB in the output folder); C5's task labels of 200,000 sentences
+~150 s (2,000 in 1.5 s), in every command that runs a C5 unit.
+Starts: 15 x (8,000 + 4,000-12,000) steps, about 1-1.5 GPU-hours (8-10 commands); pilots: C1's dose up to 40,000
+steps (~10 min), C2's rates up to 4 x dose per width, C3 up to 3, C5 up to 4 branches of the dose, about 1-3 hours
+at a 20-40k dose; claims: about 4.5 x 5 dose-length runs (C3's SAM arms 2x) plus ~60 ruler reads (each 3 probe splits
+on the CPU at 18 x 256 = 4,608 feature columns, minutes each), several hours. Measured wall times land in
+gpu_calls.json; replace these lines with them.
 
-    python recipes/pcfg_protocol_gpu.py                   # on the GPU machine: <= 9 minutes, outputs/pcfg_protocol_gpu
-    python recipes/pcfg_protocol_gpu.py --dry-run         # tiny sizes on whatever device is here (tests)
+    python recipes/pcfg_protocol_gpu.py                       # on the GPU machine; rerun until every phase is done
+    python recipes/pcfg_protocol_gpu.py --claims C1,C4,C6     # the claims phase restricted, as the CPU driver's
+    python recipes/pcfg_protocol_gpu.py --markdown            # the tables, from the results folder
+    python recipes/pcfg_protocol_gpu.py --dry-run             # the smoke sizes on whatever device is here (tests)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
-from research import verdicts_v2
-from research.campaign import SHAPES
-from research.ruler_reads import PRIMARY, RULER_SMOKE, ReadStore, RulerSizes, compact_read, read_record, ruler_rows
-from research.verdicts import CLAIM_FILES
-from transformers import BertForMaskedLM
+from research.campaign_v2 import (
+    RESULTS,
+    SMOKE,
+    Sizes,
+    load_material,
+    pilots_markdown,
+    run_pilots,
+    run_starts,
+    starts_markdown,
+)
+from research.claims_v2 import ClaimsRun, parse_claims, pilot_decisions, run_claims
+from research.claims_v2_report import claims_markdown
+from research.deadline import run_concurrently
+from research.ruler_reads import RULER_SMOKE, RulerSizes
+from research.rules_v2 import CLAIMS, SEEDS
+from research.units import read_units
 
-from hf_flatbias.cli import run_recipe
 from hf_flatbias.results import write_json
-from hf_flatbias.synthetic import PCFG
 
 RECIPES = Path(__file__).resolve().parent
-#: most CPU threads one process gets: the models' tiny CPU ops (features, probes) slow down with more, badly so on a
-#: shared machine (a smoke merge took 15 s on one thread and 248 s on two here)
-MAX_THREADS = 4
-#: seconds kept back from the budget for the final merge (reference rows: three probes and the exact conditionals)
-MERGE_RESERVE_SECONDS = 60
+PHASES = ("starts", "pilots", "claims")
+#: the GPU's shape (module docstring); every schedule length, ladder and threshold stays the rules'
+GPU_SIZES = dataclasses.replace(
+    Sizes(),
+    shape="paper",
+    widths=(256, 512, 192),
+    base_width=256,
+    layers=4,
+    batch_size=1024,
+    first_decay=(8000, 1e-3, 200),
+    v1_starts=None,
+)
+#: the dry run: the CPU campaign's smoke sizes at the released grammar, three small widths, no v1 start
+DRY_RUN_SIZES = dataclasses.replace(SMOKE, shape="paper", widths=(32, 64, 16), base_width=32, v1_starts=None)
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--grammar-seed", type=int, default=0, help="seed of PCFG.paper_shaped")
-    parser.add_argument("--shape", default="paper", help="pcfg_saturated_start.py's --shape (paper: released shape)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="model seeds (concurrent)")
-    parser.add_argument("--budget-minutes", type=float, default=9.0, help="no new work starts after this; all stops")
-    parser.add_argument("--start-share", type=float, default=0.35, help="largest fraction of the budget for starts")
-    parser.add_argument("--hidden", type=int, default=256, help="BERT hidden size (256 x 4 layers: 3.3M parameters)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=1024)
-    parser.add_argument("--distil-steps", type=int, default=8000)
-    parser.add_argument("--distil-lr", type=float, default=1e-3, help="peak rate of the distillation's decay")
-    parser.add_argument("--continue-steps", type=int, default=4000, help="trunk steps from the saturated start")
-    parser.add_argument("--branch-every", type=int, default=1000)
-    parser.add_argument("--anneal-steps", type=int, default=500)
-    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    parser.add_argument("--output-dir", type=Path, default=Path("outputs") / "pcfg_protocol_gpu")
     parser.add_argument(
-        "--later-claims",
-        nargs="*",
-        choices=["c3", "c5", "c2"],
-        default=[],
-        help="claims run after C1 while the budget lasts, each a phase of concurrent seeds (C4 and C6 need no run)",
+        "--phases", type=lambda text: text.split(","), default=list(PHASES), help="starts,pilots,claims (in order)"
     )
-    parser.add_argument("--ruler-fit", type=int, default=5000, help="v2 ruler: sentences per fit split")
-    parser.add_argument("--ruler-splits", type=int, default=3, help="v2 ruler: disjoint fit splits (the gate's: 5)")
-    parser.add_argument("--ruler-test", type=int, default=5000, help="v2 ruler: common test sentences")
-    parser.add_argument("--no-ruler", action="store_true", help="skip the v2 ruler read-out of C1")
-    parser.add_argument("--dry-run", action="store_true", help="the recipe's --smoke sizes, 2 seeds, seconds")
+    parser.add_argument(
+        "--claims", type=parse_claims, default=list(CLAIMS), help="claims of the claims phase, e.g. C1,C4 (default all)"
+    )
+    parser.add_argument(
+        "--only-seeds", type=int, nargs="+", default=list(SEEDS), help="run only these model seeds' claim units"
+    )
+    parser.add_argument("--budget-minutes", type=float, default=9.0, help="the child running the phases is killed then")
+    parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--output-dir", type=Path, default=Path("outputs") / "campaign_v2_gpu", help="weights, caches")
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        default=None,
+        help="starts.json, pilots.json, claims/ (default recipes/research/results/campaign_v2_gpu; --dry-run: "
+        "OUTPUT-DIR/results)",
+    )
+    parser.add_argument("--ruler-fit", type=int, default=5000, help="ruler: sentences per fit split (gated: 20,000)")
+    parser.add_argument("--ruler-splits", type=int, default=3, help="ruler: disjoint fit splits (gated: 5)")
+    parser.add_argument("--ruler-test", type=int, default=5000, help="ruler: common test sentences (gated: 10,000)")
+    parser.add_argument("--markdown", action="store_true", help="only print the tables from the results folder")
+    parser.add_argument("--dry-run", action="store_true", help="the smoke sizes (DRY_RUN_SIZES, RULER_SMOKE), seconds")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the child that runs the phases
     args = parser.parse_args(argv)
+    unknown = [p for p in args.phases if p not in PHASES]
+    if unknown or not args.phases:
+        parser.error(f"--phases takes names among {','.join(PHASES)}, got {','.join(args.phases)}.")
+    if not set(args.only_seeds) <= set(SEEDS):
+        parser.error(f"--only-seeds {args.only_seeds} must be among the rules' seeds {list(SEEDS)}.")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible here; pass --device auto.")
-    if args.budget_minutes <= 0 or not 0 < args.start_share < 1:
-        parser.error("--budget-minutes must be > 0 and --start-share in (0, 1).")
-    if args.dry_run and "--seeds" not in (argv or sys.argv[1:]):
-        args.seeds = [0, 1]
+    if args.budget_minutes <= 0:
+        parser.error("--budget-minutes must be > 0.")
+    if args.results_dir is None:
+        results = RECIPES / "research" / "results" / "campaign_v2_gpu"
+        args.results_dir = args.output_dir / "results" if args.dry_run else results
+    if args.results_dir.resolve() == RESULTS.resolve():
+        parser.error(f"--results-dir {args.results_dir} is the CPU campaign's: pass a folder of this driver's own.")
+    args.phases = [p for p in PHASES if p in args.phases]
     return args
 
 
-def recipe_command(args: argparse.Namespace, *extra: str) -> list[str]:
-    """``python recipes/pcfg_saturated_start.py`` with this run's shape (or ``--smoke``), folders and ``extra``."""
+def campaign_sizes(args: argparse.Namespace) -> Sizes:
+    """The run's sizes on its device: the GPU's shape, or the dry run's."""
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
-    out = args.output_dir
-    command = [
-        sys.executable, str(RECIPES / "pcfg_saturated_start.py"), "--device", device,
-        "--grammar-seed", str(args.grammar_seed), "--shape", args.shape,
-        "--work-dir", str(out / "work"), "--results-dir", str(out / "results"),
-        "--figures-dir", str(out / "results"),
-    ]  # fmt: skip
+    return dataclasses.replace(DRY_RUN_SIZES if args.dry_run else GPU_SIZES, device=device)
+
+
+def ruler_sizes(args: argparse.Namespace) -> RulerSizes:
+    """The ruler of the claims: the flags' cut of the gated ruler (C and the fine-tuning as gated), or the smoke's."""
     if args.dry_run:
-        return [*command, "--smoke", *extra]
-    shape = {
-        "--hidden": args.hidden, "--layers": args.layers, "--batch-size": args.batch_size,
-        "--distil-steps": args.distil_steps, "--distil-lr": args.distil_lr, "--continue-steps": args.continue_steps,
-        "--branch-every": args.branch_every, "--anneal-steps": args.anneal_steps,
-    }  # fmt: skip
-    return [*command, *(str(x) for pair in shape.items() for x in pair), *extra]
+        return RULER_SMOKE
+    return RulerSizes(n_test=args.ruler_test, n_fit=args.ruler_fit, n_splits=args.ruler_splits, n_cv=0)
 
 
-def run_concurrently(commands: dict[str, list[str]], deadline: float, log_dir: Path) -> dict[str, dict]:
-    """Start every command at once (an equal share of the CPU threads each); kill those still running at ``deadline``.
-
-    Returns ``{name: {"returncode", "seconds", "killed"}}``; each command's output goes to ``log_dir/NAME.log``.
-    """
-    threads = threads_each(len(commands))
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    env["PYTHONPATH"] = merge_environment()["PYTHONPATH"]
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    log_dir.mkdir(parents=True, exist_ok=True)
-    started, processes, logs = time.monotonic(), {}, {}
-    for name, command in commands.items():
-        logs[name] = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 (closed below, after the process ends)
-        processes[name] = subprocess.Popen(
-            command, stdout=logs[name], stderr=subprocess.STDOUT, env=env, start_new_session=True
+def run_phases(args: argparse.Namespace) -> None:
+    """The child: the requested phases in order, each resuming from the JSON on disk (the CPU driver's functions)."""
+    sizes, work = campaign_sizes(args), args.output_dir
+    starts, pilots = args.results_dir / "starts.json", args.results_dir / "pilots.json"
+    decisions = None
+    if "claims" in args.phases and "pilots" not in args.phases:
+        decisions = pilot_decisions(pilots, args.claims, sizes.widths)  # a missing pilot stops here, before compute
+    print(f"campaign v2 on {sizes.device}: phases {', '.join(args.phases)}", flush=True)
+    material = load_material(work, sizes)
+    if "starts" in args.phases:
+        run_starts(material, work, starts, sizes)
+    if "pilots" in args.phases:
+        run_pilots(material, starts, pilots, work, sizes)
+    if "claims" in args.phases:
+        run = ClaimsRun(
+            material=material,
+            sizes=sizes,
+            ruler=ruler_sizes(args),
+            starts=starts,
+            pilots=decisions or pilot_decisions(pilots, args.claims, sizes.widths),
+            work_dir=work,
+            claims_dir=args.results_dir / "claims",
         )
-    outcome = {}
-    for name, process in processes.items():
-        try:
-            process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            killed = False
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # its own session: this process and its children only
-            process.wait()
-            killed = True
-        logs[name].close()
-        outcome[name] = {"returncode": process.returncode, "seconds": time.monotonic() - started, "killed": killed}
-        print(
-            f"  {name}: {'killed at the deadline' if killed else f'exit {process.returncode}'} "
-            f"after {outcome[name]['seconds']:.0f} s (log {log_dir / f'{name}.log'})",
-            flush=True,
-        )
-    return outcome
+        run_claims(run, args.claims, args.only_seeds)
 
 
-def merge_environment() -> dict[str, str]:
-    """A merge's environment: this checkout first on the path, the threads of a process running alone."""
-    path = os.pathsep.join(filter(None, [str(RECIPES.parent), os.environ.get("PYTHONPATH")]))
-    threads = str(threads_each(1))
-    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-
-
-def threads_each(processes: int) -> int:
-    """CPU threads for each of ``processes`` concurrent processes: an equal share of half the cores, 1 to 4."""
-    return max(1, min(MAX_THREADS, (os.cpu_count() or 1) // (2 * max(1, processes))))
-
-
-def c1_records(work: Path, seed: int) -> dict | None:
-    """A finished v1 C1 seed of the work folder as v2's records (`verdicts_v2.c1_verdict`), weights' folders beside."""
-    result, start = work / f"seed{seed}" / "c1" / "result.json", work / f"seed{seed}" / "start"
-    if not result.exists():
-        return None
-    measured = json.loads((start / "start.json").read_text())["measured"]
-
-    def record(key, row, checkpoint):
-        kl = {"kl": row["kl"], "ci_high": row["saturation"]["ci_high"], "fisher_trace": row["fisher_trace"]}
-        return {"key": key, **kl, "checkpoint": str(checkpoint)}
-
-    branches = [
-        {
-            **record(f"c1/seed{seed}/step-{r['step']}", r, result.parent / "branches" / f"step-{r['step']}"),
-            "step": r["step"],
-        }
-        for r in json.loads(result.read_text())["records"]
-    ]
-    return {"start": record(f"start/seed{seed}", measured, start), "branches": branches}
-
-
-def ruler_c1(args: argparse.Namespace, out: Path) -> dict:
-    """C1 read by v2's ruler: every record its v2 rule compares (saturated tier, then the matched sensitivity row)
-    read on the same splits, then `verdicts_v2.c1_verdict` of each tier; ``ruler_c1.json`` holds both."""
-    sizes = RULER_SMOKE if args.dry_run else RulerSizes(n_test=args.ruler_test, n_fit=args.ruler_fit,
-                                                         n_splits=args.ruler_splits, n_cv=0)  # fmt: skip
-    grammar = PCFG.paper_shaped(args.grammar_seed, **SHAPES[args.shape])
-    rows = ruler_rows(grammar, args.grammar_seed, sizes, out / "cache")
-    store = ReadStore(out / "ruler_reads.json", sizes)
-    seeds = {str(s): r for s in args.seeds if (r := c1_records(out / "work", s)) is not None}
-
-    def verdicts():
-        for record in seeds.values():
-            for row in [record["start"], *record["branches"]]:
-                read = compact_read(store.reads.get(row["key"]), PRIMARY, sizes)
-                row["reads"] = {PRIMARY: read} if read else {}
-        return {tier: verdicts_v2.c1_verdict(seeds, len(args.seeds), tier) for tier in verdicts_v2.TIERS}
-
-    paths = {row["key"]: row["checkpoint"] for r in seeds.values() for row in [r["start"], *r["branches"]]}
-    for key in sorted({k for row in verdicts().values() for k in row["reads_pending"]}):
-        model = BertForMaskedLM.from_pretrained(paths[key]).eval()  # features on the GPU when there is one
-        model.to("cuda" if torch.cuda.is_available() else "cpu")
-        read_record(store, key, rows, sizes, [PRIMARY], model=model, source=paths[key])
-    payload = {"ruler": store.settings, "seeds": seeds, "verdicts": verdicts()}
-    write_json(out / "ruler_c1.json", payload)
-    return payload["verdicts"]
+def standing(results_dir: Path, widths) -> dict:
+    """Where the phases stand, from the results folder: starts done / meeting the margin, each pilot's status and
+    choice, each claim's primary verdict."""
+    starts = read_units(results_dir / "starts.json")
+    pilots = read_units(results_dir / "pilots.json")
+    done = [row for row in starts.values() if row.get("status") == "done"]
+    claims = {}
+    for path in sorted((results_dir / "claims").glob("C*.json")):
+        claims[path.stem] = json.loads(path.read_text())["verdict"]["verdict"]
+    return {
+        "starts_planned": len(widths) * len(SEEDS),
+        "starts_done": len(done),
+        "starts_meeting_margin": sum(bool(row.get("margin_met")) for row in done),
+        "pilots": {key: {"status": row["status"], **(row.get("choice") or {})} for key, row in pilots.items()},
+        "claims": claims,
+    }
 
 
 def main(argv=None) -> dict:
-    args = parse_arguments(argv)
-    start = time.monotonic()
-    deadline = start + 60 * args.budget_minutes
-    out = args.output_dir
-    out.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"recipe": "pcfg_protocol_gpu", "config": {k: str(v) for k, v in vars(args).items()}}
-    summary["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-
-    def save():
-        (out / "protocol_gpu.json").write_text(json.dumps(summary, indent=2) + "\n")
-
-    def phase(name: str, commands: dict[str, list[str]], until: float) -> None:
-        began = time.monotonic()
-        print(f"{name}: {len(commands)} process(es) on {summary['device']}", flush=True)
-        summary[f"{name}_runs"] = run_concurrently(commands, until, out / "logs")
-        summary[f"{name}_seconds"] = time.monotonic() - began
-        save()
-
-    seeds = [str(s) for s in args.seeds]
-    phase(
-        "starts",
-        {f"start_seed{s}": recipe_command(args, "--seeds", s, "--stop-after", "start") for s in seeds},
-        min(deadline, start + 60 * args.budget_minutes * args.start_share),
-    )
-    phase("rate", {"rate_pilot": recipe_command(args, "--seeds", seeds[0], "--stop-after", "rate")}, deadline)
-    work = out / "work"
-    if (work / "rate_pilot.json").exists():
-        phase(
-            "c1",
-            {f"c1_seed{s}": recipe_command(args, "--seeds", s, "--claims", "c1") for s in seeds},
-            deadline - MERGE_RESERVE_SECONDS * (not args.dry_run),
-        )
-    else:
-        print("rate pilot not finished within the budget: C1 not started", flush=True)
-    summary["c1_finished_seeds"] = [s for s in args.seeds if (work / f"seed{s}" / "c1" / "result.json").exists()]
-    for claim in args.later_claims if summary["c1_finished_seeds"] else []:
-        phase(
-            claim,
-            {f"{claim}_seed{s}": recipe_command(args, "--seeds", s, "--claims", claim) for s in seeds},
-            deadline - MERGE_RESERVE_SECONDS * (not args.dry_run),
-        )
-    subprocess.run(
-        recipe_command(args, "--seeds", *seeds, "--claims", "c1", "--merge"), check=True, env=merge_environment(),
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    results = json.loads((out / "results" / "continued_training.json").read_text())
-    summary["c1_verdict"] = results["verdict"]
-    for claim, name in CLAIM_FILES.items():
-        if (out / "results" / name).exists():
-            summary[f"{claim.lower()}_verdict"] = json.loads((out / "results" / name).read_text())["verdict"]
-    summary["continued_training_rate"] = results["continued_training_rate"]
-    if not args.no_ruler and summary["c1_finished_seeds"]:
-        began = time.monotonic()
-        summary["ruler_c1"] = {tier: row["verdict"] for tier, row in ruler_c1(args, out).items()}
-        summary["ruler_seconds"] = time.monotonic() - began
-        print(f"C1 read by v2's ruler: {summary['ruler_c1']}", flush=True)
-    summary["seconds"] = time.monotonic() - start
-    save()
-    verdict = results["verdict"]
-    print(f"C1 ({len(results['seeds'])} seeds finished): {verdict['verdict']} ({verdict['regime']})", flush=True)
-    for seed, row in results["seeds"].items():
-        begin = row["start"]["measured"]
-        line = ", ".join(f"{r['step']}: KL {r['kl']:.4f} tr {r['fisher_trace']:.1f} acc {r['probe_accuracy']:.3f}"
-                         for r in row["branches"])  # fmt: skip
-        print(f"  seed {seed}: start KL {begin['kl']:.4f} acc {begin['probe_accuracy']:.3f}; {line}", flush=True)
-    print(f"total {summary['seconds']:.0f} s; JSON in {out}", flush=True)
-    return summary
+    given = sys.argv[1:] if argv is None else list(argv)
+    args = parse_arguments(given)
+    sizes = campaign_sizes(args)
+    if args.worker:
+        run_phases(args)
+        return {}
+    if args.markdown:
+        tables = [
+            starts_markdown(read_units(args.results_dir / "starts.json"), sizes.widths),
+            pilots_markdown(read_units(args.results_dir / "pilots.json")),
+            claims_markdown(args.results_dir / "claims"),
+        ]
+        print(*filter(None, tables), sep="\n\n")
+        return {}
+    calls_path = args.results_dir / "gpu_calls.json"
+    state = json.loads(calls_path.read_text()) if calls_path.exists() else {"calls": []}
+    # the device is each call's own (below): a run may move between machines, never between shapes
+    shape = {k: str(v) for k, v in dataclasses.asdict(sizes).items() if k != "device"}
+    settings = {"sizes": shape, "ruler": dataclasses.asdict(ruler_sizes(args))}
+    if state["calls"] and {k: state[k] for k in settings} != settings:
+        raise SystemExit(f"{args.results_dir} holds a run of other sizes or ruler: pass another --results-dir.")
+    began = time.monotonic()
+    device = torch.cuda.get_device_name(0) if sizes.device == "cuda" else "cpu"
+    print(f"campaign v2 at the {'dry run' if args.dry_run else 'GPU'}'s shape on {device}", flush=True)
+    pythonpath = os.pathsep.join(filter(None, [str(RECIPES.parent), str(RECIPES), os.environ.get("PYTHONPATH")]))
+    outcome = run_concurrently(
+        {"campaign": [sys.executable, str(Path(__file__).resolve()), *given, "--worker"]},
+        began + 60 * args.budget_minutes,
+        None,  # the child's output is this command's
+        pythonpath,
+    )["campaign"]
+    call = {
+        "device": device,
+        "phases": args.phases,
+        "claims": args.claims,
+        "budget_minutes": args.budget_minutes,
+        **outcome,
+        "standing": standing(args.results_dir, sizes.widths),
+    }
+    write_json(calls_path, {**settings, "calls": [*state["calls"], call]})
+    print(json.dumps(call["standing"], indent=1), flush=True)
+    ended = "killed at the deadline" if outcome["killed"] else f"exit {outcome['returncode']}"
+    print(f"{ended} after {outcome['seconds']:.0f} s; the same command resumes", flush=True)
+    return call
 
 
 if __name__ == "__main__":
-    run_recipe(main)
+    ran = main()
+    # a child killed at the deadline is the budget's normal end; one that failed is this command's failure
+    if ran and not ran["killed"] and ran["returncode"]:
+        raise SystemExit(ran["returncode"])

@@ -386,7 +386,8 @@ def test_enlarged_trace_keeps_the_branch_depth_whatever_the_run_sizes(tmp_path, 
     monkeypatch.setattr(cl, "estimate_hessian_trace", fake_trace)
     language = SimpleNamespace(tokenizer=range(vocabulary), trace_contexts=range(4))
     run = SimpleNamespace(
-        material=SimpleNamespace(language=language), sizes=SimpleNamespace(layers=1, n_trace=4, trace_draws=1)
+        material=SimpleNamespace(language=language),
+        sizes=SimpleNamespace(layers=1, n_trace=4, trace_draws=1, widths=rules_v2.WIDTHS, device="cpu"),
     )
     out = cl.enlarged_trace(run, {"checkpoint": str(tmp_path / "branch"), "step": 3})
     assert seen == {"hidden": max(rules_v2.WIDTHS), "layers": 2, "seed": 3}

@@ -1,4 +1,4 @@
-"""The research code behind ``recipes/pcfg_saturated_start.py`` (and its GPU driver ``pcfg_protocol_gpu.py``), the
+"""The research code behind ``recipes/pcfg_saturated_start.py`` (and its GPU driver ``pcfg_protocol_gpu_v1.py``), the
 paper-shaped synthetic-language protocol of docs/reproduction/synthetic.md, and behind
 ``recipes/sam_variants_comparison.py``. It sits beside the recipes, outside the installed package, and builds on
 ``hf_flatbias`` (trainer, estimators, synthetic languages and their models); the recipes import it as ``research``
@@ -18,6 +18,7 @@ paper-shaped synthetic-language protocol of docs/reproduction/synthetic.md, and 
 - `verdicts`: the claims' rules and result file names, the verdicts recomputed from the committed JSON;
   `analysis`: the rank statistics they use.
 - `plots`: the figures the recipes draw (into docs/plots/, beside the report pages).
+- `deadline`: processes run against a wall-clock deadline (the GPU drivers' budget per command).
 - `sam_variants`: the SAM-variants comparison (issue 25): its methods, rule, tiny BERT/Llama runs and verdicts.
 
 The committed results are under ``results/`` here: the campaign's work folder (``results/saturated_start/``: each

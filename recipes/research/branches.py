@@ -47,7 +47,8 @@ def anneal_branch(
     """A copy of ``model`` trained ``steps`` more steps with the learning rate falling linearly to 0.
 
     The copy starts from the trunk's weights *and* optimizer state (Adam moments included), with the optimizer's
-    class and hyper-parameters; the model, the optimizer and torch's global random state are left as they were.
+    class and hyper-parameters; the model, the optimizer and torch's global random state (the CPU's, and the
+    model's GPU's when it is on one) are left as they were.
 
     Args:
         model: the trunk.
@@ -63,9 +64,10 @@ def anneal_branch(
     """
     inner = getattr(optimizer, "optimizer", optimizer)
     rates = linear_anneal_rates(learning_rate, steps)
-    rng_state = torch.get_rng_state()
-    branch = copy.deepcopy(model)
-    try:
+    device = next(model.parameters()).device
+    # the CPU's random state and, on a GPU, that device's (its dropout draws there): the trunk's stay untouched
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        branch = copy.deepcopy(model)
         branch.train()
         # the branch's optimizer has the trunk's class and parameter groups, over the copied parameters (deepcopy
         # keeps their order); load_state_dict then restores every group setting and the moments
@@ -74,7 +76,6 @@ def anneal_branch(
         accepted = inspect.signature(type(inner)).parameters
         branch_optimizer = type(inner)(groups, **{k: v for k, v in inner.defaults.items() if k in accepted})
         branch_optimizer.load_state_dict(copy.deepcopy(inner.state_dict()))
-        device = next(branch.parameters()).device
         for rate in rates:
             batch = {name: tensor.to(device) for name, tensor in next(batches).items()}
             for group in branch_optimizer.param_groups:
@@ -85,8 +86,6 @@ def anneal_branch(
                 torch.nn.utils.clip_grad_norm_(branch.parameters(), max_grad_norm)
             branch_optimizer.step()
             branch_optimizer.zero_grad(set_to_none=True)
-    finally:
-        torch.set_rng_state(rng_state)
     return branch.eval()
 
 

@@ -44,7 +44,8 @@ RESULTS = Path(__file__).parent / "results" / "campaign_v2"
 
 @dataclass(frozen=True)
 class Sizes:
-    """Material and schedule sizes: v1's by default (the rules' values); `SMOKE` shrinks them for tests."""
+    """Material, shape and schedule sizes: v1's by default (the rules' values, v1's grammar and widths, on the CPU);
+    `SMOKE` shrinks them for tests; ``recipes/pcfg_protocol_gpu.py`` defines the GPU's shape."""
 
     n_train: int = 200_000
     n_kl: int = 1000
@@ -62,6 +63,16 @@ class Sizes:
     dose_branch_every: int = rules.DOSE_BRANCH_EVERY
     anneal_steps: int = rules.ANNEAL_STEPS
     continue_warmup: int = rules.CONTINUE_WARMUP
+    #: the grammar's shape (`campaign.SHAPES`), grammar seed 0 either way
+    shape: str = "three_level"
+    #: the starts' widths in the order they run (C2 compares them all) ...
+    widths: tuple[int, ...] = rules.WIDTHS
+    #: ... and the one of C1, C3, C5 and the pilots but C2's rates
+    base_width: int = rules.V1_WIDTH
+    #: where v1's committed starts live (`v1_start_dir`); None: no v1 start, every width starts fresh
+    v1_starts: Path | None = V1_STATE
+    #: where the models train and are measured ("cpu", "cuda")
+    device: str = "cpu"
 
 
 SMOKE = Sizes(
@@ -86,7 +97,8 @@ SMOKE = Sizes(
 
 @dataclass
 class Material:
-    """v1's fixed material for grammar seed 0 (`campaign.material`): language, distillation pool, stop set."""
+    """v1's fixed material for grammar seed 0 (`campaign.material`) at ``Sizes.shape``: language, distillation pool,
+    stop set."""
 
     language: PaperLanguage
     pool: ConditionalPool
@@ -97,7 +109,7 @@ def load_material(work_dir: Path, sizes: Sizes) -> Material:
     """v1's language, pool and stop set (the same draws as v1's campaign), exact conditionals cached in ``work_dir``."""
     v1_flags = argparse.Namespace(  # v1's `material` reads its recipe's flags; built here once, not passed around
         grammar_seed=0,
-        shape="three_level",
+        shape=sizes.shape,
         n_train=sizes.n_train,
         n_kl=sizes.n_kl,
         n_trace=sizes.n_trace,
@@ -253,9 +265,10 @@ def extend_start(
     meets it. Every finished decay is saved (weights and ``decay.json``) and read back by a rerun. Returns the start
     (the first decay meeting the margin, else the one with the lowest stop-set KL) and its row."""
     row: dict[str, Any] = {"width": width, "seed": seed, "decays": []}
-    v1_dir = v1_start_dir(width, seed)
-    if v1_dir.exists():
-        model = BertForMaskedLM.from_pretrained(v1_dir)
+    v1_dir = None if sizes.v1_starts is None else v1_start_dir(width, seed, sizes.v1_starts)
+    from_v1 = v1_dir is not None and v1_dir.exists()
+    if from_v1:
+        model = BertForMaskedLM.from_pretrained(v1_dir).to(sizes.device)
         stop = json.loads((v1_dir / "start.json").read_text())["distillation"]["stop_kl"]
         row.update(base="v1 committed start", v1_stop_kl=stop["kl"], v1_stop_ci_high=stop["ci_high"])
         if meets_margin(stop["kl"], stop["ci_high"]):
@@ -263,7 +276,8 @@ def extend_start(
     else:
         row.update(base="fresh model, v1's first decay to its end")
         model = build_model(len(material.language.tokenizer), hidden=width, layers=sizes.layers, seed=seed)
-    plan = [] if v1_dir.exists() else [(0, *sizes.first_decay)]
+        model.to(sizes.device)
+    plan = [] if from_v1 else [(0, *sizes.first_decay)]
     plan += [
         (k, sizes.extension_steps, rules.EXTENSION_PEAK, sizes.extension_warmup)
         for k in range(1, 1 + rules.MAX_EXTENSIONS)
@@ -271,7 +285,7 @@ def extend_start(
     for index, steps, peak, warmup in plan:
         decay_dir = unit_dir / f"decay{index}"
         if (decay_dir / "decay.json").exists():
-            model = BertForMaskedLM.from_pretrained(decay_dir)
+            model = BertForMaskedLM.from_pretrained(decay_dir).to(sizes.device)
             decay = json.loads((decay_dir / "decay.json").read_text())
         else:
             print(f"[h{width} seed {seed}] decay {index}: {steps} steps from peak {peak:g}", flush=True)
@@ -301,7 +315,7 @@ def extend_start(
     extensions = [d for d in row["decays"] if d["decay"] > 0]
     met = [d for d in row["decays"] if d["margin_met"]]
     best = met[0] if met else min(row["decays"], key=lambda d: d["stop_kl"])
-    model = BertForMaskedLM.from_pretrained(unit_dir / f"decay{best['decay']}")
+    model = BertForMaskedLM.from_pretrained(unit_dir / f"decay{best['decay']}").to(sizes.device)
     source = f"{row['base']} + {len(extensions)} extension(s)"
     return model.eval(), {**row, "source": source, "margin_met": bool(met), "chosen_decay": best["decay"]}
 
@@ -335,10 +349,10 @@ def start_unit(material: Material, width: int, seed: int, work_dir: Path, sizes:
 
 
 def run_starts(material: Material, work_dir: Path, results: Path, sizes: Sizes) -> dict[str, dict]:
-    """Every start, `rules.WIDTHS` in order, seeds `rules.SEEDS` each; ``results`` rewritten after each."""
+    """Every start, ``sizes.widths`` in order, seeds `rules.SEEDS` each; ``results`` rewritten after each."""
     units = [
         (start_key(width, seed), start_unit(material, width, seed, work_dir, sizes))
-        for width in rules.WIDTHS
+        for width in sizes.widths
         for seed in rules.SEEDS
     ]
     return run_phase(results, units, "starts")
@@ -352,7 +366,7 @@ def continued_spec(
 ) -> RunSpec:
     """v1's continued training (`campaign.continue_spec`'s settings) from ``start`` (its width and depth): AdamW
     (`rules.CONTINUE_BETA2`, `rules.CONTINUE_WEIGHT_DECAY`), constant ``rate`` after a short warm-up, one branch at
-    the end unless the caller branches more often."""
+    the end unless the caller branches more often; on ``sizes.device``."""
     return RunSpec(
         label=f"seed{seed}",
         steps=steps,
@@ -368,6 +382,7 @@ def continued_spec(
         layers=start.config.num_hidden_layers,
         heads=start.config.num_attention_heads,
         seed=seed,
+        use_cpu=sizes.device == "cpu",
     )
 
 
@@ -418,7 +433,7 @@ def dose_unit(material: Material, starts: Path, work_dir: Path, sizes: Sizes):
     `choose_dose` says ``met``."""
 
     def work(save: Callable[[dict], None]) -> dict[str, Any]:
-        start, start_row = load_start(starts, rules.V1_WIDTH, rules.PILOT_SEED)
+        start, start_row = load_start(starts, sizes.base_width, rules.PILOT_SEED)
         start_trace = start_row["measured"]["fisher_trace"]
 
         def decided(records: list[dict[str, Any]]) -> bool:
@@ -442,7 +457,7 @@ def dose_unit(material: Material, starts: Path, work_dir: Path, sizes: Sizes):
         choice = choose_dose(start_trace, rows, sizes.dose_ladder)
         print(f"[pilots] C1 dose: {choice['status']}, {choice['chosen']} steps", flush=True)
         return {
-            "width": rules.V1_WIDTH,
+            "width": sizes.base_width,
             "rate": rules.C1_RATE,
             "start_trace": start_trace,
             "rows": rows,
@@ -504,21 +519,21 @@ def pilot_units(material: Material, starts: Path, pilots: Path, work_dir: Path, 
         return run
 
     def dropout_pilot(dropout: float) -> dict[str, Any]:
-        start, _ = load_start(starts, rules.V1_WIDTH, rules.PILOT_SEED)
+        start, _ = load_start(starts, sizes.base_width, rules.PILOT_SEED)
         spec = continued_spec(rules.PILOT_SEED, start, rules.C1_RATE, dose(), sizes, dropout=dropout)
         return branch(pilot_dir / "c3_dropout" / f"d{dropout:g}", spec, start)
 
     labelled: dict[str, Any] = {}
 
     def adversary_pilot(weight: float) -> dict[str, Any]:
-        start, _ = load_start(starts, rules.V1_WIDTH, rules.PILOT_SEED)
+        start, _ = load_start(starts, sizes.base_width, rules.PILOT_SEED)
         spec = adversarial(continued_spec(rules.PILOT_SEED, start, rules.C1_RATE, dose(), sizes), language, weight)
         if "rows" not in labelled:  # the task labels of 200k sentences: computed once for every weight
             labelled["rows"] = task_labelled_train(language, sizes.n_train)
         return branch(pilot_dir / "c5_weight" / f"w{weight:g}", spec, start, train_dataset=labelled["rows"])
 
     units = [("c1_dose", dose_unit(material, starts, work_dir, sizes))]
-    for width in rules.WIDTHS:
+    for width in sizes.widths:
         describe = {"width": width, "seed": rules.PILOT_SEED, "ladder": list(rules.RATE_LADDER)}
         units.append(
             (
@@ -563,13 +578,13 @@ def _kl(value: float | None, upper: float | None) -> str:
     return "–" if value is None else f"{value:.4f} (≤ {upper:.4f})"
 
 
-def starts_markdown(units: dict[str, dict[str, Any]]) -> str:
-    """The starts' table of docs/reproduction/campaign_v2.md, from starts.json's units (in the rules' order)."""
+def starts_markdown(units: dict[str, dict[str, Any]], widths: Sequence[int] = rules.WIDTHS) -> str:
+    """The starts' table of docs/reproduction/campaign_v2.md, from starts.json's units (``widths`` in order)."""
     lines = [
         "| start | status | v1 stop-set KL | decays: stop-set KL | margin | KL-set KL | Fisher trace |",
         "|---|---|---|---|---|---|---|",
     ]
-    for width in rules.WIDTHS:
+    for width in widths:
         for seed in rules.SEEDS:
             row = units.get(start_key(width, seed))
             if row is None:

@@ -46,15 +46,18 @@ from .protocol import FISHER_OUTPUT_PROBE, train_with_branches
 from .ruler_reads import PRIMARY, ReadStore, RulerRows, RulerSizes, read_record, ruler_rows
 from .units import read_units
 
-#: the pilots each claim's runs read (pilots.json unit keys); C4 reads the starts only
-CLAIM_PILOTS: dict[str, tuple[str, ...]] = {
-    "C1": ("c1_dose",),
-    "C4": (),
-    "C6": ("c1_dose",),
-    "C5": ("c1_dose", "c5_weight"),
-    "C2": ("c1_dose", *(f"c2_rate/h{w}" for w in rules.WIDTHS)),
-    "C3": ("c1_dose", "c3_dropout"),
-}
+
+def claim_pilots(claim: str, widths: Sequence[int] = rules.WIDTHS) -> tuple[str, ...]:
+    """The pilots ``claim``'s runs read (pilots.json unit keys; C2: the rate of each of ``widths``); C4 reads the
+    starts only."""
+    return {
+        "C1": ("c1_dose",),
+        "C4": (),
+        "C6": ("c1_dose",),
+        "C5": ("c1_dose", "c5_weight"),
+        "C2": ("c1_dose", *(f"c2_rate/h{w}" for w in widths)),
+        "C3": ("c1_dose", "c3_dropout"),
+    }[claim]
 
 
 def parse_claims(text: str) -> list[str]:
@@ -76,12 +79,12 @@ def c3_arms(dropout: float | None) -> dict[str, tuple[float, float, bool]]:
     return {"adamw": (dropout, decayed, False), **plain, "adamw_sam": (dropout, decayed, True)}
 
 
-def pilot_decisions(pilots: Path, claims: Sequence[str]) -> dict[str, Any]:
-    """What the claims read from pilots.json (dose, rates, dropout, adversary weight); a pilot a requested claim
-    needs and pilots.json lacks (or holds unfinished) stops the phase here, before any compute."""
+def pilot_decisions(pilots: Path, claims: Sequence[str], widths: Sequence[int] = rules.WIDTHS) -> dict[str, Any]:
+    """What the claims read from pilots.json (dose, rates of ``widths``, dropout, adversary weight); a pilot a
+    requested claim needs and pilots.json lacks (or holds unfinished) stops the phase here, before any compute."""
     units = read_units(pilots)
     for claim in claims:
-        for key in CLAIM_PILOTS[claim]:
+        for key in claim_pilots(claim, widths):
             if units.get(key, {}).get("status") != "done":
                 raise SystemExit(
                     f"claim {claim} needs the pilot {key!r}, not finished in {pilots}: run "
@@ -94,7 +97,7 @@ def pilot_decisions(pilots: Path, claims: Sequence[str]) -> dict[str, Any]:
         decisions.update(
             dose=int(choice["chosen"]), dose_status=choice["status"], dose_trace_fall=rung.get("trace_fall")
         )
-    rates = {str(w): units[f"c2_rate/h{w}"]["choice"] for w in rules.WIDTHS if f"c2_rate/h{w}" in units}
+    rates = {str(w): units[f"c2_rate/h{w}"]["choice"] for w in widths if f"c2_rate/h{w}" in units}
     decisions["c2_rates"] = {w: c["chosen"] for w, c in rates.items()}
     decisions["c2_rate_status"] = {w: c["status"] for w, c in rates.items()}
     if (dropout := units.get("c3_dropout", {})).get("status") == "done":
@@ -172,10 +175,11 @@ def _continue(run: ClaimsRun, spec, prefix: str, start, *, every: int, train_dat
 
 
 def c1_unit(run: ClaimsRun, seed: int) -> Callable[[Callable[[dict], None]], dict]:
-    """C1 of one seed: the H64 start continued at `rules.C1_RATE` for C1's dose, `rules.C1_BRANCHES` branches."""
+    """C1 of one seed: the base width's start (H64) continued at `rules.C1_RATE` for C1's dose,
+    `rules.C1_BRANCHES` branches."""
 
     def work(save):
-        start, record = _start(run, rules.V1_WIDTH, seed)
+        start, record = _start(run, run.sizes.base_width, seed)
         row = {"seed": seed, "rate": rules.C1_RATE, "steps": run.pilots["dose"], "start": record, "branches": []}
         if record.get("excluded"):
             return row
@@ -191,7 +195,7 @@ def c3_unit(run: ClaimsRun, arm: str, seed: int):
 
     def work(save):
         dropout, weight_decay, sam = c3_arms(run.pilots["c3_dropout"])[arm]
-        start, _ = _start(run, rules.V1_WIDTH, seed)
+        start, _ = _start(run, run.sizes.base_width, seed)
         spec = continued_spec(seed, start, rules.C1_RATE, run.pilots["dose"], run.sizes, dropout=dropout)
         spec = dataclasses.replace(
             spec, weight_decay=weight_decay, flatness_method="sam" if sam else "none", sam_rho=rules.C3_SAM_RHO
@@ -207,7 +211,7 @@ def c5_unit(run: ClaimsRun, seed: int):
     """C5 of one seed: C1's run with v1's adversary at the piloted weight, one branch annealed with it."""
 
     def work(save):
-        start, _ = _start(run, rules.V1_WIDTH, seed)
+        start, _ = _start(run, run.sizes.base_width, seed)
         weight = run.pilots["adversary_weight"]
         spec = continued_spec(seed, start, rules.C1_RATE, run.pilots["dose"], run.sizes)
         spec = adversarial(spec, run.material.language, weight)
@@ -221,8 +225,8 @@ def enlarged_trace(run: ClaimsRun, record: dict[str, Any]) -> dict[str, float]:
     """The branch's Fisher trace in the largest width's parameter space (`enlarge`, function-preserving), on the
     contexts and draws of its own trace (seed = its step, as `measure_branch`)."""
     language = run.material.language
-    branch = BertForMaskedLM.from_pretrained(record["checkpoint"]).eval()
-    largest = max(rules.WIDTHS)
+    branch = BertForMaskedLM.from_pretrained(record["checkpoint"]).eval().to(run.sizes.device)
+    largest = max(run.sizes.widths)
     if branch.config.hidden_size != largest:
         branch = enlarge(
             branch, bert_config(len(language.tokenizer), hidden=largest, layers=branch.config.num_hidden_layers)
@@ -239,9 +243,9 @@ def enlarged_trace(run: ClaimsRun, record: dict[str, Any]) -> dict[str, float]:
     return {"fisher_trace_enlarged": trace.mean, "fisher_trace_enlarged_stderr": trace.stderr}
 
 
-def reuses_c1(pilots: dict[str, Any]) -> bool:
-    """C2's H64 run is C1's run when H64's piloted rate is C1's."""
-    return pilots.get("c2_rates", {}).get(str(rules.V1_WIDTH)) == rules.C1_RATE
+def reuses_c1(pilots: dict[str, Any], base_width: int = rules.V1_WIDTH) -> bool:
+    """C2's run at the base width (H64) is C1's run when that width's piloted rate is C1's."""
+    return pilots.get("c2_rates", {}).get(str(base_width)) == rules.C1_RATE
 
 
 def c2_unit(run: ClaimsRun, width: int, seed: int):
@@ -254,7 +258,7 @@ def c2_unit(run: ClaimsRun, width: int, seed: int):
         row = {"width": width, "seed": seed, "rate": rate}
         if record.get("excluded"):
             return {**row, "branch": {**record, "key": f"c2/h{width}/seed{seed}/excluded"}}
-        if width == rules.V1_WIDTH and reuses_c1(run.pilots):
+        if width == run.sizes.base_width and reuses_c1(run.pilots, width):
             c1 = read_units(run.runs_path)[f"c1/seed{seed}"]
             branch, row["reuses"] = dict(c1["branches"][-1]), f"c1/seed{seed}"
         else:
@@ -268,12 +272,12 @@ def c2_unit(run: ClaimsRun, width: int, seed: int):
 def training_units(run: ClaimsRun, claims: Sequence[str], seeds: Sequence[int]) -> list:
     """The requested claims' runs in the rules' order (C1's first: C5, C6 and C2's H64 read it)."""
     units: list = []
-    if {"C1", "C6", "C5"} & set(claims) or ("C2" in claims and reuses_c1(run.pilots)):
+    if {"C1", "C6", "C5"} & set(claims) or ("C2" in claims and reuses_c1(run.pilots, run.sizes.base_width)):
         units += [(f"c1/seed{s}", c1_unit(run, s)) for s in seeds]
     if "C5" in claims and run.pilots.get("adversary_weight") is not None:
         units += [(f"c5/seed{s}", c5_unit(run, s)) for s in seeds]
     if "C2" in claims:
-        units += [(f"c2/h{w}/seed{s}", c2_unit(run, w, s)) for w in rules.WIDTHS for s in seeds]
+        units += [(f"c2/h{w}/seed{s}", c2_unit(run, w, s)) for w in run.sizes.widths for s in seeds]
     if "C3" in claims:
         units += [
             (f"c3/{arm}/seed{s}", c3_unit(run, arm, s)) for arm in c3_arms(run.pilots["c3_dropout"]) for s in seeds
@@ -289,7 +293,9 @@ def write_claims(run: ClaimsRun, claims: Sequence[str], store: ReadStore) -> dic
     runs, starts = read_units(run.runs_path), read_units(run.starts)
     payloads = {}
     for claim in claims:
-        records = claim_records(claim, runs, starts, store, run.ruler)
+        records = claim_records(
+            claim, runs, starts, store, run.ruler, widths=run.sizes.widths, base_width=run.sizes.base_width
+        )
         payloads[claim] = claim_payload(claim, records, run.pilots, run.ruler, run.sizes.layers)
         write_json(run.claims_dir / f"{claim}.json", payloads[claim])
     return payloads
@@ -338,7 +344,7 @@ def read_stage(run: ClaimsRun, claims: Sequence[str], store: ReadStore, rows: Ru
         if key.startswith("baseline/"):
             read_record(store, key, rows, run.ruler, readouts, baseline=key.split("/", 1)[1])
         else:
-            model = BertForMaskedLM.from_pretrained(paths[key]).eval()
+            model = BertForMaskedLM.from_pretrained(paths[key]).eval().to(run.sizes.device)
             read_record(store, key, rows, run.ruler, readouts, model=model, source=paths[key])
         write_claims(run, claims, store)
 

@@ -11,7 +11,7 @@ secondary read-out (every other layer's probe, the fine-tuning). Tests recompute
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +74,18 @@ def with_reads(record: dict[str, Any], store: ReadStore, sizes: RulerSizes) -> d
     return {**record, "reads": {r: read for r, read in reads.items() if read is not None}}
 
 
-def claim_records(claim: str, runs: Mapping[str, dict], starts: Mapping[str, dict], store, sizes) -> dict[str, Any]:
-    """What ``claim``'s rule reads, from the finished units of runs.json and starts.json and the read-outs."""
+def claim_records(
+    claim: str,
+    runs: Mapping[str, dict],
+    starts: Mapping[str, dict],
+    store,
+    sizes,
+    *,
+    widths: Sequence[int] = rules.WIDTHS,
+    base_width: int = rules.V1_WIDTH,
+) -> dict[str, Any]:
+    """What ``claim``'s rule reads, from the finished units of runs.json and starts.json and the read-outs (C2:
+    ``widths``; C4: the starts of ``base_width``)."""
 
     def read(record):
         return with_reads(record, store, sizes)
@@ -92,10 +102,10 @@ def claim_records(claim: str, runs: Mapping[str, dict], starts: Mapping[str, dic
     if claim in ("C1", "C6"):
         return {"seeds": c1}
     if claim == "C4":
-        starts_h64 = {s: start_record(starts, rules.V1_WIDTH, int(s)) for s in seeds}
+        base_starts = {s: start_record(starts, base_width, int(s)) for s in seeds}
         baselines = {name: read({"key": f"baseline/{name}"}) for name in rules.C4_BASELINES}
         return {
-            "starts": {s: read(r) for s, r in starts_h64.items() if r is not None},
+            "starts": {s: read(r) for s, r in base_starts.items() if r is not None},
             "baselines": baselines,
             "c1_last_branch": {s: r["branches"][-1] for s, r in c1.items() if r["branches"]},
         }
@@ -104,7 +114,7 @@ def claim_records(claim: str, runs: Mapping[str, dict], starts: Mapping[str, dic
         return {"adversarial": adversarial, "plain": {s: r["branches"][-1] for s, r in c1.items() if r["branches"]}}
     if claim == "C2":
         sizes_rows: dict[str, dict[str, Any]] = {}
-        for width in rules.WIDTHS:
+        for width in widths:
             for s in seeds:
                 if row := done(f"c2/h{width}/seed{s}"):
                     sizes_rows.setdefault(str(width), {})[s] = read(row["branch"])

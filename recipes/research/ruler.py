@@ -220,33 +220,35 @@ def finetune_accuracy(
 ) -> float:
     """Full fine-tuning of a copy of ``masked_lm``'s encoder with a linear head on the concatenated last layer
     (`_ConcatClassifier`) on the fit rows of ``task``: AdamW (weight decay 0.01) at a constant ``learning_rate``,
-    ``epochs`` shuffled passes; ``seed`` fixes the head and the order (the same for every compared model). Returns the
-    test accuracy; ``masked_lm`` is not modified."""
+    ``epochs`` shuffled passes; ``seed`` fixes the head and the order (the same for every compared model). Trains on
+    ``masked_lm``'s device. Returns the test accuracy; ``masked_lm`` is not modified."""
     import copy
 
     encoder = copy.deepcopy(masked_lm.base_model).train()
     torch.manual_seed(seed)
     tokens = width + 2
-    model = _ConcatClassifier(encoder, tokens, masked_lm.config.hidden_size, n_classes)
+    device = next(masked_lm.parameters()).device
+    # the head is drawn on the CPU whatever the device, so every device starts fine-tuning from the same head
+    model = _ConcatClassifier(encoder, tokens, masked_lm.config.hidden_size, n_classes).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.01)
-    ids, mask = padded_tokens(fit, width)
-    labels = torch.as_tensor(fit.labels[task])
+    ids, mask = (tensor.to(device) for tensor in padded_tokens(fit, width))
+    labels = torch.as_tensor(fit.labels[task]).to(device)
     generator = torch.Generator().manual_seed(seed)
     for _ in range(epochs):
         order = torch.randperm(len(labels), generator=generator)
         for start in range(0, len(order), batch_size):
-            batch = order[start : start + batch_size]
+            batch = order[start : start + batch_size].to(device)
             loss = torch.nn.functional.cross_entropy(model(ids[batch], mask[batch]), labels[batch])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
     model.eval()
-    test_ids, test_mask = padded_tokens(test, width)
+    test_ids, test_mask = (tensor.to(device) for tensor in padded_tokens(test, width))
     with torch.no_grad():
         predictions = torch.cat(
             [model(test_ids[s : s + 1024], test_mask[s : s + 1024]).argmax(-1) for s in range(0, len(test_ids), 1024)]
         )
-    return float((predictions.numpy() == test.labels[task]).mean())
+    return float((predictions.cpu().numpy() == test.labels[task]).mean())
 
 
 def task_class_counts(grammar: PCFG) -> dict[str, int]:

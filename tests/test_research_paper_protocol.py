@@ -173,6 +173,9 @@ def test_a_trunk_stopped_between_branches_resumes_from_its_latest_checkpoint(tmp
     assert [r["step"] for r in first] == [10]
     run(killed_at=13)  # resumed at 10, then saved by the cadence at 12, with no branch there
     assert "resuming from" in capsys.readouterr().out and checkpoints() == ["checkpoint-12"]
+    partial = tmp_path / "trunk" / "checkpoint-14"  # killed while saving: the Trainer writes its state file last
+    partial.mkdir()
+    (partial / "config.json").write_text("{}")
     records = run()
     assert "checkpoint-12 with 1 measured branches" in capsys.readouterr().out
     assert [r["step"] for r in records] == [10, 20] and records[0] == first[0]

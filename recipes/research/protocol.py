@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers.trainer_utils import get_last_checkpoint
+from transformers.trainer import TRAINER_STATE_NAME
 
 from hf_flatbias.config import FlatBiasConfig
 from hf_flatbias.flatness import estimate_hessian_trace
@@ -165,7 +165,7 @@ def train_with_branches(
         raise ValueError(f"need 1 <= branch_every <= steps, got {branch_every} and {spec.steps}.")
     trunk_dir = output_dir / "trunk"
     records_path = output_dir / "branches.json"
-    last = get_last_checkpoint(str(trunk_dir)) if trunk_dir.is_dir() else None
+    last = last_complete_checkpoint(trunk_dir)
     records: list[dict[str, Any]] = []
     if last is not None and records_path.exists():
         resumed_step = int(Path(last).name.split("-")[-1])
@@ -227,6 +227,15 @@ def train_with_branches(
     )
     trainer.train(resume_from_checkpoint=last)
     return evaluator.records
+
+
+def last_complete_checkpoint(trunk_dir: Path) -> str | None:
+    """The latest ``checkpoint-N`` under ``trunk_dir`` that the Trainer finished writing (its ``trainer_state.json`` is
+    written last), or None: a process killed mid-save leaves a partial folder that would not resume."""
+    if not trunk_dir.is_dir():
+        return None
+    complete = [path for path in trunk_dir.glob("checkpoint-*") if (path / TRAINER_STATE_NAME).is_file()]
+    return str(max(complete, key=lambda path: int(path.name.split("-")[-1]))) if complete else None
 
 
 def _model_for(spec: RunSpec, language: PaperLanguage) -> torch.nn.Module:

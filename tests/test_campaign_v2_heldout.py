@@ -107,3 +107,77 @@ def test_committed_v2_start_kl_re_measured_by_brute_force_conditionals(kl_materi
     assert recorded["status"] == "done"
     full = measure_saturation(model, kl.word_ids, kl_material["full"], kl.lengths)
     assert full.kl == pytest.approx(recorded["measured"]["kl"], rel=1e-6)
+
+
+# ---------------------------------------------------------------- the held-out probe reading of C4
+
+
+@pytest.fixture(scope="module")
+def heldout(recipes):
+    return recipes.load("heldout_v2")
+
+
+def test_heldout_features_equal_the_rulers_on_the_same_sentences(heldout, kl_material):
+    """The features written in the held-out script (model's last layer, the unmasked lookup row) are the ruler's own
+    on the same sentences, so the held-out reading differs from the committed one by its sentences and probe code
+    only, not by what it reads."""
+    from research.paper_language import SentenceSet
+    from research.ruler import layer_features
+    from research.ruler_reads import baseline_features
+
+    from hf_flatbias.synthetic import build_model
+
+    grammar = kl_material["grammar"]
+    word_ids, lengths = heldout.fresh_pool(grammar, 40, 0)
+    conditionals = grammar.masked_conditionals(word_ids, lengths)
+    model = build_model(N_SPECIAL + grammar.n_words, hidden=16, layers=2, seed=0).eval()
+    sentences = SentenceSet(word_ids, lengths, {})
+    ours = heldout.last_layer_features(model, word_ids, lengths, grammar.max_length)
+    ruler = layer_features(model, sentences, [2], grammar.max_length)[2]
+    np.testing.assert_allclose(ours, ruler, atol=1e-5)
+    row = heldout.unmasked_lookup_features(word_ids, lengths, conditionals, grammar.n_words)
+    np.testing.assert_allclose(row, baseline_features(grammar, sentences, "unmasked_lookup"), atol=1e-6)
+    assert (lengths >= 5).all() and (lengths < grammar.max_length).any()  # probe sentences, some padded
+
+
+def test_heldout_probe_reads_what_fit_probe_reads_at_the_same_c(heldout):
+    """sklearn's LogisticRegression on features standardised by hand, against the project's `fit_probe` pipeline at
+    the same C: the same objective, so the same accuracy (to a row) on a problem where C matters."""
+    from research.ruler import probe_test_accuracy
+
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(3, 30)) * 0.4
+    y = rng.integers(0, 3, size=800)
+    x = centres[y] + rng.normal(size=(800, 30)) * rng.uniform(0.5, 5, size=30)  # columns on different scales
+    for c in (0.003, 0.3):
+        ours = heldout.probe_accuracy(x[:400], y[:400], x[400:], y[400:], c)
+        project = probe_test_accuracy(x[:400], y[:400], x[400:], y[400:], regularization=c)
+        assert ours == pytest.approx(project, abs=1 / 400)
+    assert heldout.probe_accuracy(x[:400], y[:400], x[400:], y[400:], 0.0001) < ours  # C is not ignored
+
+
+def test_heldout_pool_is_prefix_stable_and_another_stream_than_the_rulers(heldout, kl_material):
+    from research.ruler import ruler_pool
+
+    grammar = kl_material["grammar"]
+    short, _ = heldout.fresh_pool(grammar, 30, 0)
+    long, _ = heldout.fresh_pool(grammar, heldout.CHUNK, 0)  # a second chunk drawn: the first rows unchanged
+    np.testing.assert_array_equal(long[:30], short)
+    ruler = ruler_pool(grammar, 30, 0).word_ids
+    ruler = np.pad(ruler, ((0, 0), (0, grammar.max_length - ruler.shape[1])), constant_values=-1)
+    assert (ruler != short).any(1).all()
+
+
+def test_committed_heldout_reading_recomputes_and_the_docs_tables_equal_it(heldout):
+    path = RESULTS / "heldout.json"
+    if not path.exists():
+        pytest.skip("heldout.json is not committed")
+    state = json.loads(path.read_text())
+    c4 = json.loads((RESULTS / "claims" / "C4.json").read_text())
+    assert state["sizes"]["C"] == c4["ruler"]["regularization"]
+    again = heldout.compare(state["reads"], c4, state["sizes"]["seeds"], state["splits_planned"])
+    assert json.loads(json.dumps(again)) == state["comparison"]
+    docs = (REPO / "docs" / "reproduction" / "campaign_v2.md").read_text()
+    begin, end = "<!-- heldout_v2: begin -->", "<!-- heldout_v2: end -->"
+    assert docs[docs.index(begin) + len(begin) : docs.index(end)].strip() == heldout.heldout_markdown(state)
+    assert docs.index(end) < docs.index("## The claims phase")

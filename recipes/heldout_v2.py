@@ -153,6 +153,7 @@ def compare(reads: dict[str, dict[str, dict]], c4: dict[str, Any], seeds: list[s
                 "mean": held["mean"],
                 "ci": held["ci"],
                 "interval": "two-way" if len(done) > 1 else "seed-level (one split)",
+                "seed_level_ci": held["seed_level_ci"],
                 "per_seed": {s: float(np.mean(row)) for s, row in zip(seeds, d, strict=True)},
             },
             "committed": {
@@ -161,6 +162,9 @@ def compare(reads: dict[str, dict[str, dict]], c4: dict[str, Any], seeds: list[s
                 "per_seed": ref["per_seed_difference"],
                 "reading": ref["reading"],
             },
+            "largest_per_seed_gap": max(
+                abs(float(np.mean(row)) - ref["per_seed_difference"][s]) for s, row in zip(seeds, d, strict=True)
+            ),
             "same_sign": bool(np.sign(held["mean"]) == np.sign(ref_mean)),
             "heldout_mean_in_committed_ci": bool(ref_low <= held["mean"] <= ref_high),
             "committed_mean_in_heldout_ci": bool(low <= ref_mean <= high),
@@ -183,13 +187,15 @@ def heldout_markdown(state: dict[str, Any]) -> str:
     lines = [
         f"| task | committed C4 primary (ruler, two-way 95%) | held-out ({splits} fresh split(s) x "
         f"{sizes['n_fit']:,}, test {sizes['n_test']:,}; {comparison['mean']['heldout']['interval']} 95%) "
-        "| same sign | held-out mean inside committed interval | committed mean inside held-out interval |",
-        "|---|---|---|---|---|---|",
+        "| held-out, seed-level 95% | largest per-seed gap | same sign | held-out mean inside committed interval "
+        "| committed mean inside held-out interval |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for task in [*TASKS, "mean"]:
         row = comparison[task]
         lines.append(
             f"| {'mean over tasks' if task == 'mean' else task} | {_ci(row['committed'])} | {_ci(row['heldout'])} "
+            f"| {_ci({**row['heldout'], 'ci': row['heldout']['seed_level_ci']})} | {row['largest_per_seed_gap']:.4f} "
             f"| {yes[row['same_sign']]} | {yes[row['heldout_mean_in_committed_ci']]} "
             f"| {yes[row['committed_mean_in_heldout_ci']]} |"
         )
@@ -290,6 +296,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 + f" ({time.process_time() - began:.0f} CPU-s)",
                 flush=True,
             )
+    state["comparison"] = compare(state["reads"], c4, seeds, args.splits)  # also when every read was already held
+    tmp = args.out.with_suffix(".json.tmp")
+    write_json(tmp, state)
+    os.replace(tmp, args.out)
     mean = state["comparison"].get("mean")
     if mean:
         print(f"[heldout] over tasks: held-out {mean['heldout']} vs committed {mean['committed']}", flush=True)

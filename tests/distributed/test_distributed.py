@@ -469,6 +469,37 @@ def assert_float32_master_rounding_apart(
         assert float((zero3[name] - trained).abs().max()) <= bound, name
 
 
+def float32_units_apart(zero3: dict[str, torch.Tensor], one: dict[str, torch.Tensor]) -> float:
+    """The largest distance between the two runs' tensors, in float32 units of each tensor's largest weight (the unit
+    of `assert_float32_master_rounding_apart`, which allows 2 per update)."""
+    unit = torch.finfo(torch.float32).eps
+    return max(
+        float((zero3[name] - weights).abs().max()) / (unit * float(weights.abs().max()))
+        for name, weights in one.items()
+    )
+
+
+def per_rank_perturbation(updates: list[list[dict]], *, paired: bool = False) -> list[list[dict]]:
+    """One process's updates (micro-batches of both ranks' rows) with each micro-batch cut into its 2 ranks' rows, so
+    that a reference perturbing per micro-batch perturbs by each rank's own rows' gradient (the deliberate fault).
+
+    accelerate gives rank r every second batch of ``PER_DEVICE`` rows, so the first ``PER_DEVICE`` rows of one
+    process's micro-batch are rank 0's. With ``paired`` (DPO), a micro-batch is its pairs' chosen rows then their
+    rejected rows in the same order, and a rank keeps its pairs' chosen and rejected rows together. Each piece then
+    counts its rows' share of the update's loss, as long as the loss normalises by the whole update (SFT's token
+    count over all of an update's batches; DPO's pair mean over a batch divided by the update's batch count, which
+    the cut doubles as it halves the pairs)."""
+    blocks = 2 if paired else 1
+    return [
+        [
+            {key: value.unflatten(0, (blocks, 2, PER_DEVICE))[:, rank].flatten(0, 1) for key, value in batch.items()}
+            for batch in update
+            for rank in (0, 1)
+        ]
+        for update in updates
+    ]
+
+
 def marks_for(engine: str) -> list:
     return [pytest.mark.deepspeed] if engine.startswith("zero") else []
 

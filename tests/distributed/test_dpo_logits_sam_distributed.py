@@ -28,10 +28,16 @@ the trajectories start equal; each update then rounds every master weight once, 
 1 + lr * curvature at most. Two updates leave at most 0.5 + 0.5 (1 + lr * curvature) units: held to 2 units per
 update (4), measured 0.71 (accumulation 1) and 0.74 (2), 9.8e-8 and 1.06e-7. The same runs with the head's first
 gradient left unaveraged across the ranks (each rank perturbing its partition by its own gradient) miss by 1.9e-3 and
-2.0e-3, 5e4 units. The first update's rewards compare the policy with the reference at the same weights and are exactly
-0; before `FlatBiasDPOTrainer` kept the reference log-probabilities it computes out of the Trainer's cast of a batch's
-floats to DeepSpeed's dtype, they were rounded to float32 and the rewards were 1.6e-8 to 7e-8 (the weights, 0.80 and
-0.74 units apart then, did not show it).
+2.0e-3, 5e4 units. The fault of each rank perturbing the whole head by its own pairs' gradient is also computed in this
+process, as the plain-PyTorch reference with each micro-batch cut into its ranks' rows (`per_rank_perturbation`; a
+micro-batch holds its pairs' chosen rows, then their rejected rows, and each rank keeps its pairs' two rows
+together): under DDP it is 2.5e-8 and 1.9e-8 from the launched ``sam_perturbation="per_rank"`` run (the reference's
+float32 log-softmax), 1.9e-3 and 2.3e-3 from the 2 processes. The ZeRO-3 weights are 5.2e4 and 6.1e4 units from it
+(1.9e-3 and 2.3e-3), and the test asserts more than 100 times the tolerance, so it can fail. The first update's
+rewards compare the policy with the reference at the same weights and are exactly 0; before `FlatBiasDPOTrainer`
+kept the reference log-probabilities it computes out of the Trainer's cast of a batch's floats to DeepSpeed's dtype,
+they were rounded to float32 and the rewards were 1.6e-8 to 7e-8 (the weights, 0.80 and 0.74 units apart then, did
+not show it).
 
 One launch of `tests/helpers/distributed_sam_script.py` per engine runs its cases; the one-process runs are trained
 here.
@@ -50,10 +56,12 @@ pytest.importorskip("trl")
 from tests.distributed.test_distributed import (  # noqa: E402
     PER_DEVICE,
     assert_float32_master_rounding_apart,
+    float32_units_apart,
     launch,
     load,
     logits_sam_cases,
     max_difference,
+    per_rank_perturbation,
 )
 from tests.helpers.distributed_sam_script import (  # noqa: E402
     base_arguments,
@@ -81,9 +89,11 @@ def launched_zero3(tmp_path_factory):
     return launch("accelerate_cpu_2proc.yaml", ZERO3_CASES, tmp_path_factory.mktemp("dpo_logits_zero3"))
 
 
-def one_process_run(tmp_path, case: dict) -> dict[str, dict[str, torch.Tensor]]:
+def one_process_run(tmp_path, case: dict, *, per_rank_fault: bool = False) -> dict[str, dict[str, torch.Tensor]]:
     """The same arguments in this process with both ranks' rows in each micro-batch: the initial and trained
-    weights, and the plain-PyTorch two-forward SAM's on the micro-batches its dataloader yields."""
+    weights, and the plain-PyTorch two-forward SAM's on the micro-batches its dataloader yields; with
+    ``per_rank_fault``, also that reference with a deliberate fault (`per_rank_perturbation`, each rank's pairs
+    kept whole)."""
     values = base_arguments(str(tmp_path))
     values.update(case["args"], per_device_train_batch_size=2 * PER_DEVICE)
     with fused_head_in_model_dtype():
@@ -91,12 +101,19 @@ def one_process_run(tmp_path, case: dict) -> dict[str, dict[str, torch.Tensor]]:
         initial = trained_parameters(fresh_model(trainer))
         loss = dpo_loss_function(fresh_model(trainer).eval(), beta=trainer.args.beta)
         reference = reference_head_sam_sgd(fresh_model(trainer), updates_of(trainer), loss)
+        if per_rank_fault:
+            # a loss of its own: the first one's reference log-probabilities are keyed by ids of freed batches
+            loss = dpo_loss_function(fresh_model(trainer).eval(), beta=trainer.args.beta)
+            per_rank = per_rank_perturbation(updates_of(trainer), paired=True)
+            fault = reference_head_sam_sgd(fresh_model(trainer), per_rank, loss)
         trainer.train()
     weights = {
         "initial": initial,
         "trained": trained_parameters(trainer.model),
         "reference": trained_parameters(reference),
     }
+    if per_rank_fault:
+        weights["per_rank_fault"] = trained_parameters(fault)
     return weights
 
 
@@ -125,7 +142,7 @@ def test_two_processes_equal_one_process_on_the_global_batch(launched, case, tmp
 @pytest.mark.parametrize("case", ZERO3_CASES, ids=[case["name"] for case in ZERO3_CASES])
 def test_zero3_two_processes_equal_one_process_up_to_float32_master_weights(launched_zero3, case, tmp_path):
     two = [load(launched_zero3, case["name"], rank)["params"] for rank in (0, 1)]
-    one = one_process_run(tmp_path, case)
+    one = one_process_run(tmp_path, case, per_rank_fault=True)
     micro_batches = STEPS * case["args"]["gradient_accumulation_steps"]
     for rank in (0, 1):
         result = json.loads((launched_zero3 / f"{case['name']}.rank{rank}.json").read_text())
@@ -137,4 +154,6 @@ def test_zero3_two_processes_equal_one_process_up_to_float32_master_weights(laun
         assert rewards == [0.0, 0.0, 0.0], "the reference log-probabilities are the policy's at the start"
     assert max_difference(two[0], two[1]) == 0.0
     assert_float32_master_rounding_apart(two[0], one["trained"], STEPS)
+    # the fault run (each rank perturbing by its own pairs), in this process: 5.2e4 and 6.1e4 units (measured)
+    assert float32_units_apart(two[0], one["per_rank_fault"]) > 100 * 2 * STEPS, "the tolerance tells the fault apart"
     assert max_difference(two[0], one["initial"]) > 1e-3, "the steps moved the weights"

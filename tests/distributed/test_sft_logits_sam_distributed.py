@@ -42,10 +42,12 @@ pytest.importorskip("trl")
 from tests.distributed.test_distributed import (  # noqa: E402
     PER_DEVICE,
     assert_float32_master_rounding_apart,
+    float32_units_apart,
     launch,
     load,
     logits_sam_cases,
     max_difference,
+    per_rank_perturbation,
 )
 from tests.helpers.distributed_sam_script import (  # noqa: E402
     base_arguments,
@@ -96,31 +98,6 @@ def one_process_run(
     if per_rank_fault:
         weights["per_rank_fault"] = trained_parameters(fault)
     return weights, counts
-
-
-def per_rank_perturbation(updates: list[list[dict]]) -> list[list[dict]]:
-    """The updates with each micro-batch cut into its ranks' rows (accelerate gives rank r every second batch of
-    ``PER_DEVICE`` rows: the first half of one process's micro-batch is rank 0's): `reference_head_sam_sgd` then
-    perturbs the head by each rank's own rows' gradient (the deliberate fault), while the loss stays normalised by
-    the update's global token count (`sft_loss` counts over all of an update's batches)."""
-    return [
-        [
-            {key: value[rank * PER_DEVICE : (rank + 1) * PER_DEVICE] for key, value in batch.items()}
-            for batch in update
-            for rank in (0, 1)
-        ]
-        for update in updates
-    ]
-
-
-def float32_units_apart(zero3: dict[str, torch.Tensor], one: dict[str, torch.Tensor]) -> float:
-    """The largest distance between the two runs' tensors, in float32 units of each tensor's largest weight (the unit
-    of `assert_float32_master_rounding_apart`, which allows 2 per update)."""
-    unit = torch.finfo(torch.float32).eps
-    return max(
-        float((zero3[name] - weights).abs().max()) / (unit * float(weights.abs().max()))
-        for name, weights in one.items()
-    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case["name"] for case in CASES])

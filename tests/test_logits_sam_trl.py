@@ -172,13 +172,13 @@ def test_dpo_float64_step_with_the_head_formed_after_the_loss_equals_the_plain_r
     with fused_head_in_model_dtype():
         trainer = float64_dpo_trainer(tmp_path, tokenizer, **DPO_HEADS[head])
         frozen = fresh_model(trainer).eval()
-        references: dict[int, torch.Tensor] = {}
+        references: dict[int, tuple[dict, torch.Tensor]] = {}  # the batch kept alive: no other may reuse its id
 
         def loss(policy, batch, update):
             if id(batch) not in references:
                 with torch.no_grad():
-                    references[id(batch)] = completion_log_probs_in_model_dtype(frozen, batch)
-            ratios = completion_log_probs_in_model_dtype(policy, batch) - references[id(batch)]
+                    references[id(batch)] = (batch, completion_log_probs_in_model_dtype(frozen, batch))
+            ratios = completion_log_probs_in_model_dtype(policy, batch) - references[id(batch)][1]
             chosen, rejected = ratios.chunk(2)
             return -torch.nn.functional.logsigmoid(0.5 * (chosen - rejected)).mean() / len(update)
 

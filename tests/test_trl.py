@@ -118,14 +118,15 @@ def completion_log_probs(model, batch):
 
 
 def dpo_loss_function(reference_model, beta):
-    references: dict[int, torch.Tensor] = {}
+    # keyed by id, the batch kept alive beside its values so that a freed batch's id cannot be reused by another
+    references: dict[int, tuple[dict, torch.Tensor]] = {}
 
     def loss(model, batch, update):
         key = id(batch)
         if key not in references:  # once per micro-batch, at the weights before its first pass
             with torch.no_grad():
-                references[key] = completion_log_probs(reference_model, batch)
-        chosen, rejected = (completion_log_probs(model, batch) - references[key]).chunk(2)
+                references[key] = (batch, completion_log_probs(reference_model, batch))
+        chosen, rejected = (completion_log_probs(model, batch) - references[key][1]).chunk(2)
         return -F.logsigmoid(beta * (chosen - rejected)).mean() / len(update)
 
     return loss
@@ -598,15 +599,16 @@ def sft_loss_of_logits(logits, batch, update):
 def dpo_loss_of_logits(reference_model, beta):
     """DPO's sigmoid loss from the policy's next-token logits, the reference's log-probabilities taken once per
     micro-batch."""
-    references: dict[int, torch.Tensor] = {}
+    references: dict[int, tuple[dict, torch.Tensor]] = {}  # the batch kept alive: no other may reuse its id
 
     def loss(logits, batch, update):
         if id(batch) not in references:
             with torch.no_grad():
-                references[id(batch)] = completion_log_probs(reference_model, batch)
+                references[id(batch)] = (batch, completion_log_probs(reference_model, batch))
         targets = batch["input_ids"][:, 1:].unsqueeze(-1)
         per_token = torch.log_softmax(logits.float(), -1).gather(-1, targets).squeeze(-1)
-        chosen, rejected = ((per_token * batch["completion_mask"][:, 1:]).sum(1) - references[id(batch)]).chunk(2)
+        masked = per_token * batch["completion_mask"][:, 1:]
+        chosen, rejected = (masked.sum(1) - references[id(batch)][1]).chunk(2)
         return -F.logsigmoid(beta * (chosen - rejected)).mean() / len(update)
 
     return loss

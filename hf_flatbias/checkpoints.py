@@ -231,16 +231,38 @@ def _process_alive(pid: Any) -> bool:
 
 
 def tied_missing_keys(model: Any, missing_keys: list[str]) -> set[str]:
-    """The ``missing_keys`` of a checkpoint load that are tied weights (``model.all_tied_weights_keys``, transformers
-    5: key -> the key it shares with) holding the very tensor of a key that was not missing: nothing is lost."""
-    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    """The ``missing_keys`` of a checkpoint load whose tensor is the very tensor of a key that was loaded (tied
+    weights: BERT's decoder and word embeddings, also inside a wrapper that is not a `PreTrainedModel`): nothing is
+    lost."""
     missing = set(missing_keys)
     tensors = dict(model.state_dict(keep_vars=True))
-    return {
-        key
-        for key in missing
-        if tied.get(key) in tensors
-        and tied[key] not in missing
-        and key in tensors
-        and tensors[key] is tensors[tied[key]]
-    }
+    loaded = {id(tensor) for key, tensor in tensors.items() if key not in missing}
+    return {key for key in missing if key in tensors and id(tensors[key]) in loaded}
+
+
+def state_dict_without_shared_tensors(model: Any) -> dict[str, Any]:
+    """``model``'s state dict with one name per tensor (the first): safetensors refuses a tensor saved under two
+    names, which the Trainer's bare state-dict save of a model that is not a `PreTrainedModel` would do for tied
+    weights; the load puts the tensor back under every name (`tied_missing_keys`)."""
+    seen: set[int] = set()
+    kept = {}
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            kept[key] = tensor.detach()
+    return kept
+
+
+def saved_with_save_pretrained(model: Any) -> bool:
+    """Whether the Trainer saves ``model`` with ``save_pretrained`` (which handles tied weights) rather than as a bare
+    state dict."""
+    from transformers import PreTrainedModel
+    from transformers.utils import is_peft_available
+
+    if isinstance(model, PreTrainedModel):
+        return True
+    if is_peft_available():
+        from peft import PeftModel
+
+        return isinstance(model, PeftModel)
+    return False

@@ -30,7 +30,13 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import unwrap_peft_model
 from transformers.utils import logging
 
-from .checkpoints import checkpoint_to_resume, output_dir_lock, tied_missing_keys
+from .checkpoints import (
+    checkpoint_to_resume,
+    output_dir_lock,
+    saved_with_save_pretrained,
+    state_dict_without_shared_tensors,
+    tied_missing_keys,
+)
 from .config import FlatBiasConfig, FlatnessArguments, as_flatness_config
 from .corpus import CorpusSpec
 from .modelcard import FlatnessCard, flatness_card_from_trainer
@@ -431,6 +437,10 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         # Every save path of the 5.x Trainer (checkpoints, save_model, push_to_hub, DeepSpeed, FSDP full state)
         # ends in _save, so the card always sits next to the weights it describes.
+        if state_dict is None and not saved_with_save_pretrained(
+            self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        ):
+            state_dict = state_dict_without_shared_tensors(self.model)  # e.g. a wrapped masked LM's tied decoder
         super()._save(output_dir, state_dict=state_dict)
         if self.is_world_process_zero():
             save_card_beside_weights(self.flatness_card, output_dir if output_dir is not None else self.args.output_dir)

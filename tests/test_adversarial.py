@@ -188,3 +188,34 @@ def test_zero_weight_trains_the_encoder_like_plain_mlm():
 def test_bad_settings_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AdversarialPretrainingModel(tiny_mlm(), **kwargs)
+
+
+def test_the_trainer_checkpoints_a_wrapped_masked_lm_and_resumes_it_exactly(tmp_path):
+    """The wrapper is not a `PreTrainedModel`, so the Trainer saves its bare state dict, which safetensors refused
+    while the decoder shares the word embeddings; saved with one name per tensor, a resume continues the run exactly
+    and the decoder stays tied."""
+    from datasets import Dataset
+    from transformers import default_data_collator
+
+    from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
+
+    _, batch = masked_batch()
+    rows = Dataset.from_dict({key: value.tolist() for key, value in batch.items()})
+
+    def trainer(output_dir, steps):
+        torch.manual_seed(0)
+        wrapper = AdversarialPretrainingModel(tiny_mlm(), [3, 2, 3], adversary_weight=0.5, pooling="concat", width=7)
+        args = FlatBiasConfig(
+            str(output_dir), max_steps=steps, per_device_train_batch_size=3, learning_rate=1e-2, save_steps=1,
+            report_to=[], use_cpu=True, flatness_method="sam", sam_rho=0.05, seed=0, disable_tqdm=True,
+        )  # fmt: skip
+        return FlatBiasTrainer(model=wrapper, args=args, train_dataset=rows, data_collator=default_data_collator)
+
+    whole = trainer(tmp_path / "whole", 3)
+    whole.train()
+    stopped = trainer(tmp_path / "stopped", 3)
+    stopped.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    for (name, ours), theirs in zip(stopped.model.state_dict().items(), whole.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=name)
+    inner = stopped.model.model
+    assert inner.cls.predictions.decoder.weight is inner.get_input_embeddings().weight

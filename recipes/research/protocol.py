@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from transformers.trainer import TRAINER_STATE_NAME
 
+from hf_flatbias.checkpoints import newest_intact_checkpoint
 from hf_flatbias.config import FlatBiasConfig
 from hf_flatbias.flatness import estimate_hessian_trace
 from hf_flatbias.results import write_json
@@ -152,8 +152,7 @@ def train_with_branches(
     ``train_dataset``: the trunk's and branches' rows (default ``language.train``). ``stop_when(records)``: checked
     after every branch (also on the records a resumed run kept); True stops the trunk there. With ``spec.wrap_model``
     the trunk and its branches train the wrapper (e.g. `AdversarialPretrainingModel`, fed ``spec.task_column``) and the
-    masked LM inside it (``.model``) is measured; such a trunk keeps no checkpoint (the Trainer saves a wrapper as a
-    bare state dict, which refuses BERT's tied embeddings), so a stopped run starts again from the start.
+    masked LM inside it (``.model``) is measured, and the wrapper is checkpointed whole.
 
     ``output_dir/branches.json`` is rewritten after every branch and the trunk (weights, optimizer, scheduler, random
     states) is saved right after it, and also every ``checkpoint_every`` steps between branches (a single branch at
@@ -165,7 +164,9 @@ def train_with_branches(
         raise ValueError(f"need 1 <= branch_every <= steps, got {branch_every} and {spec.steps}.")
     trunk_dir = output_dir / "trunk"
     records_path = output_dir / "branches.json"
-    last = last_complete_checkpoint(trunk_dir)
+    # the newest checkpoint the Trainer finished writing: a process killed mid-save leaves one that would not resume
+    intact = newest_intact_checkpoint(trunk_dir) if trunk_dir.is_dir() else None
+    last = str(intact) if intact is not None else None
     records: list[dict[str, Any]] = []
     if last is not None and records_path.exists():
         resumed_step = int(Path(last).name.split("-")[-1])
@@ -184,7 +185,7 @@ def train_with_branches(
         model.load_state_dict(start_model.state_dict())  # a copy: the trunk's steps never write into start_model
     wrapped = spec.wrap_model is not None
     if wrapped:
-        model = spec.wrap_model(model)  # no checkpoint was kept for it (below): last is None
+        model = spec.wrap_model(model)
 
     def measure(branch, step):
         branch = branch.model if wrapped else branch
@@ -215,9 +216,8 @@ def train_with_branches(
     evaluator.records = records
     settings = trainer_settings(spec, trunk_dir)
     settings.update(logging_steps=branch_every)
-    if not wrapped:
-        # the evaluator also asks for a save at every branch, so each measured branch has a checkpoint at its step
-        settings.update(save_strategy="steps", save_steps=min(branch_every, checkpoint_every), save_total_limit=1)
+    # the evaluator also asks for a save at every branch, so each measured branch has a checkpoint at its step
+    settings.update(save_strategy="steps", save_steps=min(branch_every, checkpoint_every), save_total_limit=1)
     trainer = FlatBiasTrainer(
         model=model,
         args=FlatBiasConfig(**settings),
@@ -227,15 +227,6 @@ def train_with_branches(
     )
     trainer.train(resume_from_checkpoint=last)
     return evaluator.records
-
-
-def last_complete_checkpoint(trunk_dir: Path) -> str | None:
-    """The latest ``checkpoint-N`` under ``trunk_dir`` that the Trainer finished writing (its ``trainer_state.json`` is
-    written last), or None: a process killed mid-save leaves a partial folder that would not resume."""
-    if not trunk_dir.is_dir():
-        return None
-    complete = [path for path in trunk_dir.glob("checkpoint-*") if (path / TRAINER_STATE_NAME).is_file()]
-    return str(max(complete, key=lambda path: int(path.name.split("-")[-1]))) if complete else None
 
 
 def _model_for(spec: RunSpec, language: PaperLanguage) -> torch.nn.Module:

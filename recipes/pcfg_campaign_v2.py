@@ -9,8 +9,10 @@ C6, C5, C2, C3): each claim's runs from the starts at the pilots' dose/rates/dro
 needs is unfinished), then the ruler's read-outs (primary: the last layer's probe on the gate's 5 x 20k splits; then
 every other layer and the fine-tuning), each claim's JSON under ``claims/`` rewritten as work finishes.
 
-Resumable: a unit whose row in the phase's JSON says ``done`` is skipped; a finished decay or branch is read back;
-a stopped decay resumes from its checkpoint. One process, one thread:
+Resumable: a unit whose row in the phase's JSON says ``done`` is skipped; a finished decay, branch or ladder rung is
+read back; a stopped decay or trunk resumes from its checkpoint. The work folder goes with a session, so each snapshot
+runs ``--carry-out`` with the runs paused and commits ``carry/`` (`research.carry`); every phase copies it back in as
+it starts. One process, one thread:
 
     mkdir -p outputs/campaign_v2; OMP_NUM_THREADS=1 PYTHONPATH=$PWD:$PWD/recipes nohup nice -n 10 sh -c \\
       'python recipes/pcfg_campaign_v2.py --phase starts && python recipes/pcfg_campaign_v2.py --phase pilots' \\
@@ -36,6 +38,7 @@ from research.campaign_v2 import (
     run_starts,
     starts_markdown,
 )
+from research.carry import carry_in, carry_out
 from research.claims_v2 import ClaimsRun, parse_claims, pilot_decisions, run_claims
 from research.claims_v2_report import claims_markdown
 from research.ruler_reads import RULER_SMOKE, RulerSizes
@@ -53,6 +56,11 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         "--only-seeds", type=int, nargs="+", default=list(SEEDS), help="run only these model seeds' claim units"
     )
     parser.add_argument("--markdown", action="store_true", help="only print the docs' tables from the JSON")
+    parser.add_argument(
+        "--carry-out",
+        action="store_true",
+        help="only copy what a later session needs of --work-dir into the results' carry/ folder (runs paused)",
+    )
     parser.add_argument("--work-dir", type=Path, default=Path("outputs") / "campaign_v2", help="checkpoints, caches")
     parser.add_argument("--results-dir", type=Path, default=RESULTS, help="starts.json, pilots.json, claims/")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds (tests)")
@@ -72,11 +80,16 @@ def main(argv=None) -> dict:
         tables = [starts_markdown(read_units(starts)), pilots_markdown(read_units(pilots)), claims_markdown(claims_dir)]
         print(*filter(None, tables), sep="\n\n")
         return {}
+    if args.carry_out:
+        changed = carry_out(args.work_dir, args.results_dir / "carry")
+        print(f"carried {len(changed)} changes into {args.results_dir / 'carry'}", *changed, sep="\n")
+        return {}
     if args.phase is None:
-        raise SystemExit("--phase starts|pilots|claims (or --markdown) is required.")
+        raise SystemExit("--phase starts|pilots|claims (or --markdown, --carry-out) is required.")
     sizes = SMOKE if args.smoke else Sizes()
     if args.phase == "claims":
         decisions = pilot_decisions(pilots, args.claims)  # a missing pilot stops here, before any compute
+        carry_in(args.results_dir, args.work_dir)  # a fresh checkout: the starts' weights, the last session's state
         run = ClaimsRun(
             material=load_material(args.work_dir, sizes),
             sizes=sizes,
@@ -87,6 +100,7 @@ def main(argv=None) -> dict:
             claims_dir=claims_dir,
         )
         return run_claims(run, args.claims, args.only_seeds)
+    carry_in(args.results_dir, args.work_dir)
     material = load_material(args.work_dir, sizes)
     if args.phase == "starts":
         return run_starts(material, args.work_dir, starts, sizes)

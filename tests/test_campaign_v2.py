@@ -134,6 +134,35 @@ def test_largest_saturated_choice_on_hand_made_rows():
     assert (choice["status"], choice["chosen"]) == ("none saturated", 5e-5)
 
 
+def test_a_stopped_ladder_keeps_its_finished_rungs(tmp_path):
+    path = tmp_path / "pilots.json"
+    ran = []
+
+    def pilot(value, stop_at=None):
+        ran.append(value)
+        if value == stop_at:
+            raise RuntimeError("session over")
+        kl = 0.0115 if value == 4e-4 else 0.0085  # 4e-4 leaves the saturated tier, 2e-4 keeps it
+        return {"step": 10, "kl": kl, "saturation": {"ci_high": kl + 0.001}}
+
+    def saved():
+        return cv2.read_units(path).get("rate", {}).get("rows", [])
+
+    def unit(stop_at=None):
+        ladder = cv2.ladder_unit(
+            rules_v2.RATE_LADDER, lambda v: pilot(v, stop_at), fallback_smallest=True, describe={}, saved_rows=saved
+        )
+        return [("rate", ladder)]
+
+    with pytest.raises(RuntimeError):
+        cv2.run_phase(path, unit(stop_at=2e-4), "pilots")
+    assert [r["value"] for r in saved()] == [4e-4]
+    ran.clear()
+    units = cv2.run_phase(path, unit(), "pilots")
+    assert ran == [2e-4]  # 4e-4's rung is read back, not trained again
+    assert units["rate"]["choice"]["chosen"] == 2e-4 and [r["value"] for r in units["rate"]["rows"]] == [4e-4, 2e-4]
+
+
 def test_run_phase_skips_finished_units_and_reruns_unfinished(tmp_path):
     path = tmp_path / "phase.json"
     calls = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -214,7 +215,7 @@ def test_a_claim_whose_pilot_is_missing_is_refused_by_name(tmp_path):
     pilots = tmp_path / "pilots.json"
     units = _pilots()
     del units["c3_dropout"]
-    units["c2_rate/h48"]["status"] = "running"
+    units["c2_rate/h48"] = {"status": "running", "rows": [{"value": 4e-4, "kl": 0.0115}]}  # a ladder mid-run: no choice
     _write_units(pilots, units)
     decisions = cl.pilot_decisions(pilots, ["C1", "C4", "C6", "C5"])
     assert decisions["dose"] == 10 and decisions["dose_status"] == "met" and decisions["adversary_weight"] is None
@@ -284,8 +285,9 @@ def test_smoke_run_of_c1_with_fake_starts_and_pilots(tmp_path, monkeypatch):
 
     grammar = PCFG.paper_shaped(0, **SHAPES["three_level"])
     results, work = tmp_path / "results", tmp_path / "work"
-    start_dir = work / "starts" / "h64" / "seed0" / "start"
-    build_model(len(make_tokenizer(grammar.words())), hidden=64, layers=1, seed=0).save_pretrained(start_dir)
+    start_dir = work / "starts" / "h64" / "seed0" / "start"  # where the starts phase wrote it; committed beside
+    committed = results / "starts" / "h64" / "seed0" / "start"
+    build_model(len(make_tokenizer(grammar.words())), hidden=64, layers=1, seed=0).save_pretrained(committed)
     measured = {"kl": 0.006, "saturation": {"ci_high": 0.007}, "fisher_trace": 50.0}
     start = {"status": "done", "measured": measured, "margin_met": True, "checkpoint": str(start_dir)}
     _write_units(results / "starts.json", {"h64/seed0": start})
@@ -310,10 +312,29 @@ def test_smoke_run_of_c1_with_fake_starts_and_pilots(tmp_path, monkeypatch):
         k: on_disk[k] for k in ("verdict", "sensitivity_matched", "secondary")
     }
     # a rerun trains and reads nothing
+    train, probe_test_accuracy = cl.train_with_branches, rr.probe_test_accuracy
     monkeypatch.setattr(cl, "train_with_branches", lambda *a, **k: pytest.fail("a finished unit was retrained"))
     monkeypatch.setattr(rr, "probe_test_accuracy", lambda *a, **k: pytest.fail("a finished split was read again"))
     assert recipe.main(argv)["C1"]["verdict"] == c1["verdict"]
     assert "| C1 continued training |" in report.claims_markdown(results / "claims")
+    # the next session's checkout has no work folder: what --carry-out kept comes back, nothing is trained again
+    recipe.main(["--carry-out", "--work-dir", str(work), "--results-dir", str(results)])
+    assert (results / "carry" / "claims" / "c1" / "seed0" / "branches" / "step-5" / "model.safetensors").exists()
+    assert not list((results / "carry").rglob("checkpoint-*"))  # a finished trunk is not carried
+    shutil.rmtree(work)
+    assert recipe.main(argv)["C1"]["verdict"] == c1["verdict"]
+    # without it the unit's weights are lost: set aside with its reads, trained and read again, to the same numbers
+    shutil.rmtree(work)
+    shutil.rmtree(results / "carry")
+    monkeypatch.setattr(cl, "train_with_branches", train)
+    monkeypatch.setattr(rr, "probe_test_accuracy", probe_test_accuracy)
+    again = recipe.main(argv)["C1"]
+    lost = json.loads((results / "claims" / "lost.json").read_text())
+    assert (
+        lost["units"]["c1/seed0"]["branches"] == cl.read_units(results / "claims" / "runs.json")["c1/seed0"]["branches"]
+    )
+    assert set(lost["reads"]) == {"c1/seed0/step-1", "c1/seed0/step-5"}  # the start's weights are committed
+    assert again["verdict"] == c1["verdict"]
 
 
 def test_claims_modules_read_the_rules_not_literals():

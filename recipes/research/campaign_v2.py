@@ -473,11 +473,13 @@ def ladder_unit(
     *,
     fallback_smallest: bool,
     describe: dict[str, Any],
+    saved_rows: Callable[[], list[dict[str, Any]]] = list,
 ):
-    """A ladder pilot: `choose_largest_saturated` asks for the next value, ``pilot(value)`` gives its branch record."""
+    """A ladder pilot: `choose_largest_saturated` asks for the next value, ``pilot(value)`` gives its branch record.
+    ``saved_rows()``: the rungs a stopped run finished (its partial row), not run again."""
 
     def work(save: Callable[[dict], None]) -> dict[str, Any]:
-        rows: list[dict[str, Any]] = []
+        rows = [row for row in saved_rows() if row["value"] in ladder]
         while (choice := choose_largest_saturated(ladder, rows, fallback_smallest=fallback_smallest))[
             "status"
         ] == "pending":
@@ -532,13 +534,23 @@ def pilot_units(material: Material, starts: Path, pilots: Path, work_dir: Path, 
             labelled["rows"] = task_labelled_train(language, sizes.n_train)
         return branch(pilot_dir / "c5_weight" / f"w{weight:g}", spec, start, train_dataset=labelled["rows"])
 
+    def saved(key: str) -> Callable[[], list[dict[str, Any]]]:
+        return lambda: read_units(pilots).get(key, {}).get("rows", [])
+
     units = [("c1_dose", dose_unit(material, starts, work_dir, sizes))]
     for width in sizes.widths:
         describe = {"width": width, "seed": rules.PILOT_SEED, "ladder": list(rules.RATE_LADDER)}
+        key = f"c2_rate/h{width}"
         units.append(
             (
-                f"c2_rate/h{width}",
-                ladder_unit(rules.RATE_LADDER, rate_pilot(width), fallback_smallest=True, describe=describe),
+                key,
+                ladder_unit(
+                    rules.RATE_LADDER,
+                    rate_pilot(width),
+                    fallback_smallest=True,
+                    describe=describe,
+                    saved_rows=saved(key),
+                ),
             )
         )
     units.append(
@@ -549,6 +561,7 @@ def pilot_units(material: Material, starts: Path, pilots: Path, work_dir: Path, 
                 dropout_pilot,
                 fallback_smallest=False,
                 describe={"rate": rules.C1_RATE, "ladder": list(rules.DROPOUT_LADDER)},
+                saved_rows=saved("c3_dropout"),
             ),
         )
     )
@@ -560,6 +573,7 @@ def pilot_units(material: Material, starts: Path, pilots: Path, work_dir: Path, 
                 adversary_pilot,
                 fallback_smallest=False,
                 describe={"rate": rules.C1_RATE, "ladder": list(rules.ADVERSARY_LADDER)},
+                saved_rows=saved("c5_weight"),
             ),
         )
     )

@@ -18,6 +18,7 @@ not finished is refused before anything is computed (`pilot_decisions`).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,7 +98,8 @@ def pilot_decisions(pilots: Path, claims: Sequence[str], widths: Sequence[int] =
         decisions.update(
             dose=int(choice["chosen"]), dose_status=choice["status"], dose_trace_fall=rung.get("trace_fall")
         )
-    rates = {str(w): units[f"c2_rate/h{w}"]["choice"] for w in widths if f"c2_rate/h{w}" in units}
+    finished = {key for key, row in units.items() if row.get("status") == "done"}  # a running ladder has no choice
+    rates = {str(w): units[f"c2_rate/h{w}"]["choice"] for w in widths if f"c2_rate/h{w}" in finished}
     decisions["c2_rates"] = {w: c["chosen"] for w, c in rates.items()}
     decisions["c2_rate_status"] = {w: c["status"] for w, c in rates.items()}
     if (dropout := units.get("c3_dropout", {})).get("status") == "done":
@@ -123,6 +125,10 @@ class ClaimsRun:
     @property
     def runs_path(self) -> Path:
         return self.claims_dir / "runs.json"
+
+    @property
+    def lost_path(self) -> Path:
+        return self.claims_dir / "lost.json"
 
     @property
     def reads_path(self) -> Path:
@@ -349,9 +355,39 @@ def read_stage(run: ClaimsRun, claims: Sequence[str], store: ReadStore, rows: Ru
         write_claims(run, claims, store)
 
 
+def set_aside_lost_units(run: ClaimsRun) -> list[str]:
+    """Move every finished training unit whose weights are on disk nowhere (a work folder lost with its session before
+    `research.carry` kept it) from runs.json to ``lost.json``, with any read-outs of its records, so it runs and is
+    read again; its numbers stay there for a side by side with the rerun. Returns the keys moved."""
+    units = read_units(run.runs_path)
+    records = {
+        key: [r for r in [row.get("start"), *row.get("branches", []), row.get("branch")] if r and "checkpoint" in r]
+        for key, row in units.items()
+        if row.get("status") == "done"
+    }
+    moved = [key for key, kept in records.items() if any(not Path(r["checkpoint"]).exists() for r in kept)]
+    if not moved:
+        return []
+    lost = {"units": {}, "reads": {}, **(json.loads(run.lost_path.read_text()) if run.lost_path.exists() else {})}
+    reads = json.loads(run.reads_path.read_text()) if run.reads_path.exists() else None
+    for key in moved:
+        lost["units"][key] = {**units.pop(key), "status": "lost: its weights went with a session's work folder"}
+        for record in records[key]:
+            if reads is not None and record["key"] in reads["reads"] and not record["key"].startswith("start/"):
+                lost["reads"][record["key"]] = reads["reads"].pop(record["key"])
+    header = {k: v for k, v in json.loads(run.runs_path.read_text()).items() if k != "units"}
+    write_json(run.lost_path, {**header, **lost})
+    write_json(run.runs_path, {**header, "units": units})
+    if reads is not None:
+        write_json(run.reads_path, reads)
+    return moved
+
+
 def run_claims(run: ClaimsRun, claims: Sequence[str], seeds: Sequence[int]) -> dict[str, dict[str, Any]]:
     """The phase: training units, then the primary read-outs, then the secondary ones; returns the claim files."""
     run.claims_dir.mkdir(parents=True, exist_ok=True)
+    for key in set_aside_lost_units(run):
+        print(f"[claims] {key}: its weights are lost; moved to {run.lost_path.name}, run again", flush=True)
     run_phase(run.runs_path, training_units(run, claims, seeds), "claims")
     store = ReadStore(run.reads_path, run.ruler)
     language = run.material.language

@@ -45,6 +45,16 @@ from research.ruler_reads import RULER_SMOKE, RulerSizes
 from research.rules_v2 import CLAIMS, SEEDS
 from research.units import read_units
 
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "reproduction" / "campaign_v2.md"
+
+
+def replace_generated(text: str, name: str, body: str) -> str:
+    """``text`` with what lies between ``<!-- {name}: begin -->`` and ``<!-- {name}: end -->`` replaced by ``body``."""
+    begin, end = f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
+    if begin not in text or end not in text:
+        raise SystemExit(f"{DOCS} lacks the markers {begin} ... {end}: restore them around the generated tables.")
+    return text[: text.index(begin) + len(begin)] + f"\n{body}\n" + text[text.index(end) :]
+
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -56,6 +66,11 @@ def parse_arguments(argv=None) -> argparse.Namespace:
         "--only-seeds", type=int, nargs="+", default=list(SEEDS), help="run only these model seeds' claim units"
     )
     parser.add_argument("--markdown", action="store_true", help="only print the docs' tables from the JSON")
+    parser.add_argument(
+        "--update-docs",
+        action="store_true",
+        help=f"only rewrite the generated tables of {DOCS.relative_to(DOCS.parents[2])} from the JSON",
+    )
     parser.add_argument(
         "--carry-out",
         action="store_true",
@@ -76,9 +91,19 @@ def main(argv=None) -> dict:
     args = parse_arguments(argv)
     starts, pilots = args.results_dir / "starts.json", args.results_dir / "pilots.json"
     claims_dir = args.results_dir / "claims"
+    tables = {
+        "tables": "\n\n".join(filter(None, [starts_markdown(read_units(starts)), pilots_markdown(read_units(pilots))])),
+        "claims": claims_markdown(claims_dir),
+    }
     if args.markdown:
-        tables = [starts_markdown(read_units(starts)), pilots_markdown(read_units(pilots)), claims_markdown(claims_dir)]
-        print(*filter(None, tables), sep="\n\n")
+        print(*filter(None, tables.values()), sep="\n\n")
+        return {}
+    if args.update_docs:
+        text = DOCS.read_text()
+        for name, table in tables.items():
+            text = replace_generated(text, f"campaign_v2 {name}", table)
+        DOCS.write_text(text)
+        print(f"rewrote the tables of {DOCS}")
         return {}
     if args.carry_out:
         changed = carry_out(args.work_dir, args.results_dir / "carry")

@@ -56,6 +56,15 @@ def replace_generated(text: str, name: str, body: str) -> str:
     return text[: text.index(begin) + len(begin)] + f"\n{body}\n" + text[text.index(end) :]
 
 
+def generated_tables(results_dir: Path) -> dict[str, str]:
+    """The page's generated blocks by marker name: the starts' and pilots' tables, the claims' rows."""
+    phases = [
+        starts_markdown(read_units(results_dir / "starts.json")),
+        pilots_markdown(read_units(results_dir / "pilots.json")),
+    ]
+    return {"tables": "\n\n".join(filter(None, phases)), "claims": claims_markdown(results_dir / "claims")}
+
+
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--phase", choices=["starts", "pilots", "claims"], default=None, help="the phase to run")
@@ -91,16 +100,12 @@ def main(argv=None) -> dict:
     args = parse_arguments(argv)
     starts, pilots = args.results_dir / "starts.json", args.results_dir / "pilots.json"
     claims_dir = args.results_dir / "claims"
-    tables = {
-        "tables": "\n\n".join(filter(None, [starts_markdown(read_units(starts)), pilots_markdown(read_units(pilots))])),
-        "claims": claims_markdown(claims_dir),
-    }
     if args.markdown:
-        print(*filter(None, tables.values()), sep="\n\n")
+        print(*filter(None, generated_tables(args.results_dir).values()), sep="\n\n")
         return {}
     if args.update_docs:
         text = DOCS.read_text()
-        for name, table in tables.items():
+        for name, table in generated_tables(args.results_dir).items():
             text = replace_generated(text, f"campaign_v2 {name}", table)
         DOCS.write_text(text)
         print(f"rewrote the tables of {DOCS}")

@@ -101,3 +101,85 @@ def test_the_recorder_holds_only_what_the_graph_saves_and_no_graph_after_it():
         assert recorder_ref() is None and logits_ref() is None
     finally:
         gc.enable()
+
+
+def test_the_heap_trims_run_after_each_norm_and_the_forward_and_leave_the_trace_unchanged(monkeypatch):
+    """The trace hands freed heap back after every norm layer's call and after its forward; the numbers are those of
+    a trace without it, bit for bit."""
+    import hf_flatbias.flatness.estimators.per_sample as per_sample
+    import hf_flatbias.flatness.ghost as ghost
+    from hf_flatbias.flatness import compute_trace_samples
+
+    model, rows = _llama(), _rows(5, 12)
+    contexts = TraceContexts.from_rows(rows, causal=True)
+
+    def measure():
+        estimate = estimate_hessian_trace(model, rows, n_draws=2, batch_size=5, seed=3)
+        samples = compute_trace_samples(model, contexts, n_draws=2, batch_size=5, seed=3)
+        return estimate, samples.values
+
+    measure()  # the one-context check against a plain backward, on the first estimate only
+    calls = {"norms": 0, "forward": 0}
+
+    def counted(where, trim):
+        def count():
+            calls[where] += 1
+            trim()
+
+        return count
+
+    monkeypatch.setattr(ghost, "return_freed_heap_to_os", counted("norms", ghost.return_freed_heap_to_os))
+    monkeypatch.setattr(per_sample, "return_freed_heap_to_os", counted("forward", per_sample.return_freed_heap_to_os))
+    trimmed, trimmed_values = measure()
+    # two forwards of one batch, each through 2 layers of 2 RMSNorms and the final norm
+    assert calls == {"norms": 2 * 5, "forward": 2}
+    monkeypatch.setattr(ghost, "return_freed_heap_to_os", lambda: None)
+    monkeypatch.setattr(per_sample, "return_freed_heap_to_os", lambda: None)
+    untrimmed, untrimmed_values = measure()
+    assert (trimmed.mean, trimmed.stderr) == (untrimmed.mean, untrimmed.stderr)
+    assert torch.equal(trimmed_values, untrimmed_values)
+
+
+@pytest.fixture
+def fresh_malloc_trim_lookup():
+    from hf_flatbias import machine
+
+    machine._malloc_trim.cache_clear()
+    yield machine
+    machine._malloc_trim.cache_clear()
+
+
+def test_returning_freed_heap_is_a_quiet_no_op_without_glibcs_malloc_trim(monkeypatch, fresh_malloc_trim_lookup):
+    machine = fresh_malloc_trim_lookup
+
+    def no_libc(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(machine.ctypes, "CDLL", no_libc)  # no libc.so.6 (macOS, Windows)
+    assert machine.return_freed_heap_to_os() is None
+    assert machine._malloc_trim() is None
+
+    machine._malloc_trim.cache_clear()
+    monkeypatch.setattr(machine.ctypes, "CDLL", lambda name: object())  # a libc without malloc_trim (musl)
+    assert machine.return_freed_heap_to_os() is None
+    assert machine._malloc_trim() is None
+
+    class FailingLibc:
+        def malloc_trim(self, pad):
+            raise RuntimeError("trim failed")
+
+    machine._malloc_trim.cache_clear()
+    monkeypatch.setattr(machine.ctypes, "CDLL", lambda name: FailingLibc())
+    assert machine.return_freed_heap_to_os() is None  # housekeeping never fails the measurement
+
+    trimmed = []
+
+    class Glibc:
+        def malloc_trim(self, pad):
+            trimmed.append(pad)
+            return 1
+
+    machine._malloc_trim.cache_clear()
+    monkeypatch.setattr(machine.ctypes, "CDLL", lambda name: Glibc())
+    machine.return_freed_heap_to_os()
+    assert trimmed == [0]  # every free page, no padding kept at the heap's top

@@ -29,19 +29,12 @@ timing (the 335M shapes' memory without their CPU minutes of timing).
 `estimate_hessian_trace` on all ``--n-contexts`` rows in batches of B, against ``n_contexts / B`` calls on B rows each
 (the same batches and draws), interleaved round by round; fixed cost per call = (split - whole) / (calls - 1).
 
-Heap trims (issue 35, seventh pass): the trace hands glibc's freed heap back to the operating system after each norm
-layer's call in its forward and after its forward (`hf_flatbias.machine.return_freed_heap_to_os`). The arms
-``trace1-trim_end``, ``trace2-trim_end`` (only the trim after the forward) and ``trace2-trim_off`` (no trim) switch
-them off for the call, to measure their memory and time beside ``trace2``; ``--check-identical`` compares the
-numbers of the three.
-
 Last lines: ``trace2_over_training[MODEL]=median`` and the like.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -56,8 +49,6 @@ from _common import llama_100m, llama_shape  # noqa: E402
 from large_model_trace import PeakMemory  # noqa: E402
 from transformers import BertConfig, BertForMaskedLM  # noqa: E402
 
-import hf_flatbias.flatness.estimators.per_sample as per_sample_module  # noqa: E402
-import hf_flatbias.flatness.ghost as ghost_module  # noqa: E402
 from hf_flatbias.flatness import TraceContexts, compute_trace_samples, estimate_hessian_trace  # noqa: E402
 from hf_flatbias.flatness.contexts import build_masked_contexts  # noqa: E402
 from hf_flatbias.flatness.diagonal import estimate_fisher_diagonal  # noqa: E402
@@ -106,42 +97,18 @@ def training_pass(model: torch.nn.Module, contexts: TraceContexts) -> None:
     model.zero_grad(set_to_none=True)
 
 
-TRIMS = ("norms", "end", "off")
-"""Where the trace hands freed heap back: as shipped (after each norm layer and after the forward), only after the
-forward, nowhere."""
-
-
-@contextlib.contextmanager
-def heap_trims(where: str):
-    """The trace's heap trims limited to ``where`` (one of `TRIMS`) for the block."""
-
-    def skip() -> None:
-        return None
-
-    patched = {"norms": [], "end": [ghost_module], "off": [ghost_module, per_sample_module]}[where]
-    saved = [module.return_freed_heap_to_os for module in patched]
-    for module in patched:
-        module.return_freed_heap_to_os = skip
-    try:
-        yield
-    finally:
-        for module, function in zip(patched, saved, strict=True):
-            module.return_freed_heap_to_os = function
-
-
 def arm_function(name: str, arm: str, model: torch.nn.Module, rows: list[dict]):
     contexts = TraceContexts.from_rows(rows, causal=model.config.model_type != "bert")
     n = len(contexts)
     if arm == "training":
         # in eval mode (no dropout), as the trace runs: the stricter reference
         return lambda: training_pass(model, contexts)
-    base, _, trims = arm.partition("-trim_")
-    if base in ("trace1", "trace2"):
-        draws = int(base[-1])
+    if arm in ("trace1", "trace2"):
+        draws = int(arm[-1])
 
         def run():
-            with evaluation_mode(model), heap_trims(trims or "norms"):
-                return compute_trace_samples(model, contexts, n_draws=draws, batch_size=n, seed=0)
+            with evaluation_mode(model):
+                compute_trace_samples(model, contexts, n_draws=draws, batch_size=n, seed=0)
 
         return run
     if arm == "diagonal":
@@ -173,12 +140,6 @@ def timing(name: str, arms: list[str], n_contexts: int, seq_len: int, rounds: in
         for arm in arms
         if arm != "training"
     }
-    for arm in arms:
-        if arm.startswith("trace2") and arm != "trace2-trim_off" and "trace2-trim_off" in arms:
-            # the trims' cost, paired round by round
-            ratios[f"{arm}/trace2-trim_off"] = [
-                a / b for a, b in zip(seconds[arm], seconds["trace2-trim_off"], strict=True)
-            ]
     if "diagonal" in arms and "trace2" in arms:
         ratios["diagonal/trace2"] = [d / t for d, t in zip(seconds["diagonal"], seconds["trace2"], strict=True)]
     return {"model": name, "parameters": params, "first_call": first, "seconds": seconds, "ratios": ratios}
@@ -213,27 +174,6 @@ def per_call_cost(name: str, n_contexts: int, seq_len: int, rounds: int, batch: 
         "fixed_per_call": fixed,
         "fixed_over_call": [f / w for f, w in zip(fixed, seconds["whole"], strict=True)],
     }
-
-
-def check_identical(name: str, n_contexts: int, seq_len: int) -> dict:
-    """Whether the trace's numbers (`estimate_hessian_trace`'s mean and standard error, `compute_trace_samples`'
-    per-context values; 2 draws, seed 0) are the same bits under every placement of the heap trims."""
-    model = build(name).eval()
-    rows = rows_for(model, n_contexts, seq_len)
-    contexts = TraceContexts.from_rows(rows, causal=model.config.model_type != "bert")
-    found = {}
-    for where in TRIMS:
-        with heap_trims(where):
-            estimate = estimate_hessian_trace(model, rows, batch_size=n_contexts, seed=0)
-            with evaluation_mode(model):
-                values = compute_trace_samples(model, contexts, n_draws=2, batch_size=n_contexts, seed=0).values
-        found[where] = (estimate.mean, estimate.stderr, values)
-    reference = found["off"]
-    identical = {
-        where: mean == reference[0] and stderr == reference[1] and torch.equal(values, reference[2])
-        for where, (mean, stderr, values) in found.items()
-    }
-    return {"model": name, "mean": {w: f[0] for w, f in found.items()}, "identical_to_off": identical}
 
 
 def memory_child(name: str, arm: str, n_contexts: int, seq_len: int) -> None:
@@ -274,21 +214,12 @@ def main() -> None:
     parser.add_argument("--memory-only", action="store_true", help="only the peak memory of each arm, no timing")
     parser.add_argument("--per-call", type=int, default=0, help="also the fixed cost per call, in batches of this")
     parser.add_argument("--json", default=None)
-    parser.add_argument(
-        "--check-identical", action="store_true", help="only compare the trace's numbers under each heap-trim arm"
-    )
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if args.memory_child:
         name, arm = args.memory_child.split(":")
         memory_child(name, arm, args.n_contexts, args.seq_len)
-        return
-    if args.check_identical:
-        for name in args.models.split(","):
-            found = check_identical(name, args.n_contexts, args.seq_len)
-            print(json.dumps(found), flush=True)
-            print(f"trims_bit_identical[{name}]={all(found['identical_to_off'].values())}")
         return
     results = []
     for name in args.models.split(",") if args.per_call else ():

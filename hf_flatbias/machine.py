@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import os
-from collections.abc import Callable
 
 FALLBACK_RAM_BYTES = 4 * 2**30
 """Assumed available memory where the operating system does not say (``sysconf`` is POSIX only)."""
@@ -27,29 +24,3 @@ def available_ram_bytes() -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return FALLBACK_RAM_BYTES
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, or ``None`` where the C library has none (macOS, musl, Windows)."""
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
-
-
-def return_freed_heap_to_os() -> None:
-    """Hand the pages of freed memory that glibc's heap still holds back to the operating system; a no-op where the
-    C library is not glibc.
-
-    glibc serves tensors up to its dynamic mmap threshold (which rises to the largest freed block, up to 32 MiB) from
-    its heap and keeps the pages of freed blocks resident for reuse; since glibc 2.8 ``malloc_trim`` returns the
-    whole free pages anywhere in the heap, not only at its top. The memory stays reserved (a later allocation faults
-    its pages in again), so results are unchanged; only the resident set between the call and that reuse shrinks."""
-    trim = _malloc_trim()
-    if trim is None:
-        return
-    try:
-        trim(0)
-    except Exception:  # housekeeping must never fail a measurement
-        pass

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..machine import return_freed_heap_to_os
 from .distributed import differentiated_parameters
 from .ghost_layers import (
     GramCache,
@@ -231,12 +230,6 @@ class GhostNormRecorder:
         # outputs, the graph itself) alive in a reference cycle after the measurement
         output.register_hook(partial(_deliver, weakref.ref(self), call))
         self.calls.append(call)
-        if kind in ("layer_norm", "elementwise") and output.device.type == "cpu":
-            # a norm layer runs between a block's attention and its MLP, and between blocks: the temporaries of the
-            # part just run are freed by now, and glibc would keep their pages resident, so that the forward's
-            # resident set grew by every part's holes (a third of the 341M Llama trace's resident peak; RESULTS.md,
-            # issue 35's seventh pass)
-            return_freed_heap_to_os()
         return output
 
     def _anchor(self, output: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ...machine import return_freed_heap_to_os
 from ..contexts import TraceContexts
 from ..distributed import Zero3BackwardHooks
 from ..ghost import GhostNormRecorder
@@ -135,10 +134,6 @@ def _per_sample_batch(
     zero3_hooks = Zero3BackwardHooks(model)
     with recorder:
         logits = logits_at_positions(model, batch, positions)
-    if logits.device.type == "cpu":
-        # the forward's freed temporaries (its last block's, the head's) stay resident in glibc's heap through the
-        # draws otherwise, on top of the graph the draws hold (RESULTS.md, issue 35's seventh pass)
-        return_freed_heap_to_os()
     zero3_hooks.snapshot()
     probs = torch.softmax(logits.detach()[:, 0].double(), dim=-1)
     probes = OutputProbes(probs, indices, n_draws, settings.seed, settings.output_probe)

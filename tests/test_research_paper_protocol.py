@@ -1,6 +1,7 @@
 """The paper-shaped protocol's pipeline: fixed-width probes, paired comparisons, the C1 verdict, branches resumed."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -139,9 +140,10 @@ def test_c1_verdict_fails_undecides_and_falls_back_to_matched_as_stated():
     assert c1_verdict({str(s): records for s in range(5)})["regime"] == "matched, not saturated"
 
 
-def test_a_trunk_stopped_between_branches_resumes_from_its_latest_checkpoint(tmp_path, monkeypatch, capsys):
-    """Checkpoints every ``checkpoint_every`` steps and at every branch: a long trunk killed between branches loses
-    at most ``checkpoint_every`` steps, never its measured branches (a 40,000-step pilot outlasts a session)."""
+def _killable_trunk(monkeypatch, output_dir: Path, **options):
+    """``run(killed_at=None)``: a 20-step trunk with a branch every 10 steps and a checkpoint every 6 into
+    ``output_dir``, its process killed right after step ``killed_at`` (as a session's end kills it, before that
+    step's save); returns the records, or None when killed."""
     import research.branches
 
     shape = {"n_levels": 3, "symbols_per_level": 3, "n_words": 12, "binary_rules_per_symbol": 4}
@@ -154,15 +156,23 @@ def test_a_trunk_stopped_between_branches_resumes_from_its_latest_checkpoint(tmp
         def step_end(self, args, state, control, **kwargs):
             on_step_end(self, args, state, control, **kwargs)
             if state.global_step == killed_at:
-                raise KeyboardInterrupt  # as the session's end kills the process, before this step's save
+                raise KeyboardInterrupt
             return control
 
         monkeypatch.setattr(research.branches.BranchEvaluator, "on_step_end", step_end)
-        kwargs = dict(branch_every=10, anneal_steps=5, measure_kwargs=measure, checkpoint_every=6)
+        kwargs = dict(branch_every=10, anneal_steps=5, measure_kwargs=measure, checkpoint_every=6, **options)
         try:
-            return train_with_branches(language, spec, tmp_path, **kwargs)
+            return train_with_branches(language, spec, output_dir, **kwargs)
         except KeyboardInterrupt:
             return None
+
+    return run
+
+
+def test_a_trunk_stopped_between_branches_resumes_from_its_latest_checkpoint(tmp_path, monkeypatch, capsys):
+    """Checkpoints every ``checkpoint_every`` steps and at every branch: a long trunk killed between branches loses
+    at most ``checkpoint_every`` steps, never its measured branches (a 40,000-step pilot outlasts a session)."""
+    run = _killable_trunk(monkeypatch, tmp_path)
 
     def checkpoints():
         return sorted(path.name for path in (tmp_path / "trunk").glob("checkpoint-*"))
@@ -179,6 +189,30 @@ def test_a_trunk_stopped_between_branches_resumes_from_its_latest_checkpoint(tmp
     records = run()
     assert "checkpoint-12 with 1 measured branches" in capsys.readouterr().out
     assert [r["step"] for r in records] == [10, 20] and records[0] == first[0]
+
+
+def test_a_trunk_carried_out_of_a_lost_work_folder_resumes_in_the_next_one(tmp_path, monkeypatch, capsys):
+    """`research.carry`: the next session's checkout has no work folder; what ``carry_out`` kept of a killed trunk
+    (its records, kept branches and newest checkpoint) lets it go on from that checkpoint, nothing measured again."""
+    from research.carry import carry_in, carry_out
+
+    work, results = tmp_path / "work", tmp_path / "results"
+    folder = work / "claims" / "c1" / "seed0"
+    run = _killable_trunk(monkeypatch, folder, keep_branches=True)
+    run(killed_at=13)  # checkpoint-12 by the cadence, branch 10 measured and kept
+    first = json.loads((folder / "branches.json").read_text())["records"]
+    carry_out(work, results / "carry")
+    carried = results / "carry" / "claims" / "c1" / "seed0"
+    assert sorted(p.name for p in (carried / "trunk").iterdir()) == ["checkpoint-12"]
+    assert (carried / "branches" / "step-10" / "model.safetensors").exists()
+    shutil.rmtree(work)
+    carry_in(results, work)
+    records = run()
+    assert "checkpoint-12 with 1 measured branches" in capsys.readouterr().out
+    assert [r["step"] for r in records] == [10, 20] and records[0] == first[0]
+    carry_out(work, results / "carry")  # finished: its checkpoint leaves the carried folder, its branches stay
+    assert not (carried / "trunk" / "checkpoint-12").exists() and not list(carried.rglob("checkpoint-*"))
+    assert (carried / "branches" / "step-20" / "model.safetensors").exists()
 
 
 def test_build_model_heads_default_and_override():

@@ -115,7 +115,7 @@ def main(argv=None) -> dict:
         print(f"carried {len(changed)} changes into {args.results_dir / 'carry'}", *changed, sep="\n")
         return {}
     if args.phase is None:
-        raise SystemExit("--phase starts|pilots|claims (or --markdown, --carry-out) is required.")
+        raise SystemExit("--phase starts|pilots|claims (or --markdown, --update-docs, --carry-out) is required.")
     sizes = SMOKE if args.smoke else Sizes()
     if args.phase == "claims":
         decisions = pilot_decisions(pilots, args.claims)  # a missing pilot stops here, before any compute

@@ -111,6 +111,10 @@ def main(argv=None) -> dict:
         print(f"rewrote the tables of {DOCS}")
         return {}
     if args.carry_out:
+        if not args.work_dir.is_dir():
+            raise SystemExit(
+                f"--carry-out: no work folder {args.work_dir}; run from the checkout's root or pass --work-dir."
+            )
         changed = carry_out(args.work_dir, args.results_dir / "carry")
         print(f"carried {len(changed)} changes into {args.results_dir / 'carry'}", *changed, sep="\n")
         return {}

@@ -317,6 +317,9 @@ def test_smoke_run_of_c1_with_fake_starts_and_pilots(tmp_path, monkeypatch):
     monkeypatch.setattr(rr, "probe_test_accuracy", lambda *a, **k: pytest.fail("a finished split was read again"))
     assert recipe.main(argv)["C1"]["verdict"] == c1["verdict"]
     assert "| C1 continued training |" in report.claims_markdown(results / "claims")
+    with pytest.raises(SystemExit, match="--carry-out: no work folder"):
+        recipe.main(["--carry-out", "--work-dir", str(tmp_path / "elsewhere"), "--results-dir", str(results)])
+    assert not (results / "carry").exists()  # nothing written for a wrong folder
     # the next session's checkout has no work folder: what --carry-out kept comes back, nothing is trained again
     recipe.main(["--carry-out", "--work-dir", str(work), "--results-dir", str(results)])
     assert (results / "carry" / "claims" / "c1" / "seed0" / "branches" / "step-5" / "model.safetensors").exists()

@@ -1,7 +1,7 @@
 """Campaign v2's claims phase (issue 33): C1-C6 from the margin starts, at the pilots' doses, read by the ruler.
 
 The rules are RULES_v2.md's "Claims" section and `rules_v2`'s constants, committed before this code. The phase runs
-in three stages, each resumable, in one process:
+in three stages, each resumable, in one process or several sharing the results folder (one per core):
 
 1. training units (`training_units`, run by `campaign_v2.run_phase` into ``claims/runs.json``): C1's continued
    training per seed (`rules.C1_BRANCHES` annealed branches over C1's dose, every branch kept), C5's adversarial run,
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +46,7 @@ from .claims_v2_report import claim_payload, claim_records, secondary_readouts, 
 from .paper_language import task_labelled_train
 from .protocol import FISHER_OUTPUT_PROBE, train_with_branches
 from .ruler_reads import PRIMARY, ReadStore, RulerRows, RulerSizes, read_record, ruler_rows
-from .units import read_units
+from .units import busy_lock, file_lock, read_units, rewrite_lock
 
 
 def claim_pilots(claim: str, widths: Sequence[int] = rules.WIDTHS) -> tuple[str, ...]:
@@ -342,17 +343,27 @@ def checkpoints(run: ClaimsRun) -> dict[str, str]:
     return found
 
 
-def read_stage(run: ClaimsRun, claims: Sequence[str], store: ReadStore, rows: RulerRows, stage: str) -> None:
-    """Read every record the stage's verdicts wait for, the claim files rewritten after each."""
+def read_stage(run: ClaimsRun, claims: Sequence[str], store: ReadStore, rows: RulerRows, stage: str) -> bool:
+    """Read every record the stage's verdicts wait for, the claim files rewritten after each; a record another
+    process is reading is left to it. Returns whether any was."""
+    store.save()  # take up what other processes have read
     wanted = pending_reads(write_claims(run, claims, store), stage)
     paths = checkpoints(run)
+    elsewhere = False
     for key, readouts in wanted.items():
-        if key.startswith("baseline/"):
-            read_record(store, key, rows, run.ruler, readouts, baseline=key.split("/", 1)[1])
-        else:
-            model = BertForMaskedLM.from_pretrained(paths[key]).eval().to(run.sizes.device)
-            read_record(store, key, rows, run.ruler, readouts, model=model, source=paths[key])
+        with file_lock(busy_lock(run.reads_path, key), wait=False) as mine:
+            if not mine:
+                print(f"[claims] {key}: another process is reading it, skipped", flush=True)
+                elsewhere = True
+                continue
+            store.save()
+            if key.startswith("baseline/"):
+                read_record(store, key, rows, run.ruler, readouts, baseline=key.split("/", 1)[1])
+            else:
+                model = BertForMaskedLM.from_pretrained(paths[key]).eval().to(run.sizes.device)
+                read_record(store, key, rows, run.ruler, readouts, model=model, source=paths[key])
         write_claims(run, claims, store)
+    return elsewhere
 
 
 def set_aside_lost_units(run: ClaimsRun) -> list[str]:
@@ -368,6 +379,12 @@ def set_aside_lost_units(run: ClaimsRun) -> list[str]:
     moved = [key for key, kept in records.items() if any(not Path(r["checkpoint"]).exists() for r in kept)]
     if not moved:
         return []
+    with file_lock(rewrite_lock(run.runs_path)), file_lock(rewrite_lock(run.reads_path)):
+        _move_to_lost(run, units, records, moved)
+    return moved
+
+
+def _move_to_lost(run: ClaimsRun, units: dict[str, Any], records: dict[str, list], moved: list[str]) -> None:
     lost = {"units": {}, "reads": {}, **(json.loads(run.lost_path.read_text()) if run.lost_path.exists() else {})}
     reads = json.loads(run.reads_path.read_text()) if run.reads_path.exists() else None
     for key in moved:
@@ -380,20 +397,29 @@ def set_aside_lost_units(run: ClaimsRun) -> list[str]:
     write_json(run.runs_path, {**header, "units": units})
     if reads is not None:
         write_json(run.reads_path, reads)
-    return moved
 
 
-def run_claims(run: ClaimsRun, claims: Sequence[str], seeds: Sequence[int]) -> dict[str, dict[str, Any]]:
-    """The phase: training units, then the primary read-outs, then the secondary ones; returns the claim files."""
+def run_claims(
+    run: ClaimsRun, claims: Sequence[str], seeds: Sequence[int], *, poll_seconds: float = 60.0
+) -> dict[str, dict[str, Any]]:
+    """The phase: training units, then the primary read-outs, then the secondary ones; returns the claim files.
+    Several processes may run it on one results folder at once (one per core): each takes the units and records
+    the others do not hold, and waits, polling, until what they hold is done and read."""
     run.claims_dir.mkdir(parents=True, exist_ok=True)
     for key in set_aside_lost_units(run):
         print(f"[claims] {key}: its weights are lost; moved to {run.lost_path.name}, run again", flush=True)
-    run_phase(run.runs_path, training_units(run, claims, seeds), "claims")
+    units = training_units(run, claims, seeds)
     store = ReadStore(run.reads_path, run.ruler)
     language = run.material.language
     rows = ruler_rows(language.grammar, language.grammar_seed, run.ruler, run.work_dir / "cache")
-    for stage in ("primary", "secondary"):
-        read_stage(run, claims, store, rows, stage)
-        for claim, payload in write_claims(run, claims, store).items():
-            print(f"[claims] after the {stage} read-outs: {claim} {payload['verdict']['verdict']}", flush=True)
-    return write_claims(run, claims, store)
+    while True:
+        finished = run_phase(run.runs_path, units, "claims")
+        elsewhere = any(finished.get(key, {}).get("status") != "done" for key, _ in units)
+        for stage in ("primary", "secondary"):
+            elsewhere |= read_stage(run, claims, store, rows, stage)
+            for claim, payload in write_claims(run, claims, store).items():
+                print(f"[claims] after the {stage} read-outs: {claim} {payload['verdict']['verdict']}", flush=True)
+        if not elsewhere:
+            return write_claims(run, claims, store)
+        print(f"[claims] waiting {poll_seconds:.0f} s for another process's units and reads", flush=True)
+        time.sleep(poll_seconds)

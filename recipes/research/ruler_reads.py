@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from .ruler import (
     subset,
     task_class_counts,
 )
+from .units import file_lock, rewrite_lock
 
 PRIMARY = "probe"
 FINETUNE = "finetune"
@@ -123,27 +123,56 @@ def baseline_features(grammar: PCFG, sentences: SentenceSet, name: str) -> np.nd
 
 class ReadStore:
     """The read-outs of every record, in one JSON rewritten (atomically) after every split; a rerun skips what it
-    holds. Written with other ruler sizes, it refuses to be resumed."""
+    holds. Written with other ruler sizes, it refuses to be resumed. Several processes may share one file: each
+    `save` merges this process's splits into what is on disk under the file's lock, and picks up the others'."""
 
     def __init__(self, path: Path, sizes: RulerSizes):
         self.path = path
         self.settings = dataclasses.asdict(sizes)
-        self.reads: dict[str, dict[str, Any]] = {}
-        if path.exists():
-            state = json.loads(path.read_text())
-            if state["ruler"] != self.settings:
-                raise SystemExit(
-                    f"{path} holds read-outs of another ruler {state['ruler']}: pass another --results-dir."
-                )
-            self.reads = state["reads"]
+        self.reads: dict[str, dict[str, Any]] = self._on_disk()
+        self._unsaved_cpu: dict[str, float] = {}
+
+    def _on_disk(self) -> dict[str, dict[str, Any]]:
+        if not self.path.exists():
+            return {}
+        state = json.loads(self.path.read_text())
+        if state["ruler"] != self.settings:
+            raise SystemExit(
+                f"{self.path} holds read-outs of another ruler {state['ruler']}: pass another --results-dir."
+            )
+        return state["reads"]
 
     def entry(self, key: str, source: str) -> dict[str, Any]:
         return self.reads.setdefault(key, {"source": source, "readouts": {}, "cpu_seconds": 0.0})
 
+    def spend(self, key: str, cpu_seconds: float) -> None:
+        """Count ``cpu_seconds`` of reading toward ``key``'s entry."""
+        self.reads[key]["cpu_seconds"] += cpu_seconds
+        self._unsaved_cpu[key] = self._unsaved_cpu.get(key, 0.0) + cpu_seconds
+
     def save(self) -> None:
-        tmp = self.path.with_suffix(".json.tmp")
-        write_json(tmp, {"ruler": self.settings, "rules": "RULES.md and RULES_v2.md", "reads": self.reads})
-        os.replace(tmp, self.path)
+        """Merge this process's splits into the file (a split already there is kept) and take up the others', in
+        place: the entries a caller holds stay the store's."""
+        with file_lock(rewrite_lock(self.path)):
+            disk = self._on_disk()
+            _take_splits(disk, self.reads)
+            for key, seconds in self._unsaved_cpu.items():
+                disk[key]["cpu_seconds"] += seconds
+            write_json(self.path, {"ruler": self.settings, "rules": "RULES.md and RULES_v2.md", "reads": disk})
+        _take_splits(self.reads, disk)
+        for key, entry in disk.items():
+            self.reads[key]["cpu_seconds"] = entry["cpu_seconds"]
+        self._unsaved_cpu = {}
+
+
+def _take_splits(into: dict[str, dict[str, Any]], source: dict[str, dict[str, Any]]) -> None:
+    """Add to ``into`` every record's split that only ``source`` holds (where both hold one, ``into``'s stays)."""
+    for key, entry in source.items():
+        held = into.setdefault(key, {**entry, "readouts": {}, "cpu_seconds": 0.0})
+        for readout, splits in entry["readouts"].items():
+            mine = held["readouts"].setdefault(readout, {})
+            for split, row in splits.items():
+                mine.setdefault(split, row)
 
 
 def compact_read(entry: dict[str, Any] | None, readout: str, sizes: RulerSizes) -> dict[str, Any] | None:
@@ -226,7 +255,7 @@ def read_record(
                         max_iter=sizes.max_iter,
                     )
                 )
-            entry["cpu_seconds"] += time.process_time() - began
+            store.spend(key, time.process_time() - began)
             store.save()
             print(f"[ruler] {key} {readout} split {r}: {done[str(r)]['mean']:.4f}", flush=True)
     return entry

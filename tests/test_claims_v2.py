@@ -416,3 +416,41 @@ def test_enlarged_trace_keeps_the_branch_depth_whatever_the_run_sizes(tmp_path, 
     out = cl.enlarged_trace(run, {"checkpoint": str(tmp_path / "branch"), "step": 3})
     assert seen == {"hidden": max(rules_v2.WIDTHS), "layers": 2, "seed": 3}
     assert out == {"fisher_trace_enlarged": 1.0, "fisher_trace_enlarged_stderr": 0.1}
+
+
+def test_each_claim_is_read_before_the_next_trains_and_a_held_record_is_waited_for(tmp_path, monkeypatch):
+    """The order of `run_claims`: a claim's units, the primary reads then ready, the next claim's units, ...; the
+    secondary reads last; a record another process holds makes the process poll and go round again."""
+    from types import SimpleNamespace
+
+    events, held = [], iter([True, False])  # the first secondary stage finds a record held elsewhere
+
+    def unit(key):
+        def work(save):
+            events.append(key)
+            return {}
+
+        return work
+
+    def read_stage(run, claims, store, rows, stage):
+        events.append(stage)
+        return next(held) if stage == "secondary" else False
+
+    units = [(k, unit(k)) for k in ("c1/seed0", "c1/seed1", "c2/h48/seed0", "c3/adamw/seed0")]
+    monkeypatch.setattr(cl, "training_units", lambda run, claims, seeds: units)
+    monkeypatch.setattr(cl, "read_stage", read_stage)
+    monkeypatch.setattr(cl, "write_claims", lambda run, claims, store: {})
+    monkeypatch.setattr(cl, "ruler_rows", lambda *a: None)
+    claims_dir = tmp_path / "claims"
+    run = SimpleNamespace(
+        claims_dir=claims_dir,
+        runs_path=claims_dir / "runs.json",
+        reads_path=claims_dir / "reads.json",
+        lost_path=claims_dir / "lost.json",
+        ruler=rr.RULER_SMOKE,
+        material=SimpleNamespace(language=SimpleNamespace(grammar=None, grammar_seed=0)),
+        work_dir=tmp_path,
+    )
+    cl.run_claims(run, ["C1", "C2", "C3"], [0], poll_seconds=0)
+    first_round = ["c1/seed0", "c1/seed1", "primary", "c2/h48/seed0", "primary", "c3/adamw/seed0", "primary"]
+    assert events == [*first_round, "secondary", "primary", "primary", "primary", "secondary"]

@@ -11,6 +11,9 @@ in three stages, each resumable, in one process or several sharing the results f
    ``claims/reads.json``);
 3. the secondary read-outs (every other layer, the fine-tuning) of the same records, and the matched tier's.
 
+Stages 1 and 2 alternate claim by claim (C1's units, the primary reads then ready, C5's units, ...), so each claim
+is decided before the next one trains; stage 3 comes last.
+
 Each claim's JSON (`claims_v2_report`) is rewritten after every unit and every record read. A claim whose pilot is
 not finished is refused before anything is computed (`pilot_decisions`).
 """
@@ -402,24 +405,34 @@ def _move_to_lost(run: ClaimsRun, units: dict[str, Any], records: dict[str, list
 def run_claims(
     run: ClaimsRun, claims: Sequence[str], seeds: Sequence[int], *, poll_seconds: float = 60.0
 ) -> dict[str, dict[str, Any]]:
-    """The phase: training units, then the primary read-outs, then the secondary ones; returns the claim files.
-    Several processes may run it on one results folder at once (one per core): each takes the units and records
-    the others do not hold, and waits, polling, until what they hold is done and read."""
+    """The phase: each claim's training units (C1's, C5's, C2's, C3's in turn), each followed by the primary
+    read-outs then ready, so a claim is decided before the next one trains; the secondary read-outs last. Returns
+    the claim files. Several processes may run it on one results folder at once (one per core): each takes the
+    units and records the others do not hold, and waits, polling, until what they hold is done and read."""
     run.claims_dir.mkdir(parents=True, exist_ok=True)
     for key in set_aside_lost_units(run):
         print(f"[claims] {key}: its weights are lost; moved to {run.lost_path.name}, run again", flush=True)
-    units = training_units(run, claims, seeds)
+    groups: dict[str, list] = {}
+    for key, work in training_units(run, claims, seeds):
+        groups.setdefault(key.split("/")[0], []).append((key, work))
     store = ReadStore(run.reads_path, run.ruler)
     language = run.material.language
     rows = ruler_rows(language.grammar, language.grammar_seed, run.ruler, run.work_dir / "cache")
     while True:
-        finished = run_phase(run.runs_path, units, "claims")
-        elsewhere = any(finished.get(key, {}).get("status") != "done" for key, _ in units)
-        for stage in ("primary", "secondary"):
-            elsewhere |= read_stage(run, claims, store, rows, stage)
-            for claim, payload in write_claims(run, claims, store).items():
-                print(f"[claims] after the {stage} read-outs: {claim} {payload['verdict']['verdict']}", flush=True)
+        elsewhere = False
+        for units in list(groups.values()) or [[]]:  # C4 alone trains nothing and is read all the same
+            finished = run_phase(run.runs_path, units, "claims") if units else {}
+            elsewhere |= any(finished.get(key, {}).get("status") != "done" for key, _ in units)
+            elsewhere |= read_stage(run, claims, store, rows, "primary")
+        _print_verdicts(run, claims, store, "primary")
+        elsewhere |= read_stage(run, claims, store, rows, "secondary")
+        _print_verdicts(run, claims, store, "secondary")
         if not elsewhere:
             return write_claims(run, claims, store)
         print(f"[claims] waiting {poll_seconds:.0f} s for another process's units and reads", flush=True)
         time.sleep(poll_seconds)
+
+
+def _print_verdicts(run: ClaimsRun, claims: Sequence[str], store: ReadStore, stage: str) -> None:
+    for claim, payload in write_claims(run, claims, store).items():
+        print(f"[claims] after the {stage} read-outs: {claim} {payload['verdict']['verdict']}", flush=True)

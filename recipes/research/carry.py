@@ -13,6 +13,7 @@ starts phase's JSON points into the work folder) back into the work folder, neve
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -39,9 +40,17 @@ def _copy_file(source: Path, target: Path) -> bool:
         and target.read_bytes() == source.read_bytes()
     ):
         return False
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(source, target)
+    _copy_whole(source, target)
     return True
+
+
+def _copy_whole(source: Path, target: Path) -> None:
+    """Copy through a sibling named by the process, renamed over ``target``: a process starting beside another
+    (two claims processes) never sees, and never skips as present, a half-copied file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+    shutil.copy2(source, partial)
+    os.replace(partial, target)
 
 
 def carry_out(work_dir: Path, carry: Path) -> list[str]:
@@ -81,7 +90,6 @@ def carry_in(results_dir: Path, work_dir: Path) -> list[str]:
             relative = source.relative_to(results_dir / "carry" if tree.name == "carry" else results_dir)
             target = work_dir / relative
             if not target.exists():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(source, target)
+                _copy_whole(source, target)
                 copied.append(str(relative))
     return copied

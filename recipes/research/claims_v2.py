@@ -372,18 +372,18 @@ def read_stage(run: ClaimsRun, claims: Sequence[str], store: ReadStore, rows: Ru
 def set_aside_lost_units(run: ClaimsRun) -> list[str]:
     """Move every finished training unit whose weights are on disk nowhere (a work folder lost with its session before
     `research.carry` kept it) from runs.json to ``lost.json``, with any read-outs of its records, so it runs and is
-    read again; its numbers stay there for a side by side with the rerun. Returns the keys moved."""
-    units = read_units(run.runs_path)
-    records = {
-        key: [r for r in [row.get("start"), *row.get("branches", []), row.get("branch")] if r and "checkpoint" in r]
-        for key, row in units.items()
-        if row.get("status") == "done"
-    }
-    moved = [key for key, kept in records.items() if any(not Path(r["checkpoint"]).exists() for r in kept)]
-    if not moved:
-        return []
+    read again; its numbers stay there for a side by side with the rerun. Returns the keys moved. Read and rewritten
+    under both files' locks, so another claims process's rows written meanwhile are not lost."""
     with file_lock(rewrite_lock(run.runs_path)), file_lock(rewrite_lock(run.reads_path)):
-        _move_to_lost(run, units, records, moved)
+        units = read_units(run.runs_path)
+        records = {
+            key: [r for r in [row.get("start"), *row.get("branches", []), row.get("branch")] if r and "checkpoint" in r]
+            for key, row in units.items()
+            if row.get("status") == "done"
+        }
+        moved = [key for key, kept in records.items() if any(not Path(r["checkpoint"]).exists() for r in kept)]
+        if moved:
+            _move_to_lost(run, units, records, moved)
     return moved
 
 

@@ -41,11 +41,13 @@ from research.campaign_v2 import (
 from research.carry import carry_in, carry_out
 from research.claims_v2 import ClaimsRun, parse_claims, pilot_decisions, run_claims
 from research.claims_v2_report import claims_markdown
+from research.plots import plot_claims_v2
 from research.ruler_reads import RULER_SMOKE, RulerSizes
 from research.rules_v2 import CLAIMS, SEEDS
 from research.units import read_units
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reproduction" / "campaign_v2.md"
+FIGURE = DOCS.parents[1] / "plots" / "campaign_v2" / "claims.png"
 
 
 def replace_generated(text: str, name: str, body: str) -> str:
@@ -78,7 +80,8 @@ def parse_arguments(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--update-docs",
         action="store_true",
-        help=f"only rewrite the generated tables of {DOCS.relative_to(DOCS.parents[2])} from the JSON",
+        help=f"only rewrite the generated tables of {DOCS.relative_to(DOCS.parents[2])} and draw "
+        f"{FIGURE.relative_to(DOCS.parents[2])} from the JSON",
     )
     parser.add_argument(
         "--carry-out",
@@ -108,7 +111,8 @@ def main(argv=None) -> dict:
         for name, table in generated_tables(args.results_dir).items():
             text = replace_generated(text, f"campaign_v2 {name}", table)
         DOCS.write_text(text)
-        print(f"rewrote the tables of {DOCS}")
+        plot_claims_v2(claims_dir, FIGURE)
+        print(f"rewrote the tables of {DOCS} and drew {FIGURE}")
         return {}
     if args.carry_out:
         if not args.work_dir.is_dir():

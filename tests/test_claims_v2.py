@@ -393,6 +393,54 @@ def test_committed_claim_files_recompute_and_the_docs_rows_equal_them():
     assert docs[docs.index(begin) + len(begin) : docs.index(end)].strip() == report.claims_markdown(claims_dir)
 
 
+def test_committed_claims_figure_plots_the_fields_of_their_json(tmp_path):
+    """The v2 figure from the committed claim files: every plotted point is the field it stands for, recomputed here
+    from the JSON (the primary read-out as the mean over splits, the tier from the rules' thresholds)."""
+    from research.plots import plot_claims_v2
+
+    claims_dir = RESULTS / "claims"
+    if not (claims_dir / "C1.json").exists():
+        pytest.skip("no claim file is committed yet")
+    data = plot_claims_v2(claims_dir, tmp_path / "claims.png")
+    assert (tmp_path / "claims.png").stat().st_size > 50_000  # drawn panels, not an empty canvas
+    load = {c: json.loads((claims_dir / f"{c}.json").read_text())["records"] for c in ("C1", "C3", "C4", "C2")}
+    picks = json.loads((claims_dir / "C6.json").read_text())["verdict"]["picks"]
+
+    def read(r, task=None):
+        probe = r.get("reads", {}).get("probe")
+        return None if probe is None else float(np.mean(probe["mean"] if task is None else probe["tasks"][task]))
+
+    def saturated(r):
+        return (
+            not r.get("excluded") and r["kl"] <= rules_v2.SATURATED_KL and r["ci_high"] <= rules_v2.SATURATED_KL_UPPER
+        )
+
+    c1 = load["C1"]["seeds"]
+    steps = {s: {0: row["start"], **{b["step"]: b for b in row["branches"]}} for s, row in c1.items()}
+    expected = {
+        "C1": [(s, step, r["fisher_trace"], read(r), saturated(r))
+               for s, by_step in steps.items() for step, r in by_step.items() if read(r) is not None],
+        "C6": [(s, rule, pick[key], read(steps[s][pick[key]]), saturated(steps[s][pick[key]]))
+               for s, pick in picks.items()
+               for rule, key in (("flatness", "chosen_step"), ("lowest_kl", "lowest_kl_step"))],
+        "C3": [(s, arm, r["fisher_trace"], read(r), saturated(r))
+               for s, arms in load["C3"]["seeds"].items() for arm, r in arms.items() if read(r) is not None],
+        "C4": [(name, task, read(r, None if task == "mean" else task), None)
+               for name, r in load["C4"]["baselines"].items() for task in ("A", "B", "C", "mean")]
+              + [(f"start seed {s}", task, read(r, None if task == "mean" else task), saturated(r))
+                 for s, r in load["C4"]["starts"].items() for task in ("A", "B", "C", "mean")],
+        "C2": [(int(w), s, r["kl"], r["fisher_trace"], saturated(r))
+               for w, by_seed in load["C2"]["sizes"].items() for s, r in by_seed.items()],
+    }  # fmt: skip
+
+    def rounded(rows):  # the figure averages with sum / len, this test with numpy
+        return sorted((tuple(round(x, 12) if isinstance(x, float) else x for x in row) for row in rows), key=repr)
+
+    assert set(data) == set(expected)
+    for claim, rows in expected.items():
+        assert rounded(data[claim]) == rounded(rows), claim
+
+
 def test_enlarged_trace_keeps_the_branch_depth_whatever_the_run_sizes(tmp_path, monkeypatch):
     # the smoke sizes train 1-layer models but C2 reads H64 starts of more layers: enlarging must not cut layers
     from types import SimpleNamespace

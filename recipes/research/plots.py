@@ -10,6 +10,7 @@ from typing import Any
 
 from .saturation import SATURATED_KL, SATURATED_KL_UPPER
 from .verdicts import CLAIM_FILES
+from .verdicts_v2 import in_tier
 
 
 def plot_branches(
@@ -252,3 +253,165 @@ def _save(fig, axes, title: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_claims_v2(claims_dir: Path, path: Path) -> dict[str, list[tuple]]:
+    """Campaign v2's claims from the ``C*.json`` files in ``claims_dir``: a panel per claim that ran (C1, C6, C4, C3,
+    C2), titled with its primary verdict; C5, which its pilot stopped, in the note. Accuracy is the primary read-out
+    (the last layer's probe, mean over tasks and the ruler's splits); a record not read yet is not drawn. Filled
+    markers are saturated records. Returns the plotted numbers per claim, as `plot_claims` does."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    payloads = {c: json.loads(f.read_text()) for c in _TITLES_V2 if (f := claims_dir / f"{c}.json").exists()}
+    fig, grid = plt.subplots(2, 3, figsize=(18, 10))
+    panels, note = list(grid.flat[:5]), grid.flat[5]
+    data: dict[str, list[tuple]] = {}
+    for ax, (claim, draw) in zip(panels, _PANELS_V2.items(), strict=True):
+        payload = payloads.get(claim)
+        ax.set_title(f"{claim} {_TITLES_V2[claim]}\n" + textwrap.fill(_verdict_v2(payload), 60), fontsize=10)
+        data[claim] = draw(ax, payload) if payload else []
+        if not data[claim]:
+            ax.text(0.5, 0.5, "nothing read yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+            continue
+        ax.plot([], [], ls="none", marker="o", color="gray", label="saturated")
+        ax.plot([], [], ls="none", marker="o", color="gray", mfc="none", label="not saturated")
+    note.axis("off")
+    note.text(
+        0.0,
+        0.95,
+        f"C5 {_TITLES_V2['C5']}: " + textwrap.fill(_verdict_v2(payloads.get("C5")), 50) + "\n\n"
+        f"Filled marker: saturated record (KL to the exact conditionals <= {SATURATED_KL:.3f} nats,\n"
+        f"bootstrap upper end <= {SATURATED_KL_UPPER:.3f}); hollow: not saturated.\n\n"
+        "Accuracy: the last layer's probe (the primary read-out), mean over\n"
+        "tasks A/B/C and the ruler's fit splits, every model on the same splits.\n"
+        "Fisher trace: labels drawn from the model, summed over the parameters.",
+        va="top",
+        fontsize=9,
+    )
+    _save(fig, panels, "Campaign v2 claims (one point per record; verdicts from each claim's JSON)", path)
+    return data
+
+
+def _verdict_v2(payload: dict[str, Any] | None) -> str:
+    if payload is None:
+        return "not written yet"
+    verdict = payload["verdict"]
+    reading = verdict.get("reading")
+    return verdict["verdict"] + (f" ({reading})" if reading and reading not in verdict["verdict"] else "")
+
+
+def _primary(record: dict[str, Any]) -> float | None:
+    """The primary read-out of one record, the mean over the splits read; None while unread."""
+    read = record.get("reads", {}).get("probe")
+    return sum(read["mean"]) / len(read["mean"]) if read else None
+
+
+def _as_v1(record: dict[str, Any]) -> dict[str, Any]:
+    """A read v2 record in the fields `_c3` and `_c6` draw."""
+    return {
+        **record,
+        "probe_accuracy": _primary(record),
+        "saturated": in_tier(record, "saturated"),
+    }
+
+
+def _c1_v2(ax, payload) -> list[tuple]:
+    """Per seed, the start (square) and the annealed branches in step order, in (Fisher trace, accuracy)."""
+    seeds = _by_seed(payload["records"]["seeds"])
+    colors, rows = _colors(seeds), []
+    for seed in seeds:
+        record = payload["records"]["seeds"][seed]
+        path = [(0, record["start"]), *((b["step"], b) for b in sorted(record["branches"], key=lambda b: b["step"]))]
+        drawn = [(step, r["fisher_trace"], _primary(r), in_tier(r, "saturated")) for step, r in path if _primary(r)]
+        rows += [(seed, *row) for row in drawn]
+        ax.plot([row[1] for row in drawn], [row[2] for row in drawn], color=colors[seed], lw=0.8)
+        for step, trace, accuracy, saturated in drawn:
+            _point(ax, trace, accuracy, saturated, colors[seed], "s" if step == 0 else "o")
+        ax.plot([], [], color=colors[seed], label=f"seed {seed}")
+    ax.plot([], [], ls="none", marker="s", color="k", label="start (then branches by step)")
+    ax.set(xlabel="Fisher trace", ylabel="primary read-out (fraction)")
+    return rows
+
+
+def _c6_v2(ax, payload) -> list[tuple]:
+    seeds = {
+        seed: [_as_v1(b) for b in record["branches"] if _primary(b) is not None]
+        for seed, record in payload["records"]["seeds"].items()
+    }
+    read = {seed: {b["step"] for b in branches} for seed, branches in seeds.items()}
+    picks = {
+        seed: pick
+        for seed, pick in payload["verdict"].get("picks", {}).items()
+        if {pick["chosen_step"], pick["lowest_kl_step"]} <= read[seed]
+    }
+    return _c6(ax, {"seeds": seeds, "verdict": {"picks": picks}})
+
+
+def _c3_v2(ax, payload) -> list[tuple]:
+    arms = payload["verdict"].get("arms") or payload["pilots"]["c3_arms"]
+    seeds = {
+        seed: {arm: _as_v1(r) for arm, r in by_arm.items() if _primary(r) is not None}
+        for seed, by_arm in payload["records"]["seeds"].items()
+    }
+    return _c3(ax, {"arms": arms, "seeds": {seed: by_arm for seed, by_arm in seeds.items() if by_arm}})
+
+
+def _c4_v2(ax, payload) -> list[tuple]:
+    """Per task (and the mean over tasks), each seed's start as a point and every baseline row as a tick across the
+    group: a PASS has to clear the highest tick."""
+    tasks, records = ["A", "B", "C", "mean"], payload["records"]
+    seeds, names = _by_seed(records["starts"]), sorted(records["baselines"])
+    colors, rows = _colors(names + seeds), []
+
+    def value(record, task):
+        read = record.get("reads", {}).get("probe")
+        if not read:
+            return None
+        splits = read["mean"] if task == "mean" else read["tasks"][task]
+        return sum(splits) / len(splits)
+
+    for i, task in enumerate(tasks):
+        for name in names:
+            if (v := value(records["baselines"][name], task)) is not None:
+                rows.append((name, task, v, None))
+                ax.plot([i - 0.4, i + 0.4], [v, v], color=colors[name], lw=1.5, label=name if i == 0 else None)
+        for j, seed in enumerate(seeds):
+            start = records["starts"][seed]
+            if (v := value(start, task)) is not None:
+                rows.append((f"start seed {seed}", task, v, in_tier(start, "saturated")))
+                _point(ax, i + 0.5 * (j + 0.5) / len(seeds) - 0.25, v, rows[-1][3], "k")
+    ax.set_xticks(range(len(tasks)), [f"task {t}" if t != "mean" else "mean (primary)" for t in tasks])
+    ax.set(xlabel="probe task (points: each seed's start; ticks: baseline rows)", ylabel="read-out (fraction)")
+    return rows
+
+
+def _c2_v2(ax, payload) -> list[tuple]:
+    """Each width's last branch (or, for a start that missed the margin, the start) in (KL, Fisher trace): where the
+    saturated tier's line falls decides which widths are compared."""
+    sizes = payload["records"]["sizes"]
+    widths = sorted(sizes, key=int)
+    colors, rows = _colors(widths), []
+    for width in widths:
+        for seed in _by_seed(sizes[width]):
+            r = sizes[width][seed]
+            rows.append((int(width), seed, r["kl"], r["fisher_trace"], in_tier(r, "saturated")))
+            _point(ax, r["kl"], r["fisher_trace"], rows[-1][4], colors[width], "X" if r.get("excluded") else "o")
+        ax.plot([], [], ls="none", marker="o", color=colors[width], label=f"H{width}")
+    ax.axvline(SATURATED_KL, color="k", lw=0.8, ls=":")
+    ax.plot([], [], ls="none", marker="X", color="k", label="start missed the margin (left out)")
+    ax.set(xlabel="KL to the exact conditionals (nats; dotted: the saturated tier's 0.010)", ylabel="Fisher trace")
+    return rows
+
+
+_PANELS_V2 = {"C1": _c1_v2, "C6": _c6_v2, "C4": _c4_v2, "C3": _c3_v2, "C2": _c2_v2}
+_TITLES_V2 = {
+    "C1": "continued training (start, then branches)",
+    "C6": "selection: flattest vs lowest-KL branch",
+    "C4": "saturated starts vs the strongest baseline row",
+    "C3": "training algorithm (each arm's last branch)",
+    "C2": "model size (each width's last branch)",
+    "C5": "adversary on the read-out",
+}

@@ -68,15 +68,12 @@ def plot_claims(results_dir: Path, path: Path) -> dict[str, list[tuple]]:
             ax.set(xticks=[], yticks=[])
             continue
         data[claim] = draw(ax, payload)
-        ax.plot([], [], ls="none", marker="o", color="gray", label="saturated")
-        ax.plot([], [], ls="none", marker="o", color="gray", mfc="none", label="not saturated")
+        _tier_legend(ax)
     note.axis("off")
     note.text(
         0.0,
         0.95,
-        f"Filled marker: saturated record (KL to the exact conditionals <= {SATURATED_KL:.3f} nats,\n"
-        f"bootstrap upper end <= {SATURATED_KL_UPPER:.3f}); hollow: not saturated.\n\n"
-        "Accuracy: the primary probe (last layer), mean over tasks A/B/C\n"
+        _TIER_NOTE + "Accuracy: the primary probe (last layer), mean over tasks A/B/C\n"
         "unless a task is named. Fisher trace: the per-sample Fisher\n"
         "(labels drawn from the model) summed over the parameters,\n"
         "dimensionless, in the model's own space unless noted.",
@@ -85,6 +82,17 @@ def plot_claims(results_dir: Path, path: Path) -> dict[str, list[tuple]]:
     )
     _save(fig, panels, "Saturated-start claims (one point per record; verdicts from each claim's JSON)", path)
     return data
+
+
+_TIER_NOTE = (
+    f"Filled marker: saturated record (KL to the exact conditionals <= {SATURATED_KL:.3f} nats,\n"
+    f"bootstrap upper end <= {SATURATED_KL_UPPER:.3f}); hollow: not saturated.\n\n"
+)
+
+
+def _tier_legend(ax) -> None:
+    ax.plot([], [], ls="none", marker="o", color="gray", label="saturated")
+    ax.plot([], [], ls="none", marker="o", color="gray", mfc="none", label="not saturated")
 
 
 def _point(ax, x: float, y: float, saturated: bool, color, marker: str = "o") -> None:
@@ -276,16 +284,16 @@ def plot_claims_v2(claims_dir: Path, path: Path) -> dict[str, list[tuple]]:
         if not data[claim]:
             ax.text(0.5, 0.5, "nothing read yet", ha="center", va="center", transform=ax.transAxes, color="gray")
             continue
-        ax.plot([], [], ls="none", marker="o", color="gray", label="saturated")
-        ax.plot([], [], ls="none", marker="o", color="gray", mfc="none", label="not saturated")
+        _tier_legend(ax)
     note.axis("off")
     note.text(
         0.0,
         0.95,
-        f"C5 {_TITLES_V2['C5']}: " + textwrap.fill(_verdict_v2(payloads.get("C5")), 50) + "\n\n"
-        f"Filled marker: saturated record (KL to the exact conditionals <= {SATURATED_KL:.3f} nats,\n"
-        f"bootstrap upper end <= {SATURATED_KL_UPPER:.3f}); hollow: not saturated.\n\n"
-        "Accuracy: the last layer's probe (the primary read-out), mean over\n"
+        f"C5 {_TITLES_V2['C5']}: "
+        + textwrap.fill(_verdict_v2(payloads.get("C5")), 50)
+        + "\n\n"
+        + _TIER_NOTE
+        + "Accuracy: the last layer's probe (the primary read-out), mean over\n"
         "tasks A/B/C and the ruler's fit splits, every model on the same splits.\n"
         "Fisher trace: labels drawn from the model, summed over the parameters.",
         va="top",
@@ -409,7 +417,7 @@ def _c2_v2(ax, payload) -> list[tuple]:
 _PANELS_V2 = {"C1": _c1_v2, "C6": _c6_v2, "C4": _c4_v2, "C3": _c3_v2, "C2": _c2_v2}
 _TITLES_V2 = {
     "C1": "continued training (start, then branches)",
-    "C6": "selection: flattest vs lowest-KL branch",
+    "C6": _TITLES["C6"],
     "C4": "saturated starts vs the strongest baseline row",
     "C3": "training algorithm (each arm's last branch)",
     "C2": "model size (each width's last branch)",

@@ -372,7 +372,7 @@ def _c4_v2(ax, payload) -> list[tuple]:
     group: a PASS has to clear the highest tick."""
     tasks, records = ["A", "B", "C", "mean"], payload["records"]
     seeds, names = _by_seed(records["starts"]), sorted(records["baselines"])
-    colors, rows = _colors(names + seeds), []
+    colors, rows = _colors(names), []  # the starts are drawn in black
 
     def value(record, task):
         read = record.get("reads", {}).get("probe")

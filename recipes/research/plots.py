@@ -266,8 +266,9 @@ def _save(fig, axes, title: str, path: Path) -> None:
 def plot_claims_v2(claims_dir: Path, path: Path) -> dict[str, list[tuple]]:
     """Campaign v2's claims from the ``C*.json`` files in ``claims_dir``: a panel per claim that ran (C1, C6, C4, C3,
     C2), titled with its primary verdict; C5, which its pilot stopped, in the note. Accuracy is the primary read-out
-    (the last layer's probe, mean over tasks and the ruler's splits); a record not read yet is not drawn. Filled
-    markers are saturated records. Returns the plotted numbers per claim, as `plot_claims` does."""
+    (the last layer's probe, mean over tasks and the ruler's splits); C1, C6, C4 and C3 draw only the records already
+    read, C2 (KL against trace) every record. Filled markers are saturated records. Returns the plotted numbers
+    per claim, as `plot_claims` does."""
     import matplotlib
 
     matplotlib.use("Agg")

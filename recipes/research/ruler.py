@@ -205,10 +205,9 @@ def padded_tokens(sentences: SentenceSet, width: int) -> tuple[torch.Tensor, tor
     return ids, (ids != 0).long()
 
 
-def finetune_accuracy(
+def finetune_classifier(
     masked_lm: torch.nn.Module,
     fit: SentenceSet,
-    test: SentenceSet,
     task: str,
     *,
     n_classes: int,
@@ -217,11 +216,11 @@ def finetune_accuracy(
     learning_rate: float,
     batch_size: int,
     seed: int,
-) -> float:
+) -> torch.nn.Module:
     """Full fine-tuning of a copy of ``masked_lm``'s encoder with a linear head on the concatenated last layer
     (`_ConcatClassifier`) on the fit rows of ``task``: AdamW (weight decay 0.01) at a constant ``learning_rate``,
     ``epochs`` shuffled passes; ``seed`` fixes the head and the order (the same for every compared model). Trains on
-    ``masked_lm``'s device. Returns the test accuracy; ``masked_lm`` is not modified."""
+    ``masked_lm``'s device and returns the classifier in eval mode; ``masked_lm`` is not modified."""
     import copy
 
     encoder = copy.deepcopy(masked_lm.base_model).train()
@@ -242,13 +241,46 @@ def finetune_accuracy(
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-    model.eval()
-    test_ids, test_mask = (tensor.to(device) for tensor in padded_tokens(test, width))
+    return model.eval()
+
+
+def classifier_accuracy(model: torch.nn.Module, sentences: SentenceSet, task: str, width: int) -> float:
+    """Accuracy of a `finetune_classifier` model on ``sentences``' labels of ``task``."""
+    device = next(model.parameters()).device
+    ids, mask = (tensor.to(device) for tensor in padded_tokens(sentences, width))
     with torch.no_grad():
         predictions = torch.cat(
-            [model(test_ids[s : s + 1024], test_mask[s : s + 1024]).argmax(-1) for s in range(0, len(test_ids), 1024)]
+            [model(ids[s : s + 1024], mask[s : s + 1024]).argmax(-1) for s in range(0, len(ids), 1024)]
         )
-    return float((predictions.cpu().numpy() == test.labels[task]).mean())
+    return float((predictions.cpu().numpy() == sentences.labels[task]).mean())
+
+
+def finetune_accuracy(
+    masked_lm: torch.nn.Module,
+    fit: SentenceSet,
+    test: SentenceSet,
+    task: str,
+    *,
+    n_classes: int,
+    width: int,
+    epochs: int,
+    learning_rate: float,
+    batch_size: int,
+    seed: int,
+) -> float:
+    """`finetune_classifier` on ``fit``, scored on ``test`` (`classifier_accuracy`); ``masked_lm`` is not modified."""
+    model = finetune_classifier(
+        masked_lm,
+        fit,
+        task,
+        n_classes=n_classes,
+        width=width,
+        epochs=epochs,
+        learning_rate=learning_rate,
+        batch_size=batch_size,
+        seed=seed,
+    )
+    return classifier_accuracy(model, test, task, width)
 
 
 def task_class_counts(grammar: PCFG) -> dict[str, int]:

@@ -126,8 +126,9 @@ def _compare_runs(args: argparse.Namespace, output_dir: Path) -> int:
         row["probe_accuracy"], row["probe_stderr"] = _probe_accuracy(setup, checkpoint)
     plot_path = _plot(histories, comparison, output_dir / "demo.png")
     report = summary_text(comparison, args.steps)
-    settings = {key: value for key, value in vars(args).items() if key != "func"}
-    write_json(output_dir / "demo.json", {"config": settings, "histories": histories, "comparison": comparison})
+    write_json(
+        output_dir / "demo.json", {"config": demo_settings(args), "histories": histories, "comparison": comparison}
+    )
     print(report)
     print(f"\nplot: {plot_path}\nnumbers: {output_dir / 'demo.json'}")
     print(f"model cards: {output_dir / 'adamw' / 'README.md'}, {output_dir / 'sam' / 'README.md'}")
@@ -151,6 +152,39 @@ def _tensorboard_installed() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
+def demo_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Every setting the demo's numbers follow from, as demo.json records them: its flags, the training settings it
+    fixes and the trace callback's settings, defaults included (docs/tutorial's test compares a committed run's with
+    these, so a changed default cannot leave the tutorial's printed block behind)."""
+    from dataclasses import asdict
+
+    from ..callbacks.trace_config import TraceCallbackConfig
+
+    flags = {key: value for key, value in vars(args).items() if key not in ("func", "command", "debug")}
+    return {
+        **flags,
+        "training": _training_settings(args),
+        "trace": asdict(TraceCallbackConfig(**_trace_settings(args))),
+    }
+
+
+def _training_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The `FlatBiasConfig` settings the demo fixes beyond its flags."""
+    return {
+        "per_device_train_batch_size": 64,
+        "per_device_eval_batch_size": 256,
+        "learning_rate": 2e-3,
+        "warmup_steps": min(100, args.steps // 10),
+        "lr_scheduler_type": "constant_with_warmup",
+    }
+
+
+def _trace_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The `HessianTraceCallback` settings the demo passes; the rest are the callback's defaults."""
+    # the demo shows the trace at every evaluation, whatever it costs
+    return {"n_contexts": args.trace_contexts, "n_draws": RECOMMENDED_N_DRAWS, "seed": args.seed, "max_overhead": None}
+
+
 def _train(setup, label: str, method: str, args: argparse.Namespace, run_dir: Path) -> list[dict[str, Any]]:
     """One run through `FlatBiasTrainer`; returns its evaluations ``{step, eval_loss, trace, trace_stderr}``."""
     from transformers.trainer_callback import PrinterCallback
@@ -166,11 +200,7 @@ def _train(setup, label: str, method: str, args: argparse.Namespace, run_dir: Pa
         flatness_method=method,
         sam_rho=args.sam_rho,
         max_steps=args.steps,
-        per_device_train_batch_size=64,
-        per_device_eval_batch_size=256,
-        learning_rate=2e-3,
-        warmup_steps=min(100, args.steps // 10),
-        lr_scheduler_type="constant_with_warmup",
+        **_training_settings(args),
         eval_strategy="steps",
         eval_steps=args.eval_every,
         save_strategy="steps",
@@ -188,12 +218,7 @@ def _train(setup, label: str, method: str, args: argparse.Namespace, run_dir: Pa
         eval_dataset=setup.contexts,
         data_collator=MaskedWordCollator(seed=args.seed),
         processing_class=setup.tokenizer,
-        # the demo shows the trace at every evaluation, whatever it costs
-        callbacks=[
-            HessianTraceCallback(
-                n_contexts=args.trace_contexts, n_draws=RECOMMENDED_N_DRAWS, seed=args.seed, max_overhead=None
-            )
-        ],
+        callbacks=[HessianTraceCallback(**_trace_settings(args))],
     )
     # one line per evaluation instead of the Trainer's raw log dictionaries
     trainer.remove_callback(PrinterCallback)

@@ -18,9 +18,26 @@ from .constants import (
     CURVATURE_PRODUCTS,
     DEFAULT_SAM_RHO,
     FORGETTING_OPTIMIZERS,
+    MAX_N_DRAWS,
     NOISE_SCALES,
     SPECTRUM_MATRICES,
 )
+
+MAX_FORGETTING_STEPS = 100_000
+"""The most optimizer steps forgetting fine-tunes for: 2,000x its default of 50, a long fine-tuning run; past it a
+typo (10^9) would run for days without a line of output."""
+
+MAX_NOISE_SIGMA = 10.0
+"""The largest weight-noise level: noise ten times each tensor's RMS (or of 10 per weight, absolute) has replaced
+the model, and far above it the perturbed loss overflows to nan; the robustness studies use 1e-3 to 1e-1."""
+
+BOUNDED_COUNTS = {
+    # the draws allocate as the trace's do (a 10^9 draws' buffer is 8 GB), so they share its bound
+    "noise_draws": (MAX_N_DRAWS, "the default is 8"),
+    "forgetting_trace_draws": (MAX_N_DRAWS, "2 draws per context is usually best"),
+    "forgetting_steps": (MAX_FORGETTING_STEPS, "the default is 50"),
+}
+"""The counts whose size is the cost of the measurement, with their largest sane value and a hint."""
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -170,6 +187,10 @@ class MeasureSettings:
         for name in ("sam_batch_size", "quantization_group_size", "critical_batch_size", "forgetting_trace_draws"):
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name))
+        for name, (most, hint) in BOUNDED_COUNTS.items():
+            value = getattr(self, name)
+            if value is not None and value > most:  # checked when the settings are made, before anything loads
+                raise ValueError(f"{name}={value} is outside the sane range 1..{most:,} ({hint}).")
         clip = self.critical_max_grad_norm
         if clip is not None and not (_is_number(clip) and math.isfinite(clip) and clip >= 0):
             raise ValueError(f"critical_max_grad_norm must be a finite number >= 0, 0 for no clipping (got {clip!r}).")
@@ -182,6 +203,12 @@ class MeasureSettings:
                 raise ValueError(f"{name} must be a finite number > 0 (got {value!r}).")
         if not self.noise_sigmas or not all(_is_number(s) and math.isfinite(s) and s > 0 for s in self.noise_sigmas):
             raise ValueError(f"noise_sigmas must be one or more finite numbers > 0 (got {self.noise_sigmas!r}).")
+        if max(self.noise_sigmas) > MAX_NOISE_SIGMA:
+            shown = ", ".join(f"{sigma:g}" for sigma in self.noise_sigmas)
+            raise ValueError(
+                f"noise_sigmas=({shown}) is outside the sane range (0, {MAX_NOISE_SIGMA:g}]: noise that large replaces "
+                "the weights (the robustness studies use 0.001 to 0.1)."
+            )
         if not self.quantization_bits or not all(
             isinstance(b, Integral) and not isinstance(b, bool) and 2 <= b <= 8 for b in self.quantization_bits
         ):
@@ -242,4 +269,4 @@ def checked_forgetting_task(source: Any) -> str | None:
     return source
 
 
-__all__ = ["MeasureSettings", "checked_forgetting_task"]
+__all__ = ["MAX_FORGETTING_STEPS", "MAX_NOISE_SIGMA", "MeasureSettings", "checked_forgetting_task"]

@@ -354,3 +354,68 @@ def test_a_measure_without_a_finite_value_is_left_off_the_trainers_card(tmp_path
     card = flatness_card_from_trainer(trainer)
     assert card.measures == {}
     card.save(tmp_path / "card")  # the save does not fail over it
+
+
+# ------------------------------------------------------------------------ issue 58, item 4: bounded, never a bare nan
+
+
+@pytest.mark.parametrize(
+    "flags,expected",
+    [
+        (["--measures", "weight_noise", "--noise-draws", "1000000000"], "--noise-draws: noise_draws=1000000000 is "),
+        (["--measures", "forgetting", "--forgetting-task", "sst2", "--forgetting-steps", "1000000000"],
+         "--forgetting-steps: forgetting_steps=1000000000 is "),
+        (["--measures", "forgetting", "--forgetting-task", "sst2", "--forgetting-trace-draws", "1000000000"],
+         "--forgetting-trace-draws: forgetting_trace_draws=1000000000 is "),
+        (["--measures", "weight_noise", "--noise-sigmas", "0.01,1e9"], "--noise-sigmas: noise_sigmas=(0.01, 1e+09)"),
+    ],
+)  # fmt: skip
+def test_a_measurement_past_its_sane_range_is_refused_before_anything_loads(flags, expected, tmp_path, capsys):
+    """Before: --noise-draws and --forgetting-steps 10^9 ran without a line of output, --noise-sigmas 1e9 printed
+    nan. The model named here does not exist: the refusal has to come before it is looked for."""
+    code = main(["trace", str(tmp_path / "no-model"), "--data", str(tmp_path / "no.jsonl"), *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert expected in err and "outside" in err and "no-model" not in err, err
+    with pytest.raises(ValueError, match=expected.split(": ", 1)[1].split("=")[0]):
+        HessianTraceCallback(also_measure=("weight_noise", "forgetting"),
+                             measure_settings={"forgetting_task": "sst2", **_settings_of(flags)})  # fmt: skip
+
+
+def _settings_of(flags: list[str]) -> dict:
+    values = dict(zip(flags[::2], flags[1::2], strict=True))
+    values.pop("--measures")
+    values.pop("--forgetting-task", None)
+    ((flag, text),) = values.items()
+    name = flag[2:].replace("-", "_")
+    return {name: tuple(float(part) for part in text.split(",")) if name == "noise_sigmas" else int(text)}
+
+
+def test_a_measure_that_comes_out_non_finite_is_an_error_naming_why(checkpoint, tmp_path, capsys):  # noqa: F811
+    """A checkpoint whose own loss is not finite (a weight at 3e38 overflows the logits) gave `nan` with exit 0."""
+    folder, data, _, _ = checkpoint
+    model = BertForMaskedLM.from_pretrained(folder)
+    with torch.no_grad():
+        model.cls.predictions.transform.dense.weight[0, 0] = 3e38
+    model.save_pretrained(tmp_path / "broken")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        if (folder / name).is_file():
+            (tmp_path / "broken" / name).write_bytes((folder / name).read_bytes())
+    output = tmp_path / "out.json"
+    flags = ["--n-contexts", "4", "--no-progress", "--output", str(output), "--noise-draws", "1"]
+    capsys.readouterr()
+    code = main(["trace", str(tmp_path / "broken"), "--data", str(data), "--measures", "weight_noise", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "weight_noise came out nan" in err[0] and "loss of the checkpoint itself is nan" in err[0], err
+    assert not output.exists()
+
+
+def test_a_noise_level_that_overflows_is_named():
+    from hf_flatbias.commands.trace_measures import check_finite_record
+
+    record = {"value": math.inf, "sigma": 5.0, "scale": "absolute", "base_loss": 2.5, "sigmas": [0.01, 5.0],
+              "means": [0.01, math.inf]}  # fmt: skip
+    with pytest.raises(ValueError, match=r"weight_noise came out inf: the loss under noise of sigma=5 \(absolute\) "):
+        check_finite_record("weight_noise", record)
+    check_finite_record("weight_noise", {**record, "value": 0.5})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from typing import Any
 
 from ..measures import EXTRA_MEASURES, MEASURE_TABLE, MEASURES, MeasureSettings, check_required_settings
@@ -118,9 +119,34 @@ def measures_beyond_trace(
         )
         results[spec.result_key] = result.to_dict()
         records[name] = spec.record(result)
+        check_finite_record(name, records[name])
     if records:
         results["measures"] = records
     return results
+
+
+def check_finite_record(name: str, record: dict[str, Any]) -> None:
+    """`ValueError` saying why, for a measure whose value is not a finite number: written as ``nan`` with exit 0 it
+    would read as a measurement."""
+    value = record.get("value")
+    if value is not None and math.isfinite(value):
+        return
+    base = record.get("base_loss")
+    if base is not None and not math.isfinite(base):
+        why = (
+            f"the loss of the checkpoint itself is {base} on these contexts: its weights or the data give non-finite "
+            "logits; check the checkpoint (a diverged run) and the data"
+        )
+    elif name == "weight_noise":
+        sigmas, means = record.get("sigmas") or [record.get("sigma")], record.get("means") or [value]
+        sigma = next((s for s, m in zip(sigmas, means, strict=False) if m is None or not math.isfinite(m)), sigmas[-1])
+        why = (
+            f"the loss under noise of sigma={sigma:g} ({record.get('scale', '?')}) overflows the model's forward; "
+            "lower --noise-sigmas"
+        )
+    else:
+        why = "a loss it takes is not finite; check the checkpoint (a diverged run?) and the data"
+    raise ValueError(f"{name} came out {value}: {why}.")
 
 
 def contexts_fingerprint(contexts: Any, n_contexts: int | None) -> str:

@@ -120,6 +120,16 @@ TRACE_METRIC = "flatness/hessian_trace"
 TRACE_STDERR_METRIC = "flatness/hessian_trace_stderr"
 """The logged name of the trace's standard error."""
 
+TRACE_MEDIAN_OF_MEANS_METRIC = "flatness/hessian_trace_median_of_means"
+"""The logged name of the trace's median of means (`hf_flatbias.flatness.robust_summary`)."""
+
+TRACE_TOP_SHARE_METRIC = "flatness/hessian_trace_top_share"
+"""The logged name of the share of the trace carried by its largest 1% of contexts."""
+
+TRACE_SUMMARIES = {"mean": TRACE_METRIC, "median_of_means": TRACE_MEDIAN_OF_MEANS_METRIC}
+"""The summaries of a trace estimate a rank-based rule may rank by, and the logged key of each; ``mean`` is the
+default until an experiment says otherwise."""
+
 # The measures beyond the trace (their names, functions, settings, log keys) are one table:
 # `hf_flatbias.measures.MEASURE_TABLE`, torch-free like this module.
 

@@ -140,6 +140,10 @@ def test_every_field_is_declared_in_the_schema_and_round_trips_when_set(tmp_path
         language=["en", "fr"],
         trainable_parameters=100,
         adapter="LORA",
+        hessian_trace_median_of_means=11.0,
+        median_of_means_groups=10,
+        hessian_trace_top_share=0.02,
+        top_share_contexts=3,
     )
     unused = set(METHOD_HYPERPARAMETERS) - set(FLATNESS_METHOD_HYPERPARAMETERS["asam"])
     for item in dataclasses.fields(FlatnessCard):

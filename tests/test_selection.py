@@ -269,3 +269,60 @@ def test_cli_reads_a_recipe_result_file_with_other_key_names(tmp_path, capsys):
     assert cli_main(argv) == 0
     payload = json.loads(capsys.readouterr().out)
     assert payload["chosen"]["step"] == 400 and payload["chosen"]["stderr"] == 0.5
+
+
+def test_selector_ranks_by_the_median_of_means_when_asked(tmp_path):
+    """Issue 55: a heavy-tailed trace (one step's mean carried by a few contexts) misranks under the mean; the median
+    of means ranks it by its typical contexts. The default stays the mean."""
+    from transformers import TrainerControl, TrainerState
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    by_summary = {}
+    for summary in ("mean", "median_of_means"):
+        selector = FlatnessCheckpointSelector(loss_tolerance=0.05, trace_summary=summary)
+        state, control = TrainerState(), TrainerControl()
+        for step, loss, mean, robust in [(10, 2.00, 179.7, 130.0), (20, 2.01, 150.0, 140.0)]:
+            state.global_step = step
+            logs = {
+                "flatness/hessian_trace": mean,
+                "flatness/hessian_trace_stderr": 5.0,
+                "flatness/hessian_trace_median_of_means": robust,
+            }
+            selector.on_log(args, state, control, logs=logs)
+            selector.on_evaluate(args, state, control, metrics={"eval_loss": loss})
+        selector.on_train_end(args, state, control)
+        by_summary[summary] = selector.selection.chosen.step
+    assert by_summary == {"mean": 20, "median_of_means": 10}
+    assert FlatnessCheckpointSelector().trace_summary == "mean"
+    with pytest.raises(ValueError, match="trace_summary="):
+        FlatnessCheckpointSelector(trace_summary="median")
+
+
+def test_selector_trace_fn_gives_the_median_of_means():
+    from hf_flatbias.flatness.results import TraceEstimate
+
+    estimate = TraceEstimate(
+        mean=9.0, stderr=1.0, n_contexts=30, n_draws=2, estimator="per_sample", seconds=0.1, median_of_means=7.0
+    )
+    selector = FlatnessCheckpointSelector(trace_summary="median_of_means", trace_fn=lambda model: estimate)
+    assert selector.trace_metric == "flatness/hessian_trace_median_of_means"
+    from hf_flatbias.callbacks.selector import _mean_and_stderr
+
+    assert _mean_and_stderr(estimate, "median_of_means") == (7.0, 1.0)
+
+
+def test_cli_selects_by_the_median_of_means(tmp_path, capsys):
+    history = [
+        {"step": 10, "eval_loss": 2.00},
+        {"step": 10, "flatness/hessian_trace": 179.7, "flatness/hessian_trace_median_of_means": 130.0},
+        {"step": 20, "eval_loss": 2.01},
+        {"step": 20, "flatness/hessian_trace": 150.0, "flatness/hessian_trace_median_of_means": 140.0},
+    ]
+    path = tmp_path / "trainer_state.json"
+    path.write_text(json.dumps({"log_history": history}))
+    assert cli_main(["select", str(path), "--loss-tolerance", "0.05", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["chosen"]["step"] == 20
+    assert (
+        cli_main(["select", str(path), "--loss-tolerance", "0.05", "--trace-summary", "median_of_means", "--json"]) == 0
+    )
+    assert json.loads(capsys.readouterr().out)["chosen"]["step"] == 10

@@ -11,7 +11,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..constants import TRACE_METRIC, TRACE_STDERR_METRIC
+from ..constants import TRACE_METRIC, TRACE_STDERR_METRIC, TRACE_SUMMARIES
 from ..selection import SELECTION_FILE, CheckpointRecord, CheckpointSelection, select_flattest_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,11 @@ class FlatnessCheckpointSelector(TrainerCallback):
     metrics, or ``trace_fn(model)``, which returns an object with ``mean`` and ``stderr`` (such as a
     ``TraceEstimate``) or a ``(mean, stderr)`` pair.
 
+    ``trace_summary="median_of_means"`` ranks by the trace's median of means (logged by ``HessianTraceCallback`` as
+    ``flatness/hessian_trace_median_of_means``; ``trace_fn``'s result's ``median_of_means``), which one or two
+    contexts with huge gradients cannot carry; ``trace_margin`` still scales by the mean's standard error, the
+    median of means having none of its own. The default stays ``"mean"`` until an experiment decides.
+
     Use with ``save_total_limit=None``: the Trainer's checkpoint rotation protects the lowest-loss checkpoint only.
     """
 
@@ -51,6 +56,10 @@ class FlatnessCheckpointSelector(TrainerCallback):
     stderr_metric: str = field(
         default=TRACE_STDERR_METRIC, metadata={"help": "Logged (or evaluation) key holding its standard error."}
     )
+    trace_summary: str = field(
+        default="mean",
+        metadata={"help": f"What of each trace estimate is ranked: {' or '.join(TRACE_SUMMARIES)} (default mean)."},
+    )
     trace_fn: TraceFunction | None = field(
         default=None, metadata={"help": "Called with the model at an evaluation that logged no trace."}
     )
@@ -61,6 +70,13 @@ class FlatnessCheckpointSelector(TrainerCallback):
 
     def __post_init__(self) -> None:
         # Fail at construction, not after the first evaluation has been paid for.
+        if self.trace_summary not in TRACE_SUMMARIES:
+            raise ValueError(
+                f"trace_summary={self.trace_summary!r}: choose one of {list(TRACE_SUMMARIES)} (e.g. "
+                "trace_summary='median_of_means')."
+            )
+        if self.trace_metric == TRACE_METRIC:  # the default key follows the summary; a key given by hand wins
+            self.trace_metric = TRACE_SUMMARIES[self.trace_summary]
         select_flattest_checkpoint(
             [CheckpointRecord(0, 0.0, 0.0)],
             loss_tolerance=self.loss_tolerance,
@@ -100,7 +116,7 @@ class FlatnessCheckpointSelector(TrainerCallback):
             self._traces[step] = (float(metrics[self.trace_metric]), _optional(metrics.get(self.stderr_metric)))
         elif step not in self._traces and self.trace_fn is not None and model is not None:
             # A HessianTraceCallback placed after this one logs later in the same evaluation and overwrites this.
-            self._traces[step] = _mean_and_stderr(self.trace_fn(model))
+            self._traces[step] = _mean_and_stderr(self.trace_fn(model), self.trace_summary)
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
@@ -137,9 +153,15 @@ def _optional(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def _mean_and_stderr(estimate: Any) -> tuple[float, float | None]:
+def _mean_and_stderr(estimate: Any, summary: str = "mean") -> tuple[float, float | None]:
     if hasattr(estimate, "mean"):
-        return float(estimate.mean), None if getattr(estimate, "stderr", None) is None else float(estimate.stderr)
+        value = getattr(estimate, summary, None)
+        if value is None:
+            raise ValueError(
+                f"trace_fn's estimate has no {summary}; return a TraceEstimate of 3 or more contexts, or use "
+                "trace_summary='mean'."
+            )
+        return float(value), None if getattr(estimate, "stderr", None) is None else float(estimate.stderr)
     if isinstance(estimate, tuple | list) and len(estimate) == 2:
         return float(estimate[0]), None if estimate[1] is None else float(estimate[1])
     return float(estimate), None

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..constants import TRACE_METRIC, TRACE_STDERR_METRIC
+from ..constants import TRACE_MEDIAN_OF_MEANS_METRIC, TRACE_METRIC, TRACE_STDERR_METRIC, TRACE_TOP_SHARE_METRIC
 from ..flatness.api import estimate_hessian_trace
 from ..flatness.contexts import build_masked_contexts
 from ..flatness.estimators import per_context_estimators
@@ -267,6 +267,10 @@ class HessianTraceCallback(TrainerCallback):
         self.flatness_record = replace(self.flatness_record, trace=estimate, trace_step=step)
         self._measured_step = step
         logs = {TRACE_METRIC: estimate.mean, TRACE_STDERR_METRIC: estimate.stderr}
+        if estimate.median_of_means is not None:  # what FlatnessCheckpointSelector(trace_summary=...) ranks by
+            logs[TRACE_MEDIAN_OF_MEANS_METRIC] = estimate.median_of_means
+        if estimate.top_share is not None and math.isfinite(estimate.top_share):
+            logs[TRACE_TOP_SHARE_METRIC] = estimate.top_share
         for group, part in (estimate.by_group or {}).items():
             logs[f"{TRACE_METRIC}/{group}"] = part.mean
         self._log(logs)

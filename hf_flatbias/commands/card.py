@@ -76,6 +76,8 @@ def format_card_summary(label: str, card) -> str:
         ("objective", card.objective or "not recorded"),
         (card.trained_objective.loss_name, loss),
         (f"{card.trace_quantity} ± stderr", trace),
+        ("trace, median of means", _median_of_means_text(card)),
+        ("trace's top 1% of contexts carry", _top_share_text(card)),
         ("trace measured on", card.trace_objective_text if card.hessian_trace is not None else None),
         ("trace measured at step", card.trace_step),
         ("parameters the trace covers", card.trainable_parameters),
@@ -94,3 +96,17 @@ def format_card_summary(label: str, card) -> str:
     lines = ["| field | value |", "| --- | --- |"]
     lines += [f"| {name} | {value} |" for name, value in rows if value is not None]
     return "\n".join(lines)
+
+
+def _median_of_means_text(card) -> str | None:
+    if card.hessian_trace_median_of_means is None:
+        return None
+    groups = f" ({card.median_of_means_groups} groups)" if card.median_of_means_groups else ""
+    return f"{card.hessian_trace_median_of_means:.6g}{groups}"
+
+
+def _top_share_text(card) -> str | None:
+    if card.hessian_trace_top_share is None:
+        return None
+    contexts = f" ({card.top_share_contexts} contexts)" if card.top_share_contexts else ""
+    return f"{100 * card.hessian_trace_top_share:.1f}%{contexts}"

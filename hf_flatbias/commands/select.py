@@ -7,7 +7,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from ..constants import TRACE_METRIC, TRACE_STDERR_METRIC
+from ..constants import TRACE_METRIC, TRACE_STDERR_METRIC, TRACE_SUMMARIES
 from .paths import check_not_demo_folder, existing_local_path
 
 if TYPE_CHECKING:
@@ -42,13 +42,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "loss among them wins (default 0: smallest trace wins)",
     )
     parser.add_argument("--loss-key", default="eval_loss", help="log_history key of the validation loss")
-    parser.add_argument("--trace-key", default=TRACE_METRIC, help=f"log_history key of the trace ({TRACE_METRIC})")
+    parser.add_argument(
+        "--trace-summary",
+        choices=tuple(TRACE_SUMMARIES),
+        default="mean",
+        help="rank by the trace's mean (default) or by its median of means, which a few contexts with huge "
+        f"gradients cannot carry ({TRACE_SUMMARIES['median_of_means']}); --trace-margin still uses the mean's error",
+    )
+    parser.add_argument(
+        "--trace-key", default=None, help=f"log_history key of the trace (default: --trace-summary's, {TRACE_METRIC})"
+    )
     parser.add_argument("--stderr-key", default=TRACE_STDERR_METRIC, help="log_history key of its standard error")
     parser.add_argument("--json", action="store_true", help="print the selection as JSON")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.trace_key is None:
+        args.trace_key = TRACE_SUMMARIES[args.trace_summary]
     records = _load_records(args)
     from ..selection import select_flattest_checkpoint
 

@@ -158,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
             f"{estimate['estimator']}, {estimate['n_contexts']} contexts x {estimate['n_draws']} draws, "
             f"{estimate['seconds']:.1f} s)"
         )
+        if estimate.get("median_of_means") is not None:
+            print(robust_summary_line(estimate))
         if estimate.get("suggested_n_draws"):
             print(f"Draws per context with the least error per second on this model: {estimate['suggested_n_draws']}")
     for line in measure_lines(result):
@@ -196,6 +198,14 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_measure_arguments(args)
     if args.plot and "trace" not in args.measures:
         raise ValueError("--plot draws the per-group trace: add trace to --measures.")
+
+
+def robust_summary_line(estimate: dict) -> str:
+    """The trace's median of means and top-1% share in one line: a mean carried by a few contexts shows here."""
+    line = f"Median of means ({estimate['median_of_means_groups']} groups): {estimate['median_of_means']:.6g}"
+    if estimate.get("top_share") is not None:
+        line += f"; the top {estimate['top_share_units']} contexts carry {100 * estimate['top_share']:.1f}% of it"
+    return line
 
 
 def format_group_table(estimate: dict[str, Any]) -> str:

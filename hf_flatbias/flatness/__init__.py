@@ -22,6 +22,7 @@ from .quantization import (
     round_to_nearest,
 )
 from .results import FlatnessRecord, GroupTrace, TraceEstimate, TraceSamples, summarize_trace_samples
+from .robust_summary import median_of_means, top_share
 from .spectrum import (
     SharpnessEstimate,
     SpectralDensity,
@@ -76,6 +77,8 @@ __all__ = [
     "quantized_weight_matrices",
     "round_to_nearest",
     "summarize_trace_samples",
+    "median_of_means",
+    "top_share",
     "weight_noise",
     "zero_proposed_update",
 ]

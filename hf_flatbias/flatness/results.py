@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .robust_summary import MIN_UNITS_FOR_SUMMARY, median_of_means, top_share
+
 
 @dataclass
 class TraceEstimate:
@@ -40,6 +42,13 @@ class TraceEstimate:
             ``mean``. ``None`` otherwise.
         stderr_note: ``None`` when ``stderr`` counts both sources of error; otherwise what it leaves out, or why
             it is ``nan``.
+        median_of_means, median_of_means_groups: the median of the means of that many contiguous groups of
+            sampling units (`hf_flatbias.flatness.robust_summary.median_of_means`): a summary a few extreme contexts
+            cannot carry; below the mean on a skewed sample, so for ranking and diagnosis, not an unbiased trace.
+            ``None`` with fewer than 3 units.
+        top_share, top_share_units: the share of the estimate carried by its largest 1% of units (that many;
+            `hf_flatbias.flatness.robust_summary.top_share`): about ``top_share_units / units`` when units are alike,
+            near 1 when a few contexts make the estimate. ``None`` with fewer than 3 units.
     """
 
     mean: float
@@ -53,6 +62,10 @@ class TraceEstimate:
     suggested_n_draws: int | None = None
     by_group: dict[str, GroupTrace] | None = None
     stderr_note: str | None = None
+    median_of_means: float | None = None
+    median_of_means_groups: int | None = None
+    top_share: float | None = None
+    top_share_units: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -193,6 +206,10 @@ def summarize_trace_samples(samples: TraceSamples, *, seconds: float = float("na
             draw_per_context = samples.draw_seconds / (n_units * samples.values.shape[1])
             ratio = draw_variance / context_variance * forward_per_context / draw_per_context
             suggested = max(1, round(math.sqrt(ratio)))
+    robust = {}
+    if n_units >= MIN_UNITS_FOR_SUMMARY:
+        robust["median_of_means"], robust["median_of_means_groups"] = median_of_means(unit_means, weights)
+        robust["top_share"], robust["top_share_units"] = top_share(unit_means, weights)
     return TraceEstimate(
         mean=mean,
         stderr=stderr,
@@ -205,6 +222,7 @@ def summarize_trace_samples(samples: TraceSamples, *, seconds: float = float("na
         suggested_n_draws=suggested,
         by_group=by_group,
         stderr_note=stderr_note,
+        **robust,
     )
 
 

@@ -108,6 +108,10 @@ class FlatnessCard:
             the Fisher trace for the sampled-label estimators, the data-label Hessian's for ``hutchinson`` (see
             `hf_flatbias.constants.TRACE_QUANTITIES`).
         trace_step: the training step whose weights the trace was measured on.
+        hessian_trace_median_of_means, median_of_means_groups: the trace's median of means over that many groups of
+            contexts (sampling units), which one or two contexts with huge gradients cannot carry.
+        hessian_trace_top_share, top_share_contexts: the share of the trace carried by its largest that many
+            contexts (the top 1%): about 1% when contexts are alike, near 1 when a few make the estimate.
         estimator, n_contexts, n_draws: how the trace was estimated.
         method: how training sought flatness, one of `FlatBiasConfig.flatness_method`'s choices.
         sam_rho, asam_eta, sam_every_k, looksam_alpha, penalty_lambda, penalty_fd_step: the method's
@@ -151,6 +155,17 @@ class FlatnessCard:
     hessian_trace: float | None = card_field(read=read_float, check=check_finite)
     hessian_trace_stderr: float | None = card_field(read=read_float, check=check_finite, requires="hessian_trace")
     trace_step: int | None = card_field(read=read_integer, check=check_step, requires="hessian_trace")
+    # the robust summary beside the mean (hf_flatbias.flatness.robust_summary): a few contexts cannot carry it
+    hessian_trace_median_of_means: float | None = card_field(
+        read=read_float, check=check_finite, requires="hessian_trace"
+    )
+    median_of_means_groups: int | None = card_field(
+        read=read_integer, check=check_positive_integer, requires="hessian_trace_median_of_means"
+    )
+    hessian_trace_top_share: float | None = card_field(read=read_float, check=check_finite, requires="hessian_trace")
+    top_share_contexts: int | None = card_field(
+        read=read_integer, check=check_positive_integer, requires="hessian_trace_top_share"
+    )
     estimator: str | None = card_field()
     n_contexts: int | None = card_field(read=read_integer, check=check_positive_integer)
     n_draws: int | None = card_field(read=read_integer, check=check_positive_integer)

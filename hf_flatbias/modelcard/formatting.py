@@ -115,7 +115,7 @@ def format_comparison_table(cards: Sequence[tuple[str, CardFields]]) -> str:
         row = [
             label,
             _loss_cell(card, with_objective=not pretraining),
-            format_trace(card.hessian_trace, card.hessian_trace_stderr) if card.hessian_trace is not None else "-",
+            _trace_cell(card),
             format_method(card, short=True),
             estimator,
         ]
@@ -126,6 +126,15 @@ def format_comparison_table(cards: Sequence[tuple[str, CardFields]]) -> str:
             row.append(f"{value:.4f}" if value is not None else "-")
         rows.append(row)
     return "\n".join("| " + " | ".join(cells) + " |" for cells in rows)
+
+
+def _trace_cell(card: CardFields) -> str:
+    if card.hessian_trace is None:
+        return "-"
+    text = format_trace(card.hessian_trace, card.hessian_trace_stderr)
+    # a mean carried by a few contexts shows as a median of means far below it
+    robust = getattr(card, "hessian_trace_median_of_means", None)
+    return text if robust is None else f"{text} (MoM {format_number(robust)})"
 
 
 def _loss_cell(card: CardFields, *, with_objective: bool) -> str:

@@ -9,7 +9,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, SAM_STEP_OPTIONS, TRACE_METRIC, TRACE_STDERR_METRIC
+from ..constants import (
+    FLATNESS_METHOD_HYPERPARAMETERS,
+    SAM_STEP_OPTIONS,
+    TRACE_MEDIAN_OF_MEANS_METRIC,
+    TRACE_METRIC,
+    TRACE_STDERR_METRIC,
+    TRACE_TOP_SHARE_METRIC,
+)
 from ..measures import MEASURE_TABLE
 from ..measures import measure_record as table_measure_record
 from .card import FlatnessCard
@@ -171,6 +178,7 @@ def _trace_from_records(records: Iterable[FlatnessRecord]) -> dict[str, Any] | N
         "n_contexts": int(estimate.n_contexts),
         "n_draws": int(estimate.n_draws),
         "trace_seconds": float(estimate.seconds),
+        **_robust_summary(estimate),
         "hessian_trace_by_group": (
             {
                 group: {"mean": float(part.mean), "stderr": float(part.stderr)}
@@ -180,6 +188,21 @@ def _trace_from_records(records: Iterable[FlatnessRecord]) -> dict[str, Any] | N
             else None
         ),
     }
+
+
+def _robust_summary(estimate: Any) -> dict[str, Any]:
+    """The estimate's median of means and top-1% share for the card; left off where undefined (fewer than 3
+    units, an estimate of zeros) or absent (an estimate made before they existed)."""
+    summary: dict[str, Any] = {}
+    mom = getattr(estimate, "median_of_means", None)
+    if mom is not None and math.isfinite(mom):
+        summary["hessian_trace_median_of_means"] = float(mom)
+        summary["median_of_means_groups"] = int(estimate.median_of_means_groups)
+    share = getattr(estimate, "top_share", None)
+    if share is not None and math.isfinite(share):
+        summary["hessian_trace_top_share"] = float(share)
+        summary["top_share_contexts"] = int(estimate.top_share_units)
+    return summary
 
 
 def measure_record(result: Any, step: int | None = None, *, name: str | None = None) -> dict[str, Any]:
@@ -222,8 +245,14 @@ def _trace_from_history(history: Sequence[Mapping[str, Any]]) -> dict[str, Any] 
                 "hessian_trace": float(entry[TRACE_METRIC]),
                 "hessian_trace_stderr": float(stderr) if stderr is not None else None,
                 "trace_step": int(step) if step is not None else None,
+                "hessian_trace_median_of_means": _finite_or_none(entry.get(TRACE_MEDIAN_OF_MEANS_METRIC)),
+                "hessian_trace_top_share": _finite_or_none(entry.get(TRACE_TOP_SHARE_METRIC)),
             }
     return None
+
+
+def _finite_or_none(value: Any) -> float | None:
+    return float(value) if value is not None and math.isfinite(float(value)) else None
 
 
 def _loss_from_history(history: Sequence[Mapping[str, Any]]) -> tuple[float | None, str | None]:

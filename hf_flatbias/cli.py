@@ -23,8 +23,17 @@ USAGE_ERROR = 2  # argparse's exit status for bad arguments; bad files and value
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT (128 + 2)
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse's errors (a missing argument, a flag of the wrong form) in one line with exit code 2, as
+    `run_reporting_errors` reports a bad value, instead of after the command's usage text (35 lines for trace), which
+    buries the one line that says what is wrong. The sub-commands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-flatbias", description="Flatness tools for Hugging Face models.")
+    parser = OneLineErrorParser(prog="hf-flatbias", description="Flatness tools for Hugging Face models.")
     parser.add_argument(
         "--debug",
         action="store_true",

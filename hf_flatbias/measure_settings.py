@@ -6,6 +6,7 @@ Kept free of torch and transformers, as the table is: the command line builds it
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -40,20 +41,47 @@ BOUNDED_COUNTS = {
 """The counts whose size is the cost of the measurement, with their largest sane value and a hint."""
 
 
+# The flags' parsers raise ArgumentTypeError: argparse shows its message after the flag's name, where a ValueError
+# would show the function's own (private) name instead ("invalid _floats value").
+
+
+def _parsed(text: str, parse: Callable[[str], Any], form: str) -> Any:
+    try:
+        return parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {form} (got {text!r})") from None
+
+
 def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(part) for part in str(text).split(",") if part.strip())
+    return _parsed(
+        text,
+        lambda text: tuple(float(part) for part in str(text).split(",") if part.strip()),
+        "comma-separated numbers such as 0.01,0.05",
+    )
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in str(text).split(",") if part.strip())
+    return _parsed(
+        text,
+        lambda text: tuple(int(part) for part in str(text).split(",") if part.strip()),
+        "comma-separated whole numbers such as 8,4",
+    )
+
+
+def _int(text: str) -> int:
+    return _parsed(text, int, "a whole number")
+
+
+def _float(text: str) -> float:
+    return _parsed(text, float, "a number")
 
 
 def _optional_int(text: str) -> int | None:
-    return None if str(text).lower() in ("", "none") else int(text)
+    return None if str(text).lower() in ("", "none") else _parsed(text, int, "a whole number or none")
 
 
 def _optional_float(text: str) -> float | None:
-    return None if str(text).lower() in ("", "none") else float(text)
+    return None if str(text).lower() in ("", "none") else _parsed(text, float, "a number or none")
 
 
 def _optional_text(text: str) -> str | None:
@@ -76,7 +104,7 @@ class MeasureSettings:
         str,
         SPECTRUM_MATRICES,
     )
-    top_k: int = _setting(1, "How many of the largest eigenvalues top_eigenvalue finds (default: 1).", int)
+    top_k: int = _setting(1, "How many of the largest eigenvalues top_eigenvalue finds (default: 1).", _int)
     eigenvalue_product: str = _setting(
         "auto",
         "How top_eigenvalue forms its matrix-vector products: exact (double backward, whole parameters on one "
@@ -93,9 +121,9 @@ class MeasureSettings:
         "relative error against the exact product; benchmarks/finite_difference_step.py).",
         _optional_float,
     )
-    sam_rho: float = _setting(DEFAULT_SAM_RHO, "Radius of sam_sharpness (default: 0.05).", float)
+    sam_rho: float = _setting(DEFAULT_SAM_RHO, "Radius of sam_sharpness (default: 0.05).", _float)
     sam_batch_size: int | None = _setting(
-        None, "Contexts per ascent step of sam_sharpness, as the training batch (default: --batch-size).", int
+        None, "Contexts per ascent step of sam_sharpness, as the training batch (default: --batch-size).", _int
     )
     noise_sigmas: tuple[float, ...] = _setting(
         (0.01,),
@@ -105,7 +133,7 @@ class MeasureSettings:
     noise_scale: str = _setting(
         "rms", "weight_noise: rms (sigma times each tensor's RMS; default) or absolute noise.", str, NOISE_SCALES
     )
-    noise_draws: int = _setting(8, "Antithetic noise pairs per sigma of weight_noise (default: 8).", int)
+    noise_draws: int = _setting(8, "Antithetic noise pairs per sigma of weight_noise (default: 8).", _int)
     quantization_bits: tuple[int, ...] = _setting(
         (8, 4),
         "Comma-separated bit widths of quantization (default: 8,4); the card's value is the last one's.",
@@ -115,7 +143,7 @@ class MeasureSettings:
         None, "Input entries per scale of quantization; none (default): one scale per output channel.", _optional_int
     )
     critical_rtol: float = _setting(
-        1e-3, "Relative precision of critical_sharpness's line search (default: 1e-3).", float
+        1e-3, "Relative precision of critical_sharpness's line search (default: 1e-3).", _float
     )
     critical_direction: str = _setting(
         "optimizer",
@@ -127,7 +155,7 @@ class MeasureSettings:
         CRITICAL_DIRECTIONS,
     )
     critical_batch_size: int | None = _setting(
-        None, "Contexts per line search of critical_sharpness (default: --batch-size); the error is over them.", int
+        None, "Contexts per line search of critical_sharpness (default: --batch-size); the error is over them.", _int
     )
     critical_max_grad_norm: float | None = _setting(
         None,
@@ -147,19 +175,19 @@ class MeasureSettings:
     forgetting_label_column: str = _setting(
         "label", "The class column of --forgetting-task's rows (default: label; task_a... for synthetic data).", str
     )
-    forgetting_steps: int = _setting(50, "Optimizer steps of forgetting's fine-tuning (default: 50).", int)
+    forgetting_steps: int = _setting(50, "Optimizer steps of forgetting's fine-tuning (default: 50).", _int)
     forgetting_learning_rate: float = _setting(
-        2e-5, "Learning rate of forgetting's fine-tuning, constant (default: 2e-5, BERT's GLUE rate).", float
+        2e-5, "Learning rate of forgetting's fine-tuning, constant (default: 2e-5, BERT's GLUE rate).", _float
     )
-    forgetting_batch_size: int = _setting(8, "Task rows per step of forgetting's fine-tuning (default: 8).", int)
+    forgetting_batch_size: int = _setting(8, "Task rows per step of forgetting's fine-tuning (default: 8).", _int)
     forgetting_optimizer: str = _setting(
         "adamw", "Optimizer of forgetting's fine-tuning: adamw (default) or sgd.", str, FORGETTING_OPTIMIZERS
     )
     forgetting_train_rows: int = _setting(
-        1000, "Task rows fine-tuned on, the same ones drawn by --seed for every checkpoint (default: 1000).", int
+        1000, "Task rows fine-tuned on, the same ones drawn by --seed for every checkpoint (default: 1000).", _int
     )
     forgetting_eval_rows: int = _setting(
-        500, "Rows of the task's validation split the accuracy is measured on (default: 500).", int
+        500, "Rows of the task's validation split the accuracy is measured on (default: 500).", _int
     )
     forgetting_trace_draws: int | None = _setting(
         None,

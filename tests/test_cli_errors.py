@@ -163,3 +163,32 @@ def test_card_json_into_a_closed_pipe(tmp_path):
         f"from hf_flatbias.cli import main; raise SystemExit(main(['card', {str(tmp_path)!r}, '--json']))"
     )
     assert (completed.returncode, completed.stderr) == (1, "")
+
+
+@pytest.mark.parametrize(
+    "flag,value,expected",
+    [
+        ("--noise-sigmas", "abc", "argument --noise-sigmas: expected comma-separated numbers such as 0.01,0.05"),
+        ("--quantization-bits", "4.5", "argument --quantization-bits: expected comma-separated whole numbers such as "),
+        ("--quantization-group-size", "x", "argument --quantization-group-size: expected a whole number or none"),
+        ("--eigenvalue-fd-step", "x", "argument --eigenvalue-fd-step: expected a number or none"),
+        ("--noise-draws", "2.5", "argument --noise-draws: expected a whole number"),
+        ("--n-draws", "abc", "argument --n-draws: invalid int value: 'abc'"),
+    ],
+)
+def test_a_flag_of_the_wrong_form_is_one_line_naming_the_form(flag, value, expected, capsys):
+    """Issue 58, item 8: before, argparse named the private type function (``invalid _floats value: 'abc'``) after
+    the command's 35-line usage."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["trace", "user/model", "--data", "data.jsonl", flag, value])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"hf-flatbias trace: error: {expected}") and "usage" not in err, err
+    assert "--help" in err
+
+
+def test_a_missing_command_is_one_line_naming_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.main([])
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "hf-flatbias --help" in err, err

@@ -78,9 +78,10 @@ def checkpoint_to_resume(resume_from_checkpoint: str | bool, output_dir: str, mo
 
         last = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
         if last is None:
+            # transformers' own words first: code that matches Trainer's message matches this one
             raise ValueError(
-                f"resume_from_checkpoint=True but {output_dir} holds no checkpoint-* folder; start without resuming "
-                "or pass the checkpoint's path."
+                f"No valid checkpoint found in output directory ({output_dir}): resume_from_checkpoint=True but it "
+                "holds no checkpoint-* folder; start without resuming or pass the checkpoint's path."
             )
         resume_from_checkpoint = last
     check_resumable(resume_from_checkpoint, model_config)
@@ -105,7 +106,8 @@ def check_resumable(checkpoint: str | Path, model_config: Any | None = None) -> 
             if earlier is not None
             else "no earlier intact checkpoint exists; start without resume_from_checkpoint in a new output_dir"
         )
-    raise CheckpointError(f"Cannot resume from {folder}: {problem}. Nothing was changed; {fix}.")
+    # a folder that fails the checks is what Trainer calls one without weights: its words first, then which file
+    raise CheckpointError(f"Can't find a valid checkpoint at {checkpoint}: {problem}. Nothing was changed; {fix}.")
 
 
 def newest_intact_checkpoint(

@@ -69,3 +69,23 @@ def test_resume_true_without_a_checkpoint_says_so(tmp_path):
     args = flatbias_config(tmp_path / "empty")
     with pytest.raises(ValueError, match="holds no checkpoint"):
         resume(args)
+
+
+@pytest.mark.parametrize("missing", [True, "no-such-checkpoint"])
+def test_a_missing_checkpoint_is_refused_in_transformers_words_then_the_hint(tmp_path, missing):
+    """Issue 58, item 9: code that matches Trainer's message ("Can't find a valid checkpoint at ...", "No valid
+    checkpoint found in output directory ...") must match FlatBiasTrainer's; the hint comes after those words."""
+    from transformers import Trainer, TrainingArguments
+
+    resume_from = str(tmp_path / missing) if isinstance(missing, str) else missing
+    plain_args = TrainingArguments(tmp_path / "plain", report_to=[], use_cpu=True, max_steps=1)
+    plain = Trainer(model=tiny_classifier(), args=plain_args, train_dataset=classification_rows())
+    with pytest.raises(ValueError) as theirs:
+        plain.train(resume_from_checkpoint=resume_from)
+    args = flatbias_config(tmp_path / "plain")
+    trainer = FlatBiasTrainer(model=tiny_classifier(), args=args, train_dataset=classification_rows())
+    with pytest.raises(ValueError) as ours:
+        trainer.train(resume_from_checkpoint=resume_from)
+    assert str(ours.value).startswith(str(theirs.value)), (str(ours.value), str(theirs.value))
+    hint = "start without resuming" if missing is True else "is not a folder"
+    assert hint in str(ours.value) and "\n" not in str(ours.value)

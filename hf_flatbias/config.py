@@ -8,14 +8,15 @@ from dataclasses import dataclass, field, fields
 
 from transformers import TrainingArguments
 
-from .constants import (
-    DEFAULT_SAM_RHO,
-    FLATNESS_METHOD_HYPERPARAMETERS,
+from .constants import DEFAULT_SAM_RHO
+from .sharpness.methods.table import (
+    FLATNESS_METHOD_HYPERPARAMETERS,  # noqa: F401 - read from here by older callers
     FLATNESS_METHODS,
-    PENALTY_METHODS,
-    SAM_METHODS,
+    METHOD_TABLE,
+    SAM_METHODS,  # noqa: F401 - read from here by older callers
     SAM_STEP_OPTION_NAMES,
-    SAM_STEP_OPTIONS,
+    TORCH_COMPILE_REFUSALS,  # noqa: F401 - read from here by older callers
+    method_spec,
 )
 from .utils import quiet_deepspeed_without_accelerator
 
@@ -40,17 +41,11 @@ class FlatnessArguments:
     flatness_method: str = field(
         default="none",
         metadata={
-            "help": "How training seeks flat minima. 'none': the plain Trainer step; 'sam': sharpness-aware "
-            "minimization (Foret et al., 2021), the gradient taken at w + rho * g / ||g||; 'asam': adaptive SAM "
-            "(Kwon et al., 2021), the neighbourhood scaled elementwise by |w| + asam_eta for every trainable "
-            "parameter, biases and LayerNorms included (the official ASAM code scales only weights; asam_eta=0 "
-            "reproduces davda54/sam's adaptive mode); 'functional_sam': Functional-SAM (Singh et al., ICML 2025), "
-            "SAM's perturbation but the update is the backward of <F(w + e), dL/dF at w> with F the logits, which "
-            "keeps the Jacobian's change and drops the logit path of SAM's gradient; 'looksam': LookSAM "
-            "(Liu et al., CVPR 2022), a SAM update every sam_every_k updates and one-pass updates in between that "
-            "reuse the stored SAM direction; 'fisher_penalty': adds penalty_lambda x the sampled-label Fisher trace "
-            "of the micro-batch to the loss; 'grad_norm_penalty': adds penalty_lambda x ||grad L|| (Zhao et al., "
-            "ICML 2022). Every method but 'none' costs two forward/backward passes per step (see sam_every_k).",
+            "help": "How training seeks flat minima. "
+            + "; ".join(f"'{name}': {spec.help}" for name, spec in METHOD_TABLE.items())
+            + ". "
+            + " and ".join(f"'{name}'" for name, spec in METHOD_TABLE.items() if spec.passes_per_step == 1)
+            + " take one forward/backward pass per step, the other methods two (see sam_every_k).",
             "choices": list(FLATNESS_METHODS),
         },
     )
@@ -215,10 +210,7 @@ class FlatnessArguments:
         return _NUMERIC_FIELDS
 
     def _validate_flatness_arguments(self) -> None:
-        if self.flatness_method not in FLATNESS_METHODS:
-            raise ValueError(
-                f"flatness_method={self.flatness_method!r} is not supported; choose one of {list(FLATNESS_METHODS)}."
-            )
+        method_spec(self.flatness_method)  # an unknown name is refused with the choices
         if not _is_number(self.sam_rho) or not math.isfinite(self.sam_rho) or self.sam_rho <= 0:
             raise ValueError(f"sam_rho must be a finite number > 0 (got {self.sam_rho!r}); the SAM paper uses 0.05.")
         if not _is_number(self.asam_eta) or not math.isfinite(self.asam_eta) or self.asam_eta < 0:
@@ -241,9 +233,10 @@ class FlatnessArguments:
             raise ValueError(
                 f"sam_every_k must be an integer >= 1 (got {self.sam_every_k!r}); 1 runs SAM on every update."
             )
-        if self.sam_every_k > 1 and self.flatness_method not in SAM_METHODS:
+        if self.sam_every_k > 1 and "sam_every_k" not in METHOD_TABLE[self.flatness_method].options:
+            readers = [name for name, spec in METHOD_TABLE.items() if "sam_every_k" in spec.options]
             raise ValueError(
-                f"sam_every_k={self.sam_every_k} only applies to flatness_method in {list(SAM_METHODS)}, not "
+                f"sam_every_k={self.sam_every_k} only applies to flatness_method in {readers}, not "
                 f"{self.flatness_method!r}; leave sam_every_k=1."
             )
         if not _is_number(self.looksam_alpha) or not math.isfinite(self.looksam_alpha):
@@ -254,10 +247,11 @@ class FlatnessArguments:
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0 (got {value!r}); the default is 0.01.")
-        if self.flatness_method in (*PENALTY_METHODS, "looksam") and self.sam_scope != "micro_batch":
+        if self.sam_scope != "micro_batch" and not METHOD_TABLE[self.flatness_method].batch_scope:
+            batch_scoped = [name for name, spec in METHOD_TABLE.items() if spec.batch_scope and name != "none"]
             raise ValueError(
                 f"flatness_method={self.flatness_method!r} works per micro-batch; set sam_scope='micro_batch' "
-                "(sam_scope='batch' is implemented for 'sam' and 'asam' only)."
+                f"(sam_scope='batch' is implemented for {', '.join(map(repr, batch_scoped))} only)."
             )
 
     def _validate_sam_step_options(self) -> None:
@@ -292,17 +286,20 @@ class FlatnessArguments:
             raise ValueError(
                 f"sam_parameters must be 'all', 'output_layer' or name patterns (got {self.sam_parameters!r})."
             )
-        reads = SAM_STEP_OPTIONS.get(self.flatness_method, ())
+        reads = METHOD_TABLE[self.flatness_method].step_options
         for name in self.sam_step_option_names:
             default = self.__dataclass_fields__[name].default
             if name not in reads and getattr(self, name) != default:
-                users = [method for method, options in SAM_STEP_OPTIONS.items() if name in options]
+                users = [method for method, spec in METHOD_TABLE.items() if name in spec.step_options]
                 raise ValueError(
                     f"{name}={getattr(self, name)!r} applies to flatness_method in {users}, not "
                     f"{self.flatness_method!r}; leave {name} at its default {default!r}."
                 )
+        optim = str(getattr(self.optim, "value", self.optim))
+        refusal = METHOD_TABLE[self.flatness_method].refusal_of_optim(optim)
+        if refusal is not None:
+            raise ValueError(refusal)
         if self.sam_preconditioner != "none":
-            optim = str(getattr(self.optim, "value", self.optim))
             if optim not in ADAM_OPTIMIZERS:
                 raise ValueError(
                     f"sam_preconditioner={self.sam_preconditioner!r} reads Adam's second moment from the optimizer "
@@ -315,7 +312,7 @@ class FlatnessArguments:
         # sam_start_step past the last update (global steps 0 .. max_steps - 1) trains without a single SAM step,
         # silently. With max_steps = -1 the number of updates comes from the data, which a config does not know.
         # The window [sam_start_step, sam_end_step) can also hold no multiple of sam_every_k.
-        if "sam_start_step" not in SAM_STEP_OPTIONS.get(self.flatness_method, ()):
+        if "sam_start_step" not in METHOD_TABLE[self.flatness_method].step_options:
             return
         max_steps = getattr(self, "max_steps", -1)
         if isinstance(max_steps, int) and 0 < max_steps <= self.sam_start_step:
@@ -337,19 +334,17 @@ class FlatnessArguments:
 
     def _warn_about_unread_hyperparameters(self) -> None:
         # penalty_lambda=0.1 with flatness_method="sam" is almost always a forgotten method, not a wish
-        read = FLATNESS_METHOD_HYPERPARAMETERS[self.flatness_method]
+        read = METHOD_TABLE[self.flatness_method].options
         unread = sorted(
             {
                 name
-                for names in FLATNESS_METHOD_HYPERPARAMETERS.values()
-                for name in names
+                for spec in METHOD_TABLE.values()
+                for name in spec.options
                 if name not in read and getattr(self, name) != self.__dataclass_fields__[name].default
             }
         )
         if unread:
-            readers = {
-                name: [m for m, names in FLATNESS_METHOD_HYPERPARAMETERS.items() if name in names] for name in unread
-            }
+            readers = {name: [m for m, spec in METHOD_TABLE.items() if name in spec.options] for name in unread}
             given = ", ".join(f"{name}={getattr(self, name)!r} (read by {', '.join(readers[name])})" for name in unread)
             warnings.warn(
                 f"flatness_method={self.flatness_method!r} ignores {given}: set the method that reads them, or leave "
@@ -366,30 +361,18 @@ class FlatnessArguments:
 
     @property
     def uses_sam(self) -> bool:
-        return self.flatness_method in SAM_METHODS
+        return METHOD_TABLE[self.flatness_method].family == "sam"
 
     @property
     def uses_penalty(self) -> bool:
-        return self.flatness_method in PENALTY_METHODS
-
-
-#: Flatness methods refused with ``torch_compile``, each with its reason (the others are tested equal to eager).
-TORCH_COMPILE_REFUSALS = {
-    "functional_sam": "its first pass takes dL/dF, the loss's gradient with respect to the logits, but a compiled "
-    "forward returns the loss and the logits as separate outputs of one graph, so the loss does not depend on the "
-    "logits tensor it returns",
-}
+        return METHOD_TABLE[self.flatness_method].family == "penalty"
 
 
 def check_torch_compile_supports(flatness_method: str, torch_compile: bool) -> None:
     """Raise a one-line ``ValueError`` when ``flatness_method`` cannot run with ``torch_compile`` (before training)."""
-    reason = TORCH_COMPILE_REFUSALS.get(flatness_method) if torch_compile else None
+    reason = method_spec(flatness_method).refusal("torch_compile") if torch_compile else None
     if reason is not None:
-        raise ValueError(
-            f"flatness_method={flatness_method!r} is not supported with torch_compile=True: {reason}. Set "
-            "torch_compile=False (and no torch_compile_backend/mode), or use 'sam', whose steps are tested equal to "
-            "eager under compile."
-        )
+        raise ValueError(reason)
 
 
 def _is_number(value) -> bool:

@@ -1,45 +1,15 @@
 """Names every part of hf_flatbias shares: one definition each."""
 
-# The flatness methods by name, here rather than beside their classes (hf_flatbias.sharpness.methods) so that reading
-# a model card needs neither torch nor transformers; a test checks that both tables name the same methods.
-# Each method's entry lists the fields it reads: a model card records these and no others (no sam_rho on a penalty
-# run).
-FLATNESS_METHOD_HYPERPARAMETERS: dict[str, tuple[str, ...]] = {
-    "none": (),
-    "sam": ("sam_rho", "sam_every_k"),
-    "asam": ("sam_rho", "asam_eta", "sam_every_k"),
-    "functional_sam": ("sam_rho", "sam_every_k"),
-    "looksam": ("sam_rho", "sam_every_k", "looksam_alpha"),
-    "fisher_penalty": ("penalty_lambda", "penalty_fd_step"),
-    "grad_norm_penalty": ("penalty_lambda", "penalty_fd_step"),
-}
-FLATNESS_METHODS = tuple(FLATNESS_METHOD_HYPERPARAMETERS)
-SAM_METHODS = ("sam", "asam", "functional_sam", "looksam")
-PENALTY_METHODS = ("fisher_penalty", "grad_norm_penalty")
-# The options of the SAM step itself (the perturbation's geometry, rows, parameters, window and radius schedule) and
-# the methods that read them; the card records them with the training settings of a run whose method reads them.
-# A config carries those its trainer reads (`FlatnessArguments.sam_step_option_names`): sam_kept_softmax_mib, the
-# budget of DPO's head for the rows it keeps, is FlatBiasDPOConfig's only, so only a DPO run's card records it.
-SAM_STEP_OPTION_NAMES = (
-    "sam_preconditioner",
-    "sam_ascent_fraction",
-    "sam_parameters",
-    "sam_kept_softmax_mib",
-    "sam_start_step",
-    "sam_end_step",
-    "sam_rho_schedule",
-    "sam_rho_warmup_steps",
+# The flatness methods (names, options, what each supports, classes) are one table:
+# `hf_flatbias.sharpness.methods.table.METHOD_TABLE`, torch-free like this module. These names are read from it.
+from .sharpness.methods.table import (
+    FLATNESS_METHOD_HYPERPARAMETERS as FLATNESS_METHOD_HYPERPARAMETERS,
 )
-SAM_STEP_OPTIONS: dict[str, tuple[str, ...]] = {
-    "sam": SAM_STEP_OPTION_NAMES,
-    # ASAM's |w| scaling is its own geometry: no second preconditioner on top of it
-    "asam": tuple(name for name in SAM_STEP_OPTION_NAMES if name != "sam_preconditioner"),
-    # Functional-SAM needs dL/dF at w on every row, so its first pass cannot be cut to a share of them, and its second
-    # pass differentiates a surrogate, not the head's log-probabilities
-    "functional_sam": tuple(
-        name for name in SAM_STEP_OPTION_NAMES if name not in ("sam_ascent_fraction", "sam_kept_softmax_mib")
-    ),
-}
+from .sharpness.methods.table import FLATNESS_METHODS as FLATNESS_METHODS
+from .sharpness.methods.table import PENALTY_METHODS as PENALTY_METHODS
+from .sharpness.methods.table import SAM_METHODS as SAM_METHODS
+from .sharpness.methods.table import SAM_STEP_OPTION_NAMES as SAM_STEP_OPTION_NAMES
+from .sharpness.methods.table import SAM_STEP_OPTIONS as SAM_STEP_OPTIONS
 
 IGNORE_INDEX = -100
 """The label of positions that are not predicted (the default ``ignore_index`` of PyTorch's cross-entropy)."""

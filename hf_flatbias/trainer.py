@@ -53,7 +53,8 @@ from .sharpness.engines import (
     sync_gradients_every_backward,
 )
 from .sharpness.functional_sam import FunctionOutputs, Logits
-from .sharpness.methods import FLATNESS_METHOD_CLASSES, FlatnessMethod
+from .sharpness.methods import FlatnessMethod
+from .sharpness.methods.table import check_method_supports, method_spec
 from .sharpness.sam_options import check_preconditioner_supports_optimizer, scheduled_rho
 from .sharpness.step_log import PERTURBED_LOSS, FlatnessLog
 from .sharpness.support import (
@@ -106,8 +107,10 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
         self._flatness_card_metadata: dict[str, Any] = {}
         if self.accelerator.distributed_type == DistributedType.FSDP:
             check_fsdp_supports_method(self.args, fsdp_version=self.accelerator.state.fsdp_plugin.fsdp_version)
+        if _has_peft_adapters(self.model):
+            check_method_supports(self.args.flatness_method, "adapters")
         #: The configured method, with the state it keeps between updates.
-        self.flatness_method: FlatnessMethod = FLATNESS_METHOD_CLASSES[self.args.flatness_method](self)
+        self.flatness_method: FlatnessMethod = method_spec(self.args.flatness_method).load_class()(self)
         for callback in self.callback_handler.callbacks:
             self._bind_callback(callback)
 
@@ -452,6 +455,10 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
         super()._push_from_checkpoint(checkpoint_folder)
         if rank_zero:
             report_failed_checkpoint_pushes(self.push_in_progress, checkpoint_folder)
+
+
+def _has_peft_adapters(model: nn.Module | None) -> bool:
+    return model is not None and unwrap_peft_model(model) is not model
 
 
 class FlatBiasTrainer(FlatnessTrainerMixin, Trainer):

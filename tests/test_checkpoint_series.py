@@ -201,3 +201,131 @@ def test_cards_are_read_at_a_revision(hub, capsys):
     assert table[2].startswith(f"| {REPO}@step20 | 2.5 | 20 ± 4.5 |")
     assert table[3].startswith(f"| {REPO}@step100 | 2.5 | 100 ± 4.5 |")
     assert table[4].startswith(f"| {REPO} | 2.5 | 300 ± 4.5 |")
+
+
+# ---------------------------------------------------------------- issue 58: nothing written is lost, offline series
+
+
+def _measure_must_not_run(monkeypatch):
+    monkeypatch.setattr(trace_command, "measure", lambda args: pytest.fail(f"measured {args.revision}"))
+
+
+def test_an_output_of_foreign_lines_is_refused_and_kept(checkpoints, tmp_path, monkeypatch, capsys):
+    data = checkpoints[1]
+    _measure_must_not_run(monkeypatch)
+    for content in ('{"note": "mine"}\n{"note": "also mine"}\n', "plain words\n", '[1, 2]\n{"revision": "x"}\n'):
+        notes = tmp_path / "notes.jsonl"
+        notes.write_text(content)
+        assert main(_trace_args(data, notes, "--revisions", "step20")) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and "not hf-flatbias series rows" in error and "another --output" in error
+        assert notes.read_text() == content
+
+
+def test_only_a_half_written_last_row_of_a_series_is_dropped(tmp_path, capsys):
+    row = {"revision": "step20", "commit": "a" * 40, "model": REPO, "settings": {}, "order": 0, "step": 20}
+    series = tmp_path / "series.jsonl"
+    series.write_text(json.dumps(row) + "\n" + json.dumps({**row, "revision": "step100"})[:30])
+    assert read_rows(series) == [row]
+    assert "series.jsonl:2" in capsys.readouterr().err
+    series.write_text(json.dumps(row)[:30] + "\n" + json.dumps(row) + "\n")  # cut in the middle: not a series
+    with pytest.raises(ValueError, match="not hf-flatbias series rows"):
+        read_rows(series)
+
+
+def _populate_cache(revisions):
+    from huggingface_hub import snapshot_download
+
+    return {revision: snapshot_download(REPO, revision=revision) for revision in revisions}
+
+
+def _go_offline(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def test_a_series_runs_offline_from_the_cache(hub, checkpoints, tmp_path, monkeypatch, capsys):
+    folders, data, tokenizer, lines = checkpoints
+    commits = {name: ref.target_commit for ref in HfApi().list_repo_refs(REPO).branches for name in [ref.name]}
+    _populate_cache(["step20", "step100"])
+    _go_offline(monkeypatch)
+    output = tmp_path / "offline.jsonl"
+    assert main(_trace_args(data, output, "--revisions", "step20,step100")) == 0, capsys.readouterr().err
+    rows = read_rows(output)
+    assert [(row["revision"], row["commit"]) for row in rows] == [
+        ("step20", commits["step20"]), ("step100", commits["step100"])
+    ]  # fmt: skip
+    assert rows[1]["estimate"]["mean"] == pytest.approx(_library_trace(folders[1], tokenizer, lines), rel=1e-6)
+
+    # a pattern offline matches the refs the cache holds, and says so
+    assert main(_trace_args(data, output, "--revisions", "step*")) == 0
+    printed = capsys.readouterr()
+    assert "skipped: step20, step100" in printed.out and "local cache" in printed.err
+
+    # a revision the cache does not hold is refused before anything is measured
+    _measure_must_not_run(monkeypatch)
+    assert main(_trace_args(data, tmp_path / "other.jsonl", "--revisions", "step20,step300")) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "step300" in error and "HF_HUB_OFFLINE" in error
+
+
+def test_an_unreachable_hub_is_one_line_naming_the_fix(checkpoints, tmp_path, monkeypatch, capsys):
+    import socket
+
+    from huggingface_hub import constants
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    with HubServer() as server:
+        point_hub_client_at(server.url, monkeypatch, str(tmp_path / "hf_home"))
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    _measure_must_not_run(monkeypatch)
+    for revisions in ("step*", "step20,step100"):
+        assert main(_trace_args(checkpoints[1], tmp_path / "s.jsonl", "--revisions", revisions)) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1, error
+        assert "could not be reached" in error and "HF_HUB_OFFLINE=1" in error and "HF_ENDPOINT" in error
+
+
+def test_a_missing_revision_is_refused_before_any_is_measured(hub, checkpoints, tmp_path, monkeypatch, capsys):
+    _measure_must_not_run(monkeypatch)
+    output = tmp_path / "s.jsonl"
+    assert main(_trace_args(checkpoints[1], output, "--revisions", "step20,step2000")) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "step2000" in error and "--revisions" in error
+    assert not output.exists()
+
+
+def test_a_branch_that_moved_is_measured_again(hub, checkpoints, tmp_path, capsys):
+    folders, data, tokenizer, lines = checkpoints
+    output = tmp_path / "s.jsonl"
+    assert main(_trace_args(data, output, "--revisions", "step20")) == 0
+    before = read_rows(output)
+    moved = HfApi().upload_folder(repo_id=REPO, folder_path=folders[2], revision="step20", commit_message="moved")
+    capsys.readouterr()
+    assert main(_trace_args(data, output, "--revisions", "step20")) == 0
+    printed = capsys.readouterr().out
+    assert "step20 now points at" in printed and "measured again" in printed
+    rows = read_rows(output)
+    assert rows[0] == before[0]  # the earlier commit's row is kept
+    assert rows[1]["revision"] == "step20" and rows[1]["commit"] == moved.oid
+    assert rows[1]["estimate"]["mean"] == pytest.approx(_library_trace(folders[2], tokenizer, lines), rel=1e-6)
+
+
+def test_trace_reads_repo_at_revision_as_card_and_compare_do(hub, checkpoints, tmp_path, capsys):
+    folders, data, tokenizer, lines = checkpoints
+    output = tmp_path / "one.json"
+    at_revision = [f"{REPO}@v1" if item == REPO else item for item in _trace_args(data, output)]
+    assert main(at_revision) == 0
+    written = json.loads(output.read_text())
+    assert written["model"] == REPO and written["revision"] == "v1"
+    assert f"Tr(F) of {REPO}@v1: " in capsys.readouterr().out
+    assert written["estimate"]["mean"] == pytest.approx(_library_trace(folders[1], tokenizer, lines), rel=1e-6)
+    assert main([*at_revision, "--revision", "step20"]) == 2
+    assert "two revisions" in capsys.readouterr().err
+    series = [f"{REPO}@v1" if item == REPO else item for item in _trace_args(data, tmp_path / "s.jsonl")]
+    assert main([*series, "--revisions", "step20"]) == 2
+    assert "--revisions" in capsys.readouterr().err

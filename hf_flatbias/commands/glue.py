@@ -13,7 +13,7 @@ from ..glue.tasks import (
     FROZEN_ENCODER_LEARNING_RATE,
     FULL_FINETUNE_LEARNING_RATE,
 )
-from .paths import check_local_checkpoint, existing_local_path, local_path_or_hub_id
+from .paths import check_local_checkpoint, check_outputs_spare_inputs, existing_local_path, local_path_or_hub_id
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -69,6 +69,11 @@ def run(args: argparse.Namespace) -> int:
     data_dir = None if args.data_dir is None else existing_local_path(args.data_dir, "--data-dir")
     tokenizer = None if args.tokenizer is None else local_path_or_hub_id(args.tokenizer, "--tokenizer")
     check_local_checkpoint(model, "MODEL")
+    check_outputs_spare_inputs(
+        {"--output-dir": args.output_dir},
+        {"MODEL": model, "--data-dir": data_dir, "--tokenizer": tokenizer},
+        folders=True,
+    )
     from ..glue.data import glue_data_source
 
     glue_data_source(args.task, data_dir=data_dir)  # an unknown task, no data offline, empty files: before transformers

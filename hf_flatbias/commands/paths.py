@@ -137,3 +137,56 @@ def check_plot_file(path: str | None) -> None:
     """``--plot FILE``: refuse an ending matplotlib would not write as a figure, before anything is measured."""
     if path and Path(path).suffix.lower() not in PLOT_SUFFIXES:
         raise ValueError(f"--plot {path}: use a file ending in one of {list(PLOT_SUFFIXES)}.")
+
+
+def check_outputs_spare_inputs(
+    outputs: dict[str, str | None], inputs: dict[str, str | None], *, folders: bool = False
+) -> None:
+    """Refuse, before anything is read or measured, an output that would write over an input: the same file (also
+    through a link or another spelling), a file inside an input folder (a checkpoint's own files), two outputs on
+    one file, and with ``folders`` (outputs that are folders of runs) an input inside the output folder, where a run
+    may write its checkpoints. ``outputs`` and ``inputs`` map each flag to its value; ``None`` and inputs that are
+    not local paths (Hub ids) are skipped.
+
+    Raises:
+        ValueError: one line naming both flags and the fix.
+    """
+    written = {flag: Path(value).expanduser() for flag, value in outputs.items() if value is not None}
+    read = {
+        flag: Path(value).expanduser()
+        for flag, value in inputs.items()
+        if value is not None and Path(value).expanduser().exists()
+    }
+    for flag, output in written.items():
+        for input_flag, source in read.items():
+            if _same_path(output, source):
+                raise ValueError(
+                    f"{flag} {output} is {input_flag} {source}: writing it would replace what {input_flag} reads; "
+                    f"pass another {flag}."
+                )
+            if source.is_dir() and _inside(output, source):
+                raise ValueError(
+                    f"{flag} {output} lies inside {input_flag}'s folder {source}, which is read: pass another {flag} "
+                    "outside it, so no file of it is replaced."
+                )
+            if folders and _inside(source, output):
+                raise ValueError(
+                    f"{flag} {output} holds {input_flag} {source}, and the runs write their checkpoints there: pass "
+                    f"another {flag} outside it."
+                )
+    flags = list(written)
+    for index, flag in enumerate(flags):
+        for other in flags[index + 1 :]:
+            if _same_path(written[flag], written[other]):
+                raise ValueError(f"{flag} and {other} name one file, {written[flag]}: pass another {other}.")
+
+
+def _same_path(first: Path, second: Path) -> bool:
+    # samefile sees hard links too; resolve() covers a path that does not exist yet
+    if first.exists() and second.exists():
+        return os.path.samefile(first, second)
+    return first.resolve() == second.resolve()
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path.resolve().is_relative_to(folder.resolve()) and not _same_path(path, folder)

@@ -18,7 +18,13 @@ from ..constants import (
 )
 from ..corpus import DATA_FILE_BUILDERS
 from ..text_data import check_data_file
-from .paths import check_local_checkpoint, check_output_file, check_plot_file, local_path_or_hub_id
+from .paths import (
+    check_local_checkpoint,
+    check_output_file,
+    check_outputs_spare_inputs,
+    check_plot_file,
+    local_path_or_hub_id,
+)
 from .trace_inputs import (
     check_request_size,
     checked_device,
@@ -39,7 +45,7 @@ from .trace_measures import (
     measure_lines,
     measures_beyond_trace,
 )
-from .trace_series import add_series_arguments, hub_revision, model_label, run_series
+from .trace_series import add_series_arguments, hub_revision, model_label, run_series, split_model_revision
 
 GROUPED_ESTIMATORS = ("per_sample", "naive")
 """The estimators that split the trace by parameter group (per-context ones)."""
@@ -135,8 +141,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    split_model_revision(args)
     if args.revisions:
-        return run_series(args, measure=measure, check_arguments=check_arguments)
+        return run_series(args, measure=measure, check_arguments=check_arguments, inputs_of=trace_inputs)
     check_arguments(args)  # before torch and transformers load (seconds) and before any data is read
     args.model = local_path_or_hub_id(args.model, "MODEL")
     args.data = local_path_or_hub_id(args.data, "--data", file_suffixes=tuple(DATA_FILE_BUILDERS))
@@ -145,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         args.tokenizer = local_path_or_hub_id(args.tokenizer, "--tokenizer")
     check_data_file(args.data, flag="--data")  # an empty file: before torch and datasets load
     check_output_file(args.output, "--output")
+    check_outputs_spare_inputs({"--output": args.output, "--plot": args.plot}, trace_inputs(args))
     if args.plot:
         check_output_file(args.plot, "--plot")
     result = measure(args)
@@ -173,6 +181,16 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"Wrote {args.plot}")
     return 0
+
+
+def trace_inputs(args: argparse.Namespace) -> dict[str, str | None]:
+    """What the command reads, by flag: no output may be written over one of them."""
+    return {
+        "MODEL": args.model,
+        "--data": args.data,
+        "--tokenizer": args.tokenizer,
+        "--forgetting-task": getattr(args, "forgetting_task", None),
+    }
 
 
 def check_arguments(args: argparse.Namespace) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import fnmatch
 import json
 import os
@@ -43,6 +44,8 @@ SERIES_SETTINGS = (
     "measures",
 )
 """The flags that decide what a row measures: rows written under other values are not mixed into one file."""
+SERIES_ROW_KEYS = ("revision", "commit", "model", "settings")
+"""Keys every row this command writes has: a line without them is not the command's, and is never rewritten."""
 
 
 def add_series_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,13 +118,85 @@ def resolve_revisions(repo_id: str, text: str, *, list_refs=None) -> list[str]:
 def _list_refs(repo_id: str):
     from huggingface_hub import HfApi
 
-    return HfApi().list_repo_refs(repo_id)
+    return _ask_hub(lambda: HfApi().list_repo_refs(repo_id), repo_id)
 
 
-def _commit_of(repo_id: str, revision: str) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class CachedRef:
+    """A branch or tag as the local Hub cache remembers it (the shape of huggingface_hub's ``GitRefInfo``)."""
+
+    name: str
+    target_commit: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedRefs:
+    """The refs of the local Hub cache, shaped as `HfApi.list_repo_refs` answers (it cannot tell tags from
+    branches, so all are branches here)."""
+
+    branches: list[CachedRef]
+    tags: tuple[CachedRef, ...] = ()
+
+
+def revision_commits(repo_id: str, text: str) -> dict[str, str]:
+    """The revisions ``--revisions`` names, in order, each with the commit it points at now: asked of the Hub, or
+    read from the local cache when the client is offline (``HF_HUB_OFFLINE``), as offline loading reads it. All are
+    resolved before anything is measured, so a missing revision or an unreachable Hub costs no measurement; and
+    each revision is then measured at its commit, so a branch that moves meanwhile cannot mislabel a row."""
+    from ..hub import cached_commit, cached_refs, hub_offline
+
+    offline = hub_offline()
+    if offline:
+        cached = cached_refs(repo_id)
+
+        def list_cached_refs(_: str) -> CachedRefs:
+            _notice(
+                f"{offline} is set: --revisions patterns match the branches and tags in the local cache "
+                f"({', '.join(cached) or 'none'}), which may be fewer than the Hub holds."
+            )
+            return CachedRefs([CachedRef(name, commit) for name, commit in cached.items()])
+
+        commits = {}
+        for revision in resolve_revisions(repo_id, text, list_refs=list_cached_refs):
+            commits[revision] = cached_commit(repo_id, revision)
+            if commits[revision] is None:
+                raise ValueError(
+                    f"{repo_id}@{revision}: {offline} is set and the local Hub cache does not hold this revision; "
+                    f"unset {offline} to download it, or drop it from --revisions."
+                )
+        return commits
+    refs = None
+
+    def list_refs_once(_: str):
+        nonlocal refs
+        if refs is None:
+            refs = _list_refs(repo_id)
+        return refs
+
+    revisions = resolve_revisions(repo_id, text, list_refs=list_refs_once)
+    refs = list_refs_once(repo_id)
+    # the Hub resolves a name that is both a branch and a tag to the branch
+    named = {ref.name: ref.target_commit for ref in [*refs.tags, *refs.branches]}
+    return {revision: named.get(revision) or _commit_of(repo_id, revision) for revision in revisions}
+
+
+def _commit_of(repo_id: str, revision: str) -> str:
     from huggingface_hub import HfApi
 
-    return HfApi().model_info(repo_id, revision=revision).sha
+    return _ask_hub(lambda: HfApi().model_info(repo_id, revision=revision).sha, repo_id, revision)
+
+
+def _ask_hub(call: Callable[[], Any], repo_id: str, revision: str | None = None) -> Any:
+    """``call()``, its Hub errors (a missing repo or revision, an unreachable server) as one-line `ValueError`."""
+    from ..hub import hub_call_error
+
+    try:
+        return call()
+    except Exception as error:
+        explained = hub_call_error(error, repo_id, revision, flag="--revisions")
+        if explained is None:
+            raise
+        raise ValueError(explained) from error
 
 
 def series_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -139,20 +214,32 @@ def series_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a series file; a line that does not parse (a file cut short by hand) is reported and dropped."""
+    """The rows of a series file. A last line cut short after rows of the series (a file copied while it was
+    written) is reported and dropped, its revision measured again; any other line that is not a series row raises
+    `ValueError` and the file is left as it is: it was named by mistake, and its lines are someone's work."""
     if not path.is_file():
         return []
+    refused = (
+        f"--output {path} holds lines that are not hf-flatbias series rows (line {{}}); pass another --output. "
+        "Nothing was written to it."
+    )
+    try:
+        lines = [(number, line) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)]
+    except UnicodeDecodeError:
+        raise ValueError(refused.format(1)) from None
+    lines = [(number, line) for number, line in lines if line.strip()]
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
+    for position, (number, line) in enumerate(lines):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
-            _notice(f"{path}:{number} is not a JSON row; it is dropped and its revision measured again.")
-            continue
-        if isinstance(row, dict) and "revision" in row:
-            rows.append(row)
+            if rows and position == len(lines) - 1:
+                _notice(f"{path}:{number} is a row cut short; it is dropped and its revision measured again.")
+                continue
+            raise ValueError(refused.format(number)) from None
+        if not isinstance(row, dict) or any(key not in row for key in SERIES_ROW_KEYS):
+            raise ValueError(refused.format(number))
+        rows.append(row)
     return rows
 
 
@@ -188,10 +275,12 @@ def run_series(
     *,
     measure: Callable[[argparse.Namespace], dict[str, Any]],
     check_arguments: Callable[[argparse.Namespace], None],
+    inputs_of: Callable[[argparse.Namespace], dict[str, str | None]],
 ) -> int:
-    """Measure each revision of ``--revisions`` in turn, one row each; see the module's docstring. ``measure`` and
-    ``check_arguments`` are the trace command's, which measures one revision."""
-    from .paths import check_output_file, check_plot_file, local_path_or_hub_id
+    """Measure each revision of ``--revisions`` in turn, one row each; see the module's docstring. ``measure``,
+    ``check_arguments`` and ``inputs_of`` (the paths it reads, by flag) are the trace command's, which measures one
+    revision."""
+    from .paths import check_output_file, check_outputs_spare_inputs, check_plot_file, local_path_or_hub_id
 
     if args.revision is not None:
         raise ValueError("--revision and --revisions: give one revision with --revision or several with --revisions.")
@@ -209,6 +298,7 @@ def run_series(
     check_output_file(str(output), "--output")
     if plot:
         check_output_file(plot, "--plot")
+    check_outputs_spare_inputs({"--output": str(output), "--plot": plot}, inputs_of(args))
     settings = series_settings(args)
     rows = read_rows(output)
     for row in rows:
@@ -217,17 +307,26 @@ def run_series(
                 f"--output {output} holds rows of {row.get('model')} measured with other settings "
                 f"({row.get('settings')}); write this series to another --output, or delete the file to start over."
             )
-    revisions = resolve_revisions(model, args.revisions)
-    done = {row["revision"] for row in rows}
-    todo = [revision for revision in revisions if revision not in done]
-    if done & set(revisions):
-        skipped = [revision for revision in revisions if revision in done]
+    commits = revision_commits(model, args.revisions)
+    revisions = list(commits)
+    done = {(row["revision"], row["commit"]) for row in rows}
+    skipped = [revision for revision in revisions if (revision, commits[revision]) in done]
+    if skipped:
         print(f"Already in {output}, skipped: {', '.join(skipped)}")
     for index, revision in enumerate(revisions):
-        if revision not in todo:
+        commit = commits[revision]
+        if (revision, commit) in done:
             continue
+        earlier = [row["commit"] for row in rows if row["revision"] == revision]
+        if earlier:
+            print(
+                f"{model}@{revision} now points at {commit}, not at {', '.join(earlier)} as when its row in {output} "
+                "was measured: measured again (the earlier row is kept).",
+                flush=True,
+            )
         single = copy.copy(args)
-        single.revision, single.revisions, single.model = revision, None, model
+        # measured at the commit resolved above, which the row records, even if the branch moves meanwhile
+        single.revision, single.revisions, single.model = commit, None, model
         result = measure(single)
         shared = {row.get("contexts_sha256") for row in rows} - {None}
         if shared and result.get("contexts_sha256") not in shared:
@@ -236,12 +335,12 @@ def run_series(
                 "differs?): a series is measured on the same contexts. Nothing was written for it."
             )
         row = {
+            **result,
             "revision": revision,
-            "commit": result.get("commit") or _commit_of(model, revision),
+            "commit": commit,
             "step": parse_step(revision),
             "order": index,
             "settings": settings,
-            **result,
         }
         rows.append(row)
         write_rows(output, rows)
@@ -252,11 +351,30 @@ def run_series(
         print(f"{model}@{revision}: {summary}", flush=True)
     print(f"Wrote {output} ({len(rows)} revisions)")
     if plot:
-        order = {revision: index for index, revision in enumerate(revisions)}
-        chosen = sorted((row for row in rows if row["revision"] in order), key=lambda row: order[row["revision"]])
+        current = {(revision, commit): index for index, (revision, commit) in enumerate(commits.items())}
+        chosen = sorted(
+            (row for row in rows if (row["revision"], row["commit"]) in current),
+            key=lambda row: current[row["revision"], row["commit"]],
+        )
         plot_series(chosen, plot, title=f"{model}: {len(chosen)} revisions")
         print(f"Wrote {plot}")
     return 0
+
+
+def split_model_revision(args: argparse.Namespace) -> None:
+    """``MODEL@REV`` of a Hub model read as ``MODEL --revision REV``, as ``card`` and ``compare`` read it; a local
+    path keeps its ``@``."""
+    from ..hub import split_revision
+    from .paths import looks_like_local_path
+
+    if "@" not in args.model or looks_like_local_path(args.model) or os.path.exists(os.path.expanduser(args.model)):
+        return
+    if getattr(args, "revisions", None):
+        repo_id = args.model.partition("@")[0]
+        raise ValueError(
+            f"{args.model} and --revisions: name the repository alone ({repo_id}) and its revisions in --revisions."
+        )
+    args.model, args.revision = split_revision(args.model, args.revision)
 
 
 def plot_series(rows: list[dict[str, Any]], path: str, *, title: str) -> None:

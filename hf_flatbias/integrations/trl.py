@@ -41,6 +41,7 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess wit
 from ..config import FlatnessArguments, _is_number
 from ..sharpness.fused_head import FusedHeadOutputs
 from ..sharpness.head_gradients import label_log_probs
+from ..sharpness.methods.table import check_method_supports, method_spec
 from ..trainer import FlatnessTrainerMixin
 
 _REFERENCE_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -192,14 +193,14 @@ class _TrlTrainerMixin:
     """What trl's SFT and DPO trainers share: metrics in ``self._metrics[mode]`` and a running
     ``_total_train_tokens``; tags (``_tag_names``) that their model cards carry."""
 
+    #: Which of the table's trl trainers (`TRL_TRAINERS`) this is.
+    _trl_trainer: str
+
     def __init__(self, model=None, args=None, **kwargs: Any):
-        if getattr(args, "activation_offloading", False) and getattr(args, "flatness_method", "none") != "none":
-            # trl enters its offloading context in its own training_step, which a flatness step does not call
-            raise ValueError(
-                f"activation_offloading=True is not supported with flatness_method={args.flatness_method!r}: its "
-                "two-pass step runs outside trl's offloading context. Set activation_offloading=False (or use "
-                "gradient_checkpointing to save activation memory)."
-            )
+        method = getattr(args, "flatness_method", "none")
+        check_method_supports(method, self._trl_trainer)
+        if getattr(args, "activation_offloading", False):
+            check_method_supports(method, "activation_offloading")
         super().__init__(model=model, args=args, **kwargs)
         # the model trl gave its fused LM head, and the forward a step's second pass runs instead of trl's
         self._fused_head_model = unwrap_peft_model(self.model)
@@ -302,6 +303,7 @@ class FlatBiasSFTTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, SFTTrainer):
 
     flatness_config_class = FlatBiasSFTConfig
     _tag_names = [*SFTTrainer._tag_names, "hf_flatbias"]
+    _trl_trainer = "sft"
 
     def _trace_context_rows(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
         """`HessianTraceCallback`'s rows of one prepared row: each packed document on its own, predicted where the
@@ -319,11 +321,12 @@ class FlatBiasSFTTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, SFTTrainer):
         return documents
 
     def __init__(self, model=None, args=None, **kwargs: Any):
-        if getattr(args, "flatness_method", "none") == "functional_sam":
+        method = getattr(args, "flatness_method", "none")
+        if method_spec(method).needs_logit_gradient:
             if kwargs.get("compute_loss_func") is not None or getattr(args, "label_smoothing_factor", 0) > 0:
                 # then trl computes the loss from the full logits of a second forward, not from the fused head
                 raise ValueError(
-                    "flatness_method='functional_sam' in FlatBiasSFTTrainer reads dL/dF through trl's fused LM head, "
+                    f"flatness_method={method!r} in FlatBiasSFTTrainer reads dL/dF through trl's fused LM head, "
                     "which compute_loss_func and label_smoothing_factor > 0 bypass; drop them or use 'sam'."
                 )
         super().__init__(model=model, args=args, **kwargs)
@@ -360,14 +363,11 @@ class FlatBiasDPOTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, DPOTrainer):
 
     flatness_config_class = FlatBiasDPOConfig
     _tag_names = [*DPOTrainer._tag_names, "hf_flatbias"]
+    _trl_trainer = "dpo"
 
     def __init__(self, model, ref_model=None, args=None, **kwargs: Any):
-        # DPOTrainer takes ref_model second; the mixin's signature is (model, args, ...)
-        if getattr(args, "flatness_method", None) == "fisher_penalty":
-            raise ValueError(
-                "flatness_method='fisher_penalty' samples next-token labels, which DPO's preference loss does not "
-                "have; use 'sam', 'asam', 'looksam' or 'grad_norm_penalty' with DPO, or fisher_penalty with SFT."
-            )
+        # DPOTrainer takes ref_model second; the mixin's signature is (model, args, ...); the method's support of DPO
+        # is checked by _TrlTrainerMixin, from the method table
         super().__init__(model=model, ref_model=ref_model, args=args, **kwargs)
 
     def _trace_context_rows(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:

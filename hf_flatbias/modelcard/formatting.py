@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from ..measures import EXTRA_MEASURES, MEASURE_TABLE
+from ..sharpness.methods.table import METHOD_TABLE
 from .objective import Objective
 
 
@@ -33,16 +34,9 @@ class CardFields(Protocol):
     def method_hyperparameters(self) -> dict[str, float | int]: ...
 
 
-# How the card names each method of `FlatBiasConfig.flatness_method`; its hyperparameters follow in parentheses.
-METHOD_TITLES = {
-    "none": "none (plain optimizer steps)",
-    "sam": "SAM",
-    "asam": "ASAM",
-    "functional_sam": "Functional-SAM",
-    "looksam": "LookSAM",
-    "fisher_penalty": "Fisher-trace penalty",
-    "grad_norm_penalty": "gradient-norm penalty",
-}
+# How the card names each method of `FlatBiasConfig.flatness_method` (its table entry's title); its hyperparameters
+# follow in parentheses.
+METHOD_TITLES = {name: spec.title for name, spec in METHOD_TABLE.items()}
 
 
 def format_number(value: float | None, digits: int = 4) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 from huggingface_hub import ModelCard
 
+from ..hub import split_revision
 from .card import CARD_FILENAME, FlatnessCard, looks_like_repo_id
 
 
@@ -78,19 +79,6 @@ def add_glue_results(path: str | os.PathLike, glue_results: Mapping[str, Mapping
     card_path = Path(path) / CARD_FILENAME if Path(path).is_dir() else Path(path)
     card_path.write_text(card.render(), encoding="utf-8")
     return card
-
-
-def split_revision(name: str, revision: str | None = None) -> tuple[str, str | None]:
-    """``"user/model@rev"`` -> ``("user/model", "rev")``; without ``@``, ``(name, revision)``. `ValueError` when
-    ``revision`` names another revision than the one after ``@``, or ``@`` has nothing after it."""
-    if "@" not in name:
-        return name, revision
-    repo_id, _, own = name.partition("@")
-    if not own:
-        raise ValueError(f"{name!r}: name a branch, tag or commit after '@' (e.g. {repo_id}@main).")
-    if revision is not None and revision != own:
-        raise ValueError(f"{name!r} and revision={revision!r} name two revisions; give one.")
-    return repo_id, own
 
 
 def _download_card(repo_id: str, **download: Any) -> Path:

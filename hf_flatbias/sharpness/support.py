@@ -1,10 +1,13 @@
 """Which flatness methods and step options each engine (DeepSpeed ZeRO, FSDP) runs exactly: checked on the
-arguments before any compute is spent, each refusal a one-line error that names the fix."""
+arguments before any compute is spent, each refusal a one-line error that names the fix. Which engines a method runs
+on, and why not the others, is its entry of `hf_flatbias.sharpness.methods.table.METHOD_TABLE`."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
+
+from .methods.table import METHOD_TABLE, method_spec
 
 if TYPE_CHECKING:
     from ..config import FlatnessArguments
@@ -62,15 +65,14 @@ def check_deepspeed_supports_penalty(config: dict, flatness_method: str) -> None
     """Raise a ``ValueError`` naming the fix when a DeepSpeed ``config`` cannot run a penalty step exactly.
 
     The penalty steps perturb like SAM (so SAM's precision limits apply) and add a linear term in the parameters
-    to the loss, which needs whole parameters outside the forward: ZeRO 0-2 only.
+    to the loss, which needs whole parameters outside the forward: the ZeRO stages of the method's table entry.
     """
     check_deepspeed_supports_sam(config, "global")
-    if int(_config_value(config, "zero_optimization.stage", 0) or 0) == 3:
-        raise ValueError(
-            f"flatness_method={flatness_method!r} is not supported under ZeRO-3: its step adds a term linear in the "
-            "whole parameters, which ZeRO-3 only holds inside a forward. Use ZeRO stage 0-2, or 'sam' (which "
-            "supports ZeRO-3)."
-        )
+    refusal = method_spec(flatness_method).refusal(
+        f"zero{int(_config_value(config, 'zero_optimization.stage', 0) or 0)}"
+    )
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def check_fsdp_supports(flatness_method: str, sam_perturbation: str, *, fsdp_version: int) -> None:
@@ -78,24 +80,23 @@ def check_fsdp_supports(flatness_method: str, sam_perturbation: str, *, fsdp_ver
 
     Checked at trainer construction, before any compute is spent.
     """
-    if flatness_method == "none":
+    spec = method_spec(flatness_method)
+    if spec.family == "none":
         return
     if fsdp_version != 2:
         raise ValueError(
             f"flatness_method={flatness_method!r} supports FSDP2 only (fully_shard), but the run uses FSDP version "
             f"{fsdp_version}. Set fsdp_version: 2 in the accelerate config (or fsdp_config={{'version': 2}})."
         )
-    if flatness_method == "looksam":
+    refusal = spec.refusal("fsdp2")
+    if refusal is not None:
+        raise ValueError(refusal)
+    if sam_perturbation == "per_rank" and not spec.fsdp2_per_rank:
+        per_rank = [name for name, other in METHOD_TABLE.items() if other.fsdp2_per_rank and other.family != "none"]
         raise ValueError(
-            "flatness_method='looksam' is not supported under FSDP2: its reuse updates edit param.grad between the "
-            "backward and the optimizer step and keep a direction over the whole parameters. Use 'sam' (with "
-            "sam_every_k for a cheaper schedule), or run LookSAM with DDP (accelerate launch --multi_gpu)."
-        )
-    if sam_perturbation == "per_rank" and flatness_method not in ("sam", "asam"):
-        raise ValueError(
-            f"sam_perturbation='per_rank' under FSDP2 is implemented for 'sam' and 'asam', not {flatness_method!r} "
-            "(its step adds a term linear in the sharded parameters, which would need each rank's whole "
-            "perturbation there). Use sam_perturbation='global' or DDP."
+            f"sam_perturbation='per_rank' under FSDP2 is implemented for {' and '.join(map(repr, per_rank))}, not "
+            f"{flatness_method!r} (its step adds a term linear in the sharded parameters, which would need each "
+            "rank's whole perturbation there). Use sam_perturbation='global' or DDP."
         )
 
 
@@ -108,16 +109,15 @@ def check_fsdp_supports_method(args: FlatnessArguments, *, fsdp_version: int) ->
 def check_deepspeed_supports_method(deepspeed_config: dict, args: FlatnessArguments) -> None:
     """Raise a ``ValueError`` naming the fix when the method and options of ``args`` cannot run exactly under a
     DeepSpeed ``deepspeed_config``."""
-    if args.uses_sam:
-        check_deepspeed_supports_sam(deepspeed_config, args.sam_perturbation)
-    if args.flatness_method == "looksam":
-        raise ValueError(
-            "flatness_method='looksam' is not supported with DeepSpeed (it reads and edits param.grad, which "
-            "ZeRO keeps in its own buffers); use 'sam' with sam_every_k=1, or run LookSAM with DDP "
-            "(accelerate launch --multi_gpu) or a single process."
-        )
-    if args.uses_penalty:
-        check_deepspeed_supports_penalty(deepspeed_config, args.flatness_method)
+    spec = method_spec(args.flatness_method)
+    if spec.family != "none":
+        # every method but 'none' moves the weights, so SAM's precision limits apply; a penalty's own perturbation
+        # is global whatever sam_perturbation says
+        check_deepspeed_supports_sam(deepspeed_config, args.sam_perturbation if spec.family == "sam" else "global")
+    stage = int(_config_value(deepspeed_config, "zero_optimization.stage", 0) or 0)
+    refusal = spec.refusal(f"zero{stage}")
+    if refusal is not None:
+        raise ValueError(refusal)
     if args.sam_preconditioner != "none":
         raise ValueError(
             f"sam_preconditioner={args.sam_preconditioner!r} is not supported with DeepSpeed: ZeRO keeps Adam's "
@@ -129,12 +129,9 @@ def check_deepspeed_supports_method(deepspeed_config: dict, args: FlatnessArgume
 def check_fsdp_supports_sam_options(args: FlatnessArguments) -> None:
     """Raise a ``ValueError`` naming the fix when an option of the SAM step of ``args`` is not yet exact under FSDP2."""
     # Not yet checked under FSDP2 against a reference: refused rather than risked (issue 25)
-    if args.flatness_method == "functional_sam":
-        raise ValueError(
-            "flatness_method='functional_sam' is not supported under FSDP2 yet (its first pass differentiates the "
-            "logits of the sharded model, which has no exact test there); use DDP (accelerate launch --multi_gpu) or "
-            "DeepSpeed ZeRO-2/3."
-        )
+    refusal = method_spec(args.flatness_method).refusal("fsdp2")
+    if refusal is not None:
+        raise ValueError(refusal)
     changed = [
         name for name in args.sam_step_option_names if getattr(args, name) != args.__dataclass_fields__[name].default
     ]

@@ -38,8 +38,13 @@ class BatchScopeState:
 
 
 class SamFamily(FlatnessMethod):
-    """``sam``, ``asam`` and ``functional_sam``: the SAM step on every ``sam_every_k``-th update inside the SAM
-    window, the host's plain step on the others."""
+    """What ``sam``, ``asam`` and ``functional_sam`` share: the SAM step on every ``sam_every_k``-th update inside
+    the SAM window, the host's plain step on the others. Each method is a subclass that sets its geometry."""
+
+    #: ASAM: the neighbourhood scaled elementwise by ``|w| + asam_eta``.
+    adaptive: bool = False
+    #: Functional-SAM: the second pass differentiates ``<F(w + e), dL/dF at w>``, not the loss at ``w + e``.
+    functional: bool = False
 
     def __init__(self, host: FlatnessHost):
         super().__init__(host)
@@ -84,7 +89,7 @@ class SamFamily(FlatnessMethod):
     def _head_gradients_in_forward(self) -> Callable[[], contextlib.AbstractContextManager] | None:
         """The host's context for the passes of a replayed step where its loss would recompute the output layer in
         the backward (trl's fused LM head); what keeps the host from it is said once."""
-        if self.host.args.flatness_method == "functional_sam":
+        if self.functional:
             return None  # its second pass differentiates a surrogate, not the head's log-probabilities
         passes, reason = self.host.head_gradients_in_forward()
         if reason is not None:
@@ -213,7 +218,7 @@ class SamFamily(FlatnessMethod):
         perturbable = perturbable_parameters(
             module, host.deepspeed_engine(), params=params, per_rank=args.sam_perturbation == "per_rank"
         )
-        functional = args.flatness_method == "functional_sam"
+        functional = self.functional
         fraction = args.sam_ascent_fraction
         clean_losses: list[torch.Tensor] = []
         cotangents: list[Any] = []
@@ -257,7 +262,7 @@ class SamFamily(FlatnessMethod):
         perturbation = perturbable.perturb(
             grads,
             rho,
-            adaptive=args.flatness_method == "asam",
+            adaptive=self.adaptive,
             eta=args.asam_eta,
             preconditioner=preconditioner,
             preconditioned_ball=args.sam_preconditioner == "adam_preconditioned_ball",
@@ -282,3 +287,19 @@ class SamFamily(FlatnessMethod):
 
         in_rows = count(rows["labels"])
         return count(batch["labels"]) / in_rows if in_rows else 1.0
+
+
+class Sam(SamFamily):
+    """``sam``: the gradient taken at ``w + rho * g / ||g||``."""
+
+
+class Asam(SamFamily):
+    """``asam``: SAM in the neighbourhood scaled elementwise by ``|w| + asam_eta``."""
+
+    adaptive = True
+
+
+class FunctionalSam(SamFamily):
+    """``functional_sam``: SAM's perturbation, the update the backward of ``<F(w + e), dL/dF at w>``."""
+
+    functional = True

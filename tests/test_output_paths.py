@@ -1,0 +1,98 @@
+"""An output path that names an input (the same file, a link to it, a file of a folder that is read) is refused in
+one line before anything is loaded, and the input is left as it was (issue 58: ``--output mydata.jsonl`` replaced
+the data set it measured)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from hf_flatbias.cli import main
+from hf_flatbias.commands.paths import check_outputs_spare_inputs
+
+
+@pytest.fixture
+def data_and_model(tmp_path):
+    data = tmp_path / "mydata.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": [1, 2, 3, i]}) + "\n" for i in range(600)))
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # refused before it is read, so it need not be a real checkpoint
+    return data, model
+
+
+def _refused_untouched(arguments, capsys, files, *words):
+    before = {path: path.read_bytes() for path in files}
+    assert main(arguments) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1, error
+    for word in words:
+        assert word in error, error
+    assert {path: path.read_bytes() for path in files} == before
+
+
+@pytest.mark.parametrize("series", [False, True], ids=["one checkpoint", "series"])
+def test_trace_output_that_is_its_data_is_refused_and_the_data_kept(data_and_model, tmp_path, capsys, series):
+    data, model = data_and_model
+    command = ["trace", "user/series", "--revisions", "step1,step2"] if series else ["trace", str(model)]
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(data)
+    hard = tmp_path / "hard.jsonl"
+    os.link(data, hard)
+    for output in (data, link, hard, tmp_path / "." / "mydata.jsonl"):
+        _refused_untouched(
+            [*command, "--data", str(data), "--output", str(output)], capsys, [data], "--output", "--data",
+            "pass another --output",
+        )  # fmt: skip
+
+
+def test_trace_output_or_plot_inside_the_model_folder_is_refused(data_and_model, tmp_path, capsys):
+    data, model = data_and_model
+    config = model / "config.json"
+    for output in (config, model / "trace.json"):
+        _refused_untouched(
+            ["trace", str(model), "--data", str(data), "--output", str(output)], capsys, [config, data], "MODEL"
+        )
+    arguments = ["trace", str(model), "--data", str(data), "--output", str(tmp_path / "t.json")]
+    _refused_untouched([*arguments, "--plot", str(model / "p.png")], capsys, [config], "--plot", "MODEL")
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "vocab.txt").write_text("[PAD]\n")
+    vocabulary = tokenizer / "vocab.txt"
+    arguments = ["trace", str(model), "--data", str(data), "--tokenizer", str(tokenizer), "--output", str(vocabulary)]
+    _refused_untouched(arguments, capsys, [vocabulary], "--tokenizer")
+
+
+def test_trace_plot_on_its_own_output_is_refused(data_and_model, tmp_path, capsys):
+    data, model = data_and_model
+    same = tmp_path / "t.png"
+    arguments = ["trace", str(model), "--data", str(data), "--output", str(same), "--plot", str(same)]
+    _refused_untouched(arguments, capsys, [data], "--plot", "--output")
+
+
+def test_glue_output_folder_that_holds_or_is_inside_the_model_is_refused(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    model = runs / "sst2-full-seed42" / "checkpoint-500"  # where a run of this command would write its checkpoint
+    model.mkdir(parents=True)
+    config = model / "config.json"
+    config.write_text("{}")
+    for output in (runs, model, model / "glue"):
+        _refused_untouched(
+            ["glue", str(model), "--task", "sst2", "--output-dir", str(output)], capsys, [config], "--output-dir",
+            "MODEL",
+        )  # fmt: skip
+
+
+def test_unrelated_paths_and_hub_ids_pass(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("{}\n")
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    check_outputs_spare_inputs(
+        {"--output": str(tmp_path / "out.json"), "--plot": str(tmp_path / "out.png"), "--unused": None},
+        {"MODEL": str(model), "--data": str(data), "--tokenizer": "user/tokenizer", "--unused-input": None},
+    )
+    check_outputs_spare_inputs({"--output": str(tmp_path / "data.jsonl.out")}, {"--data": "user/dataset"})
+    check_outputs_spare_inputs({"--output-dir": str(tmp_path / "glue")}, {"MODEL": str(model)}, folders=True)

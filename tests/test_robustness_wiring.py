@@ -419,3 +419,13 @@ def test_a_noise_level_that_overflows_is_named():
     with pytest.raises(ValueError, match=r"weight_noise came out inf: the loss under noise of sigma=5 \(absolute\) "):
         check_finite_record("weight_noise", record)
     check_finite_record("weight_noise", {**record, "value": 0.5})
+
+
+def test_settings_of_a_measure_not_taken_are_refused():
+    """Issue 58, item 8: noise_sigmas without weight_noise in also_measure was silently ignored."""
+    with pytest.raises(ValueError, match=r"measure_settings: noise_sigmas is a setting of weight_noise, which "
+                                         r"also_measure does not name: add weight_noise to also_measure"):  # fmt: skip
+        HessianTraceCallback(measure_settings={"noise_sigmas": (0.05,)})
+    with pytest.raises(ValueError, match="quantization_bits is a setting of quantization"):
+        HessianTraceCallback(also_measure=("weight_noise",), measure_settings={"quantization_bits": (4,)})
+    HessianTraceCallback(also_measure=("weight_noise",), measure_settings={"noise_sigmas": (0.05,)})

@@ -18,7 +18,7 @@ from ..constants import (
     RECOMMENDED_N_DRAWS,
     SPECTRUM_MATRICES,
 )
-from ..measures import EXTRA_MEASURES, MeasureSettings, check_required_settings
+from ..measures import EXTRA_MEASURES, MEASURE_TABLE, MeasureSettings, check_required_settings
 
 
 @dataclass(frozen=True)
@@ -121,6 +121,13 @@ class TraceCallbackConfig:
         unknown = sorted(set(settings) - known)
         if unknown:
             raise ValueError(f"measure_settings: {unknown} unknown; choose from {sorted(known)}.")
+        for name in settings:  # a setting no requested measure reads would be ignored without a word
+            owners = [spec.name for spec in MEASURE_TABLE.values() if name in spec.settings]
+            if owners and not any(owner in self.also_measure for owner in owners):
+                raise ValueError(
+                    f"measure_settings: {name} is a setting of {' and '.join(owners)}, which also_measure does not "
+                    f"name: add {owners[0]} to also_measure, or drop {name}."
+                )
         object.__setattr__(self, "measure_settings", settings)
         check_required_settings(self.also_measure, self.settings())  # checks every value now
         if self.max_overhead is not None and not (_is_number(self.max_overhead) and self.max_overhead > 0):

@@ -62,3 +62,16 @@ def test_the_trl_guide_runs_as_written_on_a_cpu(tmp_path, monkeypatch):
 
     card = load_flatness_card(tmp_path / "llama-sft-sam")  # named as the guide says: SFT on completions, not MLM
     assert (card.objective, card.trace_objective) == ("sft_completion_only", "next_token_trained")
+
+
+def test_no_guide_signals_processes_by_a_command_line_pattern():
+    """``pkill -STOP -f NAME`` stops every process whose command line matches, the user's own included: the docs
+    signal the PIDs a run wrote (issue 58)."""
+    pattern = re.compile(r"\b(pkill|killall)\b|\bkill\b[^\n]*\$\(pgrep")
+    offending = [
+        f"{page.relative_to(REPO)}:{number}"
+        for page in sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1)
+        if pattern.search(line)
+    ]
+    assert not offending, offending

@@ -17,6 +17,7 @@ from ..constants import (
     TRACE_QUANTITIES,
 )
 from ..corpus import DATA_FILE_BUILDERS
+from ..measures import needs_downstream_task
 from ..text_data import check_data_file
 from .paths import (
     check_local_checkpoint,
@@ -72,7 +73,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "with --estimator hutchinson/hutchpp, the Hessian trace Tr(H) of the data-label loss), print it and write it "
         "as JSON.",
     )
-    parser.add_argument("model", help="A local checkpoint folder or a Hub model id (masked or causal LM).")
+    parser.add_argument(
+        "model",
+        help="A local checkpoint folder or a Hub model id (masked or causal LM); REPO@REV measures a branch, tag or "
+        "commit, as --revision does.",
+    )
     parser.add_argument(
         "--data",
         required=True,
@@ -386,7 +391,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     result["contexts_sha256"] = contexts_fingerprint(contexts, n_contexts)
     if base_model is not None:
         result["base_model"] = base_model  # the trace is over the adapter's parameters, the trainable ones
-    if "forgetting" in args.measures and tokenizer is None:
+    if needs_downstream_task(args.measures) and tokenizer is None:
         tokenizer = _tokenizer_if_any(tokenizer_source, tokenizer_revision)  # a pre-tokenized task needs none
     task = load_measure_task(args, model, tokenizer, args.seed)  # before anything is measured
     if "trace" in args.measures:

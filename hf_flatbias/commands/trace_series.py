@@ -3,7 +3,9 @@ tags or commits, e.g. Pythia's ``step1000``...) and measure each on the same con
 
 Each revision's result is one JSON row of a JSONL file, written as soon as it is measured (the whole file rewritten
 to a temporary file and renamed over it, so a row is there whole or not at all); a rerun skips the revisions already
-written, so an interrupted series resumes where it stopped. ``--plot`` draws each measure against the revision
+written at the commit they point at now, so an interrupted series resumes where it stopped. Every revision's commit
+is resolved before the first is measured (from the local cache when the Hub client is offline), and a file of lines
+that are not series rows is refused, never rewritten. ``--plot`` draws each measure against the revision
 order, or the training step parsed from the names (``step1000``, ``step-2000``...) when every name has one.
 """
 
@@ -59,9 +61,10 @@ def add_series_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Comma-separated branches, tags or commits of a Hub MODEL, or glob patterns over its branches and tags "
         "(e.g. 'step*'; quote it for the shell): each is measured on the same contexts and written as one JSON row "
-        f"of --output (a .jsonl file; default {DEFAULT_SERIES_OUTPUT}) as soon as it is done. A rerun skips the "
-        "revisions already written. With --plot: each measure against the revision order, or the step parsed from "
-        "the names (step1000...).",
+        f"of --output (a .jsonl file; default {DEFAULT_SERIES_OUTPUT}) as soon as it is done. Every commit is "
+        "looked up first (from the local cache under HF_HUB_OFFLINE=1). A rerun skips the revisions already written "
+        "at the commit they point at now. With --plot: each measure against the revision order, or the step parsed "
+        "from the names (step1000...).",
     )
 
 

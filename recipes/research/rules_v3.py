@@ -29,6 +29,7 @@ __all__ = [
     "READS_BUDGET_CPU_HOURS",
     "SEEDS",
     "SELECTION_WINDOW_NATS",
+    "SPECTRUM_CONTEXTS",
     "STAGES",
     "SURVIVE_ALPHA",
 ]
@@ -111,3 +112,5 @@ MEASURE_SETTINGS = {
     "alignment_sources": "sentence type",
     "relative_critical_task": "A",
 }
+# Amendment 1 (RULES.md): the spectrum group (top eigenvalues, density, power law) on the first 100 contexts
+SPECTRUM_CONTEXTS = 100

@@ -11,11 +11,40 @@ rate it sets reaches them), ``step`` steps both, and the state dict holds both. 
 
 from __future__ import annotations
 
+import math
 from collections import ChainMap
 from collections.abc import Callable, Iterable
+from numbers import Integral, Real
 from typing import Any
 
 import torch
+
+
+def _check_options(**options: Any) -> None:
+    """A `ValueError` naming the option and its range, as torch's optimizers raise: torch's Muon takes ns_steps=0 and
+    momentum=1.5 without a word and meets lr='abc' with a TypeError from a comparison."""
+
+    def number(value: Any) -> bool:
+        if isinstance(value, torch.Tensor) and value.numel() == 1:  # torch's optimizers take a tensor lr
+            value = value.item()
+        return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+
+    for name in ("lr", "weight_decay", "adamw_eps", "adamw_weight_decay"):
+        value = options[name]
+        if not (number(value) and value >= 0):
+            raise ValueError(f"MuonWithAdamW: {name} must be a finite number >= 0 (got {value!r}).")
+    adamw_lr = options["adamw_lr"]
+    if adamw_lr is not None and not (number(adamw_lr) and adamw_lr >= 0):
+        raise ValueError(f"MuonWithAdamW: adamw_lr must be a finite number >= 0 or None to take lr (got {adamw_lr!r}).")
+    momentum = options["momentum"]
+    if not (number(momentum) and 0 <= momentum < 1):
+        raise ValueError(f"MuonWithAdamW: momentum must be a number in [0, 1) (got {momentum!r}).")
+    ns_steps = options["ns_steps"]
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, Integral) or ns_steps < 1:
+        raise ValueError(f"MuonWithAdamW: ns_steps must be a whole number >= 1 (got {ns_steps!r}); 5 is Muon's.")
+    betas = options["adamw_betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas)):
+        raise ValueError(f"MuonWithAdamW: adamw_betas must be two numbers in [0, 1) (got {betas!r}).")
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -45,6 +74,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
         adamw_weight_decay: float = 0.0,
         adamw_for: Callable[[torch.Tensor], bool] | None = None,
     ):
+        _check_options(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            ns_steps=ns_steps,
+            adamw_lr=adamw_lr,
+            adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps,
+            adamw_weight_decay=adamw_weight_decay,
+        )
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]

@@ -216,3 +216,25 @@ def test_resumed_sam_run_with_muon_is_bit_identical(tmp_path):
     run(tmp_path / "resumed", save_strategy="steps", save_steps=2)
     resumed = run(tmp_path / "resumed", str(tmp_path / "resumed" / "checkpoint-2"), save_strategy="steps", save_steps=2)
     assert max_param_diff(resumed, straight) == 0.0
+
+
+@pytest.mark.parametrize(
+    "option,value,expected",
+    [
+        ("ns_steps", 0, r"ns_steps must be a whole number >= 1 \(got 0\)"),
+        ("ns_steps", 2.5, r"ns_steps must be a whole number >= 1 \(got 2.5\)"),
+        ("momentum", 1.5, r"momentum must be a number in \[0, 1\) \(got 1.5\)"),
+        ("momentum", -0.1, r"momentum must be a number in \[0, 1\) \(got -0.1\)"),
+        ("lr", "abc", r"lr must be a finite number >= 0 \(got 'abc'\)"),
+        ("lr", -1.0, r"lr must be a finite number >= 0 \(got -1.0\)"),
+        ("weight_decay", -0.1, r"weight_decay must be a finite number >= 0"),
+        ("adamw_lr", "x", r"adamw_lr must be a finite number >= 0 or None"),
+        ("adamw_betas", (0.9, 1.0), r"adamw_betas must be two numbers in \[0, 1\)"),
+        ("adamw_eps", -1e-8, r"adamw_eps must be a finite number >= 0"),
+        ("adamw_weight_decay", float("nan"), r"adamw_weight_decay must be a finite number >= 0"),
+    ],
+)
+def test_muon_with_adamw_refuses_an_option_out_of_range_naming_it(option, value, expected):
+    """Issue 58, item 8: ns_steps=0 and momentum=1.5 were accepted, lr='abc' ended in torch's TypeError."""
+    with pytest.raises(ValueError, match=f"^MuonWithAdamW: {expected}"):
+        MuonWithAdamW(tiny_classifier().parameters(), **{option: value})

@@ -51,15 +51,8 @@ def hub_download_error(error: Exception, repo_id: str, filename: str, revision: 
     from huggingface_hub import constants, errors
 
     where = f"the Hub ({constants.ENDPOINT})"
-    if isinstance(error, errors.GatedRepoError):
-        return f"{repo_id} is gated on {where}: accept its conditions on its page, then log in (`hf auth login`)."
-    if isinstance(error, errors.RepositoryNotFoundError):
-        return (
-            f"{repo_id}: no such repository on {where}, or a private one: check the id (namespace/name, or a local "
-            "path starting with ./), or log in (`hf auth login`) for a private repository."
-        )
-    if isinstance(error, errors.RevisionNotFoundError):
-        return f"{repo_id} has no revision {revision!r} on {where}: check --revision (a branch, tag or commit)."
+    if isinstance(error, (errors.RepositoryNotFoundError, errors.RevisionNotFoundError)):
+        return hub_call_error(error, repo_id, revision)
     if isinstance(error, errors.RemoteEntryNotFoundError):
         return f"{repo_id} has no {filename} on {where}{f' at {revision}' if revision else ''}."
     if isinstance(error, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)):
@@ -112,12 +105,14 @@ def hub_call_error(
     from huggingface_hub import constants, errors
 
     where = f"the Hub ({constants.ENDPOINT})"
+    if isinstance(error, errors.GatedRepoError):
+        return f"{repo_id} is gated on {where}: accept its conditions on its page, then log in (`hf auth login`)."
     if isinstance(error, errors.RevisionNotFoundError):
         return f"{repo_id} has no revision {revision!r} on {where}: check {flag} (a branch, tag or commit)."
     if isinstance(error, errors.RepositoryNotFoundError):
         return (
-            f"{repo_id}: no such repository on {where}, or a private one: check the id (namespace/name), or log in "
-            "(`hf auth login`) for a private repository."
+            f"{repo_id}: no such repository on {where}, or a private one: check the id (namespace/name, or a local "
+            "path starting with ./), or log in (`hf auth login`) for a private repository."
         )
     if isinstance(error, errors.OfflineModeIsEnabled):
         return f"{repo_id}: {hub_offline() or 'HF_HUB_OFFLINE'} is set, so the Hub is not asked; unset it."

@@ -114,6 +114,41 @@ def critical_record(result: Any) -> dict[str, Any]:
     )
 
 
+def relative_critical_record(result: Any) -> dict[str, Any]:
+    return _drop_none(
+        {
+            "value": float(result.mean),  # nan when every step raised the pre-training loss: logged, not carded
+            "stderr": _finite(result.stderr),
+            "task": result.task,
+            "optimizer": result.optimizer,
+            "learning_rate": float(result.learning_rate),
+            "rtol": float(result.rtol),
+            "batch_size": int(result.batch_size),
+            "downstream_batch_size": int(result.downstream_batch_size),
+            "n_batches": int(result.n_batches),
+            "n_converged": int(result.n_converged),
+            "n_rose_at_once": int(result.n_rose_at_once),
+            "n_forward_passes": int(result.n_forward_passes),
+            "seed": int(result.seed),
+            "n_contexts": int(result.n_contexts),
+            "seconds": float(result.seconds),
+        }
+    )
+
+
+def relative_critical_details(record: Mapping[str, Any]) -> str:
+    rose = record.get("n_rose_at_once")
+    return join_parts(
+        f"along a fresh {record['optimizer']}'s first step on {record.get('task', '?')}"
+        if "optimizer" in record
+        else None,
+        f"downstream batches of {record['downstream_batch_size']}" if "downstream_batch_size" in record else None,
+        f"{rose}/{record['n_batches']} steps raised the pre-training loss at once (left out)"
+        if rose and "n_batches" in record
+        else None,
+    )
+
+
 def _grid(values: Any, means: Any, stderrs: Any, headline: Any, label: Any) -> str | None:
     """The points of a grid other than the headline one, ``label(value): mean ± stderr`` each; ``None`` without one."""
     if not isinstance(values, list) or not isinstance(means, list) or len(values) < 2:

@@ -169,7 +169,8 @@ class MeasureSettings:
         "The downstream task forgetting fine-tunes on: a GLUE classification task (sst2 works offline through its "
         "stand-in; the others need the Hub) or a data file or save_to_disk folder of rows holding input_ids (or "
         "text) and an integer class (a synthetic language's task columns, say); write ./NAME for a folder named as "
-        "a GLUE task. Required by forgetting.",
+        "a GLUE task. Required by forgetting and relative_critical_sharpness (whose direction is a fresh "
+        "--forgetting-optimizer's first step on a batch of its rows).",
         _optional_text,
     )
     forgetting_label_column: str = _setting(

@@ -188,6 +188,61 @@ MEASURE_TABLE: dict[str, MeasureSpec] = {
             ),
         ),
         MeasureSpec(
+            name="relative_critical_sharpness",
+            help="2/eta_c of the pre-training loss along the first update a fresh --forgetting-optimizer would take "
+            "on a batch of --forgetting-task (Kalra et al.'s relative critical sharpness): how far a fine-tuning step "
+            "can go before the pre-training loss rises",
+            compute="hf_flatbias.flatness.relative_critical_sharpness:relative_critical_sharpness",
+            record=records.relative_critical_record,
+            settings=(
+                "forgetting_task",
+                "forgetting_label_column",
+                "forgetting_optimizer",
+                "forgetting_learning_rate",
+                "forgetting_batch_size",
+                "forgetting_train_rows",
+                "critical_rtol",
+                "critical_batch_size",
+            ),
+            metric="flatness/relative_critical_sharpness",
+            stderr_metric="flatness/relative_critical_sharpness_stderr",
+            result_key="relative_critical_sharpness",
+            title=lambda record: (
+                "Relative critical sharpness 2/η_c (pre-training loss along a fine-tuning step) ± standard error"
+            ),
+            column="relative critical sharpness ± stderr",
+            numbers=(
+                "value",
+                "stderr",
+                "learning_rate",
+                "rtol",
+                "batch_size",
+                "downstream_batch_size",
+                "n_batches",
+                "n_converged",
+                "n_rose_at_once",
+                "n_forward_passes",
+                "seed",
+                "n_contexts",
+                "seconds",
+                "step",
+            ),
+            integers=(
+                "batch_size",
+                "downstream_batch_size",
+                "n_batches",
+                "n_converged",
+                "n_rose_at_once",
+                "n_forward_passes",
+                "seed",
+                "n_contexts",
+                "step",
+            ),
+            describe=lambda record: records.join_parts(str(record.get("task", "?")), record.get("optimizer")),
+            details=records.relative_critical_details,
+            required=("forgetting_task",),
+        ),
+        MeasureSpec(
             name="forgetting",
             help="the pre-training loss increase after --forgetting-steps of fine-tuning a copy's encoder on "
             "--forgetting-task (the same rows, order and seed for every checkpoint), the task accuracy beside",
@@ -261,6 +316,15 @@ MEASURES = ("trace", *EXTRA_MEASURES)
 """Every measure a checkpoint can be given: the Hessian (Fisher) trace and those of `MEASURE_TABLE`."""
 
 
+TASK_MEASURES = tuple(name for name, spec in MEASURE_TABLE.items() if "forgetting_task" in spec.required)
+"""The measures that need a downstream task (``forgetting_task``), loaded once by the caller and passed as ``task``."""
+
+
+def needs_downstream_task(names: Iterable[str]) -> bool:
+    """Whether any of measures ``names`` needs the downstream task loaded."""
+    return any(name in TASK_MEASURES for name in names)
+
+
 def measure_record(name: str, result: Any, step: int | None = None) -> dict[str, Any]:
     """The card's record of measure ``name``: its value, standard error and settings, and the training step."""
     record = MEASURE_TABLE[name].record(result)
@@ -295,7 +359,9 @@ __all__ = [
     "MEASURE_TABLE",
     "MeasureSettings",
     "MeasureSpec",
+    "TASK_MEASURES",
     "check_required_settings",
     "format_measure_value",
     "measure_record",
+    "needs_downstream_task",
 ]

@@ -19,7 +19,7 @@ from ..flatness.estimators import per_context_estimators
 from ..flatness.lm import check_tokenizer_fits_model, is_causal_lm, output_vocab_size
 from ..flatness.results import FlatnessRecord, TraceEstimate
 from ..flatness.zero_update import check_zero_update_supported
-from ..measures import MEASURE_TABLE
+from ..measures import MEASURE_TABLE, needs_downstream_task
 from ..tensors import is_fully_sharded
 from .trace_config import TraceCallbackConfig
 
@@ -292,7 +292,7 @@ class HessianTraceCallback(TrainerCallback):
     def _measure_beyond_trace(self, step: int, n_contexts: int) -> None:
         # one loop over the table: each measure's function, settings, record and log keys come from its entry
         settings = self.config.settings()
-        if "forgetting" in self.config.also_measure and self._forgetting_task is None:
+        if needs_downstream_task(self.config.also_measure) and self._forgetting_task is None:
             self._forgetting_task = self._load_forgetting_task()
         if settings.sam_batch_size is None:  # SAM's batches are the training batches it would perturb
             settings = replace(settings, sam_batch_size=self._trainer.args.per_device_train_batch_size)
@@ -331,7 +331,7 @@ class HessianTraceCallback(TrainerCallback):
     def _load_forgetting_task(self):
         """Forgetting's downstream task, tokenized by the trainer's tokenizer; ``None`` when forgetting is not
         measured."""
-        if "forgetting" not in self.config.also_measure:
+        if not needs_downstream_task(self.config.also_measure):
             return None
         from ..flatness.forgetting_task import load_forgetting_task
         from ..glue.tasks import DEFAULT_MAX_LENGTH

@@ -8,7 +8,14 @@ import dataclasses
 import math
 from typing import Any
 
-from ..measures import EXTRA_MEASURES, MEASURE_TABLE, MEASURES, MeasureSettings, check_required_settings
+from ..measures import (
+    EXTRA_MEASURES,
+    MEASURE_TABLE,
+    MEASURES,
+    MeasureSettings,
+    check_required_settings,
+    needs_downstream_task,
+)
 
 
 def measure_list(text: str) -> tuple[str, ...]:
@@ -50,7 +57,7 @@ def check_measure_arguments(args: argparse.Namespace) -> MeasureSettings:
     except ValueError as error:
         name = str(error).split("=")[0].split(" ")[0]
         raise ValueError(f"--{name.replace('_', '-')}: {error}") from None
-    if "forgetting" in getattr(args, "measures", ()):
+    if needs_downstream_task(getattr(args, "measures", ())):
         from ..glue.tasks import GLUE_TASKS
 
         if settings.forgetting_task in GLUE_TASKS:
@@ -70,7 +77,7 @@ def check_measure_arguments(args: argparse.Namespace) -> MeasureSettings:
 def load_measure_task(args: argparse.Namespace, model: Any, tokenizer: Any, seed: int) -> Any:
     """Forgetting's downstream task (`load_forgetting_task`) when ``--measures`` takes forgetting, else ``None``:
     loaded and tokenized before anything is measured, so that bad task data fails first."""
-    if "forgetting" not in args.measures:
+    if not needs_downstream_task(args.measures):
         return None
     from ..flatness.forgetting_task import load_forgetting_task
     from ..flatness.lm import output_vocab_size
@@ -136,6 +143,12 @@ def check_finite_record(name: str, record: dict[str, Any]) -> None:
         why = (
             f"the loss of the checkpoint itself is {base} on these contexts: its weights or the data give non-finite "
             "logits; check the checkpoint (a diverged run) and the data"
+        )
+    elif name == "relative_critical_sharpness":
+        why = (
+            f"every one of its {record.get('n_batches', '?')} downstream steps raised the pre-training loss at once: "
+            "the fine-tuning direction goes uphill on it from the first step, so no critical step size exists; "
+            "read forgetting instead, or a smaller --forgetting-batch-size"
         )
     elif name == "weight_noise":
         sigmas, means = record.get("sigmas") or [record.get("sigma")], record.get("means") or [value]

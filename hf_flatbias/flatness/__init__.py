@@ -21,6 +21,11 @@ from .quantization import (
     quantized_weight_matrices,
     round_to_nearest,
 )
+from .relative_critical_sharpness import (
+    RelativeCriticalSharpnessEstimate,
+    downstream_update,
+    estimate_relative_critical_sharpness,
+)
 from .results import FlatnessRecord, GroupTrace, TraceEstimate, TraceSamples, summarize_trace_samples
 from .robust_summary import median_of_means, top_share
 from .spectrum import (
@@ -78,6 +83,9 @@ __all__ = [
     "round_to_nearest",
     "summarize_trace_samples",
     "median_of_means",
+    "RelativeCriticalSharpnessEstimate",
+    "downstream_update",
+    "estimate_relative_critical_sharpness",
     "top_share",
     "weight_noise",
     "zero_proposed_update",

@@ -41,6 +41,7 @@ from research.campaign_v2 import (
 from research.carry import carry_in, carry_out
 from research.claims_v2 import ClaimsRun, parse_claims, pilot_decisions, run_claims
 from research.claims_v2_report import claims_markdown
+from research.docs_blocks import replace_generated
 from research.plots import plot_claims_v2
 from research.ruler_reads import RULER_SMOKE, RulerSizes
 from research.rules_v2 import CLAIMS, SEEDS
@@ -48,14 +49,6 @@ from research.units import read_units
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reproduction" / "campaign_v2.md"
 FIGURE = DOCS.parents[1] / "plots" / "campaign_v2" / "claims.png"
-
-
-def replace_generated(text: str, name: str, body: str) -> str:
-    """``text`` with what lies between ``<!-- {name}: begin -->`` and ``<!-- {name}: end -->`` replaced by ``body``."""
-    begin, end = f"<!-- {name}: begin -->", f"<!-- {name}: end -->"
-    if begin not in text or end not in text:
-        raise SystemExit(f"{DOCS} lacks the markers {begin} ... {end}: restore them around the generated tables.")
-    return text[: text.index(begin) + len(begin)] + f"\n{body}\n" + text[text.index(end) :]
 
 
 def generated_tables(results_dir: Path) -> dict[str, str]:
@@ -109,7 +102,7 @@ def main(argv=None) -> dict:
     if args.update_docs:
         text = DOCS.read_text()
         for name, table in generated_tables(args.results_dir).items():
-            text = replace_generated(text, f"campaign_v2 {name}", table)
+            text = replace_generated(text, f"campaign_v2 {name}", table, DOCS)
         DOCS.write_text(text)
         plot_claims_v2(claims_dir, FIGURE)
         print(f"rewrote the tables of {DOCS} and drew {FIGURE}")

@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 from research.campaign_v2 import Sizes, load_material
 from research.campaign_v3 import RESULTS, V2, FinetuneStore, ReadsRun, checkpoint_table, gate_state, run_reads
+from research.docs_blocks import replace_generated
 from research.ruler_reads import ReadStore, RulerSizes, ruler_rows
 
 WORK = Path("outputs/campaign_v3")
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "reproduction" / "campaign_v3.md"
 
 
 def parse_arguments(argv=None) -> argparse.Namespace:
@@ -60,10 +62,21 @@ def main(argv=None) -> None:
         gate = run_reads(run, stop_after=stop)
         print(f"[v3] reads loop ended; gate: {json.dumps(gate)}", flush=True)
     else:
+        from research.campaign_v3_report import contrasts_table, gate_table, progress_table
         from research.verdicts_v3 import write_contrasts
 
-        payload = write_contrasts(args.results, checkpoint_table(), finetune.reads, sizes)
-        print(json.dumps(gate_state(finetune.reads, sizes.n_splits)), json.dumps(payload["summary"], indent=1))
+        checkpoints = checkpoint_table()
+        payload = write_contrasts(args.results, checkpoints, finetune.reads, sizes)
+        gate = gate_state(finetune.reads, sizes.n_splits)
+        text = DOCS.read_text()
+        for name, body in (
+            ("gate", gate_table(gate)),
+            ("progress", progress_table(checkpoints, finetune.reads, gate)),
+            ("contrasts", contrasts_table(payload)),
+        ):
+            text = replace_generated(text, f"v3 {name}", body, DOCS)
+        DOCS.write_text(text)
+        print(json.dumps(payload["summary"], indent=1))
 
 
 if __name__ == "__main__":

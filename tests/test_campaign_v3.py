@@ -233,3 +233,19 @@ def test_committed_contrasts_recompute_from_the_committed_reads():
     recomputed = json.loads(json.dumps(v3.contrasts(c3.checkpoint_table(), raw, stores, 5), default=float))
     for key in ("gate", "finetune", "probe", "read"):
         assert recomputed.get(key) == committed.get(key), key
+
+
+@pytest.mark.skipif(not (RESULTS / "contrasts.json").exists(), reason="contrasts.json is not committed yet")
+def test_the_docs_tables_equal_the_committed_json():
+    from research.campaign_v3_report import contrasts_table, gate_table, progress_table
+
+    committed = json.loads((RESULTS / "contrasts.json").read_text())
+    raw = json.loads((RESULTS / "finetune_reads.json").read_text())["reads"]
+    page = (REPO / "docs" / "reproduction" / "campaign_v3.md").read_text()
+    for name, body in (
+        ("gate", gate_table(committed["gate"])),
+        ("progress", progress_table(c3.checkpoint_table(), raw, committed["gate"])),
+        ("contrasts", contrasts_table(committed)),
+    ):
+        block = page.split(f"<!-- v3 {name}: begin -->\n", 1)[1].split(f"\n<!-- v3 {name}: end -->", 1)[0]
+        assert block == body, name

@@ -5,6 +5,7 @@ later, and two read stores on one file keep each other's splits."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -16,10 +17,9 @@ from research import units as u
 REPO = Path(__file__).resolve().parents[1]
 
 WORKER = """
-import sys, os, time
+import os, time
 from pathlib import Path
-sys.path.insert(0, {recipes!r})
-from research.units import run_units
+from research.units import run_units  # recipes/ is on PYTHONPATH, as pytest's pythonpath puts it on the tests' path
 
 folder = Path({folder!r})
 (folder / f"ready-{{os.getpid()}}").touch()
@@ -40,8 +40,12 @@ run_units(folder / "run.json", [(f"u/{{k}}", unit(f"u/{{k}}")) for k in range(8)
 
 
 def test_two_processes_share_one_run_file_and_do_each_unit_once(tmp_path):
-    script = WORKER.format(recipes=str(REPO / "recipes"), folder=str(tmp_path))
-    workers = [subprocess.Popen([sys.executable, "-c", script]) for _ in range(2)]
+    script = WORKER.format(folder=str(tmp_path))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "recipes"), os.environ.get("PYTHONPATH")])),
+    }
+    workers = [subprocess.Popen([sys.executable, "-c", script], env=env) for _ in range(2)]
     deadline = time.monotonic() + 120
     while len(list(tmp_path.glob("ready-*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)

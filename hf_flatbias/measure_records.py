@@ -114,6 +114,36 @@ def critical_record(result: Any) -> dict[str, Any]:
     )
 
 
+def spectrum_shape_record(result: Any) -> dict[str, Any]:
+    return _drop_none(
+        {
+            "value": float(result.alpha),
+            "stderr": _finite(result.alpha_stderr),
+            "r_squared": float(result.r_squared),
+            "log_scale": float(result.log_scale),
+            "n_fitted": int(result.n_fitted),
+            "matrix": result.matrix,
+            "k": int(result.k),
+            "eigenvalues": [float(v) for v in result.eigenvalues],
+            "n_contexts": int(result.n_contexts),
+            "n_matvecs": int(result.n_matvecs),
+            "converged": bool(result.converged),
+            "seconds": float(result.seconds),
+        }
+    )
+
+
+def spectrum_shape_details(record: Mapping[str, Any]) -> str:
+    return join_parts(
+        f"the {record['n_fitted']} largest positive {record.get('matrix', '')} eigenvalues".replace("  ", " ")
+        if "n_fitted" in record
+        else None,
+        f"R² {record['r_squared']:.3f}" if "r_squared" in record else None,
+        "the error is the fit's, not over contexts",
+        "Lanczos not converged" if record.get("converged") is False else None,
+    )
+
+
 def relative_critical_record(result: Any) -> dict[str, Any]:
     return _drop_none(
         {

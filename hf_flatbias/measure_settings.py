@@ -105,6 +105,12 @@ class MeasureSettings:
         SPECTRUM_MATRICES,
     )
     top_k: int = _setting(1, "How many of the largest eigenvalues top_eigenvalue finds (default: 1).", _int)
+    power_law_k: int = _setting(
+        16,
+        "How many of the largest eigenvalues spectrum_shape fits its power law to (default: 16; at least 3), of "
+        "--eigenvalue-matrix by the same products.",
+        _int,
+    )
     eigenvalue_product: str = _setting(
         "auto",
         "How top_eigenvalue forms its matrix-vector products: exact (double backward, whole parameters on one "
@@ -216,6 +222,9 @@ class MeasureSettings:
         for name in ("sam_batch_size", "quantization_group_size", "critical_batch_size", "forgetting_trace_draws"):
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name))
+        _check_count("power_law_k", self.power_law_k)
+        if self.power_law_k < 3:  # two points fit any line exactly: no error, no shape
+            raise ValueError(f"power_law_k must be at least 3 (got {self.power_law_k!r}); e.g. power_law_k=16.")
         for name, (most, hint) in BOUNDED_COUNTS.items():
             value = getattr(self, name)
             if value is not None and value > most:  # checked when the settings are made, before anything loads

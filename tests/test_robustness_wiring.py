@@ -41,7 +41,14 @@ RECORDS = {
 
 
 def test_the_table_names_every_measure_and_the_command_line_offers_them_without_torch():
-    assert EXTRA_MEASURES == ("top_eigenvalue", "sam_sharpness", *NEW, "relative_critical_sharpness", "forgetting")
+    assert EXTRA_MEASURES == (
+        "top_eigenvalue",
+        "spectrum_shape",
+        "sam_sharpness",
+        *NEW,
+        "relative_critical_sharpness",
+        "forgetting",
+    )
     assert MEASURES == ("trace", *EXTRA_MEASURES)
     for name, spec in MEASURE_TABLE.items():
         assert callable(spec.function()), name  # "module:function" resolves

@@ -36,6 +36,7 @@ from .spectrum import (
     estimate_spectral_density,
     estimate_top_eigenvalues,
 )
+from .spectrum_shape import PowerLawFit, SpectrumShape, fit_power_law
 from .weight_noise import WeightNoisePoint, WeightNoiseSensitivity, estimate_weight_noise_sensitivity, weight_noise
 from .zero_update import zero_proposed_update
 
@@ -83,6 +84,9 @@ __all__ = [
     "round_to_nearest",
     "summarize_trace_samples",
     "median_of_means",
+    "PowerLawFit",
+    "SpectrumShape",
+    "fit_power_law",
     "RelativeCriticalSharpnessEstimate",
     "downstream_update",
     "estimate_relative_critical_sharpness",

@@ -488,6 +488,16 @@ def test_dpo_refuses_the_fisher_penalty(tmp_path, tokenizer):
         dpo_trainer(tmp_path, tokenizer, live_reference=True, flatness_method="fisher_penalty")
 
 
+def test_dpo_config_refuses_the_fisher_penalty_before_a_trainer_is_built(tmp_path):
+    """Issue 58, item 8: the config passed, and only the trainer (after the model and data were loaded) refused it."""
+    from hf_flatbias.sharpness.methods.table import METHOD_TABLE
+
+    with pytest.raises(ValueError, match="DPO's preference loss") as refused:
+        FlatBiasDPOConfig(str(tmp_path), use_cpu=True, flatness_method="fisher_penalty")
+    assert str(refused.value) == METHOD_TABLE["fisher_penalty"].refusals["dpo"]
+    FlatBiasSFTConfig(str(tmp_path), use_cpu=True, flatness_method="fisher_penalty")  # SFT runs it
+
+
 # ---------------------------------------------------------------- the trace callback
 
 

@@ -26,7 +26,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -153,15 +153,38 @@ def forward_with_head_gradients(
     return forward
 
 
+def check_trl_support(method: str, trl_trainer: str, activation_offloading: bool) -> None:
+    """The one-line refusal of the method table when ``method`` cannot run in ``trl_trainer`` (`TRL_TRAINERS`) or
+    with trl's activation offloading; the configs ask when they are made, the trainers again for a config made
+    elsewhere (a plain `TrainingArguments`, a trl config)."""
+    check_method_supports(method, trl_trainer)
+    if activation_offloading:
+        check_method_supports(method, "activation_offloading")
+
+
+class _TrlFlatnessArguments(FlatnessArguments):
+    #: Which of the table's trl trainers (`TRL_TRAINERS`) the config is for.
+    _trl_trainer: ClassVar[str]
+
+    def _validate_flatness_arguments(self) -> None:
+        super()._validate_flatness_arguments()
+        # at config time, before a model or data set is loaded for a trainer that would refuse the method
+        check_trl_support(self.flatness_method, self._trl_trainer, bool(getattr(self, "activation_offloading", False)))
+
+
 @dataclass
-class FlatBiasSFTConfig(FlatnessArguments, SFTConfig):
+class FlatBiasSFTConfig(_TrlFlatnessArguments, SFTConfig):
     """trl's [`~trl.SFTConfig`] (its defaults kept) with the flatness options of [`FlatBiasConfig`]."""
 
+    _trl_trainer = "sft"
+
 
 @dataclass
-class FlatBiasDPOConfig(FlatnessArguments, DPOConfig):
+class FlatBiasDPOConfig(_TrlFlatnessArguments, DPOConfig):
     """trl's [`~trl.DPOConfig`] (its defaults kept) with the flatness options of [`FlatBiasConfig`], and the one
     option only `FlatBiasDPOTrainer` reads: how much of its LM head's ``softmax - onehot`` output-layer SAM keeps."""
+
+    _trl_trainer = "dpo"
 
     sam_kept_softmax_mib: float = field(
         default=512.0,
@@ -197,10 +220,11 @@ class _TrlTrainerMixin:
     _trl_trainer: str
 
     def __init__(self, model=None, args=None, **kwargs: Any):
-        method = getattr(args, "flatness_method", "none")
-        check_method_supports(method, self._trl_trainer)
-        if getattr(args, "activation_offloading", False):
-            check_method_supports(method, "activation_offloading")
+        check_trl_support(
+            getattr(args, "flatness_method", "none"),
+            self._trl_trainer,
+            bool(getattr(args, "activation_offloading", False)),
+        )
         super().__init__(model=model, args=args, **kwargs)
         # the model trl gave its fused LM head, and the forward a step's second pass runs instead of trl's
         self._fused_head_model = unwrap_peft_model(self.model)

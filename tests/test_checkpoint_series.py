@@ -274,14 +274,10 @@ def test_a_series_runs_offline_from_the_cache(hub, checkpoints, tmp_path, monkey
 def test_an_unreachable_hub_is_one_line_naming_the_fix(checkpoints, tmp_path, monkeypatch, capsys):
     import socket
 
-    from huggingface_hub import constants
-
-    with socket.socket() as closed:
+    with socket.socket() as closed:  # a port nothing listens on once the socket is closed
         closed.bind(("127.0.0.1", 0))
         endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
-    with HubServer() as server:
-        point_hub_client_at(server.url, monkeypatch, str(tmp_path / "hf_home"))
-    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    point_hub_client_at(endpoint, monkeypatch, str(tmp_path / "hf_home"))
     _measure_must_not_run(monkeypatch)
     for revisions in ("step*", "step20,step100"):
         assert main(_trace_args(checkpoints[1], tmp_path / "s.jsonl", "--revisions", revisions)) == 2

@@ -3,6 +3,7 @@ model card and rebuilt from it, so that a checkpoint's loss and trace are measur
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -39,7 +40,14 @@ def load_data_files(data_files: str | Mapping[str, str]):
     for path in [data_files] if isinstance(data_files, str) else data_files.values():
         check_data_file(path)  # one line naming the file, not datasets' "corresponds to no data"
     kwargs = {"delimiter": "\t"} if suffix == ".tsv" else {}
-    return datasets.load_dataset(DATA_FILE_BUILDERS[suffix], data_files=data_files, **kwargs)
+    # the JSON builder logs a bad line before raising the error the caller reports in its own line: not twice
+    json_logger = logging.getLogger("datasets.packaged_modules.json.json")
+    level = json_logger.level
+    json_logger.setLevel(logging.CRITICAL)
+    try:
+        return datasets.load_dataset(DATA_FILE_BUILDERS[suffix], data_files=data_files, **kwargs)
+    finally:
+        json_logger.setLevel(level)
 
 
 def resolve_dataset(dataset: str) -> str:

@@ -17,6 +17,7 @@ import csv
 import hashlib
 import importlib.util
 import io
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,15 +78,33 @@ def check_data_file(path: str | os.PathLike, *, flag: str | None = None) -> None
         return
     lines = 0
     with path.open("rb") as stream:
-        for line in stream:
+        for number, line in enumerate(stream, start=1):
             if line.strip():
                 lines += 1
+                if suffix == ".jsonl":
+                    _check_json_line(path, number, line, other)
                 if lines == 2:
                     return
     if lines == 0:
         raise ValueError(f"{path} is empty; put text in it, or {other}.")
     if suffix in (".csv", ".tsv"):
         raise ValueError(f"{path} has a header line and no rows; add one row per text under it, or {other}.")
+
+
+def _check_json_line(path: Path, number: int, line: bytes, other: str) -> None:
+    # datasets reports a bad line as "JSON parse error ... in row 0" after logging it; name the file's line instead
+    try:
+        row = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        problem = f"{type(error).__name__}: {error}"
+    else:
+        if isinstance(row, dict):
+            return
+        problem = f"a {type(row).__name__}"
+    raise ValueError(
+        f"{path}:{number} is not a JSON object ({problem}); each line of a .jsonl file is one object such as "
+        f'{{"text": "..."}} or {{"input_ids": [...]}}: fix the line, or {other}.'
+    )
 
 
 def bbc_news_paragraphs(min_characters: int = 40) -> list[str]:

@@ -727,3 +727,23 @@ def test_empty_and_header_only_data_files_are_one_line_naming_the_file(tmp_path)
         CorpusSpec(str(tmp_path / "header.csv")).load()
     (tmp_path / "one_row.csv").write_text("text\nthe cat sat on the mat\n")
     check_data_file(tmp_path / "one_row.csv")
+
+
+def test_a_garbage_jsonl_is_one_line_without_the_datasets_log_line(tmp_path, capfd, caplog):
+    """Issue 58, item 8: datasets logged "Failed to load JSON from file ..." before the command's own error line."""
+    import datasets
+
+    from hf_flatbias.corpus import load_data_files
+
+    garbage = tmp_path / "garbage.jsonl"
+    garbage.write_text('this is not json\n{"text": "a b"}\n')
+    assert cli.main(["trace", "user/model", "--data", str(garbage), "--no-progress"]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{garbage}:1 is not a JSON object" in err[0], err
+    assert "fix the line" in err[0]
+    # a bad line past the first ones is datasets' to find: its error, without its log line
+    late = tmp_path / "late.jsonl"
+    late.write_text('{"text": "a b"}\n{"text": "c d"}\n{"text": "e f"}\nnot json\n')
+    with pytest.raises(datasets.exceptions.DatasetGenerationError):
+        load_data_files(str(late))
+    assert not [record for record in caplog.records if "Failed to load JSON" in record.getMessage()]

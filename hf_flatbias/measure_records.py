@@ -144,6 +144,35 @@ def spectrum_shape_details(record: Mapping[str, Any]) -> str:
     )
 
 
+def alignment_record(result: Any) -> dict[str, Any]:
+    return _drop_none(
+        {
+            "value": float(result.mean),
+            "stderr": _finite(result.stderr),
+            "column": result.column,
+            "n_sources": len(result.sources),
+            "sources": [str(s) for s in result.sources],
+            "contexts_per_source": [int(n) for n in result.contexts_per_source],
+            "pair_cosines": [float(c) for c in result.pair_cosines],
+            "n_blocks": int(result.n_blocks),
+            "n_contexts": int(result.n_contexts),
+            "batch_size": int(result.batch_size),
+            "seconds": float(result.seconds),
+        }
+    )
+
+
+def alignment_details(record: Mapping[str, Any]) -> str:
+    sources = record.get("sources")
+    return join_parts(
+        f"sources from {record['column']!r}" if "column" in record else None,
+        f"{len(sources)} sources ({', '.join(map(str, sources[:6]))}{', ...' if len(sources) > 6 else ''})"
+        if isinstance(sources, list)
+        else None,
+        f"jackknife over {record['n_blocks']} blocks a source" if "n_blocks" in record else None,
+    )
+
+
 def relative_critical_record(result: Any) -> dict[str, Any]:
     return _drop_none(
         {

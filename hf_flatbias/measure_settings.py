@@ -202,6 +202,18 @@ class MeasureSettings:
         "(per_sample estimator); none (default): the loss only.",
         _optional_int,
     )
+    alignment_column: str | None = _setting(
+        None,
+        "The column of the rows naming each row's data source, whose per-source mean gradients gradient_alignment "
+        "compares (task_a, the sentence type, for the synthetic languages). Required by gradient_alignment.",
+        _optional_text,
+    )
+    alignment_blocks: int = _setting(
+        8,
+        "Blocks each source's contexts are split into for gradient_alignment's jackknife error (default: 8; at "
+        "least 2); one summed gradient per block is held.",
+        _int,
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "noise_sigmas", _as_tuple(self.noise_sigmas))
@@ -223,6 +235,13 @@ class MeasureSettings:
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name))
         _check_count("power_law_k", self.power_law_k)
+        _check_count("alignment_blocks", self.alignment_blocks)
+        if self.alignment_blocks < 2:  # one block per source leaves nothing to drop
+            raise ValueError(f"alignment_blocks must be at least 2 (got {self.alignment_blocks!r}); e.g. 8.")
+        if self.alignment_column is not None and (
+            not isinstance(self.alignment_column, str) or not self.alignment_column.strip()
+        ):
+            raise ValueError(f"alignment_column must name a column (got {self.alignment_column!r}); e.g. task_a.")
         if self.power_law_k < 3:  # two points fit any line exactly: no error, no shape
             raise ValueError(f"power_law_k must be at least 3 (got {self.power_law_k!r}); e.g. power_law_k=16.")
         for name, (most, hint) in BOUNDED_COUNTS.items():

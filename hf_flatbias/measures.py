@@ -272,6 +272,26 @@ MEASURE_TABLE: dict[str, MeasureSpec] = {
             required=("forgetting_task",),
         ),
         MeasureSpec(
+            name="gradient_alignment",
+            help="the mean pairwise cosine of the per-source mean gradients of the pre-training loss, sources from "
+            "--alignment-column (task_a for the synthetic languages), with a jackknife error over blocks of contexts "
+            "within sources",
+            compute="hf_flatbias.flatness.gradient_alignment:gradient_alignment",
+            record=records.alignment_record,
+            settings=("alignment_column", "alignment_blocks"),
+            metric="flatness/gradient_alignment",
+            stderr_metric="flatness/gradient_alignment_stderr",
+            result_key="gradient_alignment",
+            title=lambda record: "Gradient alignment across sources (mean pairwise cosine) ± standard error",
+            column="gradient alignment ± stderr",
+            numbers=("value", "stderr", "n_sources", "n_blocks", "n_contexts", "batch_size", "seconds", "step"),
+            integers=("n_sources", "n_blocks", "n_contexts", "batch_size", "step"),
+            lists=("pair_cosines", "contexts_per_source"),
+            describe=lambda record: f"{record.get('column', '?')}, {record.get('n_sources', '?')} sources",
+            details=records.alignment_details,
+            required=("alignment_column",),
+        ),
+        MeasureSpec(
             name="forgetting",
             help="the pre-training loss increase after --forgetting-steps of fine-tuning a copy's encoder on "
             "--forgetting-task (the same rows, order and seed for every checkpoint), the task accuracy beside",
@@ -366,11 +386,17 @@ def check_required_settings(names: Iterable[str], settings: MeasureSettings) -> 
     """`ValueError` when a measure of ``names`` lacks a setting it cannot be taken without (forgetting's task)."""
     for name in names:
         for setting in MEASURE_TABLE[name].required if name in MEASURE_TABLE else ():
-            if getattr(settings, setting) is None:
+            if getattr(settings, setting) is None and setting == "forgetting_task":
                 raise ValueError(
                     f"{setting} is needed by {name}: name its downstream task, a GLUE task (e.g. sst2) or a file "
                     "of labelled rows (--forgetting-task on the command line, measure_settings={'forgetting_task': "
                     "...} for the callback)."
+                )
+            if getattr(settings, setting) is None:
+                flag = setting.replace("_", "-")
+                raise ValueError(
+                    f"{setting} is needed by {name}: pass --{flag} on the command line, measure_settings="
+                    f"{{{setting!r}: ...}} for the callback."
                 )
 
 

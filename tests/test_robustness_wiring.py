@@ -47,6 +47,7 @@ def test_the_table_names_every_measure_and_the_command_line_offers_them_without_
         "sam_sharpness",
         *NEW,
         "relative_critical_sharpness",
+        "gradient_alignment",
         "forgetting",
     )
     assert MEASURES == ("trace", *EXTRA_MEASURES)

@@ -366,10 +366,11 @@ class HessianTraceCallback(TrainerCallback):
             )
         # trl's trainers say which sequences and positions their rows hold (packed documents, prompt + chosen)
         context_rows = getattr(trainer, "_trace_context_rows", lambda row: [row])
+        kept = self._kept_columns()
         rows = []
         for row in dataset:
             for context_row in context_rows(row):
-                rows.append({key: context_row[key] for key in _CONTEXT_COLUMNS if key in context_row})
+                rows.append({key: context_row[key] for key in (*_CONTEXT_COLUMNS, *kept) if key in context_row})
             if len(rows) >= self.config.n_contexts:
                 break
         rows = rows[: self.config.n_contexts]
@@ -395,7 +396,14 @@ class HessianTraceCallback(TrainerCallback):
             n_contexts=self.config.n_contexts,
             seed=self.config.seed,
             special_token_ids=special,
+            keep_columns=kept,
         )
+
+    def _kept_columns(self) -> tuple[str, ...]:
+        """Columns a measure reads from each context beside the tokens: gradient alignment's source column."""
+        if "gradient_alignment" not in self.config.also_measure:
+            return ()
+        return (self.config.settings().alignment_column,)
 
 
 def contexts_within_budget(

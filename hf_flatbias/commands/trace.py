@@ -156,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
     if args.tokenizer is not None:
         args.tokenizer = local_path_or_hub_id(args.tokenizer, "--tokenizer")
     check_data_file(args.data, flag="--data")  # an empty file: before torch and datasets load
-    check_output_file(args.output, "--output")
     check_outputs_spare_inputs({"--output": args.output, "--plot": args.plot}, trace_inputs(args))
+    # an existing --output is written over only when it is an earlier result of this command: a user's file is kept
+    check_output_file(args.output, "--output", own_keys=RESULT_KEYS, own_name="an hf-flatbias trace result")
     if args.plot:
         check_output_file(args.plot, "--plot")
     result = measure(args)
@@ -301,6 +302,12 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     rows = load_rows(args)  # before the model: a bad data file is reported at once
     if not rows:
         raise ValueError(f"{args.data} holds no rows.")
+    # gradient alignment groups the contexts by a column of their rows, carried into each context
+    kept = (args.alignment_column,) if "gradient_alignment" in args.measures and args.alignment_column else ()
+    if kept and kept[0] not in rows[0]:
+        raise ValueError(
+            f"--alignment-column {kept[0]}: rows of {args.data} have no such column (columns: {sorted(rows[0])})."
+        )
     base_model = peft_base_model(args.model)  # a PEFT adapter folder names the model it adapts
     revision = hub_revision(args, base_model)
     config = AutoConfig.from_pretrained(base_model or args.model, revision=revision)
@@ -339,7 +346,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 f"{sorted(rows[0])}); name the text column with --text-column."
             )
         tokenizer = load_tokenizer_from(tokenizer_source, revision=tokenizer_revision)
-        texts = [row[args.text_column] for row in rows if row[args.text_column] and row[args.text_column].strip()]
+        with_text = [row for row in rows if row[args.text_column] and row[args.text_column].strip()]
+        texts = [row[args.text_column] for row in with_text]
         if not texts:
             raise ValueError(f"The {args.text_column!r} column of {args.data} holds no text.")
         encoded = tokenizer(texts, truncation=True, max_length=token_limit(args.max_length, config))
@@ -347,8 +355,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             tokenizer, vocab_size, source=tokenizer_source, input_ids=encoded["input_ids"], text_source=args.data
         )
         rows = [
-            {"input_ids": ids, "attention_mask": mask}
-            for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"], strict=True)
+            {"input_ids": ids, "attention_mask": mask, **{column: row[column] for column in kept if column in row}}
+            for ids, mask, row in zip(encoded["input_ids"], encoded["attention_mask"], with_text, strict=True)
         ]
     if "labels" in rows[0]:
         # ready-made contexts: each labelled position is one
@@ -383,6 +391,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             n_contexts=args.n_contexts,
             seed=args.seed,
             special_token_ids=list(getattr(tokenizer, "all_special_ids", []) or []),
+            keep_columns=kept,
         )
         n_contexts = None
     result = {"model": args.model, "data": args.data, "split": args.split, "seed": args.seed, "device": device}

@@ -13,6 +13,7 @@ from .exact import exact_fisher_diagonal, exact_fisher_trace, exact_hessian_trac
 from .finite_difference import FINITE_DIFFERENCE_STEPS
 from .forgetting import ForgettingResult, measure_forgetting
 from .forgetting_task import ForgettingTask, load_forgetting_task
+from .gradient_alignment import GradientAlignment, alignment_from_gram, estimate_gradient_alignment
 from .groups import default_group_of, parameter_groups
 from .quantization import (
     QuantizationPoint,
@@ -84,6 +85,9 @@ __all__ = [
     "round_to_nearest",
     "summarize_trace_samples",
     "median_of_means",
+    "GradientAlignment",
+    "alignment_from_gram",
+    "estimate_gradient_alignment",
     "PowerLawFit",
     "SpectrumShape",
     "fit_power_law",

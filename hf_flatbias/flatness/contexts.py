@@ -45,6 +45,7 @@ def build_masked_contexts(
     n_contexts: int | None = None,
     seed: int = 0,
     special_token_ids: Sequence[int] = (),
+    keep_columns: Sequence[str] = (),
 ) -> list[dict[str, list[int]]]:
     """Turn tokenized rows into trace contexts with exactly one labelled position each.
 
@@ -59,6 +60,8 @@ def build_masked_contexts(
             rows reuses rows with other positions. Default: one per row.
         seed: contexts depend only on ``(seed, i)``.
         special_token_ids: tokens never chosen as the predicted position (e.g. ``[CLS]``, ``[SEP]``, padding).
+        keep_columns: columns of the rows copied as they are into each context (a measure that groups contexts, such
+            as gradient alignment's source column); a row without one of them is refused.
 
     Returns:
         A list of rows ``{"input_ids", "attention_mask", "labels"}`` (lists of ints), with the row's
@@ -109,6 +112,10 @@ def build_masked_contexts(
         context = {"input_ids": masked, "attention_mask": list(attention_mask), "labels": labels}
         if "token_type_ids" in row:
             context["token_type_ids"] = _as_list(row["token_type_ids"])
+        for column in keep_columns:
+            if column not in row:
+                raise ValueError(f"Row {index % len(rows)} has no {column!r} column; give every row one.")
+            context[column] = row[column]
         contexts.append(context)
     return contexts
 

@@ -156,9 +156,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tokenizer is not None:
         args.tokenizer = local_path_or_hub_id(args.tokenizer, "--tokenizer")
     check_data_file(args.data, flag="--data")  # an empty file: before torch and datasets load
+    check_output_file(args.output, "--output")
     check_outputs_spare_inputs({"--output": args.output, "--plot": args.plot}, trace_inputs(args))
-    # an existing --output is written over only when it is an earlier result of this command: a user's file is kept
-    check_output_file(args.output, "--output", own_keys=RESULT_KEYS, own_name="an hf-flatbias trace result")
     if args.plot:
         check_output_file(args.plot, "--plot")
     result = measure(args)

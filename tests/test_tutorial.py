@@ -52,6 +52,26 @@ def test_a_changed_default_is_caught(report, monkeypatch):
     assert json.loads(json.dumps(changed)) != report["config"]
 
 
+def test_a_changed_estimator_default_is_caught(report, monkeypatch):
+    """...and a default of the estimator the demo's callback leaves as it is: the output probe's change from sampled
+    labels to random signs changed every trace digit of the tutorial (issue 58)."""
+    import inspect
+
+    from hf_flatbias.flatness import api
+
+    original = api.estimate_hessian_trace
+    signature = inspect.signature(original)
+    parameters = [p.replace(default="label") if p.name == "output_probe" else p for p in signature.parameters.values()]
+
+    def with_labels(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    with_labels.__signature__ = signature.replace(parameters=parameters)
+    monkeypatch.setattr(api, "estimate_hessian_trace", with_labels)
+    changed = json.loads(json.dumps(demo_settings(build_parser().parse_args(["demo"]))))
+    assert changed["estimator"]["output_probe"] == "label" != report["config"]["estimator"]["output_probe"]
+
+
 def test_the_tutorials_blocks_are_the_committed_run(render):
     text = TUTORIAL.read_text()
     assert render.stale_blocks(text) == [], RECORD_AGAIN

@@ -161,11 +161,20 @@ def demo_settings(args: argparse.Namespace) -> dict[str, Any]:
     from ..callbacks.trace_config import TraceCallbackConfig
 
     flags = {key: value for key, value in vars(args).items() if key not in ("func", "command", "debug")}
-    return {
-        **flags,
-        "training": _training_settings(args),
-        "trace": asdict(TraceCallbackConfig(**_trace_settings(args))),
-    }
+    trace = asdict(TraceCallbackConfig(**_trace_settings(args)))
+    return {**flags, "training": _training_settings(args), "trace": trace, "estimator": _estimator_defaults(trace)}
+
+
+def _estimator_defaults(trace: dict[str, Any]) -> dict[str, Any]:
+    """The defaults of `estimate_hessian_trace` that the callback leaves as they are (the output probe, for one: the
+    trace's draws changed with it and the tutorial's numbers with them, issue 58)."""
+    import inspect
+
+    from ..flatness.api import estimate_hessian_trace
+
+    ignored = {*trace, "n_contexts", "across_processes", "progress"}  # set by the callback, or no effect on numbers
+    parameters = inspect.signature(estimate_hessian_trace).parameters.values()
+    return {p.name: p.default for p in parameters if p.default is not p.empty and p.name not in ignored}
 
 
 def _training_settings(args: argparse.Namespace) -> dict[str, Any]:

@@ -93,6 +93,8 @@ def pytest_collection_modifyitems(config, items):
     smoke = set(SMOKE)
     for item in items:
         path = Path(str(item.path))
+        if not path.is_relative_to(REPO / "tests") or path.suffix != ".py":
+            continue
         if path.relative_to(REPO / "tests").as_posix() + "::" + item.name in smoke:
             item.add_marker(pytest.mark.smoke)
         if is_research_test(path):

@@ -130,6 +130,22 @@ def test_the_readmes_test_paragraph_is_one_dated_measurement_of_the_current_smok
     assert f"`pytest -m smoke` ran its {len(SMOKE)} tests" in " ".join(paragraph.split()), "the smoke list changed"
 
 
+def test_the_marking_hook_passes_over_items_outside_tests(tmp_path):
+    """A file run by path from elsewhere (or a doctest) is neither smoke nor research, and does not break collection."""
+    from conftest import pytest_collection_modifyitems
+
+    class Item:
+        path, name, markers = tmp_path / "test_elsewhere.py", "test_x", []
+
+        def add_marker(self, marker):
+            self.markers.append(marker)
+
+    Item.path.write_text("from research import units\n")
+    item = Item()
+    pytest_collection_modifyitems(None, [item])
+    assert item.markers == []
+
+
 def test_research_tests_are_found_by_what_they_import():
     tests = REPO / "tests"
     assert is_research_test(tests / "test_ruler_gate.py")  # imports research.ruler

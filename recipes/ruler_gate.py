@@ -17,9 +17,9 @@ skips what it holds (other settings: another ``--out``). The rule and its histor
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -47,6 +47,7 @@ from research.ruler import (
 )
 from transformers import BertForMaskedLM
 
+from hf_flatbias.cli import OneLineErrorParser, run_recipe
 from hf_flatbias.results import write_json
 from hf_flatbias.synthetic import PCFG
 
@@ -87,7 +88,7 @@ class GateSettings:
 def parse_settings(argv: list[str] | None = None) -> tuple[GateSettings, Path]:
     """The command line as `GateSettings` and the output path."""
     defaults = GateSettings()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrorParser(description=__doc__.splitlines()[0])
     for field in dataclasses.fields(GateSettings):
         flag = "--" + field.name.replace("_", "-")
         if field.name == "cv_grid":
@@ -98,7 +99,35 @@ def parse_settings(argv: list[str] | None = None) -> tuple[GateSettings, Path]:
     args = vars(parser.parse_args(argv))
     out = args.pop("out")
     args["cv_grid"] = tuple(args["cv_grid"])
-    return GateSettings(**args), out
+    settings = GateSettings(**args)
+    check_settings(settings)
+    return settings, out
+
+
+def check_settings(settings: GateSettings) -> None:
+    """A `ValueError` of one line naming the flag, before the pool is drawn: a negative count failed deep in the
+    split arithmetic."""
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    minimum = {"cv_folds": 2, "grammar_seed": 0, "finetune_seed": 0, "finetune_splits": 0}
+    for field in dataclasses.fields(GateSettings):
+        value = getattr(settings, field.name)
+        if field.type == "int" and value < minimum.get(field.name, 1):
+            raise ValueError(
+                f"{flag(field.name)} must be a whole number >= {minimum.get(field.name, 1)} (got {value})."
+            )
+        if field.type == "float" and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{flag(field.name)} must be a finite number > 0 (got {value}).")
+    if settings.finetune_splits > settings.n_splits:
+        raise ValueError(
+            f"--finetune-splits must be from 0 to --n-splits {settings.n_splits} (got {settings.finetune_splits})."
+        )
+    if not settings.cv_grid or not all(math.isfinite(c) and c > 0 for c in settings.cv_grid):
+        raise ValueError(f"--cv-grid must be finite numbers > 0 (got {' '.join(map(str, settings.cv_grid))}).")
+    if settings.shape not in SHAPES:
+        raise ValueError(f"--shape {settings.shape}: choose one of {', '.join(SHAPES)}.")
 
 
 def load_state(path: Path, settings: GateSettings) -> dict[str, Any]:
@@ -302,4 +331,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

@@ -3,6 +3,7 @@ resumption, and the committed JSON's verdict recomputed from its own rows."""
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -164,3 +165,29 @@ def test_committed_gate_recomputes_from_its_rows():
         assert gate["verdict"] == again["verdict"] == ("PASS" if again["sd_difference"] <= 0.002 else "FAIL")
     else:
         assert gate["verdict"].startswith("incomplete")
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--cv-folds", "1"], "--cv-folds must be a whole number >= 2 (got 1)"),
+        (["--finetune-splits", "9"], "--finetune-splits must be from 0 to --n-splits 5 (got 9)"),
+        (["--threshold", "nan"], "--threshold must be a finite number > 0 (got nan)"),
+        (["--cv-grid", "0.1", "-1"], "--cv-grid must be finite numbers > 0 (got 0.1 -1.0)"),
+        (["--shape", "round"], "--shape round: choose one of"),
+    ],
+)
+def test_bad_flags_are_refused_when_parsed(recipes, argv, expected):
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        recipes.load("ruler_gate").parse_settings(argv)
+
+
+def test_a_negative_count_is_one_line_before_anything_is_read(recipes, tmp_path):
+    """Issue 58, item 8: --n-fit -5 ended in a 9-line traceback; a flag of the wrong form is one line too."""
+    for argv, expected in ((["--n-fit", "-5"], "--n-fit must be a whole number >= 1 (got -5)"),
+                           (["--n-fit", "4.5"], "argument --n-fit: invalid int value: '4.5'")):  # fmt: skip
+        completed = recipes.run("ruler_gate.py", *argv, "--out", str(tmp_path / "gate.json"), tmp_path=tmp_path)
+        err = completed.stderr.strip().splitlines()
+        assert completed.returncode == 2 and len(err) == 1 and "Traceback" not in completed.stderr, completed.stderr
+        assert err[0].startswith("ruler_gate.py: error: ") and expected in err[0], err
+        assert not (tmp_path / "gate.json").exists()

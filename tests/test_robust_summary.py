@@ -160,3 +160,18 @@ def test_trace_command_line_names_groups_and_share():
         {"median_of_means": 131.2, "median_of_means_groups": 10, "top_share": 0.29, "top_share_units": 20}
     )
     assert line == "Median of means (10 groups): 131.2; the top 20 contexts carry 29.0% of it"
+
+
+def test_compare_sorts_by_the_median_of_means(tmp_path, capsys):
+    from hf_flatbias.cli import main as cli_main
+    from hf_flatbias.modelcard import FlatnessCard
+
+    for name, mean, mom in (("heavy", 179.7, 131.2), ("plain", 150.0, 140.0), ("old", 100.0, None)):
+        FlatnessCard(model_name=name, hessian_trace=mean, hessian_trace_median_of_means=mom).save(tmp_path / name)
+    folders = [str(tmp_path / name) for name in ("heavy", "plain", "old")]
+    assert cli_main(["compare", *folders, "--sort", "trace_median_of_means"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if str(tmp_path) in line]
+    assert [row.split("|")[1].strip().rsplit("/", 1)[-1] for row in rows] == ["heavy", "plain", "old"]
+    assert cli_main(["compare", *folders, "--sort", "trace"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if str(tmp_path) in line]
+    assert [row.split("|")[1].strip().rsplit("/", 1)[-1] for row in rows] == ["old", "plain", "heavy"]

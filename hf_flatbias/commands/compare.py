@@ -7,6 +7,13 @@ import math
 
 from .paths import check_not_demo_folder, local_path_or_hub_id
 
+SORT_FIELDS = {
+    "trace": "hessian_trace",
+    "trace_median_of_means": "hessian_trace_median_of_means",
+    "loss": "pretraining_loss",
+}
+"""The card field each ``--sort`` key orders by."""
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -26,9 +33,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--sort",
-        choices=("none", "trace", "loss"),
+        choices=("none", *SORT_FIELDS),
         default="none",
-        help="Order the rows by trace or pre-training loss (unknown values last); default: as given.",
+        help="Order the rows by trace, by the trace's median of means (which a few contexts with huge gradients "
+        "cannot carry) or by pre-training loss (unknown values last); default: as given.",
     )
     parser.set_defaults(func=run)
 
@@ -47,8 +55,7 @@ def run(args: argparse.Namespace) -> int:
         for name, source in zip(args.models, sources, strict=True)
     ]
     if args.sort != "none":
-        field = "hessian_trace" if args.sort == "trace" else "pretraining_loss"
-        cards.sort(key=lambda item: _unknown_last(getattr(item[1], field)))
+        cards.sort(key=lambda item: _unknown_last(getattr(item[1], SORT_FIELDS[args.sort])))
     print(format_comparison_table(cards))
     return 0
 

@@ -3,8 +3,10 @@
 Rules: `research.rules_v3` (prose: recipes/research/results/campaign_v3/RULES.md), committed before any read. v3
 trains nothing. ``--phase reads`` fine-tunes the gate's pair until the gate decides its rung, then every stage's
 checkpoints in the rules' order at that rung (the probe reads a stage lacks follow it), until everything is read or
-13 CPU-hours of reading are spent. ``--phase analyse`` writes ``contrasts.json`` from the reads on disk and the docs'
-tables. Resumable read by read; two processes may share the work (at most two, by the rules):
+13 CPU-hours of reading are spent. ``--phase measures`` takes the tournament's measures (`research.measures_v3`) on
+every checkpoint, the cheap groups first, the spectrum last. ``--phase analyse`` writes ``contrasts.json`` and
+``tournament.json`` from what is on disk, and the docs' tables. Resumable read by read; two processes may share the
+work (at most two, by the rules):
 
     mkdir -p outputs/campaign_v3; for i in 1 2; do OMP_NUM_THREADS=1 PYTHONPATH=$PWD:$PWD/recipes nohup nice -n 10 \\
       python recipes/pcfg_campaign_v3.py --phase reads >> outputs/campaign_v3/reads-$i.log 2>&1 & echo $! \\
@@ -31,7 +33,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "reproduction" / "campaign
 
 def parse_arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phase", choices=["reads", "analyse"], required=True, help="what to run")
+    parser.add_argument("--phase", choices=["reads", "measures", "analyse"], required=True, help="what to run")
     parser.add_argument("--results", type=Path, default=RESULTS, help="the folder of v3's JSON (default: committed)")
     parser.add_argument("--work-dir", type=Path, default=WORK, help="where the ruler's row cache lives")
     parser.add_argument(
@@ -48,7 +50,20 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     sizes = RulerSizes()
     finetune = FinetuneStore(args.results / "finetune_reads.json", sizes)
-    if args.phase == "reads":
+    if args.phase == "measures":
+        from research.measures_v3 import MEASURE_GROUPS, MeasureStore, measure_checkpoints
+        from transformers import BertForMaskedLM
+
+        language = load_material(args.work_dir, Sizes()).language
+        loaders = {
+            key: (lambda path=checkpoint.path: BertForMaskedLM.from_pretrained(path).eval())
+            for key, checkpoint in checkpoint_table().items()
+        }
+        store = MeasureStore(args.results / "measures.json")
+        cheap = [group for group in MEASURE_GROUPS if group != "spectrum"]
+        for groups in (cheap, ["spectrum"]):  # Amendment 1: the spectrum last
+            measure_checkpoints(store, loaders, language.trace_contexts, groups)
+    elif args.phase == "reads":
         language = load_material(args.work_dir, Sizes()).language  # v1's grammar seed 0, as v2 read it
         run = ReadsRun(
             checkpoints=checkpoint_table(),
@@ -63,10 +78,11 @@ def main(argv=None) -> None:
         print(f"[v3] reads loop ended; gate: {json.dumps(gate)}", flush=True)
     else:
         from research.campaign_v3_report import contrasts_table, gate_table, progress_table
-        from research.verdicts_v3 import write_contrasts
+        from research.verdicts_v3 import write_contrasts, write_tournament
 
         checkpoints = checkpoint_table()
         payload = write_contrasts(args.results, checkpoints, finetune.reads, sizes)
+        write_tournament(args.results, checkpoints, finetune.reads, sizes)
         gate = gate_state(finetune.reads, sizes.n_splits)
         text = DOCS.read_text()
         for name, body in (

@@ -249,3 +249,31 @@ def test_the_docs_tables_equal_the_committed_json():
     ):
         block = page.split(f"<!-- v3 {name}: begin -->\n", 1)[1].split(f"\n<!-- v3 {name}: end -->", 1)[0]
         assert block == body, name
+
+
+def test_tournament_ranks_a_planted_measure_above_noise_and_holds_kl_fixed():
+    """Fake C1 and C3 groups: transfer falls with a planted sharpness measure beyond what KL explains; a second
+    measure is noise, a third only tracks KL. Only the planted one survives Holm, in the paper's direction."""
+    rng = np.random.default_rng(4)
+    checkpoints, reads, values = {}, {}, {}
+    for seed in range(5):
+        for family, labels in (("c1", ["start"] + [f"step-{s}" for s in rules_v3.C1_STEPS]), ("c3", rules_v3.C3_ARMS)):
+            for label in labels:
+                key = f"{family}/{seed}/{label}"
+                kl = 0.008 + 0.001 * rng.normal()
+                sharp = rng.normal()
+                checkpoints[key] = _checkpoint(key, family, seed, label, kl)
+                reads[key] = (0.8 - 0.01 * sharp - 1.0 * kl + 0.001 * rng.normal(size=5)).tolist()
+                values[key] = {
+                    "fisher_trace": 100 + 10 * sharp,
+                    "sam_sharpness": rng.normal(),
+                    "weight_noise": kl,
+                }
+    found = v3.tournament(checkpoints, {"finetune": reads}, values, bootstraps=200, permutations=199)
+    planted = found["measures"]["fisher_trace"]["finetune"]
+    assert planted["partial_rank_correlation"] < -0.8 and planted["survives"] and planted["paper_direction"]
+    assert planted["ci"][1] < 0 and planted["selection"]["gain"]["mean"] > 0
+    assert not found["measures"]["sam_sharpness"]["finetune"]["survives"]
+    kl_only = found["measures"]["weight_noise"]["finetune"]  # KL's own ranks are partialled out: nothing is left
+    assert np.isnan(kl_only["partial_rank_correlation"]) and np.isnan(kl_only["p"]) and not kl_only["survives"]
+    assert found["measures"]["hessian_trace"]["finetune"]["status"] == "not measured or not read"

@@ -199,18 +199,46 @@ def contrasts(
     return payload
 
 
+def _probe_stores(results: Path) -> list[Mapping[str, Any]]:
+    """v2's probe reads, then v3's own."""
+    import json
+
+    paths = (results.parent / "campaign_v2" / "claims" / "reads.json", results / "probe_reads.json")
+    return [json.loads(path.read_text())["reads"] for path in paths if path.exists()]
+
+
+def write_tournament(
+    results: Path, checkpoints: Mapping[str, Checkpoint], raw_finetune: Mapping[str, Any], sizes: RulerSizes
+) -> dict[str, Any] | None:
+    """``tournament.json`` from the reads and ``measures.json`` on disk (None, nothing written, before any measure)."""
+    import json
+
+    from .measures_v3 import tournament_values
+
+    if not (results / "measures.json").exists():
+        return None
+    measured = json.loads((results / "measures.json").read_text())["measures"]
+    values = {key: tournament_values(groups) for key, groups in measured.items()}
+    gate = gate_state(raw_finetune, sizes.n_splits)
+    keys = list(checkpoints)
+    readouts = {"probe": probe_reads(_probe_stores(results), keys, sizes.n_splits)}
+    if gate["decided"]:
+        readouts[FINETUNE] = finetune_reads(raw_finetune, keys, sizes.n_splits, gate)
+    payload = {
+        "rules": "RULES.md",
+        "gate": gate,
+        **tournament(checkpoints, readouts, values),
+        "sensitivity_saturated": tournament(checkpoints, readouts, values, saturated_only=True)["measures"],
+    }
+    write_json(results / "tournament.json", payload)
+    return payload
+
+
 def write_contrasts(
     results: Path, checkpoints: Mapping[str, Checkpoint], raw_finetune: Mapping[str, Any], sizes: RulerSizes
 ) -> dict[str, Any]:
     """``contrasts.json`` from the reads on disk; returns it."""
-    import json
-
-    stores = [
-        json.loads(path.read_text())["reads"]
-        for path in (results.parent / "campaign_v2" / "claims" / "reads.json", results / "probe_reads.json")
-        if path.exists()
-    ]
-    payload = contrasts(checkpoints, raw_finetune, stores, sizes.n_splits)
+    payload = contrasts(checkpoints, raw_finetune, _probe_stores(results), sizes.n_splits)
     summary = {FINETUNE: {}, "probe": {}}
     for readout in summary:
         for name, row in payload.get(readout, {}).items():
@@ -241,7 +269,7 @@ def partial_rank_correlation(groups: Sequence[Group]) -> float:
         ry.append(_residual_ranks(np.asarray(y), kl_ranks))
         rm.append(_residual_ranks(np.asarray(m), kl_ranks))
     a, b = np.concatenate(ry), np.concatenate(rm)
-    if a.std() == 0 or b.std() == 0:
+    if a.std() < 1e-9 or b.std() < 1e-9:  # ranks are O(1): below this the residual is rounding, not signal
         return math.nan
     return float(np.corrcoef(a, b)[0, 1])
 
@@ -262,18 +290,24 @@ def seed_bootstrap(
         value = statistic([g for s in chosen for g in groups_by_seed[s]])
         if not math.isnan(value):
             values.append(value)
+    if not values:
+        return [math.nan, math.nan]
     tail = (1 - confidence) / 2 * 100
     return [float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail))]
 
 
 def within_group_permutation_p(groups: Sequence[Group], n: int = rules.PERMUTATIONS, seed: int = 0) -> float:
-    """Two-sided p of `partial_rank_correlation` with the measure permuted inside each group ((k + 1) / (n + 1))."""
+    """Two-sided p of `partial_rank_correlation` with the measure permuted inside each group ((k + 1) / (n + 1));
+    NaN when the correlation is undefined (the measure's ranks are KL's)."""
     rng = np.random.default_rng(seed)
     observed = abs(partial_rank_correlation(groups))
+    if math.isnan(observed):
+        return math.nan
     exceed = 0
     for _ in range(n):
         shuffled = [(y, rng.permutation(m), kl) for y, m, kl in groups]
-        exceed += abs(partial_rank_correlation(shuffled)) >= observed - 1e-12
+        value = partial_rank_correlation(shuffled)
+        exceed += bool(math.isnan(value) or abs(value) >= observed - 1e-12)
     return (exceed + 1) / (n + 1)
 
 
@@ -304,3 +338,87 @@ def selection_gain(
         shortfall[str(seed)] = float(max(np.mean(row[0]) for row in rows) - np.mean(pick[0]))
     gain = two_way_interval([differences[s] for s in sorted(differences)])
     return {"gain": gain, "per_seed": {s: float(np.mean(d)) for s, d in differences.items()}, "shortfall": shortfall}
+
+
+# ---------------------------------------------------------------- the tournament
+
+
+def tournament_groups(
+    checkpoints: Mapping[str, Checkpoint], reads: Reads, values: Mapping[str, Mapping[str, float]], measure: str
+) -> dict[int, list[Group]]:
+    """Per model seed, its within-seed groups (C1: start and branches; C3: the arms) in which every checkpoint is
+    read and measured: ``(transfer averaged over splits, measure, KL)``."""
+    found: dict[int, list[Group]] = {}
+    for family in ("c1", "c3"):
+        for seed in sorted({c.seed for c in checkpoints.values() if c.family == family}):
+            members = [c for c in checkpoints.values() if c.family == family and c.seed == seed]
+            if len(members) < rules.MIN_GROUP_SIZE or any(
+                c.key not in reads or measure not in values.get(c.key, {}) for c in members
+            ):
+                continue
+            found.setdefault(seed, []).append(
+                (
+                    np.array([np.mean(reads[c.key]) for c in members]),
+                    np.array([values[c.key][measure] for c in members]),
+                    np.array([c.kl for c in members]),
+                )
+            )
+    return found
+
+
+def tournament(
+    checkpoints: Mapping[str, Checkpoint],
+    readouts: Mapping[str, Reads],
+    values: Mapping[str, Mapping[str, float]],
+    *,
+    saturated_only: bool = False,
+    bootstraps: int = rules.BOOTSTRAPS,
+    permutations: int = rules.PERMUTATIONS,
+) -> dict[str, Any]:
+    """RULES.md's tournament: per measure and read-out the pooled within-seed partial rank correlation given KL, its
+    seed-bootstrap interval, the within-group permutation p, Holm over the measures, and (directed measures) the
+    selection gain over the lowest KL; ``{"measures": {name: {readout: row}}, ...}``."""
+    if saturated_only:
+        checkpoints = {k: c for k, c in checkpoints.items() if c.saturated}
+    table: dict[str, dict[str, Any]] = {name: {} for name in rules.MEASURES}
+    for readout, reads in readouts.items():
+        pvalues = {}
+        for name in rules.MEASURES:
+            groups_by_seed = tournament_groups(checkpoints, reads, values, name)
+            groups = [g for seed in sorted(groups_by_seed) for g in groups_by_seed[seed]]
+            if len(groups_by_seed) < 2:
+                table[name][readout] = {"status": "not measured or not read", "seeds": sorted(groups_by_seed)}
+                continue
+            rho = partial_rank_correlation(groups)
+            row: dict[str, Any] = {
+                "status": "ranked",
+                "seeds": sorted(groups_by_seed),
+                "groups": len(groups),
+                "checkpoints": int(sum(len(g[0]) for g in groups)),
+                "partial_rank_correlation": rho,
+                "ci": seed_bootstrap(groups_by_seed, partial_rank_correlation, n=bootstraps),
+                "p": within_group_permutation_p(groups, n=permutations),
+                "direction": rules.MEASURE_DIRECTION[name],
+            }
+            direction = rules.MEASURE_DIRECTION[name]
+            row["paper_direction"] = bool(direction and not math.isnan(rho) and np.sign(rho) == -direction)
+            if not math.isnan(row["p"]):
+                pvalues[name] = row["p"]
+            row["p_holm"], row["survives"] = math.nan, False  # a measure without a p (no residual) cannot survive
+            if direction:
+                c1 = {
+                    seed: [
+                        (reads[c.key], values[c.key][name], c.kl)
+                        for c in checkpoints.values()
+                        if c.family == "c1" and c.seed == seed
+                    ]
+                    for seed in groups_by_seed
+                    if all(c.key in reads for c in checkpoints.values() if c.family == "c1" and c.seed == seed)
+                }
+                if len(c1) >= 2:
+                    row["selection"] = selection_gain(c1, direction)
+            table[name][readout] = row
+        for name, adjusted in holm(pvalues).items():
+            table[name][readout]["p_holm"] = adjusted
+            table[name][readout]["survives"] = adjusted <= rules.SURVIVE_ALPHA
+    return {"measures": table, "saturated_only": saturated_only}

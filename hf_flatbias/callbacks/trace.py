@@ -83,8 +83,9 @@ class HessianTraceCallback(TrainerCallback):
             ``on_evaluate``, ``measure_at_end``, ``estimator``, ``seed``, ``batch_size``, ``mask_token_id``,
             ``by_group``, ``also_measure``, ``eigenvalue_matrix``, ``sam_rho``, ``measure_settings``, ``max_overhead``,
             ``full_final_measurement``), documented and checked there; they are kept in `config`. ``also_measure`` names
-            measures of `hf_flatbias.measures.MEASURE_TABLE` (top_eigenvalue, sam_sharpness, weight_noise, quantization,
-            critical_sharpness, forgetting), logged under their entry's keys (``flatness/<name>`` with
+            measures of `hf_flatbias.measures.MEASURE_TABLE` (top_eigenvalue, spectrum_shape, sam_sharpness,
+            weight_noise, quantization, critical_sharpness, relative_critical_sharpness, gradient_alignment,
+            forgetting), logged under their entry's keys (``flatness/<name>`` with
             ``..._stderr``), kept in `flatness_record` and recorded on the card with their settings and step; every
             process computes ``sam_sharpness``, ``weight_noise``, ``quantization``, ``forgetting`` (and
             ``top_eigenvalue`` with exact products) whole, while ``critical_sharpness`` and finite-difference

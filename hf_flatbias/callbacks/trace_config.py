@@ -70,8 +70,8 @@ class TraceCallbackConfig:
         metadata={
             "help": "Settings of the also_measure measures by the names of hf_flatbias.measures.MeasureSettings "
             "(noise_sigmas, noise_scale, noise_draws, quantization_bits, quantization_group_size, critical_rtol, "
-            "critical_batch_size, top_k, sam_batch_size, forgetting_task, forgetting_steps and the other "
-            "forgetting_* settings)."
+            "critical_batch_size, top_k, power_law_k, alignment_column, alignment_blocks, sam_batch_size, "
+            "forgetting_task, forgetting_steps and the other forgetting_* settings)."
         },
     )
     max_overhead: float | None = field(

@@ -51,7 +51,10 @@ class FlatnessArguments:
     )
     sam_rho: float = field(
         default=DEFAULT_SAM_RHO,
-        metadata={"help": "Radius of the SAM/ASAM neighbourhood. ASAM usually needs a larger value (about 0.5-2)."},
+        metadata={
+            "help": "Radius of the SAM/ASAM neighbourhood (Momentum-SAM: the length of its step along the coming "
+            "update). ASAM usually needs a larger value (about 0.5-2)."
+        },
     )
     asam_eta: float = field(
         default=0.01,
@@ -153,8 +156,8 @@ class FlatnessArguments:
         default=1,
         metadata={
             "help": "Run the SAM/ASAM/LookSAM second pass on every k-th optimizer update only (updates 0, k, 2k, ...); "
-            "the updates in between are plain steps (LookSAM: its cheap reuse step). Costs about 1 + 1/k plain "
-            "steps. 1 = every update."
+            "the updates in between are plain steps (LookSAM: its cheap reuse step; Momentum-SAM perturbs on those "
+            "updates only). Costs about 1 + 1/k plain steps. 1 = every update."
         },
     )
     looksam_alpha: float = field(

@@ -107,6 +107,8 @@ class FlatnessTrainerMixin(TokenWeightedLossMixin):
         self._flatness_card_metadata: dict[str, Any] = {}
         if self.accelerator.distributed_type == DistributedType.FSDP:
             check_fsdp_supports_method(self.args, fsdp_version=self.accelerator.state.fsdp_plugin.fsdp_version)
+        if self.accelerator.distributed_type.name.startswith("MULTI_"):  # DDP over any device kind
+            check_method_supports(self.args.flatness_method, "ddp")
         if _has_peft_adapters(self.model):
             check_method_supports(self.args.flatness_method, "adapters")
         #: The configured method, with the state it keeps between updates.

@@ -30,6 +30,8 @@ METHODS = {
     "looksam": {"flatness_method": "looksam", "sam_rho": 0.05, "sam_every_k": 2},
     "fisher_penalty": {"flatness_method": "fisher_penalty", "penalty_lambda": 0.1},
     "grad_norm_penalty": {"flatness_method": "grad_norm_penalty", "penalty_lambda": 0.02, "penalty_fd_step": 0.05},
+    # five updates: the first, before the optimizer has a momentum, takes no perturbation
+    "momentum_sam": {"flatness_method": "momentum_sam", "sam_rho": 0.05, "optim_args": "momentum=0.9", "max_steps": 5},
 }
 
 

@@ -271,6 +271,42 @@ METHOD_TABLE: dict[str, MethodSpec] = {
             "adds penalty_lambda x ||grad L|| (Zhao et al., ICML 2022)",
             "hf_flatbias.sharpness.methods.grad_norm_penalty:GradNormPenalty",
         ),
+        MethodSpec(
+            name="momentum_sam",
+            title="Momentum-SAM",
+            help="Momentum-SAM (Becker et al., arXiv 2401.12033), the gradient taken at w - rho * d / ||d|| with d "
+            "the optimizer's coming update read from its state (AdamW: m_hat / (sqrt(v_hat) + eps), weight decay "
+            "left out; SGD: the momentum buffer), so a step is one forward/backward; the first update, before the "
+            "optimizer has state, is plain; the logged loss is the loss at the perturbed weights; needs optim in "
+            "adamw_torch, adamw_torch_fused, or sgd with optim_args='momentum=...'",
+            method_class="hf_flatbias.sharpness.methods.momentum_sam:MomentumSam",
+            family="sam",
+            options=_SAM_OPTIONS,
+            step_options=SAM_WINDOW_OPTIONS,
+            engines=("single_process",),
+            batch_scope=True,
+            torch_compile=True,
+            trl_trainers=TRL_TRAINERS,
+            activation_offloading=False,
+            adapters=True,
+            optimizers=("adamw_torch", "adamw_torch_fused", "sgd"),
+            passes_per_step=1,
+            refusals={
+                "deepspeed": "flatness_method='momentum_sam' is not supported with DeepSpeed: it reads the "
+                "optimizer's moments per parameter, which ZeRO keeps in its own flat partitions. Use DDP (accelerate "
+                "launch --multi_gpu) or a single process.",
+                "fsdp2": "flatness_method='momentum_sam' is not supported under FSDP2 yet (its direction's norm over "
+                "sharded optimizer state has no exact test there); use DDP (accelerate launch --multi_gpu) or a "
+                "single process.",
+                "ddp": "flatness_method='momentum_sam' is not supported under DDP yet (no exact test there); use a "
+                "single process.",
+                "activation_offloading": "activation_offloading=True is not supported with "
+                "flatness_method='momentum_sam' (not tested there); set activation_offloading=False.",
+                "optim": "flatness_method='momentum_sam' reads the coming update from the optimizer's state, which it "
+                "can for torch's AdamW and for SGD with momentum; set optim='adamw_torch', 'adamw_torch_fused' or "
+                "'sgd' (with optim_args='momentum=0.9').",
+            },
+        ),
     )
 }
 """Every flatness method, by name, in the order the config's choices list them."""

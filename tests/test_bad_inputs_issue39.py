@@ -408,7 +408,8 @@ def test_every_bad_input_of_issue_39_is_one_line_and_loses_nothing(language_mode
     fixture = tmp_path / "fixture"
     fixture.mkdir()
     earlier = fixture / "earlier.json"
-    earlier.write_text('{"estimate": {"mean": 1.0}}\n')
+    earlier_result = {"model": "m", "data": "d", "split": None, "seed": 0, "device": "cpu", "estimate": {"mean": 1.0}}
+    earlier.write_text(json.dumps(earlier_result) + "\n")  # a trace result, which --output may write over
     rows = {
         "floats": [{"input_ids": [2, 5.5, 6.0, 3]}],
         "string": [{"input_ids": "2 5 6 3"}],

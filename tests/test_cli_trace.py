@@ -68,6 +68,27 @@ def test_trace_command_prints_and_writes_the_library_estimate(checkpoint, tmp_pa
     assert estimate["stderr"] == pytest.approx(expected.stderr, rel=1e-6)
 
 
+def test_trace_command_writes_its_result_whole_or_not_at_all_and_over_its_own_earlier_result(
+    checkpoint, tmp_path, monkeypatch, capsys
+):
+    folder, data, _, _ = checkpoint
+    output = tmp_path / "trace.json"
+    arguments = ["trace", str(folder), "--data", str(data), "--n-contexts", "2", "--n-draws", "1", "--no-progress"]
+    assert main([*arguments, "--output", str(output)]) == 0  # a new file
+    earlier = output.read_bytes()
+
+    def killed_before_the_rename(*_):
+        raise OSError("killed")
+
+    monkeypatch.setattr("hf_flatbias.results.os.replace", killed_before_the_rename)
+    assert main([*arguments, "--seed", "1", "--output", str(output)]) == 2
+    assert output.read_bytes() == earlier  # the earlier result, still whole
+    monkeypatch.undo()
+    assert main([*arguments, "--seed", "1", "--output", str(output)]) == 0  # its own earlier result is written over
+    assert json.loads(output.read_text())["seed"] == 1
+    capsys.readouterr()
+
+
 def test_trace_command_progress_bar_can_be_turned_off(checkpoint, tmp_path, capsys):
     folder, data, _, _ = checkpoint
     arguments = ["trace", str(folder), "--data", str(data), "--n-contexts", "2", "--n-draws", "1", "--no-progress"]

@@ -96,3 +96,71 @@ def test_unrelated_paths_and_hub_ids_pass(tmp_path):
     )
     check_outputs_spare_inputs({"--output": str(tmp_path / "data.jsonl.out")}, {"--data": "user/dataset"})
     check_outputs_spare_inputs({"--output-dir": str(tmp_path / "glue")}, {"MODEL": str(model)}, folders=True)
+
+
+@pytest.mark.parametrize(
+    "content",
+    ['{"note": "mine"}\n', "line one\nline two\n", json.dumps({"model": "m", "data": "d"}), ""],
+    ids=["other json", "text", "some of the keys", "empty"],
+)
+def test_trace_output_that_is_not_a_trace_result_is_refused_and_kept(data_and_model, tmp_path, capsys, content):
+    data, model = data_and_model
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text(content)
+    _refused_untouched(
+        ["trace", str(model), "--data", str(data), "--output", str(notes)], capsys, [notes], "--output",
+        "not an hf-flatbias trace result", "pass another --output",
+    )  # fmt: skip
+
+
+def test_trace_output_that_is_an_earlier_result_passes_the_check(tmp_path):
+    from hf_flatbias.commands.paths import check_output_file
+    from hf_flatbias.commands.trace import RESULT_KEYS
+
+    earlier = tmp_path / "hessian_trace.json"
+    earlier.write_text(json.dumps({"model": "m", "data": "d", "split": None, "seed": 0, "device": "cpu"}))
+    check_output_file(str(earlier), "--output", own_keys=RESULT_KEYS, own_name="an hf-flatbias trace result")
+    check_output_file(str(tmp_path / "new.json"), "--output", own_keys=RESULT_KEYS, own_name="a trace result")
+
+
+def test_demo_output_folder_of_the_users_own_is_refused_and_kept(tmp_path, capsys):
+    project = tmp_path / "project"
+    project.mkdir()
+    notes = project / "notes.txt"
+    notes.write_text("mine\n")
+    _refused_untouched(
+        ["demo", "--output-dir", str(project)], capsys, [notes], "--output-dir", "'notes.txt'", "new or empty"
+    )
+    assert sorted(path.name for path in project.iterdir()) == ["notes.txt"]
+
+
+def test_demo_output_folder_holding_only_the_demos_files_passes_the_check(tmp_path):
+    from hf_flatbias.commands.paths import check_output_folder, is_demo_entry
+
+    for name in ("adamw", "sam"):
+        (tmp_path / name).mkdir()
+    for name in ("demo.json", "demo.png", "demo.json.123.partial"):
+        (tmp_path / name).write_text("{}")
+    check_output_folder(str(tmp_path), "--output-dir", own_entries=is_demo_entry, own_name="the demo")
+    check_output_folder(str(tmp_path / "new"), "--output-dir", own_entries=is_demo_entry, own_name="the demo")
+
+
+def test_glue_output_folder_of_the_users_own_is_refused_and_kept(tmp_path, capsys):
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    runs = tmp_path / "runs"
+    (runs / "sst2-full-seed0").mkdir(parents=True)  # an earlier run of this command may be written over
+    notes = runs / "notes.txt"
+    notes.write_text("mine\n")
+    _refused_untouched(
+        ["glue", str(model), "--task", "sst2", "--output-dir", str(runs)], capsys, [notes], "--output-dir",
+        "'notes.txt'",
+    )  # fmt: skip
+    notes.unlink()
+    from hf_flatbias.commands.paths import check_output_folder
+    from hf_flatbias.glue.tasks import is_run_folder_name, run_folder_name
+
+    check_output_folder(str(runs), "--output-dir", own_entries=is_run_folder_name, own_name="hf-flatbias glue")
+    assert all(is_run_folder_name(run_folder_name("stsb", mode, 3)) for mode in ("full", "linear_cls", "pooler_head"))
+    assert not any(is_run_folder_name(name) for name in ("notes.txt", "sst2-full", "sst2-other-seed1", "x-full-seed1"))

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..constants import DEFAULT_SAM_RHO, RECOMMENDED_N_DRAWS, TRACE_METRIC, TRACE_STDERR_METRIC
-from .paths import DEMO_RUNS, check_output_folder
+from .paths import DEMO_JSON, DEMO_PLOT, DEMO_RUNS, check_output_folder, is_demo_entry
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -68,7 +68,8 @@ def run_demo(args: argparse.Namespace) -> int:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)}).")
     if not args.sam_rho > 0:
         raise ValueError(f"--sam-rho must be > 0 (got {args.sam_rho}).")
-    check_output_folder(args.output_dir, "--output-dir")  # before "writing to ..." and the minute of training
+    # before "writing to ..." and the minute of training; a folder of the user's own is never written into
+    check_output_folder(args.output_dir, "--output-dir", own_entries=is_demo_entry, own_name="the demo")
     output_dir = Path(args.output_dir)
     earlier = sorted(str(path) for label in DEMO_RUNS for path in (output_dir / label).glob("checkpoint-*"))
     if earlier:
@@ -124,13 +125,13 @@ def _compare_runs(args: argparse.Namespace, output_dir: Path) -> int:
     for label, row in comparison["checkpoints"].items():
         checkpoint = output_dir / label / f"checkpoint-{row['step']}"
         row["probe_accuracy"], row["probe_stderr"] = _probe_accuracy(setup, checkpoint)
-    plot_path = _plot(histories, comparison, output_dir / "demo.png")
+    plot_path = _plot(histories, comparison, output_dir / DEMO_PLOT)
     report = summary_text(comparison, args.steps)
     write_json(
-        output_dir / "demo.json", {"config": demo_settings(args), "histories": histories, "comparison": comparison}
+        output_dir / DEMO_JSON, {"config": demo_settings(args), "histories": histories, "comparison": comparison}
     )
     print(report)
-    print(f"\nplot: {plot_path}\nnumbers: {output_dir / 'demo.json'}")
+    print(f"\nplot: {plot_path}\nnumbers: {output_dir / DEMO_JSON}")
     print(f"model cards: {output_dir / 'adamw' / 'README.md'}, {output_dir / 'sam' / 'README.md'}")
     print(f"choose a checkpoint by flatness: hf-flatbias select {output_dir / 'sam'}")
     print(tensorboard_line(output_dir))

@@ -12,8 +12,15 @@ from ..glue.tasks import (
     FINETUNE_MODES,
     FROZEN_ENCODER_LEARNING_RATE,
     FULL_FINETUNE_LEARNING_RATE,
+    is_run_folder_name,
 )
-from .paths import check_local_checkpoint, check_outputs_spare_inputs, existing_local_path, local_path_or_hub_id
+from .paths import (
+    check_local_checkpoint,
+    check_output_folder,
+    check_outputs_spare_inputs,
+    existing_local_path,
+    local_path_or_hub_id,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -74,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
         {"MODEL": model, "--data-dir": data_dir, "--tokenizer": tokenizer},
         folders=True,
     )
+    if args.output_dir is not None:  # a folder of the user's own is never written into; one of earlier runs of glue is
+        check_output_folder(
+            args.output_dir, "--output-dir", own_entries=is_run_folder_name, own_name="hf-flatbias glue"
+        )
     from ..glue.data import glue_data_source
 
     glue_data_source(args.task, data_dir=data_dir)  # an unknown task, no data offline, empty files: before transformers

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -53,21 +54,56 @@ def existing_local_path(value: str, label: str) -> str:
     return path
 
 
-def check_output_file(value: str, label: str) -> None:
+def check_output_file(value: str, label: str, *, own_keys: tuple[str, ...] = (), own_name: str = "") -> None:
     """Raise naming ``label`` when ``value`` cannot become a file: it is a folder, or a file stands where one of its
-    folders would be, or the nearest existing folder is not writable. Checked before any compute; nothing is made."""
+    folders would be, or the nearest existing folder is not writable. Checked before any compute; nothing is made.
+
+    With ``own_keys``, an existing file is written over only when it is the command's own output (``own_name``, e.g.
+    "an hf-flatbias trace result"): a JSON object holding every one of these keys. Any other file (a data set, notes)
+    was named by mistake and is refused: nothing a user wrote is replaced."""
     path = Path(value).expanduser()
     if path.is_dir():
         raise IsADirectoryError(f"{label} {value} is a folder; name a file.")
+    if own_keys and path.exists() and not _is_json_object_with(path, own_keys):
+        raise FileExistsError(
+            f"{label} {value} exists and is not {own_name}, so it is not written over; pass another {label}."
+        )
     _check_can_make(path.parent, value, label)
 
 
-def check_output_folder(value: str, label: str) -> None:
+OWN_FILE_LIMIT = 64 * 2**20
+"""Bytes: a larger file is not one of the command's JSON results, and is not read to find that out."""
+
+
+def _is_json_object_with(path: Path, keys: tuple[str, ...]) -> bool:
+    if not path.is_file() or path.stat().st_size > OWN_FILE_LIMIT:
+        return False
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(content, dict) and all(key in content for key in keys)
+
+
+def check_output_folder(
+    value: str, label: str, *, own_entries: Callable[[str], bool] | None = None, own_name: str = ""
+) -> None:
     """Raise naming ``label`` when ``value`` cannot be (or become) a folder written into: it is a file, a file stands
-    where one of its folders would be, or the nearest existing folder is not writable. Nothing is made."""
+    where one of its folders would be, or the nearest existing folder is not writable. Nothing is made.
+
+    With ``own_entries``, an existing folder is written into only when it is empty or the command's own: every name
+    in it passes ``own_entries`` (``own_name`` says who writes them, e.g. "the demo"). A folder holding anything else
+    was named by mistake and is refused: nothing a user wrote is replaced or mixed with the command's files."""
     path = Path(value).expanduser()
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"{label} {value} is a file; name a folder.")
+    if own_entries is not None and path.is_dir():
+        foreign = sorted(entry.name for entry in path.iterdir() if not own_entries(entry.name))
+        if foreign:
+            raise FileExistsError(
+                f"{label} {value} holds {foreign[0]!r}{' and more' if len(foreign) > 1 else ''}, which {own_name} "
+                f"does not write; pass a new or empty {label}."
+            )
     _check_can_make(path, value, label)
 
 
@@ -116,9 +152,19 @@ DEMO_RUNS = {"adamw": "none", "sam": "sam"}
 """The demo's runs, one folder each under its output folder: run label -> flatness_method."""
 
 
+DEMO_JSON, DEMO_PLOT = "demo.json", "demo.png"
+"""What the demo writes beside its run folders: the numbers and the plot."""
+
+
+def is_demo_entry(name: str) -> bool:
+    """Whether ``name`` in a folder is one the demo writes (a run folder, its JSON or plot, a JSON cut short)."""
+    partial = name.startswith(f"{DEMO_JSON}.") and name.endswith(".partial")  # write_json's, of a demo killed
+    return name in (*DEMO_RUNS, DEMO_JSON, DEMO_PLOT) or partial
+
+
 def is_demo_folder(folder: Path) -> bool:
     """Whether ``folder`` is the demo's output folder (one run folder per optimizer), not a checkpoint or card."""
-    return (folder / "demo.json").is_file() or all((folder / label).is_dir() for label in DEMO_RUNS)
+    return (folder / DEMO_JSON).is_file() or all((folder / label).is_dir() for label in DEMO_RUNS)
 
 
 def check_not_demo_folder(path: str, label: str) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from ..constants import (
 )
 from ..corpus import DATA_FILE_BUILDERS
 from ..measures import needs_downstream_task
+from ..results import write_json
 from ..text_data import check_data_file
 from .paths import (
     check_local_checkpoint,
@@ -48,6 +48,9 @@ from .trace_measures import (
 )
 from .trace_series import add_series_arguments, hub_revision, model_label, run_series, split_model_revision
 
+RESULT_KEYS = ("model", "data", "split", "seed", "device")
+"""Keys every result this command writes has (since its first version): a file without them is not its own,
+and ``--output`` never writes over it."""
 GROUPED_ESTIMATORS = ("per_sample", "naive")
 """The estimators that split the trace by parameter group (per-context ones)."""
 
@@ -156,8 +159,9 @@ def run(args: argparse.Namespace) -> int:
     if args.tokenizer is not None:
         args.tokenizer = local_path_or_hub_id(args.tokenizer, "--tokenizer")
     check_data_file(args.data, flag="--data")  # an empty file: before torch and datasets load
-    check_output_file(args.output, "--output")
     check_outputs_spare_inputs({"--output": args.output, "--plot": args.plot}, trace_inputs(args))
+    # an existing --output is written over only when it is an earlier result of this command: a user's file is kept
+    check_output_file(args.output, "--output", own_keys=RESULT_KEYS, own_name="an hf-flatbias trace result")
     if args.plot:
         check_output_file(args.plot, "--plot")
     result = measure(args)
@@ -177,8 +181,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"Draws per context with the least error per second on this model: {estimate['suggested_n_draws']}")
     for line in measure_lines(result):
         print(line)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(Path(args.output), result)  # whole or not at all
     print(f"Wrote {args.output}")
     if args.plot:
         plot_groups(

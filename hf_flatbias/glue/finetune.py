@@ -30,6 +30,7 @@ from .tasks import (
     GlueTask,
     get_glue_task,
     resolve_finetune_mode,
+    run_folder_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -254,7 +255,7 @@ def finetune_glue(
                 )
             run_config = dataclasses.replace(
                 config,
-                output_dir=str(root / f"{spec.name}-{mode}-seed{seed}"),
+                output_dir=str(root / run_folder_name(spec.name, mode, seed)),
                 learning_rate=learning_rate,
                 seed=seed,
                 data_seed=seed,

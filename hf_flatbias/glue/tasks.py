@@ -88,6 +88,18 @@ def parse_glue_tasks(tasks: str | Sequence[str]) -> list[GlueTask]:
     return [get_glue_task(name) for name in names]
 
 
+def run_folder_name(task: str, mode: str, seed: int) -> str:
+    """The folder, under ``finetune_glue``'s ``output_dir``, that one seed's run writes its checkpoints to."""
+    return f"{task}-{mode}-seed{seed}"
+
+
+def is_run_folder_name(name: str) -> bool:
+    """Whether ``name`` is one that [`run_folder_name`] gives (for telling a folder of runs from someone's folder)."""
+    task, _, rest = name.partition("-")
+    mode, _, seed = rest.rpartition("-seed")
+    return task in GLUE_TASKS and mode in FINETUNE_MODES and seed.lstrip("-").isdigit()
+
+
 def resolve_finetune_mode(mode: str) -> str:
     """``mode`` checked against [`FINETUNE_MODES`]: a clear ``ValueError`` for any other name."""
     if mode not in FINETUNE_MODES:

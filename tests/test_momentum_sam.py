@@ -348,3 +348,33 @@ def test_dpo_momentum_sam_matches_its_recurrence(tmp_path):
     )
     trainer.train()
     assert trainable_diff(trainer.model, reference) < 1e-6
+
+
+def test_the_forward_sees_weights_rho_away_along_the_coming_update(tmp_path):
+    rows = classification_rows(n=40)
+    model = tiny_classifier().double()
+    args = momentum_config(tmp_path, max_steps=3)
+    trainer = FlatBiasTrainer(model=model, args=args, train_dataset=rows)
+    trajectory = []
+    reference_momentum_sam(
+        copy.deepcopy(model),
+        updates_of_rows(rows, steps=3, batch_size=4, accumulation=1),
+        classifier_loss,
+        optimizer="adamw",
+        lr=args.learning_rate,
+        rho=args.sam_rho,
+        weight_decay=args.weight_decay,
+        decayed=trainer.get_decay_parameter_names(model),
+        trajectory=trajectory,
+    )
+    at_forward = []
+    model.register_forward_pre_hook(
+        lambda module, inputs: at_forward.append({n: p.detach().clone() for n, p in module.named_parameters()})
+    )
+    trainer.train()
+    assert len(at_forward) == 3
+    for step in (1, 2):  # the forwards of updates 2 and 3, from the weights after updates 1 and 2
+        master, perturbed = trajectory[step - 1], at_forward[step]
+        distance = math.sqrt(sum(float(((perturbed[n] - master[n]) ** 2).sum()) for n in master))
+        assert abs(distance - args.sam_rho) < 1e-12, (step, distance)
+    assert all(torch.equal(at_forward[0][n], p) for n, p in tiny_classifier().double().named_parameters())

@@ -24,6 +24,9 @@ from .constants import (
     SPECTRUM_MATRICES,
 )
 
+QUANTIZATION_BITS = (2, 8)
+"""The bit widths round-to-nearest quantization supports, fewest and most (`hf_flatbias.flatness.quantization`)."""
+
 MAX_FORGETTING_STEPS = 100_000
 """The most optimizer steps forgetting fine-tunes for: 2,000x its default of 50, a long fine-tuning run; past it a
 typo (10^9) would run for days without a line of output."""
@@ -266,11 +269,13 @@ class MeasureSettings:
                 f"noise_sigmas=({shown}) is outside the sane range (0, {MAX_NOISE_SIGMA:g}]: noise that large replaces "
                 "the weights (the robustness studies use 0.001 to 0.1)."
             )
+        fewest, most = QUANTIZATION_BITS
         if not self.quantization_bits or not all(
-            isinstance(b, Integral) and not isinstance(b, bool) and 2 <= b <= 8 for b in self.quantization_bits
+            isinstance(b, Integral) and not isinstance(b, bool) and fewest <= b <= most for b in self.quantization_bits
         ):
             raise ValueError(
-                f"quantization_bits must be one or more whole numbers from 2 to 8 (got {self.quantization_bits!r})."
+                f"quantization_bits must be one or more whole numbers from {fewest} to {most} (got "
+                f"{self.quantization_bits!r})."
             )
 
         object.__setattr__(self, "forgetting_task", checked_forgetting_task(self.forgetting_task))
@@ -326,4 +331,4 @@ def checked_forgetting_task(source: Any) -> str | None:
     return source
 
 
-__all__ = ["MAX_FORGETTING_STEPS", "MAX_NOISE_SIGMA", "MeasureSettings", "checked_forgetting_task"]
+__all__ = ["MAX_FORGETTING_STEPS", "MAX_NOISE_SIGMA", "QUANTIZATION_BITS", "MeasureSettings", "checked_forgetting_task"]

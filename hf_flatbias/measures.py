@@ -20,7 +20,7 @@ from typing import Any
 
 from . import measure_records as records
 from .constants import SAM_SHARPNESS_METRIC, SAM_SHARPNESS_STDERR_METRIC, TOP_EIGENVALUE_METRIC
-from .measure_settings import MeasureSettings
+from .measure_settings import QUANTIZATION_BITS, MeasureSettings
 
 # -------------------------------------------------------------------- the table
 
@@ -40,9 +40,13 @@ class MeasureSpec:
         metric, stderr_metric: the keys of its value and standard error in the trainer's logs.
         result_key: its key in ``hf-flatbias trace``'s JSON output and in `FlatnessRecord.measures`.
         title: its row label on the card and in ``hf-flatbias card``; ``column``: its column in ``compare``.
-        numbers, integers, lists: the record's keys read back as numbers, whole numbers, lists of numbers.
+        numbers, lists: the record's keys read back as numbers, lists of numbers; integers: those of them read as
+            whole numbers (a list's every entry).
         describe: the record's settings in a few words (a ``compare`` cell); ``details``: in a few more (the card).
         required: the settings that must be given (not ``None``) to take it, checked before anything is measured.
+        bounds: the range ``(lowest, highest)`` (``None``: open) of the record's numbers and lists that a measurement
+            can give, which the card refuses a value outside of on write and on read (standard errors are >= 0 for
+            every measure).
     """
 
     name: str
@@ -61,6 +65,7 @@ class MeasureSpec:
     describe: Callable[[Mapping[str, Any]], str] = lambda record: ""
     details: Callable[[Mapping[str, Any]], str] = lambda record: ""
     required: tuple[str, ...] = ()
+    bounds: Mapping[str, tuple[float | None, float | None]] = dataclasses.field(default_factory=dict)
 
     def function(self) -> Callable[..., Any]:
         module, name = self.compute.split(":")
@@ -151,6 +156,7 @@ MEASURE_TABLE: dict[str, MeasureSpec] = {
             numbers=("value", "stderr", "sigma", "n_draws", "seed", "base_loss", "n_contexts", "seconds", "step"),
             integers=("n_draws", "seed", "n_contexts", "step"),
             lists=("sigmas", "means", "stderrs"),
+            bounds={"sigma": (0, None), "sigmas": (0, None)},
             describe=lambda record: f"σ={record.get('sigma', math.nan):g} {record.get('scale', '?')}",
             details=records.noise_details,
         ),
@@ -176,8 +182,9 @@ MEASURE_TABLE: dict[str, MeasureSpec] = {
                 "seconds",
                 "step",
             ),
-            integers=("bits", "group_size", "n_contexts", "step"),
+            integers=("bits", "bit_widths", "group_size", "n_contexts", "step"),
             lists=("bit_widths", "increases", "stderrs"),
+            bounds={"bits": QUANTIZATION_BITS, "bit_widths": QUANTIZATION_BITS, "relative_weight_error": (0, None)},
             describe=records.quantization_describe,
             details=records.quantization_details,
         ),
@@ -353,6 +360,7 @@ MEASURE_TABLE: dict[str, MeasureSpec] = {
             describe=records.forgetting_describe,
             details=records.forgetting_details,
             required=("forgetting_task",),
+            bounds={"accuracy_before": (0, 1), "accuracy_after": (0, 1)},
         ),
     )
 }

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -806,3 +807,58 @@ def test_a_base_model_folder_from_the_peft_config_is_named_but_not_linked_to_the
     local = FlatnessCard("x", base_model="/models/base", adapter="LORA").render()
     assert "`/models/base` (LORA adapters on it)" in local and "huggingface.co//models" not in local
     assert "[org/base](https://huggingface.co/org/base)" in FlatnessCard("x", base_model="org/base").render()
+
+
+# ----------------------------------------------------------------------------- values no measurement gives (issue 58)
+
+QUANTIZED = {"value": 0.25, "stderr": 0.03, "bits": 4, "granularity": "per_channel", "relative_weight_error": 0.1,
+             "base_loss": 2.5, "n_contexts": 64, "bit_widths": [8, 4], "increases": [0.01, 0.25],
+             "stderrs": [0.001, 0.03]}  # fmt: skip
+NOISED = {"value": 0.01, "stderr": 0.002, "sigma": 0.02, "scale": "rms", "n_draws": 8, "base_loss": 2.5}
+FORGOT = {"value": 0.1, "stderr": 0.01, "steps": 50, "accuracy_before": 0.5, "accuracy_after": 0.75}
+
+
+@pytest.mark.parametrize(
+    "name,record,message",
+    [
+        ("forgetting", {**FORGOT, "accuracy_after": 1.7}, "['forgetting']['accuracy_after'] is 1.7, outside 0 to 1"),
+        ("quantization", {**QUANTIZED, "bits": 16}, "['quantization']['bits'] is 16, outside 2 to 8"),
+        ("quantization", {**QUANTIZED, "bit_widths": [16, 4]}, "['quantization']['bit_widths'] is 16, outside 2 to 8"),
+        ("quantization", {**QUANTIZED, "relative_weight_error": -0.1}, "['relative_weight_error'] is -0.1, outside >="),
+        ("weight_noise", {**NOISED, "sigma": -0.02}, "['weight_noise']['sigma'] is -0.02, outside >= 0"),
+        ("quantization", {**QUANTIZED, "stderrs": [0.001, -0.1]}, "['quantization']['stderrs'] is -0.1, outside >= 0"),
+    ],
+)  # fmt: skip
+def test_a_value_no_measurement_gives_is_refused_on_write_and_on_read(tmp_path, name, record, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        full_card(measures={name: record}).save(tmp_path / "written")
+    assert not (tmp_path / "written" / "README.md").exists()
+    # a hand-edited card: refused when read, naming the file and the field
+    good = {"forgetting": FORGOT, "quantization": QUANTIZED, "weight_noise": NOISED}[name]
+    full_card(measures={name: good}).save(tmp_path / "edited")
+    readme = tmp_path / "edited" / "README.md"
+    text = readme.read_text()
+    meta = front_matter(readme)
+    meta["flatness"][name] = record
+    readme.write_text("---\n" + yaml.safe_dump(meta, sort_keys=False) + "---\n" + text.split("---\n", 2)[2])
+    key = message.split("]['")[-1].split("']")[0] if "][" in message else message.split("['")[1].split("']")[0]
+    with pytest.raises(ValueError, match=re.escape(f"flatness.{name}.{key} is")) as refused:
+        load_flatness_card(tmp_path / "edited")
+    assert str(readme) in str(refused.value)
+
+
+def test_a_negative_standard_error_is_refused_when_read(tmp_path, capsys):
+    """compare printed it as `+- -0.1`."""
+    folder = write_card(tmp_path / "neg", "  method: none\n  sam_sharpness: {value: 0.5, stderr: -0.1, rho: 0.05}")
+    with pytest.raises(ValueError, match=r"flatness.sam_sharpness.stderr is -0.1, outside >= 0"):
+        load_flatness_card(folder)
+    assert cli_main(["compare", str(folder)]) == 2 and "+- -0.1" not in capsys.readouterr().out
+
+
+def test_whole_number_lists_come_back_as_whole_numbers(tmp_path, capsys):
+    full_card(measures={"quantization": QUANTIZED}).save(tmp_path)
+    record = load_flatness_card(tmp_path).measures["quantization"]
+    assert record["bit_widths"] == [8, 4] and all(type(bits) is int for bits in record["bit_widths"])
+    assert cli_main(["card", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "at 8 bit" in out and "8.0 bit" not in out

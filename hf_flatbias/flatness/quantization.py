@@ -28,10 +28,11 @@ import torch
 from torch import nn
 
 from ..constants import DEFAULT_BATCH_SIZE
+from ..measure_settings import QUANTIZATION_BITS
 from .lm import check_lm_model, evaluation_mode, preserved_global_rng
 from .weight_noise import check_positive_int, mean_and_stderr, per_context_losses, prepare_contexts
 
-MIN_BITS, MAX_BITS = 2, 8
+MIN_BITS, MAX_BITS = QUANTIZATION_BITS
 DEFAULT_BITS = (8, 4)
 
 

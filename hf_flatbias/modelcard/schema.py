@@ -338,8 +338,33 @@ def read_measure_record(value: Any, name: str, source: str) -> dict[str, Any] | 
         if key in record:
             if not isinstance(record[key], list):
                 raise ValueError(f"{source}: flatness.{name}.{key} is {record[key]!r}, not a list of numbers.")
-            record[key] = [read_number(v, f"flatness.{name}.{key}", source) for v in record[key]]
+            integer = key in spec.integers  # written as 8, read back as 8 (a float printed "8.0 bit")
+            record[key] = [read_number(v, f"flatness.{name}.{key}", source, integer=integer) for v in record[key]]
+    outside = value_outside_bounds(name, record)
+    if outside is not None:
+        key, number, allowed = outside
+        raise ValueError(
+            f"{source}: flatness.{name}.{key} is {number}, outside {allowed}: no measurement gives it. Fix the card's "
+            "metadata, or write it again with FlatnessCard(...).save(folder)."
+        )
     return {key: v for key, v in record.items() if v is not None}
+
+
+def value_outside_bounds(name: str, record: Mapping[str, Any]) -> tuple[str, float, str] | None:
+    """The first number of a measure's record outside the range a measurement gives (`MeasureSpec.bounds`; every
+    standard error >= 0), as ``(key, number, the range in words)``; ``None`` when all are inside."""
+    spec = MEASURE_TABLE[name]
+    errors = [key for key in (*spec.numbers, *spec.lists) if key.endswith(("stderr", "stderrs"))]
+    limits = {**dict.fromkeys(errors, (0, None)), **spec.bounds}
+    for key, (lowest, highest) in limits.items():
+        values = record.get(key)
+        for number in values if isinstance(values, list) else [values]:
+            if not isinstance(number, (int, float)) or isinstance(number, bool):
+                continue
+            if (lowest is not None and number < lowest) or (highest is not None and number > highest):
+                allowed = f">= {lowest:g}" if highest is None else f"{lowest:g} to {highest:g}"
+                return key, number, allowed
+    return None
 
 
 # -------------------------------------------------------------------- checks
@@ -416,9 +441,6 @@ def check_measure_record(name: str, record: Mapping[str, Any]) -> None:
     step = record.get("step")
     if step is not None and (not isinstance(step, int) or step < 0):
         raise ValueError(f"FlatnessCard.measures[{name!r}]['step'] must be an integer >= 0 (got {step!r}).")
-    for key in MEASURE_TABLE[name].numbers:
-        if key.endswith("stderr") and record.get(key) is not None and record[key] < 0:
-            raise ValueError(f"FlatnessCard.measures[{name!r}][{key!r}] must be >= 0 (got {record[key]}).")
     for key in MEASURE_TABLE[name].lists:
         values = record.get(key)
         # an unknown entry (one draw has no standard error) is written as null, never as .nan
@@ -430,3 +452,10 @@ def check_measure_record(name: str, record: Mapping[str, Any]) -> None:
                 f"FlatnessCard.measures[{name!r}][{key!r}] is {values!r}: write a list of finite numbers (None for "
                 "one that is unknown)."
             )
+    outside = value_outside_bounds(name, record)
+    if outside is not None:
+        key, number, allowed = outside
+        raise ValueError(
+            f"FlatnessCard.measures[{name!r}][{key!r}] is {number}, outside {allowed}: no measurement gives it; "
+            "write what the measure returned (its record from hf_flatbias.measures.measure_record)."
+        )

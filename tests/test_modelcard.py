@@ -862,3 +862,19 @@ def test_whole_number_lists_come_back_as_whole_numbers(tmp_path, capsys):
     assert cli_main(["card", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "at 8 bit" in out and "8.0 bit" not in out
+
+
+def test_compare_sorts_by_every_measure_the_cards_carry(tmp_path, capsys):
+    from hf_flatbias.measures import EXTRA_MEASURES
+
+    for value, name in ((0.5, "b"), (0.125, "a"), (None, "c")):
+        measures = {} if value is None else {"weight_noise": {**NOISED, "value": value}}
+        full_card(measures=measures).save(tmp_path / name)
+    folders = [str(tmp_path / name) for name in "bca"]
+    assert cli_main(["compare", *folders, "--sort", "weight_noise"]) == 0
+    rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.strip().splitlines()[2:]]
+    assert rows == [str(tmp_path / name) for name in "abc"]  # unknown last
+    from hf_flatbias.cli import build_parser
+
+    for name in EXTRA_MEASURES:  # every measure of the table is a --sort key
+        assert build_parser().parse_args(["compare", "x", "--sort", name]).sort == name

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..measures import EXTRA_MEASURES
 from .paths import check_not_demo_folder, local_path_or_hub_id
 
 SORT_FIELDS = {
@@ -12,7 +13,10 @@ SORT_FIELDS = {
     "trace_median_of_means": "hessian_trace_median_of_means",
     "loss": "pretraining_loss",
 }
-"""The card field each ``--sort`` key orders by."""
+"""The card field each ``--sort`` key orders by; the measures of `hf_flatbias.measures.MEASURE_TABLE` sort by their
+value as well (`SORT_KEYS`)."""
+
+SORT_KEYS = (*SORT_FIELDS, *EXTRA_MEASURES)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,10 +37,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--sort",
-        choices=("none", *SORT_FIELDS),
+        choices=("none", *SORT_KEYS),
         default="none",
         help="Order the rows by trace, by the trace's median of means (which a few contexts with huge gradients "
-        "cannot carry) or by pre-training loss (unknown values last); default: as given.",
+        f"cannot carry), by pre-training loss or by a measure the cards carry ({', '.join(EXTRA_MEASURES)}); "
+        "unknown values last; default: as given.",
     )
     parser.set_defaults(func=run)
 
@@ -55,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         for name, source in zip(args.models, sources, strict=True)
     ]
     if args.sort != "none":
-        cards.sort(key=lambda item: _unknown_last(getattr(item[1], SORT_FIELDS[args.sort])))
+        cards.sort(key=lambda item: _unknown_last(_sort_value(item[1], args.sort)))
     print(format_comparison_table(cards))
     return 0
 
@@ -65,6 +70,12 @@ def _revision(source: str, args: argparse.Namespace) -> str | None:
     from pathlib import Path
 
     return None if "@" in source or Path(source).exists() else args.revision
+
+
+def _sort_value(card, key: str) -> float | None:
+    if key in SORT_FIELDS:
+        return getattr(card, SORT_FIELDS[key])
+    return (card.measures.get(key) or {}).get("value")
 
 
 def _unknown_last(value: float | None) -> tuple[bool, float]:

@@ -878,3 +878,24 @@ def test_compare_sorts_by_every_measure_the_cards_carry(tmp_path, capsys):
 
     for name in EXTRA_MEASURES:  # every measure of the table is a --sort key
         assert build_parser().parse_args(["compare", "x", "--sort", name]).sort == name
+
+
+@pytest.mark.parametrize(
+    "objective,key",
+    [("dpo", "dpo_loss"), ("sft_completion_only", "sft_loss"), ("masked_lm", "pretraining_loss"), (None, "pretraining_loss")],
+)  # fmt: skip
+def test_the_cards_loss_key_names_what_the_run_trained_on(tmp_path, objective, key):
+    """Issue 58, item 6: SFT and DPO cards wrote their loss under `pretraining_loss`."""
+    full_card(objective=objective, pretraining_loss=0.625, pretraining_loss_source="train").save(tmp_path / "new")
+    flatness = front_matter(tmp_path / "new" / "README.md")["flatness"]
+    assert flatness[key] == 0.625 and flatness[f"{key}_source"] == "train"
+    assert key == "pretraining_loss" or not {"pretraining_loss", "pretraining_loss_source"} & set(flatness)
+    card = load_flatness_card(tmp_path / "new")
+    assert (card.pretraining_loss, card.pretraining_loss_source) == (0.625, "train")
+    # a card written before: the key said pretraining_loss whatever the objective
+    old = f"  method: none\n  objective: {objective}\n" if objective else "  method: none\n"
+    folder = write_card(tmp_path / "old", old + "  pretraining_loss: 0.5\n  pretraining_loss_source: eval")
+    assert (load_flatness_card(folder).pretraining_loss, load_flatness_card(folder).pretraining_loss_source) == (
+        0.5,
+        "eval",
+    )

@@ -835,6 +835,9 @@ def test_the_card_of_a_dpo_run_names_the_preference_loss_and_its_source(tmp_path
     text = (tmp_path / "README.md").read_text(encoding="utf-8")
     [entry] = front_matter_of(text)["model-index"]
     assert {result["task"]["name"] for result in entry["results"]} == {"Direct preference optimization"}
+    flatness = front_matter_of(text)["flatness"]  # the key names the loss (issue 58): it is no pre-training loss
+    assert flatness["dpo_loss"] == train_loss and flatness["dpo_loss_source"] == "train"
+    assert "pretraining_loss" not in flatness
     assert "| DPO preference loss (training, last logged) |" in text and "| Pre-training loss" not in text
     assert "chosen response per preference pair" in text and "reference model is not measured" in text
 

@@ -10,7 +10,8 @@ programs, two metadata blocks in the README's YAML front matter:
   ``estimator``, ``n_contexts``, ``n_draws``, ``method`` and the hyperparameters that method reads,
   ``pretraining_loss``...), which [`load_flatness_card`] reads. Keys without a value are left out. ``objective``
   says what was trained (pre-training ``masked_lm``/``causal_lm``, SFT, DPO: `objective.what_was_trained` decides)
-  and so names the task and the loss (``pretraining_loss`` keeps its key for older readers),
+  and so names the task and the loss (its key too: ``pretraining_loss``, ``sft_loss`` or ``dpo_loss``; cards written
+  before say ``pretraining_loss`` whatever they trained, and are read as they are),
   ``trace_objective`` what the trace's contexts predict, ``trainable_parameters`` (beside ``num_parameters``) the
   parameters the trace covers and ``adapter`` the PEFT method; a card without them reads them as unknown.
   Measures beyond the trace, when taken, are one mapping each (``top_eigenvalue``, ``sam_sharpness``) holding the

@@ -45,7 +45,10 @@ from .schema import (
     check_step,
     choice_check,
     choice_reader,
+    loss_reader,
+    loss_writer,
     mapping_reader,
+    read_as_is,
     read_base_model,
     read_corpus,
     read_float,
@@ -123,10 +126,11 @@ class FlatnessCard:
             ``"causal_lm"``, ``"sft"``, ``"sft_completion_only"``, ``"sft_assistant_only"``, ``"dpo"``); ``None``
             (cards written before the field existed): not recorded, and the card says so. It names the task and
             the loss.
-        pretraining_loss: the loss the card reports, of the ``objective`` (the key keeps its name for older
-            readers: it is a pre-training loss only for ``masked_lm`` and ``causal_lm``; SFT's loss on the trained
-            tokens, DPO's preference loss otherwise); ``pretraining_loss_source`` says ``"eval"`` (held out) or
-            ``"train"`` (the last logged training loss).
+        pretraining_loss: the loss the card reports, of the ``objective``: a pre-training loss for ``masked_lm``
+            and ``causal_lm``, SFT's loss on the trained tokens, DPO's preference loss; its YAML key names it
+            (``pretraining_loss``, ``sft_loss``, ``dpo_loss``; cards written before say ``pretraining_loss``);
+            ``pretraining_loss_source`` (key ``<loss key>_source``) says ``"eval"`` (held out) or ``"train"`` (the
+            last logged training loss).
         trace_seconds: how long the trace estimate took.
         hessian_trace_by_group: the trace split by parameter group, ``{group: {"mean": ..., "stderr": ...}}``
             (`hf_flatbias.flatness.TraceEstimate.by_group`), when it was measured.
@@ -178,8 +182,13 @@ class FlatnessCard:
     penalty_lambda: float | None = _hyperparameter()
     penalty_fd_step: float | None = _hyperparameter()
     objective: str | None = card_field(read=choice_reader(OBJECTIVES), check=choice_check(OBJECTIVES))
-    pretraining_loss: float | None = card_field(read=read_float, check=check_finite)
-    pretraining_loss_source: str | None = card_field()
+    # written under the key of what the run trained on (sft_loss, dpo_loss), read under pretraining_loss from before
+    pretraining_loss: float | None = card_field(
+        key=None, read=loss_reader("", read_float), write=loss_writer(""), check=check_finite
+    )
+    pretraining_loss_source: str | None = card_field(
+        key=None, read=loss_reader("_source", read_as_is), write=loss_writer("_source")
+    )
     trace_seconds: float | None = card_field(read=read_float)
     hessian_trace_by_group: dict[str, dict[str, float]] | None = card_field(
         read=read_groups, write=write_groups, check=check_groups

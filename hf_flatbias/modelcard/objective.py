@@ -23,6 +23,8 @@ class Objective:
     loss_name: str
     trained_tokens: str
     pretraining: bool = False
+    loss_key: str = "pretraining_loss"
+    """The card's key of its loss (``flatness.<loss_key>``, its source under ``<loss_key>_source``)."""
 
 
 OBJECTIVES: dict[str, Objective] = {
@@ -36,18 +38,29 @@ OBJECTIVES: dict[str, Objective] = {
         "every token",
         True,
     ),
-    "sft": Objective("text-generation", "Supervised fine-tuning", "SFT loss on every token", "every token"),
+    "sft": Objective(
+        "text-generation", "Supervised fine-tuning", "SFT loss on every token", "every token", loss_key="sft_loss"
+    ),
     "sft_completion_only": Objective(
-        "text-generation", "Supervised fine-tuning (completion-only loss)", "SFT loss on completions", "completions"
+        "text-generation",
+        "Supervised fine-tuning (completion-only loss)",
+        "SFT loss on completions",
+        "completions",
+        loss_key="sft_loss",
     ),
     "sft_assistant_only": Objective(
         "text-generation",
         "Supervised fine-tuning (assistant-only loss)",
         "SFT loss on assistant turns",
         "assistant turns",
+        loss_key="sft_loss",
     ),
     "dpo": Objective(
-        "text-generation", "Direct preference optimization", "DPO preference loss", "chosen and rejected responses"
+        "text-generation",
+        "Direct preference optimization",
+        "DPO preference loss",
+        "chosen and rejected responses",
+        loss_key="dpo_loss",
     ),
 }
 """The objectives a card names (its ``flatness.objective``)."""
@@ -56,6 +69,15 @@ UNKNOWN_OBJECTIVE = Objective(
     "other", "Training objective not recorded", "Loss (objective not recorded)", "tokens not recorded"
 )
 """What a card says when it does not record its objective (cards written before the field existed)."""
+
+LEGACY_LOSS_KEY = "pretraining_loss"
+"""The key every card's loss had before it was named by its objective; read when the objective's key is absent."""
+
+
+def loss_key(objective: str | None) -> str:
+    """The card's key of the loss of ``objective`` (a key of `OBJECTIVES`; ``None``: not recorded)."""
+    return OBJECTIVES.get(objective or "", UNKNOWN_OBJECTIVE).loss_key
+
 
 TRACE_OBJECTIVES: dict[str, str] = {
     "masked_position": "the token at one masked position per context",

@@ -17,6 +17,7 @@ from typing import Any
 from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS
 from ..corpus import CorpusSpec
 from ..measures import EXTRA_MEASURES, MEASURE_TABLE
+from .objective import LEGACY_LOSS_KEY, loss_key
 
 FLATNESS_TAG = "hf_flatbias"
 GLUE_DATASET = "glue"
@@ -289,6 +290,28 @@ def read_own_tags(value: Any, where: str, reading: Reading) -> list[str]:
     """The card's tags without those every flatness card gets (see `FlatnessCard.all_tags`)."""
     automatic = {FLATNESS_TAG, "flatness", str(reading.values.get("method", "none"))}
     return [tag for tag in (value or []) if tag not in automatic]
+
+
+def loss_reader(suffix: str, read: Reader) -> Reader:
+    """A reader of the loss (``suffix=""``) or of its source (``"_source"``) under the key of the card's objective
+    (`loss_key`), or under ``pretraining_loss`` where a card written before keeps it."""
+
+    def reader(value: Any, where: str, reading: Reading) -> Any:
+        key = loss_key(reading.values.get("objective")) + suffix
+        if key not in reading.flatness:
+            key = LEGACY_LOSS_KEY + suffix
+        return read(reading.flatness.get(key), f"{FLATNESS}.{key}", reading)
+
+    return reader
+
+
+def loss_writer(suffix: str) -> Writer:
+    """The writer of `loss_reader`: the loss (or its source) under the key of what the run trained on."""
+
+    def write(card: Any, value: Any) -> dict[str, Any] | None:
+        return None if value is None else {loss_key(card.objective) + suffix: value}
+
+    return write
 
 
 def read_number(value: Any, field_name: str, source: str, *, integer: bool = False) -> float | int | None:

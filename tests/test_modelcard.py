@@ -882,8 +882,13 @@ def test_compare_sorts_by_every_measure_the_cards_carry(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "objective,key",
-    [("dpo", "dpo_loss"), ("sft_completion_only", "sft_loss"), ("masked_lm", "pretraining_loss"), (None, "pretraining_loss")],
-)  # fmt: skip
+    [
+        ("dpo", "dpo_loss"),
+        ("sft_completion_only", "sft_loss"),
+        ("masked_lm", "pretraining_loss"),
+        (None, "pretraining_loss"),
+    ],
+)
 def test_the_cards_loss_key_names_what_the_run_trained_on(tmp_path, objective, key):
     """Issue 58, item 6: SFT and DPO cards wrote their loss under `pretraining_loss`."""
     full_card(objective=objective, pretraining_loss=0.625, pretraining_loss_source="train").save(tmp_path / "new")

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..constants import DEFAULT_BATCH_SIZE
-from ..measures import MeasureSettings
+from ..measure_settings import MeasureSettings
 from .critical_sharpness import estimate_critical_sharpness, proposed_update
 from .distributed import share_of_contexts
 from .forgetting import ForgettingResult, measure_forgetting

@@ -7,7 +7,7 @@ unwrapped module, and anything the engine would normally do for them (averaging 
 FSDP2 (``fully_shard``) is the exception: its forward runs on all-gathered copies that ``torch.autograd.grad``
 cannot reach from the sharded parameters, so there the first gradient comes through FSDP's own backward (see
 `FullyShardedParameters`); ``sam_perturbation="per_rank"`` works on FSDP's all-gathered copies instead
-(`hf_flatbias.sharpness.fsdp_per_rank`).
+(`hf_flatbias.sharpness.fsdp_per_rank`); `hf_flatbias.sharpness.layouts` picks the layout.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..tensors import Perturbation, SquaredNormReducer, is_fully_sharded, perturb_weights, trainable_parameters
+from ..tensors import Perturbation, SquaredNormReducer, perturb_weights
 
 
 def gradients_of(loss: torch.Tensor, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -331,32 +331,6 @@ class _ReleasingPerturbation(Perturbation):
     def restore(self) -> None:
         self.release_gathered()
         super().restore()
-
-
-def perturbable_parameters(
-    model: torch.nn.Module,
-    engine: object | None = None,
-    params: Sequence[torch.nn.Parameter] | None = None,
-    *,
-    per_rank: bool = False,
-) -> PerturbableParameters:
-    """The trainable parameters of ``model`` (the unwrapped module), or the subset ``params`` of them, in the layout
-    ``engine`` keeps them.
-
-    ``engine`` is the DeepSpeed engine wrapping ``model``, or ``None`` for plain PyTorch, DDP and FSDP2 (which is
-    recognised from the module). ``per_rank``: each rank perturbs along its own first gradient
-    (``sam_perturbation="per_rank"``), which under FSDP2 takes its own layout (`PerRankFullyShardedParameters`).
-    """
-    params = trainable_parameters(model) if params is None else list(params)
-    if is_fully_sharded(model):
-        if per_rank:
-            from .fsdp_per_rank import PerRankFullyShardedParameters
-
-            return PerRankFullyShardedParameters(model, params)
-        return FullyShardedParameters(params)
-    if deepspeed_zero_stage(engine) == 3:
-        return ZeroStage3Parameters(params, engine.optimizer)
-    return PerturbableParameters(params)
 
 
 def deepspeed_backward(engine: object, loss: torch.Tensor, *, is_boundary: bool) -> None:

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from hf_flatbias.sharpness.engines import PerturbableParameters, ZeroStage3Parameters, perturbable_parameters
+from hf_flatbias.sharpness.engines import PerturbableParameters, ZeroStage3Parameters
+from hf_flatbias.sharpness.layouts import perturbable_parameters
 from hf_flatbias.sharpness.support import (
     check_deepspeed_supports_penalty,
     check_deepspeed_supports_sam,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ...flatness.lm import is_causal_lm
-from ..engines import perturbable_parameters
+from ..layouts import perturbable_parameters
 from ..penalties import (
     fisher_penalty_coefficient,
     fisher_trace_from_mean_gradient,

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engines import perturbable_parameters
+from ..layouts import perturbable_parameters
 from ..penalties import grad_norm_penalty_weights, linear_term
 from .finite_difference import FiniteDifferencePenalty
 

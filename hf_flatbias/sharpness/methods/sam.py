@@ -16,7 +16,7 @@ from transformers.utils import logging
 
 from ...flatness.lm import is_causal_lm
 from ...tensors import Perturbation, is_fully_sharded
-from ..engines import perturbable_parameters
+from ..layouts import perturbable_parameters
 from ..sam_options import adam_preconditioner, ascent_rows, output_layer_of, select_sam_parameters
 from ..trunk_replay import TrunkReplay, extra_pass_share, trunk_modules, why_trunk_cannot_be_replayed
 from .base import FlatnessHost, FlatnessMethod

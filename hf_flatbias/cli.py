@@ -71,13 +71,13 @@ def _dispatch(args: argparse.Namespace) -> int:
     return run_reporting_errors(f"hf-flatbias {args.command}", lambda: args.func(args), debug=args.debug)
 
 
-def run_reporting_errors(name: str, call: Callable[[], Any], *, debug: bool = False) -> int:
+def run_reporting_errors(name: str, call: Callable[[], Any], *, debug: bool = False, note: str | None = None) -> int:
     """Run ``call`` and return its exit code, reporting a user's error in one line instead of a traceback.
 
     Bad input (a `ValueError` or `OSError`: a missing file, a value out of range, a card that does not parse, a Hub
     error) prints ``NAME: error: ...`` and returns 2; Ctrl-C prints ``NAME: interrupted`` and returns 130. Any other
     exception is a bug and keeps its traceback; with ``debug`` every exception does. The command line and the
-    recipes' ``main`` (see `run_recipe`) report errors through this one function.
+    recipes' ``main`` (see `run_recipe`) report errors through this one function. ``note`` ends the error's line.
     """
     try:
         result = call()
@@ -87,7 +87,7 @@ def run_reporting_errors(name: str, call: Callable[[], Any], *, debug: bool = Fa
     except (ValueError, OSError) as error:
         if debug:
             raise
-        print(f"{name}: error: {one_line(str(error))}", file=sys.stderr)
+        print(f"{name}: error: {one_line(str(error))}" + (f" ({note})" if note else ""), file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:
         if debug:
@@ -110,7 +110,28 @@ def run_recipe(main: Callable[[list[str]], Any], argv: Sequence[str] | None = No
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [arg for arg in argv if arg != "--debug"]
-    raise SystemExit(run_reporting_errors(Path(sys.argv[0]).name, lambda: main(argv), debug=debug))
+    name = Path(sys.argv[0]).name
+    raise SystemExit(run_reporting_errors(name, lambda: main(argv), debug=debug, note=accelerate_launch_note()))
+
+
+def accelerate_launch_note() -> str | None:
+    """What the traceback after a recipe's error line is, when ``accelerate launch`` without ``-q`` started it:
+    its launcher raises ``CalledProcessError`` for any child that exits non-zero, which no child can prevent, so
+    the recipe's one line says so. ``None`` otherwise (or when the launcher's command line cannot be read)."""
+    if "ACCELERATE_MIXED_PRECISION" not in os.environ:  # set by every accelerate launcher for its children
+        return None
+    try:
+        import psutil
+
+        launcher = psutil.Process(os.getppid()).cmdline()
+    except Exception:  # noqa: BLE001 - no psutil, a launcher gone or unreadable: no note, the error line stands
+        return None
+    if not any("accelerate" in part for part in launcher) or {"-q", "--quiet"} & set(launcher):
+        return None
+    return (
+        "accelerate's launcher follows a failed run with a traceback of its own, which repeats this line; launch "
+        "with accelerate launch -q to see this line alone"
+    )
 
 
 if __name__ == "__main__":

@@ -580,7 +580,7 @@ def test_a_refused_recipe_under_accelerate_launch_quiet_ends_with_its_own_line(r
     )
     assert completed.returncode != 0 and "Traceback" not in completed.stderr, completed.stderr[-3000:]
     line = _one_error_line(completed.stderr, "bert_bookcorpus.py")
-    assert "sam_rho must be a finite number > 0 (got -1.0)" in line
+    assert "sam_rho must be a finite number > 0 (got -1.0)" in line and "accelerate launch -q" not in line
     assert completed.stderr.strip().splitlines()[-1] == line
     assert [p.name for p in output_dir.iterdir()] == ["notes.txt"]
     for script in ("bert_bookcorpus.py", "sft_sam.py", "glue_compare.py"):
@@ -747,3 +747,23 @@ def test_a_garbage_jsonl_is_one_line_without_the_datasets_log_line(tmp_path, cap
     with pytest.raises(datasets.exceptions.DatasetGenerationError):
         load_data_files(str(late))
     assert not [record for record in caplog.records if "Failed to load JSON" in record.getMessage()]
+
+
+def test_a_refused_recipe_under_accelerate_launch_without_quiet_says_what_the_traceback_after_it_is(recipes, tmp_path):
+    """Issue 58, item 8: accelerate's launcher raises CalledProcessError (a traceback repeating the child's stderr)
+    for any child that exits non-zero unless launched with -q; a child cannot stop it, so its one line says so."""
+    output_dir = _output_dir_with_a_file(tmp_path / "out")
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(recipes.directory / "configs" / "accelerate_1proc.yaml"),
+        str(recipes.directory / "bert_bookcorpus.py"), "--smoke", "--sam_rho", "-1", "--output_dir", str(output_dir),
+    ]  # fmt: skip
+    completed = subprocess.run(
+        command, env=recipes.environment(tmp_path), cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode != 0 and "CalledProcessError" in completed.stderr, completed.stderr[-3000:]
+    lines = completed.stderr.splitlines()
+    [line] = [line for line in lines if line.startswith("bert_bookcorpus.py: error: ")]
+    assert line.startswith("bert_bookcorpus.py: error: sam_rho must be a finite number > 0 (got -1.0)"), line
+    assert "accelerate launch -q" in line and "traceback" in line, line
+    assert lines.index(line) < lines.index("Traceback (most recent call last):")  # before accelerate's report

@@ -304,7 +304,7 @@ def test_demo_help_shows_every_default(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for flag, default in {
         "--output-dir": "flatbias-demo", "--sam-rho": "0.05", "--steps": "600", "--eval-every": "100",
-        "--n-train": "20000", "--trace-contexts": "256", "--n-probe": "500", "--seed": "0",
+        "--n-train": "20000", "--n-contexts": "256", "--n-probe": "500", "--seed": "0",
     }.items():  # fmt: skip
         assert flag in text and f"(default: {default})" in text.split(flag, 2)[-1].split(" --", 1)[0], flag
 

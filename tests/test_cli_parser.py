@@ -115,9 +115,31 @@ def test_sam_radius_has_one_spelling_and_one_default():
     demo = parser.parse_args(["demo"])
     assert trace.sam_rho == demo.sam_rho == FlatBiasConfig("out").sam_rho == DEFAULT_SAM_RHO
     assert parser.parse_args(["demo", "--sam-rho", "0.2"]).sam_rho == 0.2
-    # demo's spelling before the rename still works, unlisted
-    assert parser.parse_args(["demo", "--rho", "0.3"]).sam_rho == 0.3
-    assert "--rho" not in subparsers_of(parser)["demo"].format_help()
+
+
+@pytest.mark.parametrize(
+    "earlier, flag",
+    [
+        (["--rho", "0.3"], "--sam-rho"),
+        (["--trace-contexts", "8"], "--n-contexts"),
+        (["--trace-contexts=8"], "--n-contexts"),
+    ],
+)
+def test_the_demos_earlier_spellings_are_refused_in_one_line_naming_the_flag(earlier, flag, capsys):
+    """One spelling of the SAM radius and of the trace's context count, as `hf-flatbias trace` and the callback
+    have them (issue 58): the demo's earlier ones are neither read silently nor listed."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["demo", *earlier])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err
+    assert len(error.splitlines()) == 1 and f"pass {flag}" in error, error
+    assert earlier[0].split("=")[0] not in subparsers_of(cli.build_parser())["demo"].format_help()
+
+
+def test_the_trace_and_the_demo_spell_the_context_count_alike():
+    parser = cli.build_parser()
+    assert parser.parse_args(["demo", "--n-contexts", "8"]).n_contexts == 8
+    assert parser.parse_args(["trace", "user/model", "--data", "d.jsonl", "--n-contexts", "8"]).n_contexts == 8
 
 
 def test_the_glue_command_and_finetune_glue_share_their_defaults():

@@ -16,7 +16,7 @@ from transformers.utils import logging as transformers_logging
 from hf_flatbias.cli import main
 from hf_flatbias.commands.demo import compare_at_matched_loss
 
-SMALL = ["--steps", "20", "--eval-every", "10", "--n-train", "400", "--trace-contexts", "32", "--n-probe", "60"]
+SMALL = ["--steps", "20", "--eval-every", "10", "--n-train", "400", "--n-contexts", "32", "--n-probe", "60"]
 
 
 @contextlib.contextmanager

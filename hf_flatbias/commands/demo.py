@@ -38,8 +38,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--sam-rho", type=float, default=DEFAULT_SAM_RHO, help="SAM neighbourhood radius (default: %(default)s)"
     )
-    # the flag's spelling before it matched `hf-flatbias trace --sam-rho`: still read, no longer shown
-    parser.add_argument("--rho", dest="sam_rho", type=float, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=600, help="optimizer steps of each run (default: %(default)s)")
     parser.add_argument(
         "--eval-every", type=int, default=100, help="steps between evaluations and checkpoints (default: %(default)s)"
@@ -48,8 +46,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--n-train", type=int, default=20000, help="generated training sentences (default: %(default)s)"
     )
     parser.add_argument(
-        "--trace-contexts", type=int, default=256, help="masked contexts per trace measurement (default: %(default)s)"
+        "--n-contexts", type=int, default=256, help="masked contexts per trace measurement (default: %(default)s)"
     )
+    # the flags' spellings before they matched `hf-flatbias trace`'s: refused in one line naming the flag to use
+    for earlier, flag in RENAMED_FLAGS.items():
+        parser.add_argument(
+            earlier, nargs="?", action=_Renamed, flag=flag, default=argparse.SUPPRESS, help=argparse.SUPPRESS
+        )
     parser.add_argument(
         "--n-probe",
         type=int,
@@ -62,8 +65,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_demo)
 
 
+RENAMED_FLAGS = {"--rho": "--sam-rho", "--trace-contexts": "--n-contexts"}
+"""The demo's flags before they were spelled as `hf-flatbias trace` spells them: earlier spelling -> flag."""
+
+
+class _Renamed(argparse.Action):
+    def __init__(self, *args: Any, flag: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.flag = flag
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: str | None = None):
+        parser.error(f"{option} is now spelled {self.flag}, as in hf-flatbias trace: pass {self.flag}")
+
+
 def run_demo(args: argparse.Namespace) -> int:
-    for name in ("steps", "eval_every", "n_train", "trace_contexts", "n_probe"):
+    for name in ("steps", "eval_every", "n_train", "n_contexts", "n_probe"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)}).")
     if not args.sam_rho > 0:
@@ -105,7 +121,7 @@ def _compare_runs(args: argparse.Namespace, output_dir: Path) -> int:
     setup = setup_language(
         "pcfg",
         n_train=args.n_train,
-        n_contexts=args.trace_contexts,
+        n_contexts=args.n_contexts,
         n_probe=args.n_probe,
         seed=args.seed,
         probe_pooling="concat",
@@ -192,7 +208,7 @@ def _training_settings(args: argparse.Namespace) -> dict[str, Any]:
 def _trace_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The `HessianTraceCallback` settings the demo passes; the rest are the callback's defaults."""
     # the demo shows the trace at every evaluation, whatever it costs
-    return {"n_contexts": args.trace_contexts, "n_draws": RECOMMENDED_N_DRAWS, "seed": args.seed, "max_overhead": None}
+    return {"n_contexts": args.n_contexts, "n_draws": RECOMMENDED_N_DRAWS, "seed": args.seed, "max_overhead": None}
 
 
 def _train(setup, label: str, method: str, args: argparse.Namespace, run_dir: Path) -> list[dict[str, Any]]:

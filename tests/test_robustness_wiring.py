@@ -437,3 +437,12 @@ def test_settings_of_a_measure_not_taken_are_refused():
     with pytest.raises(ValueError, match="quantization_bits is a setting of quantization"):
         HessianTraceCallback(also_measure=("weight_noise",), measure_settings={"quantization_bits": (4,)})
     HessianTraceCallback(also_measure=("weight_noise",), measure_settings={"noise_sigmas": (0.05,)})
+
+
+def test_a_measure_flag_without_its_measure_is_refused(tmp_path, capsys):
+    """As the callback's measure_settings: --noise-sigmas without weight_noise in --measures was ignored."""
+    argv = ["trace", str(tmp_path / "no-model"), "--data", str(tmp_path / "no.jsonl"), "--noise-sigmas", "0.05"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no-model" not in err, err
+    assert "--noise-sigmas is a setting of weight_noise, which --measures does not name: add weight_noise" in err

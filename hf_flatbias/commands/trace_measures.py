@@ -57,6 +57,18 @@ def check_measure_arguments(args: argparse.Namespace) -> MeasureSettings:
     except ValueError as error:
         name = str(error).split("=")[0].split(" ")[0]
         raise ValueError(f"--{name.replace('_', '-')}: {error}") from None
+    measures = getattr(args, "measures", ())
+    for item in dataclasses.fields(MeasureSettings):
+        if getattr(args, item.name, item.default) == item.default:
+            continue
+        # a flag no requested measure reads would be ignored without a word
+        owners = [spec.name for spec in MEASURE_TABLE.values() if item.name in spec.settings]
+        if owners and not any(owner in measures for owner in owners):
+            flag = "--" + item.name.replace("_", "-")
+            raise ValueError(
+                f"{flag} is a setting of {' and '.join(owners)}, which --measures does not name: add {owners[0]} "
+                f"to --measures (e.g. --measures trace,{owners[0]}), or drop {flag}."
+            )
     if needs_downstream_task(getattr(args, "measures", ())):
         from ..glue.tasks import GLUE_TASKS
 

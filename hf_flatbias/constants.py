@@ -103,7 +103,14 @@ default until an experiment says otherwise."""
 # The measures beyond the trace (their names, functions, settings, log keys) are one table:
 # `hf_flatbias.measures.MEASURE_TABLE`, torch-free like this module.
 
-SPECTRUM_MATRICES = ("fisher", "hessian")
+CURVATURE_MATRICES = ("fisher", "hessian")
+"""The matrices whose products `hf_flatbias.flatness.curvature.CurvatureOperator` forms directly."""
+
+ADAM_PRECONDITIONED = "adam_preconditioned"
+"""The Hessian seen by Adam, ``P^-1/2 H P^-1/2`` with ``P = diag(sqrt(v_hat) + eps)`` from the optimizer's state: its
+top eigenvalue is the one Adam's stability threshold bounds (Cohen et al., arXiv 2207.14484)."""
+
+SPECTRUM_MATRICES = (*CURVATURE_MATRICES, ADAM_PRECONDITIONED)
 
 CRITICAL_DIRECTIONS = ("optimizer", "gradient_descent")
 """The lines critical sharpness searches along: the optimizer's next update (the negative gradient without one), or

@@ -103,7 +103,9 @@ class MeasureSettings:
 
     eigenvalue_matrix: str = _setting(
         "fisher",
-        "Matrix of top_eigenvalue (default: fisher, whose trace is the paper's measure).",
+        "Matrix of top_eigenvalue (default: fisher, whose trace is the paper's measure); hessian; or "
+        "adam_preconditioned, P^-1/2 H P^-1/2 with P = sqrt(v_hat) + eps from the Trainer's AdamW (the matrix Adam's "
+        "stability threshold 38/lr bounds; measured in training only).",
         str,
         SPECTRUM_MATRICES,
     )
@@ -252,16 +254,16 @@ class MeasureSettings:
             if value is not None and value > most:  # checked when the settings are made, before anything loads
                 raise ValueError(f"{name}={value} is outside the sane range 1..{most:,} ({hint}).")
         clip = self.critical_max_grad_norm
-        if clip is not None and not (_is_number(clip) and math.isfinite(clip) and clip >= 0):
+        if clip is not None and not (is_number(clip) and math.isfinite(clip) and clip >= 0):
             raise ValueError(f"critical_max_grad_norm must be a finite number >= 0, 0 for no clipping (got {clip!r}).")
         step = self.eigenvalue_fd_step
-        if step is not None and not (_is_number(step) and math.isfinite(step) and step > 0):
+        if step is not None and not (is_number(step) and math.isfinite(step) and step > 0):
             raise ValueError(f"eigenvalue_fd_step must be a finite number > 0 (got {step!r}).")
         for name in ("sam_rho", "critical_rtol", "forgetting_learning_rate"):
             value = getattr(self, name)
-            if not (_is_number(value) and math.isfinite(value) and value > 0):
+            if not (is_number(value) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0 (got {value!r}).")
-        if not self.noise_sigmas or not all(_is_number(s) and math.isfinite(s) and s > 0 for s in self.noise_sigmas):
+        if not self.noise_sigmas or not all(is_number(s) and math.isfinite(s) and s > 0 for s in self.noise_sigmas):
             raise ValueError(f"noise_sigmas must be one or more finite numbers > 0 (got {self.noise_sigmas!r}).")
         if max(self.noise_sigmas) > MAX_NOISE_SIGMA:
             shown = ", ".join(f"{sigma:g}" for sigma in self.noise_sigmas)
@@ -296,7 +298,8 @@ def _as_tuple(value: Any) -> tuple:
     return (value,) if isinstance(value, (int, float)) else tuple(value)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
+    """Whether ``value`` is a real number: True and False are ints to Python, never a radius, a weight or a count."""
     return isinstance(value, Real) and not isinstance(value, bool)
 
 

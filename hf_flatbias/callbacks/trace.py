@@ -12,7 +12,14 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..constants import TRACE_MEDIAN_OF_MEANS_METRIC, TRACE_METRIC, TRACE_STDERR_METRIC, TRACE_TOP_SHARE_METRIC
+from ..constants import (
+    ADAM_PRECONDITIONED,
+    TRACE_MEDIAN_OF_MEANS_METRIC,
+    TRACE_METRIC,
+    TRACE_STDERR_METRIC,
+    TRACE_TOP_SHARE_METRIC,
+)
+from ..flatness.adam_preconditioner import why_optimizer_unreadable
 from ..flatness.api import estimate_hessian_trace
 from ..flatness.contexts import build_masked_contexts
 from ..flatness.estimators import per_context_estimators
@@ -168,6 +175,18 @@ class HessianTraceCallback(TrainerCallback):
             and self.config.settings().critical_direction == "optimizer"
         ):
             check_zero_update_supported(self._trainer.optimizer)  # an offloaded or Muon ZeRO optimizer: refused now
+        preconditioned = [
+            name for name in self.config.also_measure if "eigenvalue_matrix" in MEASURE_TABLE[name].settings
+        ]
+        if preconditioned and self.config.eigenvalue_matrix == ADAM_PRECONDITIONED:
+            why = why_optimizer_unreadable(self._trainer.optimizer)  # its state is checked at each measurement
+            if sharded:
+                why = (
+                    f"eigenvalue_matrix={ADAM_PRECONDITIONED!r} takes exact products on whole parameters, which a "
+                    "sharded model (ZeRO-3, FSDP2) does not hold; choose eigenvalue_matrix='hessian' or 'fisher'."
+                )
+            if why is not None:
+                raise ValueError(f"HessianTraceCallback(also_measure={preconditioned}): {why}")
         several_processes = stage == 3 or self._trainer.args.world_size > 1
         if several_processes and self.config.estimator not in per_context_estimators():
             raise ValueError(

@@ -8,6 +8,7 @@ import dataclasses
 import math
 from typing import Any
 
+from ..constants import ADAM_PRECONDITIONED
 from ..measures import (
     EXTRA_MEASURES,
     MEASURE_TABLE,
@@ -69,6 +70,14 @@ def check_measure_arguments(args: argparse.Namespace) -> MeasureSettings:
                 f"{flag} is a setting of {' and '.join(owners)}, which --measures does not name: add {owners[0]} "
                 f"to --measures (e.g. --measures trace,{owners[0]}), or drop {flag}."
             )
+    measures = [MEASURE_TABLE[name] for name in getattr(args, "measures", ()) if name in MEASURE_TABLE]
+    reads_matrix = any("eigenvalue_matrix" in spec.settings for spec in measures)
+    if reads_matrix and settings.eigenvalue_matrix == ADAM_PRECONDITIONED:
+        raise ValueError(
+            f"--eigenvalue-matrix {ADAM_PRECONDITIONED} needs the Adam state of the run, which the command line does "
+            "not load; measure it in training (HessianTraceCallback(eigenvalue_matrix='adam_preconditioned')) or "
+            "call estimate_top_eigenvalues(..., optimizer=), or choose hessian or fisher."
+        )
     if needs_downstream_task(getattr(args, "measures", ())):
         from ..glue.tasks import GLUE_TASKS
 

@@ -13,14 +13,14 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..constants import SPECTRUM_MATRICES
+from ..constants import CURVATURE_MATRICES, SPECTRUM_MATRICES
 from .contexts import TraceContexts
 from .lm import logits_at_positions
 
 
-def check_matrix(matrix: str) -> None:
-    if matrix not in SPECTRUM_MATRICES:
-        raise ValueError(f"matrix={matrix!r} is not supported; choose one of {list(SPECTRUM_MATRICES)}.")
+def check_matrix(matrix: str, choices: tuple[str, ...] = SPECTRUM_MATRICES) -> None:
+    if matrix not in choices:
+        raise ValueError(f"matrix={matrix!r} is not supported; choose one of {list(choices)}.")
 
 
 class _LogitsAtPositions(nn.Module):
@@ -54,7 +54,7 @@ class CurvatureOperator:
         batch_size: int,
         vector_dtype: torch.dtype = torch.float64,
     ) -> None:
-        check_matrix(matrix)
+        check_matrix(matrix, CURVATURE_MATRICES)  # adam_preconditioned wraps the Hessian's products
         self.matrix = matrix
         self.params = list(params)
         self.dtype = vector_dtype
@@ -83,7 +83,9 @@ class CurvatureOperator:
         with torch.enable_grad(), sdpa_kernel(SDPBackend.MATH):
             logits = self._function(inputs["batch"], inputs["positions"])
             if self.matrix == "hessian":
-                loss = torch.nn.functional.cross_entropy(logits.float(), inputs["targets"], reduction="sum") / self._n
+                # at least float32, and float64 for a float64 model: its products are then exact to float64
+                wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+                loss = torch.nn.functional.cross_entropy(wide, inputs["targets"], reduction="sum") / self._n
                 grads = torch.autograd.grad(loss, self.params, create_graph=True, allow_unused=True)
                 used = _used(grads)
                 return {"grads": [grads[i] for i in used], "used": used}

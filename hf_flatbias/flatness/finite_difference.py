@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from ..constants import CURVATURE_PRODUCTS, SPECTRUM_MATRICES
+from ..constants import CURVATURE_MATRICES, CURVATURE_PRODUCTS
 from .contexts import TraceContexts
 from .distributed import needs_lockstep, share_of_contexts
 from .lanczos import thick_restart_lanczos, vector_norm
@@ -103,8 +103,8 @@ class FiniteDifferenceOperator:
         step: float,
         vector_dtype: torch.dtype = torch.float64,
     ) -> None:
-        if matrix not in SPECTRUM_MATRICES:
-            raise ValueError(f"matrix={matrix!r} is not supported; choose one of {list(SPECTRUM_MATRICES)}.")
+        if matrix not in CURVATURE_MATRICES:
+            raise ValueError(f"matrix={matrix!r} is not supported; choose one of {list(CURVATURE_MATRICES)}.")
         self.model = model
         self.space = space
         self.matrix = matrix

@@ -10,6 +10,9 @@ parameters as the trace, so ``sum(eigenvalues) == Tr`` of the matrix whose trace
 - ``matrix="fisher"``: the Fisher / Gauss-Newton matrix ``F = mean_c J_c^T (diag(p_c) - p_c p_c^T) J_c``, ``J_c`` the
   Jacobian of context ``c``'s logits (the paper's measure is its trace, `exact_fisher_trace`). Products ``Fv`` take two
   passes and no double backward: ``J v`` forward-mode (`torch.func.jvp`), then ``J^T (M J v)`` one backward.
+- ``matrix="adam_preconditioned"``: ``P^-1/2 H P^-1/2`` with ``P = diag(sqrt(v_hat) + eps)`` from the second moments of
+  the Adam/AdamW optimizer passed in: the eigenvalues of ``P^-1 H``, which Adam's stability threshold bounds
+  (`hf_flatbias.flatness.adam_preconditioner`). Its trace is not the trace's.
 
 Eigenvalues come from Lanczos with full reorthogonalisation (`hf_flatbias.flatness.lanczos`) on these exact
 products (`hf_flatbias.flatness.curvature`); the density from stochastic Lanczos quadrature (Ritz values weighted by
@@ -27,16 +30,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..constants import DEFAULT_BATCH_SIZE, DEFAULT_SAM_RHO
+from ..constants import ADAM_PRECONDITIONED, DEFAULT_BATCH_SIZE, DEFAULT_SAM_RHO
 from ..tensors import perturb_weights
-from .contexts import TraceContexts
+from .adam_preconditioner import PreconditionedOperator, inverse_sqrt_preconditioner
+from .contexts import TraceContexts, prepare_contexts
 from .curvature import CurvatureOperator, check_matrix
 from .finite_difference import finite_difference_top_eigenvalues, resolve_product
 from .lanczos import lanczos, thick_restart_lanczos
 from .lm import (
-    check_lm_model,
     evaluation_mode,
-    is_causal_lm,
     logits_at_positions,
     measured_parameters,
     preserved_global_rng,
@@ -48,21 +50,6 @@ from .results import gaussian_mixture as gaussian_mixture  # re-exported: the de
 # public entry points
 
 
-def _prepare(
-    model: nn.Module, dataset: Iterable[Mapping[str, Any]], n_contexts: int | None, causal: bool | None
-) -> tuple[TraceContexts, list[nn.Parameter], int]:
-    check_lm_model(model)
-    params = measured_parameters(model)
-    contexts = TraceContexts.from_rows(dataset, causal=is_causal_lm(model) if causal is None else causal)
-    if n_contexts is not None:
-        if n_contexts < 1 or n_contexts > len(contexts):
-            raise ValueError(
-                f"n_contexts={n_contexts} but the data holds {len(contexts)} contexts (labelled positions)."
-            )
-        return contexts, params, n_contexts
-    return contexts, params, len(contexts)
-
-
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1 (got {value!r}).")
@@ -71,6 +58,33 @@ def _check_positive_int(name: str, value: Any) -> None:
 def _random_start(dimension: int, seed: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(dimension, generator=generator, dtype=torch.float64).to(device=device, dtype=dtype)
+
+
+def _preconditioner(
+    model: nn.Module, params: Sequence[nn.Parameter], matrix: str, optimizer: object, vector_dtype: torch.dtype
+) -> torch.Tensor | None:
+    """``P^-1/2`` for ``matrix="adam_preconditioned"`` (read, and refused, before any pass), ``None`` otherwise."""
+    if matrix != ADAM_PRECONDITIONED:
+        return None
+    names = {id(p): name for name, p in model.named_parameters()}
+    return inverse_sqrt_preconditioner(optimizer, params, [names[id(p)] for p in params], dtype=vector_dtype)
+
+
+def _operator(
+    model: nn.Module,
+    contexts: TraceContexts,
+    n_used: int,
+    params: Sequence[nn.Parameter],
+    matrix: str,
+    scale: torch.Tensor | None,
+    batch_size: int,
+    vector_dtype: torch.dtype,
+) -> CurvatureOperator | PreconditionedOperator:
+    base = "hessian" if scale is not None else matrix
+    operator = CurvatureOperator(
+        model, contexts, n_used, params, matrix=base, batch_size=batch_size, vector_dtype=vector_dtype
+    )
+    return operator if scale is None else PreconditionedOperator(operator, scale.to(operator.device))
 
 
 def default_max_vectors(k: int) -> int:
@@ -104,8 +118,9 @@ def estimate_top_eigenvalues(
         dataset: rows with ``input_ids``, ``attention_mask`` and ``labels`` (one context per labelled position), as
             for `estimate_hessian_trace`.
         k: how many of the largest (algebraic) eigenvalues.
-        matrix: ``"fisher"`` (the matrix whose trace is the paper's measure; positive semi-definite) or ``"hessian"``
-            (of the data-label loss; may have negative eigenvalues).
+        matrix: ``"fisher"`` (the matrix whose trace is the paper's measure; positive semi-definite), ``"hessian"``
+            (of the data-label loss; may have negative eigenvalues) or ``"adam_preconditioned"`` (``P^-1/2 H P^-1/2``
+            from ``optimizer``'s state; exact products only).
         n_contexts: use the first ``n_contexts`` contexts; all by default.
         max_iterations: matrix-vector products at most (Lanczos steps, restarts included).
         tol: stop once every one of the ``k`` values has a residual ``<= tol * |value|``: each is then within that
@@ -135,7 +150,10 @@ def estimate_top_eigenvalues(
         finite_difference_step: ``h`` (a step along a unit vector); default by the parameters' dtype,
             `hf_flatbias.flatness.finite_difference.FINITE_DIFFERENCE_STEPS`, chosen by measuring the error
             along the top eigenvector against the exact product (3e-4 in float32 and float64; `benchmarks/RESULTS.md`).
-        optimizer: under ZeRO-3 only, the engine's optimizer (it releases the gathered parameters after each move).
+        optimizer: with ``matrix="adam_preconditioned"``, the torch Adam or AdamW (or accelerate's wrapper of one)
+            whose bias-corrected second moments and ``eps`` give ``P``; every trainable parameter needs its state
+            (after the first step). Under ZeRO-3, the engine's optimizer (it releases the gathered parameters after
+            each move).
 
     Returns:
         A `TopEigenvalues`.
@@ -153,7 +171,14 @@ def estimate_top_eigenvalues(
         max_vectors = default_max_vectors(k)
     _check_positive_int("max_vectors", max_vectors)
     product = resolve_product(model, product, finite_difference_step)
-    contexts, params, n_used = _prepare(model, dataset, n_contexts, causal)
+    if matrix == ADAM_PRECONDITIONED and product != "exact":
+        raise ValueError(
+            f"matrix={matrix!r} takes exact products on whole parameters in one process; pass product='exact' "
+            "(or 'auto' on an unsharded model), or choose matrix='hessian'."
+        )
+    contexts, n_used = prepare_contexts(model, dataset, n_contexts, causal)
+    params = measured_parameters(model)
+    scale = _preconditioner(model, params, matrix, optimizer, vector_dtype)
     dimension = sum(p.numel() for p in params)
     if k > dimension and product == "exact":  # ZeRO-3's partitioned parameters count their entries elsewhere
         raise ValueError(f"k={k} but the model has only {dimension} trainable parameters.")
@@ -176,9 +201,7 @@ def estimate_top_eigenvalues(
             )
         return _top_eigenvalues(eigenvalues, residuals, matrix, n_used, dimension, n_matvecs, start_time, tol, product)
     with evaluation_mode(model), preserved_global_rng():
-        operator = CurvatureOperator(
-            model, contexts, n_used, params, matrix=matrix, batch_size=batch_size, vector_dtype=vector_dtype
-        )
+        operator = _operator(model, contexts, n_used, params, matrix, scale, batch_size, vector_dtype)
         pairs = thick_restart_lanczos(
             operator,
             _random_start(dimension, seed, operator.dtype, operator.device),
@@ -233,6 +256,7 @@ def estimate_spectral_density(
     batch_size: int = DEFAULT_BATCH_SIZE,
     causal: bool | None = None,
     vector_dtype: torch.dtype = torch.float64,
+    optimizer: object | None = None,
 ) -> SpectralDensity:
     """The eigenvalue density of the Fisher or Hessian of the pre-training loss by stochastic Lanczos quadrature.
 
@@ -240,7 +264,8 @@ def estimate_spectral_density(
     first components of their vectors; `SpectralDensity.smoothed` averages the runs into a smooth density.
 
     Args:
-        matrix, n_contexts, batch_size, causal, vector_dtype: as for `estimate_top_eigenvalues`.
+        matrix, n_contexts, batch_size, causal, vector_dtype, optimizer: as for `estimate_top_eigenvalues` (exact
+            products).
         n_steps: Lanczos steps per run (the quadrature's nodes; it is exact for polynomials up to degree
             ``2 n_steps - 1``).
         n_runs: random starts averaged over.
@@ -254,12 +279,12 @@ def estimate_spectral_density(
     _check_positive_int("n_runs", n_runs)
     _check_positive_int("batch_size", batch_size)
     check_matrix(matrix)
-    contexts, params, n_used = _prepare(model, dataset, n_contexts, causal)
+    contexts, n_used = prepare_contexts(model, dataset, n_contexts, causal)
+    params = measured_parameters(model)
+    scale = _preconditioner(model, params, matrix, optimizer, vector_dtype)
     nodes, weights = [], []
     with evaluation_mode(model), preserved_global_rng():
-        operator = CurvatureOperator(
-            model, contexts, n_used, params, matrix=matrix, batch_size=batch_size, vector_dtype=vector_dtype
-        )
+        operator = _operator(model, contexts, n_used, params, matrix, scale, batch_size, vector_dtype)
         for run_index in range(n_runs):
             generator = torch.Generator().manual_seed(seed + run_index)
             signs = torch.randint(0, 2, (operator.dimension,), generator=generator).mul_(2).sub_(1)
@@ -313,7 +338,8 @@ def estimate_sam_sharpness(
     _check_positive_int("batch_size", batch_size)
     if not (isinstance(rho, (int, float)) and math.isfinite(rho) and rho > 0):
         raise ValueError(f"rho must be a finite number > 0 (got {rho!r}).")
-    contexts, params, n_used = _prepare(model, dataset, n_contexts, causal)
+    contexts, n_used = prepare_contexts(model, dataset, n_contexts, causal)
+    params = measured_parameters(model)
     values = []
     with evaluation_mode(model), preserved_global_rng():
         for start in range(0, n_used, batch_size):

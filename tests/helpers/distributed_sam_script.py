@@ -329,6 +329,7 @@ TRAINING_TASKS = {
     "masked_lm": (tiny_models.tiny_mlm, token_weighted_rows),
     "causal_lm": (tiny_causal_lm, causal_training_rows),
     "causal_lm_float64": (tiny_causal_lm_float64, causal_training_rows),
+    "classification_float64": (lambda: tiny_classifier().double(), classification_rows),
 }
 
 

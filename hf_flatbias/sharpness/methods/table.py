@@ -283,7 +283,7 @@ METHOD_TABLE: dict[str, MethodSpec] = {
             family="sam",
             options=_SAM_OPTIONS,
             step_options=SAM_WINDOW_OPTIONS,
-            engines=("single_process",),
+            engines=("single_process", "ddp"),
             batch_scope=True,
             torch_compile=True,
             trl_trainers=TRL_TRAINERS,
@@ -297,8 +297,6 @@ METHOD_TABLE: dict[str, MethodSpec] = {
                 "launch --multi_gpu) or a single process.",
                 "fsdp2": "flatness_method='momentum_sam' is not supported under FSDP2 yet (its direction's norm over "
                 "sharded optimizer state has no exact test there); use DDP (accelerate launch --multi_gpu) or a "
-                "single process.",
-                "ddp": "flatness_method='momentum_sam' is not supported under DDP yet (no exact test there); use a "
                 "single process.",
                 "activation_offloading": "activation_offloading=True is not supported with "
                 "flatness_method='momentum_sam' (not tested there); set activation_offloading=False.",

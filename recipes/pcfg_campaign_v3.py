@@ -51,10 +51,22 @@ def main(argv=None) -> None:
     sizes = RulerSizes()
     finetune = FinetuneStore(args.results / "finetune_reads.json", sizes)
     if args.phase == "measures":
-        from research.measures_v3 import MEASURE_GROUPS, MeasureStore, measure_checkpoints
+        from research.measures_v3 import (
+            MEASURE_GROUPS,
+            MeasureStore,
+            downstream_task,
+            measure_checkpoints,
+            with_sentence_types,
+        )
         from transformers import BertForMaskedLM
 
         language = load_material(args.work_dir, Sizes()).language
+        rows = ruler_rows(language.grammar, language.grammar_seed, sizes, args.work_dir / "cache")
+        contexts = {
+            "plain": language.trace_contexts,
+            "typed": with_sentence_types(language.trace_contexts, language.grammar),
+            "task": downstream_task(rows),
+        }
         loaders = {
             key: (lambda path=checkpoint.path: BertForMaskedLM.from_pretrained(path).eval())
             for key, checkpoint in checkpoint_table().items()
@@ -62,7 +74,7 @@ def main(argv=None) -> None:
         store = MeasureStore(args.results / "measures.json")
         cheap = [group for group in MEASURE_GROUPS if group != "spectrum"]
         for groups in (cheap, ["spectrum"]):  # Amendment 1: the spectrum last
-            measure_checkpoints(store, loaders, language.trace_contexts, groups)
+            measure_checkpoints(store, loaders, contexts, groups)
     elif args.phase == "reads":
         language = load_material(args.work_dir, Sizes()).language  # v1's grammar seed 0, as v2 read it
         run = ReadsRun(

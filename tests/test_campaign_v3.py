@@ -277,3 +277,29 @@ def test_tournament_ranks_a_planted_measure_above_noise_and_holds_kl_fixed():
     kl_only = found["measures"]["weight_noise"]["finetune"]  # KL's own ranks are partialled out: nothing is left
     assert np.isnan(kl_only["partial_rank_correlation"]) and np.isnan(kl_only["p"]) and not kl_only["survives"]
     assert found["measures"]["hessian_trace"]["finetune"]["status"] == "not measured or not read"
+
+
+def test_sentence_types_of_masked_contexts_are_those_of_the_whole_sentences():
+    from research.measures_v3 import tournament_values, with_sentence_types
+
+    from hf_flatbias.synthetic import PCFG
+    from hf_flatbias.synthetic.data import masked_contexts, sentences_to_dataset
+
+    grammar = PCFG.paper_shaped(0, n_levels=3, symbols_per_level=5, n_words=50, binary_rules_per_symbol=10)
+    sample = grammar.sample(40, seed=3)
+    contexts = masked_contexts(sentences_to_dataset(sample.word_ids, sample.lengths), seed=1)
+    typed = with_sentence_types(contexts, grammar)
+    expected = grammar.task_labels(sample.word_ids, sample.lengths)["task_a"]
+    assert [row["sentence_type"] for row in typed] == expected.tolist()
+    assert all(row["input_ids"] == list(c["input_ids"]) for row, c in zip(typed, contexts, strict=True))
+    measured = {
+        "fisher_trace": {"value": 3.0, "median_of_means": 2.5},
+        "spectrum": {"value": 7.0, "density_tail": 0.7, "power_law_alpha": 0.4},
+    }
+    assert tournament_values(measured) == {
+        "fisher_trace": 3.0,
+        "fisher_trace_median_of_means": 2.5,
+        "top_eigenvalue": 7.0,
+        "spectral_density_tail": 0.7,
+        "spectrum_power_law": 0.4,
+    }

@@ -25,25 +25,27 @@ from hf_flatbias.results import write_json
 from . import rules_v3 as rules
 from .units import file_lock, rewrite_lock
 
-Measure = Callable[[torch.nn.Module, Any, Mapping[str, Any]], dict[str, Any]]
+Contexts = Mapping[str, Any]  # "plain": the trace contexts; "typed": with sentence_type; "task": the downstream task
+Measure = Callable[[torch.nn.Module, Contexts, Mapping[str, Any]], dict[str, Any]]
 
 
 def _table(name: str, **settings: Any) -> Measure:
     """A measure of the product's table (`hf_flatbias.measures.MEASURE_TABLE`), its card record's value/stderr."""
 
-    def measure(model, contexts, fixed):
+    def measure(model, contexts: Contexts, fixed):
         from hf_flatbias.measure_settings import MeasureSettings
         from hf_flatbias.measures import MEASURE_TABLE
 
         spec = MEASURE_TABLE[name]
         result = spec.function()(
             model,
-            contexts,
+            contexts["plain"],
             n_contexts=fixed["n_contexts"],
             settings=MeasureSettings(**settings),
             seed=0,
             batch_size=64,
             causal=False,
+            task=contexts["task"],
         )
         record = spec.record(result)
         return {"value": record["value"], "stderr": record.get("stderr"), "settings": settings}
@@ -51,7 +53,8 @@ def _table(name: str, **settings: Any) -> Measure:
     return measure
 
 
-def _fisher(model, contexts, fixed):
+def _fisher(model, contexts: Contexts, fixed):
+    contexts = contexts["plain"]
     from hf_flatbias import estimate_hessian_trace
 
     estimate = estimate_hessian_trace(
@@ -66,7 +69,8 @@ def _fisher(model, contexts, fixed):
     }
 
 
-def _hessian(model, contexts, fixed):
+def _hessian(model, contexts: Contexts, fixed):
+    contexts = contexts["plain"]
     from hf_flatbias import estimate_hessian_trace
 
     estimate = estimate_hessian_trace(
@@ -81,14 +85,18 @@ def _hessian(model, contexts, fixed):
     return {"value": estimate.mean, "stderr": estimate.stderr}
 
 
-def _spectrum(model, contexts, fixed):
-    """The top eigenvalues (Lanczos) and the density's share of the trace above a fraction of the largest."""
+def _spectrum(model, contexts: Contexts, fixed):
+    """The top eigenvalues (Lanczos), their power law, and the density's share of the trace above a fraction of the
+    largest eigenvalue."""
     from hf_flatbias.flatness.spectrum import estimate_spectral_density, estimate_top_eigenvalues
+    from hf_flatbias.flatness.spectrum_shape import fit_power_law
 
+    contexts = contexts["plain"]
     n_contexts = min(fixed["n_contexts"], rules.SPECTRUM_CONTEXTS)  # Amendment 1
     top = estimate_top_eigenvalues(model, contexts, k=fixed["top_k"], matrix="fisher", n_contexts=n_contexts)
     eigenvalues = sorted(top.eigenvalues, reverse=True)
     density = estimate_spectral_density(model, contexts, matrix="fisher", n_contexts=n_contexts)
+    power_law = fit_power_law(eigenvalues)
     cut = fixed["density_tail_fraction"] * eigenvalues[0]
     mass = [
         (x * w, x > cut)
@@ -103,14 +111,66 @@ def _spectrum(model, contexts, fixed):
         "density_runs": len(density.nodes),
         "density_steps": len(density.nodes[0]),
         "n_contexts": n_contexts,
+        "power_law_alpha": power_law.alpha,
+        "power_law_alpha_stderr": power_law.alpha_stderr,
+        "power_law_r_squared": power_law.r_squared,
     }
 
 
-def _fisher_diagonal(model, contexts, fixed):
+def _fisher_diagonal(model, contexts: Contexts, fixed):
+    contexts = contexts["plain"]
     from hf_flatbias.flatness.diagonal import estimate_fisher_diagonal
 
     found = estimate_fisher_diagonal(model, contexts, n_contexts=fixed["n_contexts"], n_draws=fixed["fisher_draws"])
     return {"value": math.sqrt(sum(float(d.square().sum()) for d in found.diagonal.values()))}
+
+
+def with_sentence_types(contexts, grammar) -> list[dict[str, Any]]:
+    """The one-mask contexts as rows with a ``sentence_type`` column: task A's label (the type maximising
+    ``Pr(sentence | type)``) of the whole sentence, the masked word put back from ``labels``."""
+    import numpy as np
+
+    from hf_flatbias.constants import IGNORE_INDEX
+    from hf_flatbias.synthetic.data import N_SPECIAL
+
+    rows = [dict(row) for row in contexts]
+    sentences = []
+    for row in rows:
+        ids = [
+            label if label != IGNORE_INDEX else token
+            for token, label in zip(row["input_ids"], row["labels"], strict=True)
+        ]
+        sentences.append([token - N_SPECIAL for token in ids if token >= N_SPECIAL])
+    word_ids = np.full((len(rows), max(map(len, sentences))), -1)
+    for i, words in enumerate(sentences):
+        word_ids[i, : len(words)] = words
+    types = grammar.task_labels(word_ids, np.array([len(w) for w in sentences]))["task_a"]
+    for row, kind in zip(rows, types, strict=True):
+        row["sentence_type"] = int(kind)
+    return rows
+
+
+def downstream_task(rows, task: str = rules.MEASURE_SETTINGS["relative_critical_task"]):
+    """The ruler's first fit split as ``task``'s rows (`ForgettingTask`): what relative critical sharpness's
+    downstream optimizer takes its first update on."""
+    from hf_flatbias.flatness.forgetting_task import ForgettingTask
+
+    from .ruler import padded_tokens, task_class_counts
+
+    fit = rows.part("fit0")
+    ids, mask = padded_tokens(fit, rows.width)
+    labelled = [
+        {"input_ids": i.tolist(), "attention_mask": m.tolist(), "label": int(y)}
+        for i, m, y in zip(ids, mask, fit.labels[task], strict=True)
+    ]
+    classes = task_class_counts(rows.grammar)[task]
+    return ForgettingTask(f"task {task}, ruler fit split 0", "label", classes, labelled, None)
+
+
+def _alignment(model, contexts, fixed):
+    typed = {**contexts, "plain": contexts["typed"]}
+    result = _table("gradient_alignment", alignment_column="sentence_type")(model, typed, fixed)
+    return {**result, "sources": "sentence type (task A's label)"}
 
 
 # measure group -> how it is taken; a group may give several tournament measures (see `tournament_values`)
@@ -128,6 +188,10 @@ MEASURE_GROUPS: dict[str, Measure] = {
     "quantization_8bit": _table("quantization", quantization_bits=(8,)),
     "quantization_4bit": _table("quantization", quantization_bits=(4,)),
     "fisher_diagonal_norm": _fisher_diagonal,
+    "gradient_alignment": _alignment,
+    "relative_critical_sharpness": _table(
+        "relative_critical_sharpness", critical_rtol=rules.MEASURE_SETTINGS["critical_rtol"]
+    ),
 }
 
 
@@ -142,6 +206,7 @@ def tournament_values(measured: Mapping[str, Mapping[str, Any]]) -> dict[str, fl
     if "spectrum" in measured:
         values["top_eigenvalue"] = measured["spectrum"]["value"]
         values["spectral_density_tail"] = measured["spectrum"]["density_tail"]
+        values["spectrum_power_law"] = measured["spectrum"]["power_law_alpha"]
     return {name: float(value) for name, value in values.items() if value is not None}
 
 

@@ -417,6 +417,10 @@ def test_a_measure_that_comes_out_non_finite_is_an_error_naming_why(checkpoint, 
     assert code == 2 and len(err) == 1, err
     assert "weight_noise came out nan" in err[0] and "loss of the checkpoint itself is nan" in err[0], err
     assert not output.exists()
+    # the trace of the same checkpoint: its self-check said the estimator missed parameters ("nan vs nan")
+    assert main(["trace", str(tmp_path / "broken"), "--data", str(data), *flags[:-2]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "do not match" not in err[0] and "gradient of the loss is not finite" in err[0], err
 
 
 def test_a_noise_level_that_overflows_is_named():

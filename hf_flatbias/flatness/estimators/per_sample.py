@@ -278,6 +278,12 @@ def _validate_against_autograd(
     # both sides are rounded in the parameters' dtype: bfloat16's 8-bit mantissa moves them apart by ~0.2%
     precise = all(p.dtype in (torch.float32, torch.float64) for p in params)
     tolerance = 1e-3 if precise else 2e-2
+    if not (math.isfinite(ghost) and math.isfinite(reference)):  # no parameter is missed: nothing is finite
+        raise ValueError(
+            f"The gradient of the loss is not finite on {type(model).__name__} (its squared norm is {reference:.6g} "
+            "on the first context): the checkpoint's weights or the data give non-finite logits; check the "
+            "checkpoint (a diverged run?) and the data."
+        )
     if not math.isclose(ghost, reference, rel_tol=tolerance, abs_tol=1e-6 * max(1.0, abs(reference))):
         unsupported = f" Parameters outside those layers: {recorder.unsupported[:8]}." if recorder.unsupported else ""
         raise ValueError(

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from transformers import TrainingArguments
 
 from .constants import DEFAULT_SAM_RHO
+from .measure_settings import is_number
 from .sharpness.methods.table import (
     FLATNESS_METHOD_HYPERPARAMETERS,  # noqa: F401 - read from here by older callers
     FLATNESS_METHODS,
@@ -214,9 +215,9 @@ class FlatnessArguments:
 
     def _validate_flatness_arguments(self) -> None:
         method_spec(self.flatness_method)  # an unknown name is refused with the choices
-        if not _is_number(self.sam_rho) or not math.isfinite(self.sam_rho) or self.sam_rho <= 0:
+        if not is_number(self.sam_rho) or not math.isfinite(self.sam_rho) or self.sam_rho <= 0:
             raise ValueError(f"sam_rho must be a finite number > 0 (got {self.sam_rho!r}); the SAM paper uses 0.05.")
-        if not _is_number(self.asam_eta) or not math.isfinite(self.asam_eta) or self.asam_eta < 0:
+        if not is_number(self.asam_eta) or not math.isfinite(self.asam_eta) or self.asam_eta < 0:
             raise ValueError(f"asam_eta must be a finite number >= 0 (got {self.asam_eta!r}); ASAM uses 0.01.")
         if self.sam_scope not in SAM_SCOPES:
             raise ValueError(f"sam_scope={self.sam_scope!r} is not supported; choose one of {list(SAM_SCOPES)}.")
@@ -242,13 +243,13 @@ class FlatnessArguments:
                 f"sam_every_k={self.sam_every_k} only applies to flatness_method in {readers}, not "
                 f"{self.flatness_method!r}; leave sam_every_k=1."
             )
-        if not _is_number(self.looksam_alpha) or not math.isfinite(self.looksam_alpha):
+        if not is_number(self.looksam_alpha) or not math.isfinite(self.looksam_alpha):
             raise ValueError(f"looksam_alpha must be a finite number (got {self.looksam_alpha!r}); LookSAM uses 0.7.")
         if self.looksam_alpha < 0:
             raise ValueError(f"looksam_alpha must be >= 0 (got {self.looksam_alpha!r}); LookSAM uses 0.7.")
         for name in ("penalty_lambda", "penalty_fd_step"):
             value = getattr(self, name)
-            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+            if not is_number(value) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0 (got {value!r}); the default is 0.01.")
         if self.sam_scope != "micro_batch" and not METHOD_TABLE[self.flatness_method].batch_scope:
             batch_scoped = [name for name, spec in METHOD_TABLE.items() if spec.batch_scope and name != "none"]
@@ -268,7 +269,7 @@ class FlatnessArguments:
                 f"sam_rho_schedule={self.sam_rho_schedule!r} is not supported; choose one of {list(SAM_RHO_SCHEDULES)}."
             )
         fraction = self.sam_ascent_fraction
-        if not _is_number(fraction) or not math.isfinite(fraction) or not 0 < fraction <= 1:
+        if not is_number(fraction) or not math.isfinite(fraction) or not 0 < fraction <= 1:
             raise ValueError(f"sam_ascent_fraction must be in (0, 1] (got {fraction!r}); 1 uses every row.")
         for name, lowest in (("sam_start_step", 0), ("sam_end_step", -1), ("sam_rho_warmup_steps", 0)):
             value = getattr(self, name)
@@ -376,11 +377,6 @@ def check_torch_compile_supports(flatness_method: str, torch_compile: bool) -> N
     reason = method_spec(flatness_method).refusal("torch_compile") if torch_compile else None
     if reason is not None:
         raise ValueError(reason)
-
-
-def _is_number(value) -> bool:
-    # True and False are ints to Python, never a radius or a weight
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 _NUMERIC_FIELDS = {

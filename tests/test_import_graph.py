@@ -119,3 +119,15 @@ def test_a_cycle_through_a_function_level_import_or_a_registry_string_is_found(t
         ["hf_flatbias.a", "hf_flatbias.sub.b"],
         ["hf_flatbias.sub.c", "hf_flatbias.table"],
     ]
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """A name a module shares is public in that module (issue 58: ``spectrum._prepare``, ``config._is_number``, ...
+    were imported elsewhere, so renaming them broke modules that looked unrelated)."""
+    reaches = []
+    for name, path in module_files().items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("hf_flatbias")):
+                private = [alias.name for alias in node.names if alias.name.startswith("_") and alias.name[:2] != "__"]
+                reaches += [f"{name}: {'.' * node.level}{node.module or ''}.{alias}" for alias in private]
+    assert not reaches, reaches

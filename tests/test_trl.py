@@ -594,7 +594,7 @@ def test_trace_logs_leave_trl_metrics_to_the_training_loss(tmp_path, tokenizer):
 def test_trace_rows_of_a_packed_row_are_its_documents(tmp_path, tokenizer):
     trainer = sft_trainer(tmp_path, tokenizer, "packing")
     packed = trainer.train_dataset[0]
-    documents = trainer._trace_context_rows(packed)
+    documents = trainer.trace_context_rows(packed)
     assert [len(d["input_ids"]) for d in documents] == list(packed["seq_lengths"]) and len(documents) > 1
     assert sum((d["input_ids"] for d in documents), []) == list(packed["input_ids"])
     assert all(len(d["completion_mask"]) == len(d["input_ids"]) for d in documents)

@@ -385,7 +385,7 @@ class HessianTraceCallback(TrainerCallback):
                 "HessianTraceCallback(eval_dataset=...)."
             )
         # trl's trainers say which sequences and positions their rows hold (packed documents, prompt + chosen)
-        context_rows = getattr(trainer, "_trace_context_rows", lambda row: [row])
+        context_rows = getattr(trainer, "trace_context_rows", lambda row: [row])
         kept = self._kept_columns()
         rows = []
         for row in dataset:

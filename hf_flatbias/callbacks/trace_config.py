@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from numbers import Integral, Real
+from numbers import Integral
 from typing import Any
 
 from ..constants import (
@@ -18,6 +18,7 @@ from ..constants import (
     RECOMMENDED_N_DRAWS,
     SPECTRUM_MATRICES,
 )
+from ..measure_settings import is_number
 from ..measures import EXTRA_MEASURES, MEASURE_TABLE, MeasureSettings, check_required_settings
 
 
@@ -111,7 +112,7 @@ class TraceCallbackConfig:
         object.__setattr__(self, "also_measure", also_measure)
         if self.eigenvalue_matrix not in SPECTRUM_MATRICES:
             raise ValueError(f"eigenvalue_matrix={self.eigenvalue_matrix!r}; choose one of {list(SPECTRUM_MATRICES)}.")
-        if not (_is_number(self.sam_rho) and self.sam_rho > 0):
+        if not (is_number(self.sam_rho) and self.sam_rho > 0):
             raise ValueError(f"sam_rho must be a number > 0 (got {self.sam_rho!r}).")
         settings = dict(self.measure_settings or {})
         for name in ("eigenvalue_matrix", "sam_rho"):
@@ -130,7 +131,7 @@ class TraceCallbackConfig:
                 )
         object.__setattr__(self, "measure_settings", settings)
         check_required_settings(self.also_measure, self.settings())  # checks every value now
-        if self.max_overhead is not None and not (_is_number(self.max_overhead) and self.max_overhead > 0):
+        if self.max_overhead is not None and not (is_number(self.max_overhead) and self.max_overhead > 0):
             raise ValueError(f"max_overhead must be a number > 0 or None for no budget (got {self.max_overhead!r}).")
 
     def settings(self) -> MeasureSettings:
@@ -143,11 +144,7 @@ def _check_int(name: str, value: Any, *, minimum: int | None = None, optional: b
         return
     # bool is an int to Python, but True contexts or steps is a slip, not a count
     if isinstance(value, bool) or not isinstance(value, Integral) or (minimum is not None and value < minimum):
-        whole = int(value) if _is_number(value) and math.isfinite(value) else None
+        whole = int(value) if is_number(value) and math.isfinite(value) else None
         example = whole if whole is not None and (minimum is None or whole >= minimum) else (minimum or 0)
         wanted = "a whole number" + ("" if minimum is None else f" >= {minimum}") + (" or None" if optional else "")
         raise ValueError(f"{name} must be {wanted} (got {value!r}); pass e.g. {name}={example}.")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, Real) and not isinstance(value, bool)

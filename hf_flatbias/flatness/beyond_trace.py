@@ -20,6 +20,7 @@ from torch import nn
 
 from ..constants import DEFAULT_BATCH_SIZE
 from ..measure_settings import MeasureSettings
+from .contexts import prepare_contexts
 from .critical_sharpness import estimate_critical_sharpness, proposed_update
 from .distributed import share_of_contexts
 from .forgetting import ForgettingResult, measure_forgetting
@@ -27,7 +28,7 @@ from .forgetting_task import ForgettingTask
 from .lm import evaluation_mode, logits_at_positions, preserved_global_rng
 from .parameter_space import parameter_space
 from .quantization import estimate_quantization_sensitivity
-from .spectrum import _prepare, estimate_sam_sharpness, estimate_top_eigenvalues
+from .spectrum import estimate_sam_sharpness, estimate_top_eigenvalues
 from .weight_noise import estimate_weight_noise_sensitivity
 from .zero_update import check_zero_update_supported, torch_optimizer_of, zero_optimizer_of, zero_proposed_update
 
@@ -35,7 +36,7 @@ GRADIENT_DESCENT = "gradient_descent"
 """The direction of ``critical_sharpness`` without an optimizer: ``-g``."""
 
 
-def _fixed(batch_size: int | str) -> int:
+def fixed_batch_size(batch_size: int | str) -> int:
     """A batch size for the measures that take no ``"auto"`` (the command line's ``--batch-size auto``)."""
     return batch_size if isinstance(batch_size, int) else DEFAULT_BATCH_SIZE
 
@@ -65,7 +66,7 @@ def sam_sharpness(
         model,
         contexts,
         settings.sam_rho,
-        batch_size=settings.sam_batch_size or _fixed(batch_size),
+        batch_size=settings.sam_batch_size or fixed_batch_size(batch_size),
         n_contexts=n_contexts,
         causal=causal,
     )
@@ -82,7 +83,7 @@ def weight_noise(
         n_draws=settings.noise_draws,
         seed=seed,
         n_contexts=n_contexts,
-        batch_size=_fixed(batch_size),
+        batch_size=fixed_batch_size(batch_size),
         causal=causal,
     )
 
@@ -96,7 +97,7 @@ def quantization(
         settings.quantization_bits,
         group_size=settings.quantization_group_size,
         n_contexts=n_contexts,
-        batch_size=_fixed(batch_size),
+        batch_size=fixed_batch_size(batch_size),
         causal=causal,
     )
 
@@ -123,7 +124,7 @@ def forgetting(
         )
     trace = None
     if settings.forgetting_trace_draws is not None:
-        trace = {"n_draws": settings.forgetting_trace_draws, "seed": seed, "batch_size": _fixed(batch_size)}
+        trace = {"n_draws": settings.forgetting_trace_draws, "seed": seed, "batch_size": fixed_batch_size(batch_size)}
     result = measure_forgetting(
         model,
         contexts,
@@ -137,7 +138,7 @@ def forgetting(
         seed=seed,
         trace=trace,
         n_contexts=n_contexts,
-        lm_batch_size=_fixed(batch_size),
+        lm_batch_size=fixed_batch_size(batch_size),
         causal=causal,
     )
     return replace(result, task=task.source, label_column=task.label_column)
@@ -208,8 +209,8 @@ def critical_sharpness(
     its fp32 master partitions with the batch's gradient clipped as the engine clips, and undone).
     """
     start_time = time.perf_counter()
-    size = settings.critical_batch_size or _fixed(batch_size)
-    prepared, _, n_used = _prepare(model, contexts, n_contexts, causal)
+    size = settings.critical_batch_size or fixed_batch_size(batch_size)
+    prepared, n_used = prepare_contexts(model, contexts, n_contexts, causal)
     along_optimizer = optimizer is not None and settings.critical_direction == "optimizer"
     if along_optimizer:
         check_zero_update_supported(optimizer)
@@ -222,7 +223,7 @@ def critical_sharpness(
             n_batch = len(batch)
 
             def share_loss(m: nn.Module, share=share, n_batch=n_batch) -> torch.Tensor:
-                return _weighted_loss(m, prepared, share.indices, share.n_measured, n_batch)
+                return weighted_context_loss(m, prepared, share.indices, share.n_measured, n_batch)
 
             with torch.enable_grad():
                 grads = space.gradient([share_loss(model)])
@@ -274,7 +275,9 @@ def critical_sharpness(
     )
 
 
-def _weighted_loss(model: nn.Module, contexts, indices: Sequence[int], n_measured: int, n_batch: int) -> torch.Tensor:
+def weighted_context_loss(
+    model: nn.Module, contexts, indices: Sequence[int], n_measured: int, n_batch: int
+) -> torch.Tensor:
     """This process's share of a batch's mean cross-entropy: its first ``n_measured`` contexts over ``n_batch`` (the
     rest only keep the processes' passes in step)."""
     batch = contexts.model_inputs(indices, model)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..constants import IGNORE_INDEX
-from .lm import model_device
+from .lm import check_lm_model, is_causal_lm, model_device
 
 
 def context_generator(seed: int, index: int) -> torch.Generator:
@@ -212,3 +212,17 @@ class TraceContexts:
         if token_type_ids is not None:
             batch["token_type_ids"] = token_type_ids.to(device)
         return batch
+
+
+def prepare_contexts(
+    model: nn.Module, dataset: Iterable[Mapping[str, Any]], n_contexts: int | None, causal: bool | None
+) -> tuple[TraceContexts, int]:
+    """The rows' contexts (causal as the model is, unless ``causal`` says) and how many to use, as every measure
+    reads them; `ValueError` on a model without an LM head or a bad ``n_contexts``."""
+    check_lm_model(model)
+    contexts = TraceContexts.from_rows(dataset, causal=is_causal_lm(model) if causal is None else causal)
+    if n_contexts is None:
+        return contexts, len(contexts)
+    if isinstance(n_contexts, bool) or not isinstance(n_contexts, int) or not 1 <= n_contexts <= len(contexts):
+        raise ValueError(f"n_contexts={n_contexts!r} but the data holds {len(contexts)} contexts (labelled positions).")
+    return contexts, n_contexts

@@ -34,9 +34,10 @@ from transformers import AutoModelForSequenceClassification
 
 from ..constants import DEFAULT_BATCH_SIZE, FORGETTING_OPTIMIZERS
 from .api import estimate_hessian_trace
+from .contexts import prepare_contexts
 from .lm import evaluation_mode, model_device, preserved_global_rng
 from .results import TraceEstimate
-from .weight_noise import check_positive_int, mean_and_stderr, per_context_losses, prepare_contexts
+from .weight_noise import check_positive_int, mean_and_stderr, per_context_losses
 
 
 @dataclass
@@ -117,7 +118,7 @@ def _task_label(row: Mapping[str, Any], index: int) -> int:
     )
 
 
-def _task_rows(rows: Iterable[Mapping[str, Any]], what: str) -> list[dict[str, Any]]:
+def checked_task_rows(rows: Iterable[Mapping[str, Any]], what: str) -> list[dict[str, Any]]:
     rows = list(rows)
     if not rows:
         raise ValueError(f"{what} is empty: pass tokenized classification rows (input_ids, attention_mask, label).")
@@ -139,7 +140,9 @@ def _task_rows(rows: Iterable[Mapping[str, Any]], what: str) -> list[dict[str, A
     return out
 
 
-def _collate(rows: Sequence[dict[str, Any]], pad_id: int, device: torch.device) -> tuple[dict[str, torch.Tensor], Any]:
+def collate_task_rows(
+    rows: Sequence[dict[str, Any]], pad_id: int, device: torch.device
+) -> tuple[dict[str, torch.Tensor], Any]:
     length = max(len(r["input_ids"]) for r in rows)
     batch = {
         "input_ids": torch.full((len(rows), length), pad_id, dtype=torch.long),
@@ -216,7 +219,7 @@ def _accuracy(
     device = model_device(classifier)
     with evaluation_mode(classifier):
         for start in range(0, len(rows), batch_size):
-            batch, labels = _collate(rows[start : start + batch_size], pad_id, device)
+            batch, labels = collate_task_rows(rows[start : start + batch_size], pad_id, device)
             correct.append((classifier(**batch).logits.argmax(dim=-1) == labels).cpu())
     return mean_and_stderr(torch.cat(correct).double())
 
@@ -273,8 +276,8 @@ def measure_forgetting(
         raise ValueError(f"learning_rate must be a number >= 0 (got {learning_rate!r}).")
     if optimizer not in FORGETTING_OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not supported; choose one of {list(FORGETTING_OPTIMIZERS)}.")
-    train = _task_rows(task_rows, "task_rows")
-    evaluation = _task_rows(eval_rows, "eval_rows") if eval_rows is not None else train
+    train = checked_task_rows(task_rows, "task_rows")
+    evaluation = checked_task_rows(eval_rows, "eval_rows") if eval_rows is not None else train
     largest = max(r["label"] for r in train + (evaluation if eval_rows is not None else []))
     if num_labels is None:
         num_labels = largest + 1
@@ -309,7 +312,7 @@ def measure_forgetting(
             if len(queue) < batch_size:
                 queue.extend(torch.randperm(len(train), generator=order).tolist())
             chosen, queue = queue[:batch_size], queue[batch_size:]
-            batch, labels = _collate([train[i] for i in chosen], pad_id, device)
+            batch, labels = collate_task_rows([train[i] for i in chosen], pad_id, device)
             with torch.enable_grad():
                 logits = classifier(**batch).logits
                 loss = torch.nn.functional.cross_entropy(

@@ -65,7 +65,8 @@ class GhostNormRecorder:
 
     Use as a context manager around the forward; then `gradients_at_outputs(root, grad_root)` (one backward that
     reaches every recorded output) and `squared_norms(...)`, or `streamed_squared_norm_terms`, which forms each
-    layer's terms as its gradient arrives.
+    layer's terms as its gradient arrives. Inside, `gram_cache` (a `GramCache`) holds the Gram matrices of the
+    tensors the forward fixed, shared by every draw.
     """
 
     def __init__(
@@ -157,7 +158,7 @@ class GhostNormRecorder:
         self.calls = []
         self._kept_outputs: list[torch.Tensor] = []
         self._anchors: dict[torch.device, torch.Tensor] = {}
-        self._cache = GramCache()
+        self.gram_cache = GramCache()
         self._static_views: dict[int, dict] = {}
         for module in self._kinds:
             # first among the module's forward hooks: ZeRO-3's own release the module's gathered parameters, which
@@ -276,7 +277,7 @@ class GhostNormRecorder:
         key = (tensor.shape, tensor.dtype)
         if key not in views:
             views[key] = tensor
-            self._cache.static_ids.add(id(tensor))
+            self.gram_cache.static_ids.add(id(tensor))
         return views[key]
 
     def parameter_uses(self, calls: Sequence[LayerCall] | None = None) -> dict[int, ParamUses]:
@@ -407,11 +408,11 @@ class GhostNormRecorder:
             total = torch.zeros_like(own)
             for i, (call_i, factors_i) in enumerate(use.outer):
                 if call_i is not split_self_terms_of:
-                    total += outer_squared_norm(factors_i, self._cache).double()
+                    total += outer_squared_norm(factors_i, self.gram_cache).double()
                 elif own_terms:
-                    own += outer_squared_norm(factors_i, self._cache).double()
+                    own += outer_squared_norm(factors_i, self.gram_cache).double()
                 for _, factors_j in use.outer[i + 1 :]:
-                    total += 2 * outer_inner_product(factors_i, factors_j, self._cache).double()
+                    total += 2 * outer_inner_product(factors_i, factors_j, self.gram_cache).double()
             for i, (call_i, vector_i) in enumerate(use.vectors):
                 if call_i is not split_self_terms_of:
                     total += vector_i.square().sum(dim=1).double()

@@ -217,7 +217,7 @@ def add_squared_gradients(
             recorder.batch_size,
             totals[key],
             weight,
-            recorder._cache.is_static,
+            recorder.gram_cache.is_static,
         )
         by_parameter[key] = per_sample
         own += own_part

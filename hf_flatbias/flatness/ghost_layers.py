@@ -91,6 +91,10 @@ class GramCache:
     def is_static(self, x: torch.Tensor | None) -> bool:
         return x is not None and id(x) in self.static_ids
 
+    def grams(self) -> list[torch.Tensor]:
+        """The Gram matrices held so far (what the cache costs in memory)."""
+        return list(self._grams.values())
+
 
 def _dense_gram(x: torch.Tensor, y: torch.Tensor, cache: GramCache) -> torch.Tensor:
     return cache.get(x, y, lambda: torch.bmm(x, y.transpose(1, 2)))

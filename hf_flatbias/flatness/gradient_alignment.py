@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from ..constants import DEFAULT_BATCH_SIZE, IGNORE_INDEX
-from .lm import evaluation_mode, logits_at_positions, preserved_global_rng
+from .contexts import prepare_contexts
+from .lm import evaluation_mode, logits_at_positions, measured_parameters, preserved_global_rng
 
 
 def _mean_pairwise_cosine(gram: torch.Tensor, membership: torch.Tensor, counts: torch.Tensor) -> float:
@@ -138,12 +139,11 @@ def estimate_gradient_alignment(
     ``sources[i]``. One backward per batch of at most ``batch_size`` contexts of one block; ``S x n_blocks`` flat
     gradients of the trainable parameters are held (float64, on the model's device). The model is measured in
     ``eval()`` mode; no ``.grad`` is written, and modes and random streams are restored."""
-    from .spectrum import _prepare
-
     start_time = time.perf_counter()
     if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 2:
         raise ValueError(f"n_blocks must be a whole number >= 2 (got {n_blocks!r}): the error drops one block of two.")
-    prepared, params, n_used = _prepare(model, contexts, n_contexts, causal)
+    prepared, n_used = prepare_contexts(model, contexts, n_contexts, causal)
+    params = measured_parameters(model)
     sources = list(sources)[:n_used]
     if len(sources) < n_used:
         raise ValueError(f"{len(sources)} sources for {n_used} contexts: pass one source per context.")
@@ -203,7 +203,7 @@ def gradient_alignment(
 ) -> GradientAlignment:
     """The measures table's entry: the sources are each context's ``settings.alignment_column`` (carried from its
     row by `build_masked_contexts(keep_columns=...)`, which the callback and the command line do)."""
-    from .beyond_trace import _fixed
+    from .beyond_trace import fixed_batch_size
 
     column = settings.alignment_column
     rows = list(contexts)
@@ -226,7 +226,7 @@ def gradient_alignment(
         [row[column] for row in used],
         n_blocks=settings.alignment_blocks,
         n_contexts=n_contexts,
-        batch_size=_fixed(batch_size),
+        batch_size=fixed_batch_size(batch_size),
         causal=causal,
         column=column,
     )

@@ -72,7 +72,7 @@ def per_sample_bytes_per_context(model: nn.Module, contexts: TraceContexts, inde
             for tensor in (call.grad_output, *call.coefficients.values()):
                 if tensor is not None:
                     count(tensor)
-        for gram in recorder._cache._grams.values():
+        for gram in recorder.gram_cache.grams():
             count(gram)
     return max(1, int(counted * SAFETY_FACTOR))
 

@@ -29,8 +29,9 @@ from torch import nn
 
 from ..constants import DEFAULT_BATCH_SIZE
 from ..measure_settings import QUANTIZATION_BITS
+from .contexts import prepare_contexts
 from .lm import check_lm_model, evaluation_mode, preserved_global_rng
-from .weight_noise import check_positive_int, mean_and_stderr, per_context_losses, prepare_contexts
+from .weight_noise import check_positive_int, mean_and_stderr, per_context_losses
 
 MIN_BITS, MAX_BITS = QUANTIZATION_BITS
 DEFAULT_BITS = (8, 4)

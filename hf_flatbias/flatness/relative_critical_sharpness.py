@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..constants import FORGETTING_OPTIMIZERS
+from .contexts import prepare_contexts
 from .critical_sharpness import (
     DEFAULT_RTOL,
     ROSE_AT_EVERY_STEP,
@@ -184,9 +185,8 @@ def relative_critical_sharpness(
     (taken in the task's seeded order, from the start again when they run out), under a classification head seeded
     by ``seed``. The model is not modified; ``optimizer`` (the trainer's) is not used: the direction is the downstream
     task's, not pre-training's."""
-    from .beyond_trace import _fixed, _weighted_loss
-    from .forgetting import _collate, _task_rows, padding_id, sequence_classifier_from
-    from .spectrum import _prepare
+    from .beyond_trace import fixed_batch_size, weighted_context_loss
+    from .forgetting import checked_task_rows, collate_task_rows, padding_id, sequence_classifier_from
 
     if task is None:
         raise ValueError(
@@ -194,10 +194,10 @@ def relative_critical_sharpness(
             "settings.forgetting_task, tokenizer=...)."
         )
     start_time = time.perf_counter()
-    size = settings.critical_batch_size or _fixed(batch_size)
+    size = settings.critical_batch_size or fixed_batch_size(batch_size)
     down_size = settings.forgetting_batch_size
-    prepared, _, n_used = _prepare(model, contexts, n_contexts, causal)
-    rows = _task_rows(task.train_rows, "the downstream task's rows")
+    prepared, n_used = prepare_contexts(model, contexts, n_contexts, causal)
+    rows = checked_task_rows(task.train_rows, "the downstream task's rows")
     classifier = sequence_classifier_from(model, task.num_labels, seed=seed)
     classifier.requires_grad_(True)
     down_names = {name for name, _ in classifier.named_parameters()}
@@ -208,11 +208,13 @@ def relative_critical_sharpness(
 
     def pretraining_loss(batch: int) -> Callable[[nn.Module], float]:
         indices = list(range(batch * size, min((batch + 1) * size, n_used)))
-        return lambda m: float(_weighted_loss(m, prepared, indices, len(indices), len(indices)).detach().double())
+        return lambda m: float(
+            weighted_context_loss(m, prepared, indices, len(indices), len(indices)).detach().double()
+        )
 
     def downstream_loss(batch: int) -> torch.Tensor:
         chosen = [rows[(batch * down_size + i) % len(rows)] for i in range(down_size)]
-        inputs, labels = _collate(chosen, pad_id, device)
+        inputs, labels = collate_task_rows(chosen, pad_id, device)
         return torch.nn.functional.cross_entropy(classifier(**inputs).logits.float(), labels)
 
     values, statuses, passes = estimate_relative_critical_sharpness(

@@ -35,11 +35,9 @@ import torch
 from torch import nn
 
 from ..constants import DEFAULT_BATCH_SIZE, NOISE_SCALES
-from .contexts import TraceContexts
+from .contexts import TraceContexts, prepare_contexts
 from .lm import (
-    check_lm_model,
     evaluation_mode,
-    is_causal_lm,
     logits_at_positions,
     measured_parameters,
     preserved_global_rng,
@@ -50,20 +48,6 @@ DEFAULT_SIGMAS = (1e-3, 3e-3, 1e-2, 3e-2)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # shared with quantization and forgetting: the data-label loss of each context
-
-
-def prepare_contexts(
-    model: nn.Module, dataset: Iterable[Mapping[str, Any]], n_contexts: int | None, causal: bool | None
-) -> tuple[TraceContexts, int]:
-    """The rows' contexts (causal as the model is, unless ``causal`` says) and how many to use; `ValueError` on a
-    model without an LM head or a bad ``n_contexts``."""
-    check_lm_model(model)
-    contexts = TraceContexts.from_rows(dataset, causal=is_causal_lm(model) if causal is None else causal)
-    if n_contexts is None:
-        return contexts, len(contexts)
-    if isinstance(n_contexts, bool) or not isinstance(n_contexts, int) or not 1 <= n_contexts <= len(contexts):
-        raise ValueError(f"n_contexts={n_contexts!r} but the data holds {len(contexts)} contexts (labelled positions).")
-    return contexts, n_contexts
 
 
 @torch.no_grad()

@@ -38,7 +38,8 @@ try:
 except ImportError as error:  # pragma: no cover - exercised in a subprocess without trl
     raise ImportError(f'hf_flatbias\'s trl integration needs trl: pip install "hf_flatbias[trl]" ({error}).') from error
 
-from ..config import FlatnessArguments, _is_number
+from ..config import FlatnessArguments
+from ..measure_settings import is_number
 from ..sharpness.fused_head import FusedHeadOutputs
 from ..sharpness.head_gradients import label_log_probs
 from ..sharpness.methods.table import check_method_supports, method_spec
@@ -205,7 +206,7 @@ class FlatBiasDPOConfig(_TrlFlatnessArguments, DPOConfig):
 
     def _validate_sam_step_options(self) -> None:
         budget = self.sam_kept_softmax_mib
-        if not _is_number(budget) or not math.isfinite(budget) or budget < 0:
+        if not is_number(budget) or not math.isfinite(budget) or budget < 0:
             raise ValueError(
                 f"sam_kept_softmax_mib must be a finite number >= 0 (got {budget!r}); 0 keeps trl's fused LM head."
             )
@@ -329,7 +330,7 @@ class FlatBiasSFTTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, SFTTrainer):
     _tag_names = [*SFTTrainer._tag_names, "hf_flatbias"]
     _trl_trainer = "sft"
 
-    def _trace_context_rows(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    def trace_context_rows(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
         """`HessianTraceCallback`'s rows of one prepared row: each packed document on its own, predicted where the
         loss trains (``labels != -100``: the completion with the completion-only loss)."""
         lengths = list(row.get("seq_lengths") or [len(row["input_ids"])])
@@ -394,7 +395,7 @@ class FlatBiasDPOTrainer(_TrlTrainerMixin, FlatnessTrainerMixin, DPOTrainer):
         # is checked by _TrlTrainerMixin, from the method table
         super().__init__(model=model, ref_model=ref_model, args=args, **kwargs)
 
-    def _trace_context_rows(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    def trace_context_rows(self, row: Mapping[str, Any]) -> list[dict[str, Any]]:
         """`HessianTraceCallback`'s row of one preference pair: the chosen response after its prompt, predicted on
         the response."""
         prompt, chosen = list(row["prompt_ids"]), list(row["chosen_ids"])

@@ -25,17 +25,24 @@ class Interval:
         return self.low > 0 or self.high < 0
 
 
-def mean_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
-    """The mean of ``values`` with its Student-t confidence interval (``nan`` bounds for fewer than two values)."""
+def t_half_width(standard_error: float | np.ndarray, df: int, confidence: float = 0.95) -> float | np.ndarray:
+    """Half the width of a two-sided Student-t interval: ``t_{(1 + confidence) / 2, df} * standard_error``. The one
+    place the t quantile is taken: `mean_interval` with ``df = n - 1``, and any estimate whose standard error and
+    degrees of freedom come from elsewhere (a two-way design, a jackknife)."""
     from scipy.stats import t
 
+    return float(t.ppf(0.5 + confidence / 2, df=df)) * standard_error
+
+
+def mean_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
+    """The mean of ``values`` with its Student-t confidence interval (``nan`` bounds for fewer than two values)."""
     array = np.asarray(values, dtype=np.float64)
     if array.size == 0:
         raise ValueError("mean_interval needs at least one value.")
     mean = float(array.mean())
     if array.size < 2:
         return Interval(mean, float("nan"), float("nan"), 1, confidence)
-    half = float(t.ppf(0.5 + confidence / 2, df=array.size - 1) * array.std(ddof=1) / math.sqrt(array.size))
+    half = float(t_half_width(array.std(ddof=1) / math.sqrt(array.size), array.size - 1, confidence))
     return Interval(mean, mean - half, mean + half, int(array.size), confidence)
 
 

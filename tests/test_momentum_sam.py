@@ -14,7 +14,11 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from hf_flatbias import FlatBiasConfig, FlatBiasTrainer
-from hf_flatbias.sharpness.coming_update import coming_update_direction, why_coming_update_unreadable
+from hf_flatbias.sharpness.coming_update import (
+    coming_update_direction,
+    momentum_sam_offsets,
+    why_coming_update_unreadable,
+)
 from tests.helpers.tiny_models import classification_rows, flatbias_config, stack, tiny_classifier
 
 LR = {"adamw": 0.01, "sgd": 0.1}
@@ -378,3 +382,12 @@ def test_the_forward_sees_weights_rho_away_along_the_coming_update(tmp_path):
         distance = math.sqrt(sum(float(((perturbed[n] - master[n]) ** 2).sum()) for n in master))
         assert abs(distance - args.sam_rho) < 1e-12, (step, distance)
     assert all(torch.equal(at_forward[0][n], p) for n, p in tiny_classifier().double().named_parameters())
+
+
+def test_no_direction_means_no_perturbation():
+    assert momentum_sam_offsets([None, None], 0.05) is None  # no state yet
+    assert momentum_sam_offsets([torch.zeros(3), None], 0.05) is None
+    assert momentum_sam_offsets([torch.tensor([1.0, float("nan")])], 0.05) is None
+    (offset, missing) = momentum_sam_offsets([torch.tensor([3.0, 4.0], dtype=torch.float64), None], 0.5)
+    assert missing is None
+    torch.testing.assert_close(offset, torch.tensor([-0.3, -0.4], dtype=torch.float64), rtol=1e-15, atol=0)

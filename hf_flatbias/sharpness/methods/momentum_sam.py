@@ -15,9 +15,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from ..coming_update import coming_update_direction, momentum_sam_offsets, why_coming_update_unreadable
 from .base import FlatnessHost, FlatnessMethod
+
+logger = logging.get_logger(__name__)
 
 
 class MomentumSam(FlatnessMethod):
@@ -49,8 +52,15 @@ class MomentumSam(FlatnessMethod):
         rho = host.sam_rho()
         optimizer = getattr(host.optimizer, "optimizer", host.optimizer)
         params = [param for group in optimizer.param_groups for param in group["params"] if param.requires_grad]
-        offsets = momentum_sam_offsets(coming_update_direction(optimizer, params), rho)
+        directions = coming_update_direction(optimizer, params)
+        offsets = momentum_sam_offsets(directions, rho)
         if offsets is None:  # the first update (no state yet): the plain step
+            if any(direction is not None for direction in directions):
+                # a state whose update is zero or not finite is a run gone wrong, not a first step: say so
+                logger.warning(
+                    "momentum_sam: the optimizer's coming update is zero or not finite; this step is taken without "
+                    "perturbation."
+                )
             return host.plain_training_step(model, inputs, num_items_in_batch)
         moved = [param for param, offset in zip(params, offsets, strict=True) if offset is not None]
         with torch.no_grad():

@@ -421,6 +421,12 @@ def test_a_measure_that_comes_out_non_finite_is_an_error_naming_why(checkpoint, 
     assert main(["trace", str(tmp_path / "broken"), "--data", str(data), *flags[:-2]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "do not match" not in err[0] and "gradient of the loss is not finite" in err[0], err
+    for estimator in ("naive", "hutchinson"):  # no self-check: the trace itself came out nan, with exit 0
+        assert main(["trace", str(tmp_path / "broken"), "--data", str(data), *flags[:-2], "--estimator", estimator,
+                     "--no-by-group"]) == 2  # fmt: skip
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "the trace came out nan" in err[0], err
+    assert not output.exists()
 
 
 def test_a_noise_level_that_overflows_is_named():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -418,6 +419,11 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             by_group=args.by_group,
             progress=args.progress,
         )
+        if not math.isfinite(estimate.mean):  # written as nan with exit 0, it would read as a measurement
+            raise ValueError(
+                f"the trace came out {estimate.mean}: the loss or its gradient is not finite on these contexts; "
+                "check the checkpoint (a diverged run?) and the data."
+            )
         result["estimate"] = estimate.to_dict()
     result.update(measures_beyond_trace(args, model, contexts, n_contexts, causal, task=task))
     return result

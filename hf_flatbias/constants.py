@@ -1,15 +1,8 @@
 """Names every part of hf_flatbias shares: one definition each."""
 
-# The flatness methods (names, options, what each supports, classes) are one table:
-# `hf_flatbias.sharpness.methods.table.METHOD_TABLE`, torch-free like this module. These names are read from it.
-from .sharpness.methods.table import (
-    FLATNESS_METHOD_HYPERPARAMETERS as FLATNESS_METHOD_HYPERPARAMETERS,
-)
-from .sharpness.methods.table import FLATNESS_METHODS as FLATNESS_METHODS
-from .sharpness.methods.table import PENALTY_METHODS as PENALTY_METHODS
-from .sharpness.methods.table import SAM_METHODS as SAM_METHODS
-from .sharpness.methods.table import SAM_STEP_OPTION_NAMES as SAM_STEP_OPTION_NAMES
-from .sharpness.methods.table import SAM_STEP_OPTIONS as SAM_STEP_OPTIONS
+# The flatness methods (names, options, what each supports, classes) are one table, read from there:
+# `hf_flatbias.sharpness.methods.table.METHOD_TABLE` (FLATNESS_METHODS, SAM_METHODS, ...), torch-free like this module.
+# Not re-exported here: the table names the methods' modules, which import this one.
 
 IGNORE_INDEX = -100
 """The label of positions that are not predicted (the default ``ignore_index`` of PyTorch's cross-entropy)."""

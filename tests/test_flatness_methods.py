@@ -9,8 +9,13 @@ import pytest
 import torch
 
 from hf_flatbias import FlatBiasTrainer
-from hf_flatbias.constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS, PENALTY_METHODS, SAM_METHODS
 from hf_flatbias.sharpness.methods import FLATNESS_METHOD_CLASSES, FlatnessHost, FlatnessMethod
+from hf_flatbias.sharpness.methods.table import (
+    FLATNESS_METHOD_HYPERPARAMETERS,
+    FLATNESS_METHODS,
+    PENALTY_METHODS,
+    SAM_METHODS,
+)
 from tests.helpers.tiny_models import classification_rows, tiny_classifier
 from tests.helpers.tiny_models import flatbias_config as config
 

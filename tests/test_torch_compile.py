@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 
 from hf_flatbias import FlatBiasTrainer
 from hf_flatbias.config import TORCH_COMPILE_REFUSALS
-from hf_flatbias.constants import FLATNESS_METHODS
+from hf_flatbias.sharpness.methods.table import FLATNESS_METHODS
 from tests.helpers.tiny_models import classification_rows, flatbias_config, tiny_classifier
 
 METHODS = {

@@ -17,8 +17,9 @@ import jinja2
 import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS, TRACE_QUANTITIES, TRACE_SYMBOLS
+from ..constants import TRACE_QUANTITIES, TRACE_SYMBOLS
 from ..corpus import CorpusSpec
+from ..sharpness.methods.table import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS
 from . import schema
 from .formatting import format_method, format_number, format_trace, glue_rows, measure_summaries
 from .objective import (

@@ -10,8 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..constants import (
-    FLATNESS_METHOD_HYPERPARAMETERS,
-    SAM_STEP_OPTIONS,
     TRACE_MEDIAN_OF_MEANS_METRIC,
     TRACE_METRIC,
     TRACE_STDERR_METRIC,
@@ -19,6 +17,7 @@ from ..constants import (
 )
 from ..measures import MEASURE_TABLE
 from ..measures import measure_record as table_measure_record
+from ..sharpness.methods.table import FLATNESS_METHOD_HYPERPARAMETERS, SAM_STEP_OPTIONS
 from .card import FlatnessCard
 from .objective import what_was_trained
 from .schema import read_integer, schema

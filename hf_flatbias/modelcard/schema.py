@@ -14,9 +14,9 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..constants import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS
 from ..corpus import CorpusSpec
 from ..measures import EXTRA_MEASURES, MEASURE_TABLE
+from ..sharpness.methods.table import FLATNESS_METHOD_HYPERPARAMETERS, FLATNESS_METHODS
 from .objective import LEGACY_LOSS_KEY, loss_key
 
 FLATNESS_TAG = "hf_flatbias"

@@ -199,7 +199,7 @@ def test_sft_logs_the_clean_pass_metrics_once_and_the_second_head_computes_none(
     the second with that gradient and without them."""
     import trl.trainer.utils as trl_utils
 
-    import hf_flatbias.integrations.trl as integration
+    import hf_flatbias.integrations.trl_fused_head as integration
 
     kernel, asked, formed = trl_utils._ChunkedLogProbFunction, [], []
 
@@ -276,7 +276,7 @@ def test_sft_head_gradient_forward_equals_autograd_through_the_logits(pre_shifte
     with labels shifted inside or given pre-shifted (context parallelism)."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from hf_flatbias.integrations.trl import forward_with_head_gradients
+    from hf_flatbias.integrations.trl_fused_head import forward_with_head_gradients
     from tests.test_logits_sam import tiny_llama
 
     model = tiny_llama(torch.float64, tie_word_embeddings=False)

@@ -9,12 +9,12 @@ from collections.abc import Iterator
 
 @contextlib.contextmanager
 def head_paths_counted() -> Iterator[dict]:
-    """Inside the block, count the trl integration's `label_log_probs` calls (``"head_gradient_forwards"``), with the
-    bytes of ``softmax - onehot`` each may keep to its backward (``"kept_bytes"``), and trl's fused-kernel calls
-    (``"trl_kernel_calls"``)."""
+    """Inside the block, count the trl fused-head adapter's `label_log_probs` calls (``"head_gradient_forwards"``),
+    with the bytes of ``softmax - onehot`` each may keep to its backward (``"kept_bytes"``), and trl's fused-kernel
+    calls (``"trl_kernel_calls"``)."""
     import trl.trainer.utils as trl_utils
 
-    import hf_flatbias.integrations.trl as integration
+    import hf_flatbias.integrations.trl_fused_head as integration
 
     counts: dict = {"head_gradient_forwards": 0, "kept_bytes": [], "trl_kernel_calls": 0}
     label_log_probs, kernel = integration.label_log_probs, trl_utils._ChunkedLogProbFunction

@@ -114,13 +114,42 @@ def test_trace_output_that_is_not_a_trace_result_is_refused_and_kept(data_and_mo
 
 
 def test_trace_output_that_is_an_earlier_result_passes_the_check(tmp_path):
-    from hf_flatbias.commands.paths import check_output_file
+    from hf_flatbias.commands.paths import check_output_file, json_object_with
     from hf_flatbias.commands.trace import RESULT_KEYS
 
     earlier = tmp_path / "hessian_trace.json"
     earlier.write_text(json.dumps({"model": "m", "data": "d", "split": None, "seed": 0, "device": "cpu"}))
-    check_output_file(str(earlier), "--output", own_keys=RESULT_KEYS, own_name="an hf-flatbias trace result")
-    check_output_file(str(tmp_path / "new.json"), "--output", own_keys=RESULT_KEYS, own_name="a trace result")
+    own = json_object_with(*RESULT_KEYS)
+    check_output_file(str(earlier), "--output", own=own, own_name="an hf-flatbias trace result")
+    check_output_file(str(tmp_path / "new.json"), "--output", own=own, own_name="an hf-flatbias trace result")
+
+
+@pytest.mark.parametrize("series", [False, True], ids=["one checkpoint", "series"])
+def test_trace_plot_that_is_not_a_figure_is_refused_and_kept(data_and_model, tmp_path, capsys, series):
+    data, model = data_and_model
+    command = ["trace", "user/series", "--revisions", "step1,step2"] if series else ["trace", str(model)]
+    photo = tmp_path / "holiday.png"
+    photo.write_bytes(b"\x89PNG\r\n\x1a\n a photograph, not a figure")
+    _refused_untouched(
+        [*command, "--data", str(data), "--output", str(tmp_path / "t.json"), "--plot", str(photo)], capsys, [photo],
+        "--plot", "not a figure drawn by matplotlib", "pass another --plot",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("suffix", [".png", ".pdf", ".svg"])
+def test_a_figure_matplotlib_drew_may_be_drawn_again(tmp_path, suffix):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from hf_flatbias.commands.paths import FIGURE_OWNER, check_output_file, is_matplotlib_figure
+
+    figure, axis = plt.subplots()
+    axis.bar([0, 1], [1.0, 2.0])
+    figure.savefig(tmp_path / f"groups{suffix}")
+    plt.close(figure)
+    check_output_file(str(tmp_path / f"groups{suffix}"), "--plot", own=is_matplotlib_figure, own_name=FIGURE_OWNER)
 
 
 def test_demo_output_folder_of_the_users_own_is_refused_and_kept(tmp_path, capsys):

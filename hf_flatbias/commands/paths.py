@@ -54,17 +54,22 @@ def existing_local_path(value: str, label: str) -> str:
     return path
 
 
-def check_output_file(value: str, label: str, *, own_keys: tuple[str, ...] = (), own_name: str = "") -> None:
+def check_output_file(value: str, label: str, *, own: Callable[[Path], bool] | None = None, own_name: str = "") -> None:
     """Raise naming ``label`` when ``value`` cannot become a file: it is a folder, or a file stands where one of its
     folders would be, or the nearest existing folder is not writable. Checked before any compute; nothing is made.
 
-    With ``own_keys``, an existing file is written over only when it is the command's own output (``own_name``, e.g.
-    "an hf-flatbias trace result"): a JSON object holding every one of these keys. Any other file (a data set, notes)
-    was named by mistake and is refused: nothing a user wrote is replaced."""
+    With ``own``, an existing file is written over only when ``own(path)`` recognises it as the command's own output
+    (``own_name`` says what that is, e.g. "an hf-flatbias trace result"; see `json_object_with` and
+    `is_matplotlib_figure`). Any other file (a data set, notes) was named by mistake and is refused: nothing a user
+    wrote is replaced."""
     path = Path(value).expanduser()
     if path.is_dir():
         raise IsADirectoryError(f"{label} {value} is a folder; name a file.")
-    if own_keys and path.exists() and not _is_json_object_with(path, own_keys):
+    if (
+        own is not None
+        and path.exists()
+        and not (path.is_file() and path.stat().st_size <= OWN_FILE_LIMIT and own(path))
+    ):
         raise FileExistsError(
             f"{label} {value} exists and is not {own_name}, so it is not written over; pass another {label}."
         )
@@ -72,17 +77,30 @@ def check_output_file(value: str, label: str, *, own_keys: tuple[str, ...] = (),
 
 
 OWN_FILE_LIMIT = 64 * 2**20
-"""Bytes: a larger file is not one of the command's JSON results, and is not read to find that out."""
+"""Bytes: a larger file is not one of the commands' results or figures, and is not read to find that out."""
 
 
-def _is_json_object_with(path: Path, keys: tuple[str, ...]) -> bool:
-    if not path.is_file() or path.stat().st_size > OWN_FILE_LIMIT:
-        return False
-    try:
-        content = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return False
-    return isinstance(content, dict) and all(key in content for key in keys)
+def json_object_with(*keys: str) -> Callable[[Path], bool]:
+    """``own`` for `check_output_file`: a file holding a JSON object with every one of ``keys``."""
+
+    def holds(path: Path) -> bool:
+        try:
+            content = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return False
+        return isinstance(content, dict) and all(key in content for key in keys)
+
+    return holds
+
+
+FIGURE_OWNER = "a figure drawn by matplotlib"
+"""What `is_matplotlib_figure` recognises, for `check_output_file`'s ``own_name``."""
+
+
+def is_matplotlib_figure(path: Path) -> bool:
+    """``own`` for `check_output_file`'s ``--plot``: a PNG, PDF or SVG that names matplotlib as its writer, as the
+    figures hf-flatbias draws do (a PNG's Software text, a PDF's Producer, an SVG's comment)."""
+    return b"matplotlib" in path.read_bytes().lower()
 
 
 def check_output_folder(

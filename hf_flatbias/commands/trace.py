@@ -21,10 +21,13 @@ from ..measures import needs_downstream_task
 from ..results import write_json
 from ..text_data import check_data_file
 from .paths import (
+    FIGURE_OWNER,
     check_local_checkpoint,
     check_output_file,
     check_outputs_spare_inputs,
     check_plot_file,
+    is_matplotlib_figure,
+    json_object_with,
     local_path_or_hub_id,
 )
 from .trace_inputs import (
@@ -162,9 +165,10 @@ def run(args: argparse.Namespace) -> int:
     check_data_file(args.data, flag="--data")  # an empty file: before torch and datasets load
     check_outputs_spare_inputs({"--output": args.output, "--plot": args.plot}, trace_inputs(args))
     # an existing --output is written over only when it is an earlier result of this command: a user's file is kept
-    check_output_file(args.output, "--output", own_keys=RESULT_KEYS, own_name="an hf-flatbias trace result")
+    own_result = json_object_with(*RESULT_KEYS)
+    check_output_file(args.output, "--output", own=own_result, own_name="an hf-flatbias trace result")
     if args.plot:
-        check_output_file(args.plot, "--plot")
+        check_output_file(args.plot, "--plot", own=is_matplotlib_figure, own_name=FIGURE_OWNER)
     result = measure(args)
     estimate = result.get("estimate")
     if estimate is not None:

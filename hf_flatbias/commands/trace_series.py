@@ -283,7 +283,14 @@ def run_series(
     """Measure each revision of ``--revisions`` in turn, one row each; see the module's docstring. ``measure``,
     ``check_arguments`` and ``inputs_of`` (the paths it reads, by flag) are the trace command's, which measures one
     revision."""
-    from .paths import check_output_file, check_outputs_spare_inputs, check_plot_file, local_path_or_hub_id
+    from .paths import (
+        FIGURE_OWNER,
+        check_output_file,
+        check_outputs_spare_inputs,
+        check_plot_file,
+        is_matplotlib_figure,
+        local_path_or_hub_id,
+    )
 
     if args.revision is not None:
         raise ValueError("--revision and --revisions: give one revision with --revision or several with --revisions.")
@@ -299,9 +306,9 @@ def run_series(
         raise ValueError(f"--revisions needs a Hub repository; {model} is a local folder (measure it without them).")
     output = Path(DEFAULT_SERIES_OUTPUT if args.output == DEFAULT_OUTPUT else args.output)
     check_output_file(str(output), "--output")
-    if plot:
-        check_output_file(plot, "--plot")
     check_outputs_spare_inputs({"--output": str(output), "--plot": plot}, inputs_of(args))
+    if plot:  # an existing one is written over only when it is a figure (a user's file is kept)
+        check_output_file(plot, "--plot", own=is_matplotlib_figure, own_name=FIGURE_OWNER)
     settings = series_settings(args)
     rows = read_rows(output)
     for row in rows:

@@ -6,7 +6,13 @@ the Trainer."""
 from ..constants import ESTIMATORS
 from .api import estimate_hessian_trace
 from .contexts import TraceContexts, build_masked_contexts
-from .critical_sharpness import CriticalSharpness, ProposedUpdate, estimate_critical_sharpness, proposed_update
+from .critical_sharpness import (
+    CriticalSharpness,
+    ProposedUpdate,
+    estimate_critical_sharpness,
+    proposed_update,
+    warm_started,
+)
 from .diagonal import FisherDiagonal, estimate_fisher_diagonal
 from .estimators import TraceSettings, compute_trace_samples
 from .exact import exact_fisher_diagonal, exact_fisher_trace, exact_hessian_trace, per_context_fisher_traces
@@ -81,6 +87,7 @@ __all__ = [
     "parameter_groups",
     "per_context_fisher_traces",
     "proposed_update",
+    "warm_started",
     "quantized_weight_matrices",
     "round_to_nearest",
     "summarize_trace_samples",

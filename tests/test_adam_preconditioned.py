@@ -14,6 +14,7 @@ from hf_flatbias.constants import ADAM_PRECONDITIONED, IGNORE_INDEX, TOP_EIGENVA
 from hf_flatbias.flatness.contexts import TraceContexts
 from hf_flatbias.flatness.lm import logits_at_positions
 from hf_flatbias.flatness.spectrum import estimate_spectral_density, estimate_top_eigenvalues
+from hf_flatbias.modelcard import flatness_card_from_trainer, load_flatness_card
 from tests.helpers.tiny_models import train_word_mlm
 from tests.test_cli_trace import checkpoint  # noqa: F401 - the fixture
 from tests.test_flatness_estimators import _contexts, _tiny_gpt2
@@ -187,6 +188,10 @@ def test_the_callback_measures_with_the_trainers_adamw(tmp_path, tokenizer):  # 
     )
     assert logged[-1][TOP_EIGENVALUE_METRIC] == pytest.approx(expected.top, rel=1e-5)
     assert callback.flatness_record.top_eigenvalues.matrix == ADAM_PRECONDITIONED
+    card = flatness_card_from_trainer(trainer)
+    assert card.measures["top_eigenvalue"]["matrix"] == ADAM_PRECONDITIONED
+    card.save(tmp_path / "card")
+    assert load_flatness_card(tmp_path / "card").measures == card.measures
 
 
 def test_the_callback_refuses_an_sgd_trainer_when_training_starts(tmp_path, tokenizer):  # noqa: F811

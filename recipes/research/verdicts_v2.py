@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from hf_flatbias.stats import t_half_width
+
 from . import rules_v2 as rules
 from .analysis import spearman
 
@@ -37,8 +39,6 @@ def two_way_interval(differences: Sequence[Sequence[float]], confidence: float |
     ``mean +- t(1/2 + confidence/2, min(S, R) - 1) * sqrt(var_s(mean_r D) / S + var_r(mean_s D) / R)`` (ddof 1; a
     single split drops the split term and uses ``S - 1`` degrees of freedom), and beside it the seed-level t interval
     of the per-seed means. Needs >= 2 seeds."""
-    from scipy.stats import t
-
     confidence = rules.CONFIDENCE if confidence is None else confidence
     d = np.asarray(differences, dtype=np.float64)
     if d.ndim != 2 or d.shape[0] < 2 or d.shape[1] < 1:
@@ -47,11 +47,8 @@ def two_way_interval(differences: Sequence[Sequence[float]], confidence: float |
     seed_means, split_means = d.mean(1), d.mean(0)
     variance = seed_means.var(ddof=1) / seeds + (split_means.var(ddof=1) / splits if splits > 1 else 0.0)
     df = (min(seeds, splits) if splits > 1 else seeds) - 1
-    quantile = float(t.ppf(1 - (1 - confidence) / 2, df=df))
-    half, seed_half = (
-        quantile * math.sqrt(variance),
-        float(t.ppf(1 - (1 - confidence) / 2, df=seeds - 1) * seed_means.std(ddof=1) / math.sqrt(seeds)),
-    )
+    half = t_half_width(math.sqrt(variance), df, confidence)
+    seed_half = t_half_width(seed_means.std(ddof=1) / math.sqrt(seeds), seeds - 1, confidence)
     mean = float(d.mean())
     return {
         "mean": mean,

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.stats import rankdata, t
+from scipy.stats import rankdata
 
 from hf_flatbias.results import write_json
+from hf_flatbias.stats import t_half_width
 
 from . import rules_v3 as rules
 from .campaign_v3 import Checkpoint, gate_state, read_matrix
@@ -83,7 +84,7 @@ def dose_response(
     seed_variance = (n_seeds - 1) / n_seeds * ((jackknife - jackknife.mean(0)) ** 2).sum(0)
     variance = per_split.var(0, ddof=1) / n_splits + seed_variance
     df = min(n_seeds, n_splits) - 1
-    half = float(t.ppf(1 - (1 - confidence) / 2, df)) * np.sqrt(variance)
+    half = t_half_width(np.sqrt(variance), df, confidence)
     estimate = per_split.mean(0)
     row = {}
     for i, name in enumerate(("trace", "kl")):

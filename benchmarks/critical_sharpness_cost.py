@@ -12,8 +12,10 @@ position each, the optimizer's proposed update and the search from the learning 
 
     python benchmarks/critical_sharpness_cost.py [--quick] [--repeats N] [--zero-stage {1,2,3}]
 
-The last lines are ``critical_sharpness_ratio=X`` (median measurement time / median training-step time) and
-``measure_ratio=Y`` (the callback's measure, gradient included).
+The last lines are ``critical_sharpness_ratio=X`` (median measurement time / median training-step time),
+``measure_ratio=Y`` (the callback's measure, gradient included) and ``paper_search_ratio=Z``: the proposed update plus
+a search at the paper's precision warm-started from its own previous ``eta_c`` (`warm_started`), whose passes and
+error against the rtol 1e-3 search are printed above it.
 
 ``--zero-stage N`` times the same under DeepSpeed ZeRO-N in this one process (AdamW wrapped by the engine): a
 training step is the engine's forward, backward and step; the update is `zero_proposed_update` (the ZeRO optimizer's
@@ -32,7 +34,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 from _common import build_model, choose_sizes, masked_lm_rows, timing_parser  # noqa: E402
 
-from hf_flatbias.flatness import estimate_critical_sharpness, proposed_update  # noqa: E402
+from hf_flatbias.flatness import estimate_critical_sharpness, proposed_update, warm_started  # noqa: E402
 from hf_flatbias.flatness.beyond_trace import critical_sharpness  # noqa: E402
 from hf_flatbias.measures import MeasureSettings  # noqa: E402
 
@@ -72,6 +74,7 @@ def main() -> None:
         train_step(batch)
     forward_times, step_times, update_times, search_times, passes, lambdas = [], [], [], [], [], []
     measure_times, measure_passes = [], []
+    paper_passes, paper_errors, paper_times, previous_paper_eta_c = [], [], [], None
     settings = MeasureSettings(critical_batch_size=batch_size)
     previous_eta_c = None
     for batch in batches[2:]:
@@ -86,6 +89,14 @@ def main() -> None:
         update_times.append(time.perf_counter() - start)
         result = estimate_critical_sharpness(model, batch, proposed, initial_eta=previous_eta_c)
         previous_eta_c = result.eta_c if result.converged else None
+        if previous_paper_eta_c is not None:  # the paper's precision, warm-started from its own previous search
+            paper = estimate_critical_sharpness(model, batch, proposed, **warm_started(previous_paper_eta_c))
+            paper_passes.append(paper.n_forward_passes)
+            paper_errors.append(abs(paper.lambda_c / result.lambda_c - 1))
+            paper_times.append(paper.seconds)
+            previous_paper_eta_c = paper.eta_c if paper.converged else result.eta_c
+        else:
+            previous_paper_eta_c = result.eta_c if result.converged else None
         search_times.append(result.seconds)
         passes.append(result.n_forward_passes)
         lambdas.append(result.lambda_c)
@@ -119,6 +130,12 @@ def main() -> None:
         f"{measure_passes}, median seconds {statistics.median(measure_times):.3f}"
     )
     print(f"measure_ratio={statistics.median(measure_times) / step:.3f}")
+    if paper_passes:
+        print(
+            f"warm_started (the paper's precision |1 - lo/hi| <= 1/16): forward passes {paper_passes}, error against "
+            f"the rtol 1e-3 search {[f'{e:.2g}' for e in paper_errors]}"
+        )
+        print(f"paper_search_ratio={(update + statistics.median(paper_times)) / step:.3f}")
 
 
 def zero_main(model, optimizer, batches, stage: int, batch_size: int, n_params: int) -> None:

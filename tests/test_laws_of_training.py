@@ -112,7 +112,7 @@ def test_critical_sharpness_along_gradient_steps_is_at_most_the_top_eigenvalue()
     the gradient's Rayleigh quotient, at most lambda_max. Every 20 steps of gradient descent at eta 0.05 (200 steps):
     lambda_c / lambda_max from 0.01 at initialisation to 0.77 at most. At eta 0.25 the same holds up to the edge of
     stability (0.99); at eta 0.5 (same model and contexts) lambda_c sits at 2/eta while lambda_max settles below it,
-    1.02-1.05 x lambda_max (1.18 once, at the step the edge is reached): there the line's cubic term is not small,
+    1.02-1.07 x lambda_max (1.18 once, at the step the edge is reached): there the line's cubic term is not small,
     and the bound is quadratic."""
     problem = Problem()
     eta = 0.05

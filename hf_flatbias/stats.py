@@ -42,7 +42,8 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95) -> Interval
     mean = float(array.mean())
     if array.size < 2:
         return Interval(mean, float("nan"), float("nan"), 1, confidence)
-    half = float(t_half_width(array.std(ddof=1) / math.sqrt(array.size), array.size - 1, confidence))
+    # t * s before / sqrt(n): the order the committed research verdicts were computed in, so they recompute exactly
+    half = float(t_half_width(array.std(ddof=1), array.size - 1, confidence) / math.sqrt(array.size))
     return Interval(mean, mean - half, mean + half, int(array.size), confidence)
 
 

@@ -48,7 +48,8 @@ def two_way_interval(differences: Sequence[Sequence[float]], confidence: float |
     variance = seed_means.var(ddof=1) / seeds + (split_means.var(ddof=1) / splits if splits > 1 else 0.0)
     df = (min(seeds, splits) if splits > 1 else seeds) - 1
     half = t_half_width(math.sqrt(variance), df, confidence)
-    seed_half = t_half_width(seed_means.std(ddof=1) / math.sqrt(seeds), seeds - 1, confidence)
+    # t * s before / sqrt(S): the order the committed claim files were computed in, so they recompute exactly
+    seed_half = t_half_width(seed_means.std(ddof=1), seeds - 1, confidence) / math.sqrt(seeds)
     mean = float(d.mean())
     return {
         "mean": mean,

@@ -13,23 +13,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .argparsing import USAGE_ERROR, OneLineErrorParser
 from .commands import card, compare, demo, glue, select, trace
 
 # Listed, not discovered: the order of `hf-flatbias --help` is chosen here, and a stray module in commands/ is not
 # silently turned into a command.
 COMMANDS = (trace, card, compare, select, glue, demo)
 
-USAGE_ERROR = 2  # argparse's exit status for bad arguments; bad files and values are bad input too
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT (128 + 2)
-
-
-class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse's errors (a missing argument, a flag of the wrong form) in one line with exit code 2, as
-    `run_reporting_errors` reports a bad value, instead of after the command's usage text (35 lines for trace), which
-    buries the one line that says what is wrong. The sub-commands' parsers are of this class too."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

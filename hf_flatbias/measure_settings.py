@@ -6,7 +6,6 @@ Kept free of torch and transformers, as the table is: the command line builds it
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -14,6 +13,7 @@ from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
 
+from .argparsing import number, parsed_as, whole_number
 from .constants import (
     CRITICAL_DIRECTIONS,
     CURVATURE_PRODUCTS,
@@ -44,19 +44,8 @@ BOUNDED_COUNTS = {
 """The counts whose size is the cost of the measurement, with their largest sane value and a hint."""
 
 
-# The flags' parsers raise ArgumentTypeError: argparse shows its message after the flag's name, where a ValueError
-# would show the function's own (private) name instead ("invalid _floats value").
-
-
-def _parsed(text: str, parse: Callable[[str], Any], form: str) -> Any:
-    try:
-        return parse(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {form} (got {text!r})") from None
-
-
 def _floats(text: str) -> tuple[float, ...]:
-    return _parsed(
+    return parsed_as(
         text,
         lambda text: tuple(float(part) for part in str(text).split(",") if part.strip()),
         "comma-separated numbers such as 0.01,0.05",
@@ -64,27 +53,19 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def _ints(text: str) -> tuple[int, ...]:
-    return _parsed(
+    return parsed_as(
         text,
         lambda text: tuple(int(part) for part in str(text).split(",") if part.strip()),
         "comma-separated whole numbers such as 8,4",
     )
 
 
-def _int(text: str) -> int:
-    return _parsed(text, int, "a whole number")
-
-
-def _float(text: str) -> float:
-    return _parsed(text, float, "a number")
-
-
 def _optional_int(text: str) -> int | None:
-    return None if str(text).lower() in ("", "none") else _parsed(text, int, "a whole number or none")
+    return None if str(text).lower() in ("", "none") else parsed_as(text, int, "a whole number or none")
 
 
 def _optional_float(text: str) -> float | None:
-    return None if str(text).lower() in ("", "none") else _parsed(text, float, "a number or none")
+    return None if str(text).lower() in ("", "none") else parsed_as(text, float, "a number or none")
 
 
 def _optional_text(text: str) -> str | None:
@@ -109,12 +90,12 @@ class MeasureSettings:
         str,
         SPECTRUM_MATRICES,
     )
-    top_k: int = _setting(1, "How many of the largest eigenvalues top_eigenvalue finds (default: 1).", _int)
+    top_k: int = _setting(1, "How many of the largest eigenvalues top_eigenvalue finds (default: 1).", whole_number)
     power_law_k: int = _setting(
         16,
         "How many of the largest eigenvalues spectrum_shape fits its power law to (default: 16; at least 3), of "
         "--eigenvalue-matrix by the same products.",
-        _int,
+        whole_number,
     )
     eigenvalue_product: str = _setting(
         "auto",
@@ -132,9 +113,9 @@ class MeasureSettings:
         "relative error against the exact product; benchmarks/finite_difference_step.py).",
         _optional_float,
     )
-    sam_rho: float = _setting(DEFAULT_SAM_RHO, "Radius of sam_sharpness (default: 0.05).", _float)
+    sam_rho: float = _setting(DEFAULT_SAM_RHO, "Radius of sam_sharpness (default: 0.05).", number)
     sam_batch_size: int | None = _setting(
-        None, "Contexts per ascent step of sam_sharpness, as the training batch (default: --batch-size).", _int
+        None, "Contexts per ascent step of sam_sharpness, as the training batch (default: --batch-size).", whole_number
     )
     noise_sigmas: tuple[float, ...] = _setting(
         (0.01,),
@@ -144,7 +125,7 @@ class MeasureSettings:
     noise_scale: str = _setting(
         "rms", "weight_noise: rms (sigma times each tensor's RMS; default) or absolute noise.", str, NOISE_SCALES
     )
-    noise_draws: int = _setting(8, "Antithetic noise pairs per sigma of weight_noise (default: 8).", _int)
+    noise_draws: int = _setting(8, "Antithetic noise pairs per sigma of weight_noise (default: 8).", whole_number)
     quantization_bits: tuple[int, ...] = _setting(
         (8, 4),
         "Comma-separated bit widths of quantization (default: 8,4); the card's value is the last one's.",
@@ -154,7 +135,7 @@ class MeasureSettings:
         None, "Input entries per scale of quantization; none (default): one scale per output channel.", _optional_int
     )
     critical_rtol: float = _setting(
-        1e-3, "Relative precision of critical_sharpness's line search (default: 1e-3).", _float
+        1e-3, "Relative precision of critical_sharpness's line search (default: 1e-3).", number
     )
     critical_direction: str = _setting(
         "optimizer",
@@ -166,7 +147,9 @@ class MeasureSettings:
         CRITICAL_DIRECTIONS,
     )
     critical_batch_size: int | None = _setting(
-        None, "Contexts per line search of critical_sharpness (default: --batch-size); the error is over them.", _int
+        None,
+        "Contexts per line search of critical_sharpness (default: --batch-size); the error is over them.",
+        whole_number,
     )
     critical_max_grad_norm: float | None = _setting(
         None,
@@ -187,19 +170,23 @@ class MeasureSettings:
     forgetting_label_column: str = _setting(
         "label", "The class column of --forgetting-task's rows (default: label; task_a... for synthetic data).", str
     )
-    forgetting_steps: int = _setting(50, "Optimizer steps of forgetting's fine-tuning (default: 50).", _int)
+    forgetting_steps: int = _setting(50, "Optimizer steps of forgetting's fine-tuning (default: 50).", whole_number)
     forgetting_learning_rate: float = _setting(
-        2e-5, "Learning rate of forgetting's fine-tuning, constant (default: 2e-5, BERT's GLUE rate).", _float
+        2e-5, "Learning rate of forgetting's fine-tuning, constant (default: 2e-5, BERT's GLUE rate).", number
     )
-    forgetting_batch_size: int = _setting(8, "Task rows per step of forgetting's fine-tuning (default: 8).", _int)
+    forgetting_batch_size: int = _setting(
+        8, "Task rows per step of forgetting's fine-tuning (default: 8).", whole_number
+    )
     forgetting_optimizer: str = _setting(
         "adamw", "Optimizer of forgetting's fine-tuning: adamw (default) or sgd.", str, FORGETTING_OPTIMIZERS
     )
     forgetting_train_rows: int = _setting(
-        1000, "Task rows fine-tuned on, the same ones drawn by --seed for every checkpoint (default: 1000).", _int
+        1000,
+        "Task rows fine-tuned on, the same ones drawn by --seed for every checkpoint (default: 1000).",
+        whole_number,
     )
     forgetting_eval_rows: int = _setting(
-        500, "Rows of the task's validation split the accuracy is measured on (default: 500).", _int
+        500, "Rows of the task's validation split the accuracy is measured on (default: 500).", whole_number
     )
     forgetting_trace_draws: int | None = _setting(
         None,
@@ -217,7 +204,7 @@ class MeasureSettings:
         8,
         "Blocks each source's contexts are split into for gradient_alignment's jackknife error (default: 8; at "
         "least 2); one summed gradient per block is held.",
-        _int,
+        whole_number,
     )
 
     def __post_init__(self) -> None:

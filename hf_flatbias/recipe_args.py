@@ -19,7 +19,6 @@ data preparation that follow.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import math
 import sys
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from .argparsing import OneLineErrorParser
 
 
 def _as_flags(values: Mapping[str, Any]) -> list[str]:
@@ -56,21 +57,9 @@ def load_yaml_config(path: str | Path) -> dict[str, Any]:
     return values
 
 
-class _OneLineErrors:
-    """An argparse parser whose errors are a `ValueError` of one line (`hf_flatbias.cli.run_recipe` prints it and
-    exits with 2), not argparse's usage text, which for the training arguments runs to a screen of flags."""
-
-    def error(self, message: str):
-        raise ValueError(f"{message} (--help lists the flags)")
-
-
-class _PreParser(_OneLineErrors, argparse.ArgumentParser):
-    pass
-
-
 def _merged_flags(argv: Sequence[str], smoke_settings: Mapping[str, Any] | None) -> list[str]:
     """The flags a recipe parses, lowest precedence first: the YAML ``--config``, the smoke settings, ``argv``."""
-    pre = _PreParser(add_help=False, allow_abbrev=False)
+    pre = OneLineErrorParser(add_help=False, allow_abbrev=False, raise_errors=True)
     pre.add_argument("--config", default=None)
     known, rest = pre.parse_known_args(list(argv))
     flags: list[str] = []
@@ -103,13 +92,13 @@ def parse_dataclass_args(
     """
     from transformers import HfArgumentParser
 
-    class _Parser(_OneLineErrors, HfArgumentParser):
+    class _Parser(OneLineErrorParser, HfArgumentParser):
         pass
 
     argv = list(sys.argv[1:] if argv is None else argv)
     flags = _merged_flags(argv, smoke_settings)
     # No abbreviations: a misspelt YAML key such as learning_rat must fail, not quietly set learning_rate.
-    parser = _Parser(tuple(dataclass_types), description=description, allow_abbrev=False)
+    parser = _Parser(tuple(dataclass_types), description=description, allow_abbrev=False, raise_errors=True)
     parser.add_argument("--config", default=None, help="YAML file of argument values (recipes/configs/*.yaml).")
     *parsed, namespace = parser.parse_args_into_dataclasses(args=flags, look_for_args_file=False)
     del namespace  # only --config, already applied

@@ -47,7 +47,8 @@ from research.ruler import (
 )
 from transformers import BertForMaskedLM
 
-from hf_flatbias.cli import OneLineErrorParser, run_recipe
+from hf_flatbias.argparsing import OneLineErrorParser, number, whole_number
+from hf_flatbias.cli import run_recipe
 from hf_flatbias.results import write_json
 from hf_flatbias.synthetic import PCFG
 
@@ -92,9 +93,10 @@ def parse_settings(argv: list[str] | None = None) -> tuple[GateSettings, Path]:
     for field in dataclasses.fields(GateSettings):
         flag = "--" + field.name.replace("_", "-")
         if field.name == "cv_grid":
-            parser.add_argument(flag, type=float, nargs="+", default=list(defaults.cv_grid))
+            parser.add_argument(flag, type=number, nargs="+", default=list(defaults.cv_grid))
         else:
-            parser.add_argument(flag, type=type(getattr(defaults, field.name)), default=getattr(defaults, field.name))
+            form = {"int": whole_number, "float": number, "str": str}[field.type]  # a named form in the error line
+            parser.add_argument(flag, type=form, default=getattr(defaults, field.name))
     parser.add_argument("--out", type=Path, default=RESULTS / "campaign_v2" / "ruler_gate.json")
     args = vars(parser.parse_args(argv))
     out = args.pop("out")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -173,7 +174,8 @@ def test_card_json_into_a_closed_pipe(tmp_path):
         ("--quantization-group-size", "x", "argument --quantization-group-size: expected a whole number or none"),
         ("--eigenvalue-fd-step", "x", "argument --eigenvalue-fd-step: expected a number or none"),
         ("--noise-draws", "2.5", "argument --noise-draws: expected a whole number"),
-        ("--n-draws", "abc", "argument --n-draws: invalid int value: 'abc'"),
+        ("--n-draws", "abc", "argument --n-draws: expected a whole number (got 'abc')"),
+        ("--n-contexts", "1e3", "argument --n-contexts: expected a whole number (got '1e3')"),
     ],
 )
 def test_a_flag_of_the_wrong_form_is_one_line_naming_the_form(flag, value, expected, capsys):
@@ -185,6 +187,47 @@ def test_a_flag_of_the_wrong_form_is_one_line_naming_the_form(flag, value, expec
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
     assert err.startswith(f"hf-flatbias trace: error: {expected}") and "usage" not in err, err
     assert "--help" in err
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["demo", "--steps", "1e3"], "hf-flatbias demo: error: argument --steps: expected a whole number (got '1e3')"),
+        (["demo", "--sam-rho", "big"], "hf-flatbias demo: error: argument --sam-rho: expected a number (got 'big')"),
+        (["glue", "--seeds", "0", "x"], "hf-flatbias glue: error: argument --seeds: expected a whole number (got 'x')"),
+        (["glue", "--num-train-epochs", "3,5"], "argument --num-train-epochs: expected a number (got '3,5')"),
+        (["select", "--loss-tolerance", "1%"], "argument --loss-tolerance: expected a number (got '1%')"),
+    ],
+)
+def test_a_plain_number_flag_of_any_command_is_one_line_naming_the_form(argv, expected, capsys):
+    """argparse's own ``argument --steps: invalid int value: '1e3'`` named Python's type, not the form a user types."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and "usage" not in err, err
+    assert expected in err and err.rstrip().endswith(f"(hf-flatbias {argv[0]} --help lists the flags)"), err
+
+
+@dataclasses.dataclass
+class _RecipeArguments:
+    steps: int = 1
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--steps"], "argument --steps: expected one argument (--help lists the flags)"),  # the dataclasses' parser
+        (["--config"], "argument --config: expected one argument (--help lists the flags)"),  # the --config pre-parser
+    ],
+)
+def test_a_recipes_flag_error_is_the_same_parsers_line_raised_for_run_recipe(argv, expected):
+    """The dataclass recipes parse with the command line's `OneLineErrorParser`, which raises the line (run_recipe
+    prints it after the recipe's name) instead of printing it with the parser's own name and exiting."""
+    from hf_flatbias.recipe_args import parse_dataclass_args
+
+    with pytest.raises(ValueError) as error:
+        parse_dataclass_args([_RecipeArguments], argv)
+    assert str(error.value) == expected
 
 
 def test_a_missing_command_is_one_line_naming_help(capsys):

@@ -185,7 +185,8 @@ def test_bad_flags_are_refused_when_parsed(recipes, argv, expected):
 def test_a_negative_count_is_one_line_before_anything_is_read(recipes, tmp_path):
     """Issue 58, item 8: --n-fit -5 ended in a 9-line traceback; a flag of the wrong form is one line too."""
     for argv, expected in ((["--n-fit", "-5"], "--n-fit must be a whole number >= 1 (got -5)"),
-                           (["--n-fit", "4.5"], "argument --n-fit: invalid int value: '4.5'")):  # fmt: skip
+                           (["--n-fit", "4.5"], "argument --n-fit: expected a whole number (got '4.5')"),
+                           (["--threshold", "x"], "argument --threshold: expected a number (got 'x')")):  # fmt: skip
         completed = recipes.run("ruler_gate.py", *argv, "--out", str(tmp_path / "gate.json"), tmp_path=tmp_path)
         err = completed.stderr.strip().splitlines()
         assert completed.returncode == 2 and len(err) == 1 and "Traceback" not in completed.stderr, completed.stderr

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..argparsing import number, whole_number
 from ..constants import DEFAULT_SAM_RHO, RECOMMENDED_N_DRAWS, TRACE_METRIC, TRACE_STDERR_METRIC
 from .paths import DEMO_JSON, DEMO_PLOT, DEMO_RUNS, check_output_folder, is_demo_entry
 
@@ -36,17 +37,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--output-dir", default="flatbias-demo", help="where both runs, the plot and the JSON go (default: %(default)s)"
     )
     parser.add_argument(
-        "--sam-rho", type=float, default=DEFAULT_SAM_RHO, help="SAM neighbourhood radius (default: %(default)s)"
-    )
-    parser.add_argument("--steps", type=int, default=600, help="optimizer steps of each run (default: %(default)s)")
-    parser.add_argument(
-        "--eval-every", type=int, default=100, help="steps between evaluations and checkpoints (default: %(default)s)"
+        "--sam-rho", type=number, default=DEFAULT_SAM_RHO, help="SAM neighbourhood radius (default: %(default)s)"
     )
     parser.add_argument(
-        "--n-train", type=int, default=20000, help="generated training sentences (default: %(default)s)"
+        "--steps", type=whole_number, default=600, help="optimizer steps of each run (default: %(default)s)"
     )
     parser.add_argument(
-        "--n-contexts", type=int, default=256, help="masked contexts per trace measurement (default: %(default)s)"
+        "--eval-every",
+        type=whole_number,
+        default=100,
+        help="steps between evaluations and checkpoints (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--n-train", type=whole_number, default=20000, help="generated training sentences (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--n-contexts",
+        type=whole_number,
+        default=256,
+        help="masked contexts per trace measurement (default: %(default)s)",
     )
     # the flags' spellings before they matched `hf-flatbias trace`'s: refused in one line naming the flag to use
     for earlier, flag in RENAMED_FLAGS.items():
@@ -55,12 +64,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         )
     parser.add_argument(
         "--n-probe",
-        type=int,
+        type=whole_number,
         default=500,
         help="sentences to fit the probe, and as many to score (default: %(default)s)",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the grammar, the data and the models (default: %(default)s)"
+        "--seed",
+        type=whole_number,
+        default=0,
+        help="seed of the grammar, the data and the models (default: %(default)s)",
     )
     parser.set_defaults(func=run_demo)
 

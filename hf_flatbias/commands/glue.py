@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..argparsing import number, whole_number
 from ..glue.tasks import (
     DEFAULT_MAX_LENGTH,
     DEFAULT_SEEDS,
@@ -39,27 +40,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="full fine-tuning; one linear layer on frozen [CLS] / token states; a new pooler and classifier on the "
         "frozen encoder.",
     )
-    parser.add_argument("--seeds", type=int, nargs="+", default=list(DEFAULT_SEEDS), help="Default: %(default)s.")
+    parser.add_argument(
+        "--seeds", type=whole_number, nargs="+", default=list(DEFAULT_SEEDS), help="Default: %(default)s."
+    )
     parser.add_argument("--data-dir", default=None, help="Local GLUE files (train.* and validation.*).")
     parser.add_argument(
         "--tokenizer", default=None, help="Tokenizer folder or Hub id, for a checkpoint saved without its tokenizer."
     )
     parser.add_argument(
         "--learning-rate",
-        type=float,
+        type=number,
         default=None,
         help=f"Default: {_rate(FULL_FINETUNE_LEARNING_RATE)} full, {_rate(FROZEN_ENCODER_LEARNING_RATE)} probe.",
     )
-    parser.add_argument("--num-train-epochs", type=float, default=3.0, help="Default: %(default)s.")
-    parser.add_argument("--max-steps", type=int, default=-1, help="Stop after this many steps (default: epochs).")
+    parser.add_argument("--num-train-epochs", type=number, default=3.0, help="Default: %(default)s.")
     parser.add_argument(
-        "--batch-size", type=int, default=DEFAULT_TRAIN_BATCH_SIZE, help="Training batch size (default: %(default)s)."
+        "--max-steps", type=whole_number, default=-1, help="Stop after this many steps (default: epochs)."
     )
     parser.add_argument(
-        "--max-length", type=int, default=DEFAULT_MAX_LENGTH, help="Truncate inputs (default: %(default)s tokens)."
+        "--batch-size",
+        type=whole_number,
+        default=DEFAULT_TRAIN_BATCH_SIZE,
+        help="Training batch size (default: %(default)s).",
     )
-    parser.add_argument("--max-train-samples", type=int, default=None, help="Use at most this many training rows.")
-    parser.add_argument("--max-eval-samples", type=int, default=None, help="Use at most this many validation rows.")
+    parser.add_argument(
+        "--max-length",
+        type=whole_number,
+        default=DEFAULT_MAX_LENGTH,
+        help="Truncate inputs (default: %(default)s tokens).",
+    )
+    parser.add_argument(
+        "--max-train-samples", type=whole_number, default=None, help="Use at most this many training rows."
+    )
+    parser.add_argument(
+        "--max-eval-samples", type=whole_number, default=None, help="Use at most this many validation rows."
+    )
     parser.add_argument("--output-dir", default=None, help="Keep the runs here (default: a temporary folder).")
     parser.add_argument("--json", action="store_true", help="Print the result as JSON.")
     parser.set_defaults(func=run)

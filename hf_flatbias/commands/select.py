@@ -7,6 +7,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
+from ..argparsing import number
 from ..constants import TRACE_METRIC, TRACE_STDERR_METRIC, TRACE_SUMMARIES
 from .paths import check_not_demo_folder, existing_local_path
 
@@ -32,11 +33,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "stderr, path} (or an object with such a 'records' list; other key names via --loss-key/--trace-key/"
         "--stderr-key)",
     )
-    parser.add_argument("--loss-tolerance", type=float, default=0.01, help="slack on the best loss (default 0.01)")
+    parser.add_argument("--loss-tolerance", type=number, default=0.01, help="slack on the best loss (default 0.01)")
     parser.add_argument("--relative", action="store_true", help="read --loss-tolerance as a fraction of the best loss")
     parser.add_argument(
         "--trace-margin",
-        type=float,
+        type=number,
         default=0.0,
         help="traces within this many combined standard errors of the smallest count as equally flat; the lowest "
         "loss among them wins (default 0: smallest trace wins)",

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..argparsing import whole_number
 from ..constants import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_ESTIMATOR,
@@ -100,22 +101,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max-length",
-        type=int,
+        type=whole_number,
         default=128,
         help="Cut each row (tokenized text, or input_ids) to this many tokens, and to the model's positions.",
     )
     parser.add_argument(
-        "--n-contexts", type=int, default=DEFAULT_N_CONTEXTS, help="Contexts to average over (the paper: 10,000)."
+        "--n-contexts",
+        type=whole_number,
+        default=DEFAULT_N_CONTEXTS,
+        help="Contexts to average over (the paper: 10,000).",
     )
     parser.add_argument(
         "--n-draws",
-        type=int,
+        type=whole_number,
         default=RECOMMENDED_N_DRAWS,
         help="Draws of y per context (default: %(default)s, which reached the same error several times faster than "
         "the 50 draws a secondary summary gives for the paper (unverified), with the per_sample estimator).",
     )
     parser.add_argument("--estimator", default=DEFAULT_ESTIMATOR, choices=list(ESTIMATORS), help="Estimator to use.")
-    parser.add_argument("--seed", type=int, default=0, help="Seed of the masked positions and the draws.")
+    parser.add_argument("--seed", type=whole_number, default=0, help="Seed of the masked positions and the draws.")
     parser.add_argument(
         "--batch-size",
         type=batch_size_argument,

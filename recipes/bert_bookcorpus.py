@@ -122,6 +122,8 @@ class TraceArguments:
     """How the recipe measures the Hessian trace during and after training (and whether the run is a smoke test);
     the flatness method itself is chosen with FlatBiasConfig's fields."""
 
+    # trace_* groups the trace's flags beside TrainingArguments'; trace_contexts/trace_draws are HessianTraceCallback's
+    # n_contexts/n_draws (why not renamed: the comment at CompareArguments.trace_contexts, hf_flatbias/glue/compare.py)
     trace_contexts: int = field(
         default=DEFAULT_N_CONTEXTS,
         metadata={"help": "Masked contexts of the Hessian-trace estimate (paper: 10,000); 0: no trace at all."},

@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--n-train", type=int, default=20_000)
     parser.add_argument("--n-eval", type=int, default=300, help="held-out sentences for the KL")
+    # the research Setting's trace_contexts, n_contexts of the trace (see CompareArguments.trace_contexts for why)
     parser.add_argument("--trace-contexts", type=int, default=128)
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--models", default=",".join(MODELS))

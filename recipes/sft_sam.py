@@ -40,6 +40,7 @@ class RecipeArguments:
         default=None, metadata={"help": "Use only the first that many training paragraphs (None: all)."}
     )
     n_eval_paragraphs: int = field(default=256, metadata={"help": "Held-out paragraphs (loss and trace)."})
+    # HessianTraceCallback's n_contexts, spelt as the other recipes' trace_* flags (see CompareArguments.trace_contexts)
     trace_contexts: int = field(default=128, metadata={"help": "Held-out contexts of the Hessian-trace callback."})
     smoke: bool = field(default=False, metadata={"help": "Tiny settings for a CPU check (overridable by flags)."})
 

@@ -93,6 +93,11 @@ class MeasurementArguments:
         },
     )
     max_seq_length: int = field(default=128, metadata={"help": "Tokens per block of held-out text."})
+    # The trace's settings are grouped as trace_* because the recipes' flags share one namespace with the training
+    # arguments (trace_estimator beside the model's own settings); trace_contexts and trace_draws are the n_contexts
+    # and n_draws of estimate_hessian_trace, HessianTraceCallback and `hf-flatbias trace`. Not renamed: the research
+    # code and its committed result files (about 100, some recomputed by tests) spell it trace_contexts, so a rename
+    # would leave two spellings instead of one.
     trace_contexts: int = field(
         default=DEFAULT_N_CONTEXTS, metadata={"help": "Masked contexts for the trace (paper: 10,000)."}
     )

@@ -35,6 +35,7 @@ def estimate_hessian_trace(
     probe: str = "rademacher",
     output_probe: str = DEFAULT_OUTPUT_PROBE,
     by_group: bool | GroupOf = False,
+    positions_per_sequence: int = 1,
     across_processes: bool = False,
     progress: bool | None = None,
 ) -> TraceEstimate:
@@ -72,6 +73,12 @@ def estimate_hessian_trace(
             each block, final norm, LM head and the decoder's own output-layer term
             (`hf_flatbias.flatness.groups`), or a function from parameter name to group name. ``per_sample`` and
             ``naive`` only; off by default, when it costs nothing.
+        positions_per_sequence: causal LMs with ``per_sample``: read up to this many labelled positions of each row
+            with one forward and one backward per draw, each position's cotangent drawn as it would be alone
+            (independent, mean zero: the cross terms between positions vanish in expectation, so the sum of the
+            positions' traces is unbiased). Each row is then one sampling unit whose value is its mean trace per
+            position; ``mean`` is the mean trace per position, ``stderr`` is over rows and ``n_contexts`` counts
+            positions. Rows with that many labels: `build_masked_contexts(..., positions_per_sequence=...)`.
         across_processes: with several processes (DDP, DeepSpeed), every process calls this with the same
             arguments, measures every world-size-th context and gets the whole estimate: the one-process estimate
             on the same contexts and draws. Per-context estimators (``per_sample``, ``naive``) only. Under DeepSpeed
@@ -99,9 +106,15 @@ def estimate_hessian_trace(
         probe=probe,
         output_probe=output_probe,
         by_group=by_group,
+        positions_per_sequence=positions_per_sequence,
     )
     _, contexts, indices = contexts_to_measure(model, dataset, n_contexts=n_contexts, causal=causal)
     _check_partitioned_model(model, across_processes)
+    if across_processes and positions_per_sequence > 1 and world()[1] > 1:
+        raise ValueError(
+            "positions_per_sequence > 1 is measured on one process: a row's positions must share a forward. Use "
+            "across_processes=False or positions_per_sequence=1."
+        )
     shows_progress = _shows_progress(progress, len(indices) * n_draws)
     with evaluation_mode(model), preserved_global_rng():
         if across_processes:

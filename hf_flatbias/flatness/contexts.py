@@ -46,8 +46,10 @@ def build_masked_contexts(
     seed: int = 0,
     special_token_ids: Sequence[int] = (),
     keep_columns: Sequence[str] = (),
+    positions_per_sequence: int = 1,
 ) -> list[dict[str, list[int]]]:
-    """Turn tokenized rows into trace contexts with exactly one labelled position each.
+    """Turn tokenized rows into trace contexts with exactly one labelled position each (``positions_per_sequence``
+    of them for causal LMs that ask for more).
 
     Args:
         rows: mappings with ``input_ids`` and optionally ``attention_mask``, ``token_type_ids`` and
@@ -62,6 +64,8 @@ def build_masked_contexts(
         special_token_ids: tokens never chosen as the predicted position (e.g. ``[CLS]``, ``[SEP]``, padding).
         keep_columns: columns of the rows copied as they are into each context (a measure that groups contexts, such
             as gradient alignment's source column); a row without one of them is refused.
+        positions_per_sequence: causal LMs only: label this many distinct positions of each row, drawn without
+            replacement, for ``estimate_hessian_trace(..., positions_per_sequence=...)`` to read in one backward.
 
     Returns:
         A list of rows ``{"input_ids", "attention_mask", "labels"}`` (lists of ints), with the row's
@@ -81,6 +85,7 @@ def build_masked_contexts(
         n_contexts = len(rows)
     if n_contexts < 1:
         raise ValueError(f"n_contexts must be >= 1 (got {n_contexts}).")
+    check_positions_per_sequence(positions_per_sequence, causal=causal)
     excluded = {int(t) for t in special_token_ids}
     first_allowed = 1 if causal else 0
     contexts = []
@@ -102,10 +107,23 @@ def build_masked_contexts(
                 f"outside its completion_mask{', or a single token for a causal LM' if causal else ''}); drop such "
                 "rows first."
             )
-        choice = int(torch.randint(len(candidates), (1,), generator=context_generator(seed, index)))
-        position = candidates[choice]
+        if len(candidates) < positions_per_sequence:
+            raise ValueError(
+                f"Row {index % len(rows)} has {len(candidates)} positions that can be predicted, fewer than "
+                f"positions_per_sequence={positions_per_sequence}: lower positions_per_sequence or drop short rows."
+            )
+        generator = context_generator(seed, index)
+        if positions_per_sequence == 1:  # the one-position draw as it always was: the same contexts for a seed
+            chosen = [candidates[int(torch.randint(len(candidates), (1,), generator=generator))]]
+        else:
+            chosen = sorted(
+                candidates[c]
+                for c in torch.randperm(len(candidates), generator=generator)[:positions_per_sequence].tolist()
+            )
         labels = [IGNORE_INDEX] * len(input_ids)
-        labels[position] = input_ids[position]
+        for position in chosen:
+            labels[position] = input_ids[position]
+        position = chosen[0]
         masked = list(input_ids)
         if not causal:
             masked[position] = int(mask_token_id)
@@ -120,12 +138,27 @@ def build_masked_contexts(
     return contexts
 
 
+def check_positions_per_sequence(positions_per_sequence: object, *, causal: bool) -> None:
+    """`ValueError` naming the fix for a ``positions_per_sequence`` that is not a positive integer, or above 1 for a
+    masked LM (whose one-mask contexts are different inputs: they share no forward)."""
+    if isinstance(positions_per_sequence, bool) or not isinstance(positions_per_sequence, int):
+        raise ValueError(f"positions_per_sequence must be an integer >= 1 (got {positions_per_sequence!r}).")
+    if positions_per_sequence < 1:
+        raise ValueError(f"positions_per_sequence must be >= 1 (got {positions_per_sequence}).")
+    if positions_per_sequence > 1 and not causal:
+        raise ValueError(
+            f"positions_per_sequence={positions_per_sequence} needs a causal LM: a masked LM's contexts each mask "
+            "their own position, so they share no forward. Use positions_per_sequence=1 for masked LMs."
+        )
+
+
 @dataclass
 class TraceContexts:
     """Contexts ready for the estimators: one predicted position each.
 
     ``input_ids[i]`` is trimmed to what the model must see (for causal LMs the prefix before the predicted token),
-    ``positions[i]`` is where the logits are read, ``targets[i]`` the data token there.
+    ``positions[i]`` is where the logits are read, ``targets[i]`` the data token there, ``rows[i]`` the row it came
+    from (a causal LM's contexts of one row are prefixes of the longest: one forward can read them all).
     """
 
     input_ids: list[torch.Tensor]
@@ -134,6 +167,7 @@ class TraceContexts:
     positions: list[int]
     targets: list[int]
     causal: bool
+    rows: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.positions)
@@ -145,7 +179,7 @@ class TraceContexts:
         Raises:
             ValueError: a row without ``input_ids``/``labels`` or without any labelled position.
         """
-        input_ids, attention_mask, token_type_ids, positions, targets = [], [], [], [], []
+        input_ids, attention_mask, token_type_ids, positions, targets, row_of = [], [], [], [], [], []
         has_token_types = None
         for row_index, row in enumerate(rows):
             for key in ("input_ids", "labels"):
@@ -190,9 +224,11 @@ class TraceContexts:
                     token_type_ids.append(types[:keep])
                 positions.append(position)
                 targets.append(int(labels[t]))
+                row_of.append(row_index)
         if not positions:
             raise ValueError("No contexts: the dataset is empty.")
-        return cls(input_ids, attention_mask, token_type_ids if has_token_types else None, positions, targets, causal)
+        types = token_type_ids if has_token_types else None
+        return cls(input_ids, attention_mask, types, positions, targets, causal, rows=row_of)
 
     def model_inputs(self, indices: Sequence[int], model: nn.Module) -> dict[str, torch.Tensor]:
         """Right-padded tensors for the contexts ``indices``; padding is masked out, so its value does not matter."""
@@ -212,6 +248,34 @@ class TraceContexts:
         if token_type_ids is not None:
             batch["token_type_ids"] = token_type_ids.to(device)
         return batch
+
+
+def sequence_units(contexts: TraceContexts, indices: Sequence[int], positions_per_sequence: int) -> list[list[int]]:
+    """The contexts ``indices`` grouped into sampling units of at most ``positions_per_sequence`` consecutive
+    contexts of one row, each unit measured with one forward and one backward per draw; one context per unit at 1.
+
+    Raises:
+        ValueError: more than one position per unit on masked-LM contexts, or more positions asked for than any
+            row labels.
+    """
+    check_positions_per_sequence(positions_per_sequence, causal=contexts.causal)
+    if positions_per_sequence == 1:
+        return [[i] for i in indices]
+    rows = contexts.rows if contexts.rows is not None else list(range(len(contexts)))
+    units: list[list[int]] = []
+    for i in indices:
+        if units and len(units[-1]) < positions_per_sequence and rows[units[-1][-1]] == rows[i]:
+            units[-1].append(i)
+        else:
+            units.append([i])
+    longest = max(len(unit) for unit in units)
+    if longest < positions_per_sequence:
+        raise ValueError(
+            f"positions_per_sequence={positions_per_sequence} but the rows label at most {longest} positions each: "
+            f"build rows with build_masked_contexts(..., causal=True, positions_per_sequence={positions_per_sequence})"
+            " or lower positions_per_sequence."
+        )
+    return units
 
 
 def prepare_contexts(

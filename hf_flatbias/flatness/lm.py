@@ -137,8 +137,8 @@ def _lm_head(model: nn.Module, decoder: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def _logits_only_at(model: nn.Module, positions: torch.Tensor) -> Iterator[None]:
-    """Run the LM head on the predicted position of each row only: the stock forward computes logits for every
-    position, most of the cost for a large vocabulary."""
+    """Run the LM head on the predicted positions of each row only (``positions`` (B,) or (B, P)): the stock forward
+    computes logits for every position, most of the cost for a large vocabulary."""
     head = _lm_head(model, check_lm_model(model))
     rows = torch.arange(len(positions), device=positions.device)
 
@@ -146,6 +146,8 @@ def _logits_only_at(model: nn.Module, positions: torch.Tensor) -> Iterator[None]
         hidden = args[0]
         if hidden.dim() != 3 or hidden.shape[0] != len(positions):
             raise ValueError(f"unexpected LM-head input of shape {tuple(hidden.shape)}")
+        if positions.dim() == 2:
+            return (hidden[rows.unsqueeze(1), positions], *args[1:])
         return (hidden[rows, positions].unsqueeze(1), *args[1:])
 
     handle = head.register_forward_pre_hook(select)
@@ -196,9 +198,13 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def logits_at_positions(model: nn.Module, batch: Mapping[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
-    """Logits of shape (B, 1, V) at the predicted positions, with the graph kept for differentiation."""
+    """Logits of shape (B, 1, V) at the predicted positions (B,), or (B, P, V) at positions (B, P), with the graph
+    kept for differentiation."""
     with _logits_only_at(model, positions):
         logits = model(**batch, use_cache=False).logits if is_causal_lm(model) else model(**batch).logits
-    if logits.dim() != 3 or logits.shape[1] != 1:
-        raise ValueError(f"{type(model).__name__} returned logits of shape {tuple(logits.shape)}; expected (B, 1, V).")
+    per_row = positions.shape[1] if positions.dim() == 2 else 1
+    if logits.dim() != 3 or logits.shape[1] != per_row:
+        raise ValueError(
+            f"{type(model).__name__} returned logits of shape {tuple(logits.shape)}; expected (B, {per_row}, V)."
+        )
     return logits

@@ -38,6 +38,7 @@ def compute_trace_samples(
     probe: str = "rademacher",
     output_probe: str = DEFAULT_OUTPUT_PROBE,
     by_group: bool | GroupOf = False,
+    positions_per_sequence: int = 1,
     progress: bool = False,
     diagonal: dict[int, torch.Tensor] | None = None,
 ) -> TraceSamples:
@@ -59,6 +60,7 @@ def compute_trace_samples(
         probe=probe,
         output_probe=output_probe,
         by_group=by_group,
+        positions_per_sequence=positions_per_sequence,
     )
     return trace_samples(model, contexts, settings, indices=indices, progress=progress, diagonal=diagonal)
 
@@ -82,6 +84,11 @@ def trace_samples(
     if diagonal is not None and not estimator.per_context:
         raise ValueError(
             f"The Fisher diagonal needs estimator={_either(per_context_estimators())} (got {settings.estimator!r})."
+        )
+    if diagonal is not None and settings.positions_per_sequence > 1:
+        raise ValueError(
+            "The Fisher diagonal reads one position per context; use positions_per_sequence=1 "
+            f"(got {settings.positions_per_sequence})."
         )
     _check_sharded(model, estimator, settings, diagonal)
     params = measured_parameters(model)

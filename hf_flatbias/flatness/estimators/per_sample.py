@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..contexts import TraceContexts
+from ..contexts import TraceContexts, sequence_units
 from ..distributed import Zero3BackwardHooks
 from ..ghost import GhostNormRecorder
 from ..ghost_diagonal import add_squared_gradients
@@ -39,7 +39,13 @@ class PerSampleEstimator(TraceEstimator):
     per_context = True
 
     def measure(self, model, contexts, indices, params, settings, *, groups, diagonal, advance) -> TraceSamples:
-        batches = length_sorted_batches(contexts, indices, resolved_batch_size(model, contexts, indices, settings))
+        units = sequence_units(contexts, indices, settings.positions_per_sequence)
+        carriers = [_carrier(contexts, unit) for unit in units]
+        unit_of_carrier = dict(zip(carriers, units, strict=True))
+        carrier_batches = length_sorted_batches(
+            contexts, carriers, resolved_batch_size(model, contexts, carriers, settings)
+        )
+        batches = [[unit_of_carrier[c] for c in batch] for batch in carrier_batches]
         forward_seconds = draw_seconds = 0.0
         parts, group_parts = [], []
         signature = model_signature(model, params)
@@ -55,13 +61,13 @@ class PerSampleEstimator(TraceEstimator):
             group_parts.append(group_values)
             forward_seconds += forward_s
             draw_seconds += draw_s
-            advance(len(batch))
+            advance(sum(len(unit) for unit in batch))
         # back from length order to the callers' order
-        position_of = {index: n for n, index in enumerate(i for batch in batches for i in batch)}
-        order = [position_of[i] for i in indices]
+        position_of = {carrier: n for n, carrier in enumerate(c for batch in carrier_batches for c in batch)}
+        order = [position_of[c] for c in carriers]
         return TraceSamples(
             values=torch.cat(parts)[order],
-            weights=torch.ones(len(indices)),
+            weights=torch.tensor([float(len(unit)) for unit in units]),
             n_draws=settings.n_draws,
             estimator=self.name,
             forward_seconds=forward_seconds,
@@ -111,10 +117,15 @@ def forget_self_checks() -> None:
     _CHECKED.clear()
 
 
+def _carrier(contexts: TraceContexts, unit: Sequence[int]) -> int:
+    """The context of a unit whose input holds every other's (a causal LM's longest prefix of their row)."""
+    return max(unit, key=lambda i: contexts.positions[i])
+
+
 def _per_sample_batch(
     model: nn.Module,
     contexts: TraceContexts,
-    indices: Sequence[int],
+    units: Sequence[Sequence[int]],
     params: Sequence[nn.Parameter],
     settings: TraceSettings,
     *,
@@ -122,50 +133,65 @@ def _per_sample_batch(
     groups: ParameterGroups | None,
     diagonal: dict[int, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, float, float]:
-    """Per-context values (B, n_draws), their split by group (B, n_draws, G) or ``None``, and the seconds of the
-    forward and of the draws."""
+    """Per-unit values (B, n_draws), the mean over each unit's contexts (positions of one row, read from one forward
+    and one backward per draw), their split by group (B, n_draws, G) or ``None``, and the seconds of the forward and
+    of the draws."""
     n_draws = settings.n_draws
     start = time.perf_counter()
-    batch = contexts.model_inputs(indices, model)
-    positions = torch.tensor([contexts.positions[i] for i in indices], device=batch["input_ids"].device)
+    carriers = [_carrier(contexts, unit) for unit in units]
+    batch = contexts.model_inputs(carriers, model)
+    width = max(len(unit) for unit in units)
+    # a short unit's spare slots repeat its carrier's position with a zero cotangent and no output term
+    slot_positions = [[contexts.positions[i] for i in unit] + [contexts.positions[c]] * (width - len(unit))
+                      for unit, c in zip(units, carriers, strict=True)]  # fmt: skip
+    positions = torch.tensor(slot_positions, device=batch["input_ids"].device)
+    real_slots = torch.tensor([[s < len(unit) for s in range(width)] for unit in units], device=positions.device)
+    flat_indices = [i for unit in units for i in unit]
+    unit_sizes = torch.tensor([float(len(unit)) for unit in units], dtype=torch.float64)
     decoder = check_lm_model(model)
     recorder = GhostNormRecorder(model, params, keep_outputs_of=(decoder,))
-    recorder.batch_size = len(indices)
+    recorder.batch_size = len(units)
     zero3_hooks = Zero3BackwardHooks(model)
     with recorder:
         logits = logits_at_positions(model, batch, positions)
     zero3_hooks.snapshot()
-    probs = torch.softmax(logits.detach()[:, 0].double(), dim=-1)
-    probes = OutputProbes(probs, indices, n_draws, settings.seed, settings.output_probe)
+    slot_probs = torch.softmax(logits.detach().double(), dim=-1)
+    probs = slot_probs[real_slots]
+    probes = OutputProbes(probs, flat_indices, n_draws, settings.seed, settings.output_probe)
     decoder_call = next((c for c in recorder.calls if c.module is decoder and _are_the_logits(c.output, logits)), None)
     use_expectation = settings.exact_output_expectation and decoder_call is not None
     if use_expectation:
         # E ||c||^2 = Tr(diag(p) - pp^T) = 1 - ||p||^2 for either cotangent, times what multiplies the output gradient
         # in the decoder's own term
-        multiplier = torch.zeros(len(indices), dtype=torch.float64, device=probs.device)
+        # in the decoder's own term; the cross terms between independent slots have mean zero
+        multiplier = torch.zeros(real_slots.shape, dtype=torch.float64, device=probs.device)
         if recorder.measures(decoder, "weight"):
-            multiplier += decoder_call.inputs.double().square().sum(dim=(1, 2))
+            multiplier += decoder_call.inputs.double().square().sum(dim=2)
         if recorder.measures(decoder, "bias"):
             multiplier += 1.0
-        expected_output_term = (1.0 - probs.square().sum(dim=1)) * multiplier
+        slot_terms = (1.0 - slot_probs.square().sum(dim=2)) * multiplier
+        expected_output_term = (slot_terms * real_slots).sum(dim=1)
         if diagonal is not None:
             _add_expected_output_diagonal(diagonal, decoder, decoder_call, probs, {id(p) for p in params})
     forward_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
-    values = torch.empty(len(indices), n_draws, dtype=torch.float64)
-    group_values = None if groups is None else torch.empty(len(indices), n_draws, len(groups), dtype=torch.float64)
+    values = torch.empty(len(units), n_draws, dtype=torch.float64)
+    group_values = None if groups is None else torch.empty(len(units), n_draws, len(groups), dtype=torch.float64)
     for k in range(n_draws):
         cotangent = probes.cotangent(k)
-        grad_logits = cotangent.to(logits.dtype).unsqueeze(1)
+        grad_logits = _at_slots(cotangent.to(logits.dtype), real_slots)
         if validate and k == 0:
             zero3_hooks.rearm()
             recorder.check_unsupported_unused(logits, grad_logits)
-            if probes.kind != "label":
-                # the check is of a sampled label's gradient, as its tests measure its power (a draw of signs can
-                # hide a missed term that a label shows): one more backward, once per model
-                labelled = probes.first_label_cotangents()
-                _validate_by_backward(model, contexts, indices, params, logits, labelled, recorder, zero3_hooks)
+            if probes.kind != "label" or width > 1:
+                # the check is of a sampled label's gradient at one position, as its tests measure its power (a draw
+                # of signs can hide a missed term that a label shows): one more backward, once per model
+                labelled = _at_slots(probes.first_label_cotangents().to(logits.dtype), real_slots)
+                at_carrier = torch.zeros_like(labelled)
+                carrier_slots = [unit.index(c) for unit, c in zip(units, carriers, strict=True)]
+                at_carrier[torch.arange(len(units)), carrier_slots] = labelled[torch.arange(len(units)), carrier_slots]
+                _validate_by_backward(model, contexts, carriers, params, logits, at_carrier, recorder, zero3_hooks)
                 validate = False
         zero3_hooks.rearm()
         retain_graph = k < n_draws - 1 or validate
@@ -187,19 +213,30 @@ def _per_sample_batch(
                 by_parameter, own = recorder.squared_norm_terms(decoder_call, own_terms=not use_expectation)
         output_term = expected_output_term if use_expectation else own
         if groups is not None:
-            split = _sum_by_group(by_parameter, groups, len(indices), own.device)
+            split = _sum_by_group(by_parameter, groups, len(units), own.device)
             split[:, groups.output_layer] += output_term
             group_values[:, k] = split.cpu()
             values[:, k] = group_values[:, k].sum(dim=1)
         else:
             values[:, k] = (sum(by_parameter.values(), torch.zeros_like(own)) + output_term).cpu()
-        if validate and k == 0:
-            _validate_against_autograd(model, contexts, indices[0], params, cotangent[:1], recorder)
+        if validate and k == 0:  # one position per unit here: the draw itself is a sampled label's
+            _validate_against_autograd(model, contexts, carriers[0], params, cotangent[:1], recorder)
             validate = False
         # this draw's gradients at every layer output (about one activation's worth) go before the next backward
         # forms its own
         recorder.set_grad_outputs([None] * len(recorder.calls))
+    # a unit's sum over its positions, as the mean trace per position (the unit's weight is its size)
+    values /= unit_sizes.unsqueeze(1)
+    if group_values is not None:
+        group_values /= unit_sizes.reshape(-1, 1, 1)
     return values, group_values, forward_seconds, time.perf_counter() - start
+
+
+def _at_slots(slot_values: torch.Tensor, real_slots: torch.Tensor) -> torch.Tensor:
+    """(n, V) values of the real slots, in order, as (B, P, V) with zeros in the spare slots."""
+    placed = slot_values.new_zeros(*real_slots.shape, slot_values.shape[-1])
+    placed[real_slots] = slot_values
+    return placed
 
 
 def _add_expected_output_diagonal(
@@ -253,12 +290,13 @@ def _validate_by_backward(
     recorder: GhostNormRecorder,
     zero3_hooks: Zero3BackwardHooks,
 ) -> None:
-    """`_validate_against_autograd` of the cotangents (B, V), from a backward of their own that keeps the graph."""
+    """`_validate_against_autograd` of the cotangents (B, P, V), nonzero at the slot of context ``indices[b]`` of each
+    row only, from a backward of their own that keeps the graph."""
     zero3_hooks.rearm()
-    grad_logits = cotangents.to(logits.dtype).unsqueeze(1)
-    recorder.gradients_at_outputs(logits, grad_logits, retain_graph=True)
+    recorder.gradients_at_outputs(logits, cotangents, retain_graph=True)
     try:
-        _validate_against_autograd(model, contexts, indices[0], params, cotangents[:1], recorder)
+        reference_cotangent = cotangents[0].sum(dim=0, keepdim=True)  # the one nonzero slot of row 0
+        _validate_against_autograd(model, contexts, indices[0], params, reference_cotangent, recorder)
     finally:
         recorder.set_grad_outputs([None] * len(recorder.calls))
 

@@ -55,6 +55,12 @@ class TraceSettings:
         metadata={"help": "Also split the trace by parameter group: True for the default groups, or a function from "
                   "parameter name to group name (per-context estimators only)."},
     )  # fmt: skip
+    positions_per_sequence: int = field(
+        default=1,
+        metadata={"help": "per_sample on causal LMs: up to this many labelled positions of one row share a forward "
+                  "and one backward per draw, their cotangents independent (the cross terms have mean zero); each "
+                  "row is then one sampling unit, its value the mean trace over its positions."},
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -86,3 +92,12 @@ class TraceSettings:
             )
         if self.batch_size != "auto" and (not isinstance(self.batch_size, int) or self.batch_size < 1):
             raise ValueError(f"batch_size must be an integer >= 1 or 'auto' (got {self.batch_size!r}).")
+        if isinstance(self.positions_per_sequence, bool) or not isinstance(self.positions_per_sequence, int):
+            raise ValueError(f"positions_per_sequence must be an integer >= 1 (got {self.positions_per_sequence!r}).")
+        if self.positions_per_sequence < 1:
+            raise ValueError(f"positions_per_sequence must be >= 1 (got {self.positions_per_sequence}).")
+        if self.positions_per_sequence > 1 and self.estimator != "per_sample":
+            raise ValueError(
+                f"positions_per_sequence={self.positions_per_sequence} is read by estimator='per_sample' only (got "
+                f"estimator={self.estimator!r}); use estimator='per_sample' or positions_per_sequence=1."
+            )

@@ -171,3 +171,9 @@ def test_bad_positions_per_sequence_raise_one_line_errors_naming_the_fix():
             estimate_hessian_trace(model, rows, positions_per_sequence=bad)
     with pytest.raises(ValueError, match="use positions_per_sequence=1"):
         compute_trace_samples(model, TraceContexts.from_rows(rows, causal=True), positions_per_sequence=2, diagonal={})
+
+
+def test_the_split_by_group_adds_up_to_the_mean_per_position():
+    model, rows = _tiny_llama(seed=8), _labelled(_rows(4, seed=8), 3, seed=8)
+    estimate = estimate_hessian_trace(model, rows, n_draws=2, by_group=True, positions_per_sequence=3)
+    assert sum(group.mean for group in estimate.by_group.values()) == pytest.approx(estimate.mean, rel=1e-12)

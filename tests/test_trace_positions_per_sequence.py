@@ -18,6 +18,7 @@ from hf_flatbias.flatness import (
 from hf_flatbias.flatness.estimators.output_probes import OutputProbes
 from hf_flatbias.flatness.estimators.per_sample import forget_self_checks
 from hf_flatbias.flatness.exact import per_context_fisher_traces
+from hf_flatbias.flatness.ghost import GhostNormRecorder
 from tests.helpers.tiny_models import TINY_DECODER, randomize_norms, wide_masked_lm
 
 VOCAB = 14
@@ -177,3 +178,16 @@ def test_the_split_by_group_adds_up_to_the_mean_per_position():
     model, rows = _tiny_llama(seed=8), _labelled(_rows(4, seed=8), 3, seed=8)
     estimate = estimate_hessian_trace(model, rows, n_draws=2, by_group=True, positions_per_sequence=3)
     assert sum(group.mean for group in estimate.by_group.values()) == pytest.approx(estimate.mean, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["rademacher", "label"])
+def test_the_check_against_a_plain_backward_runs_and_fails_a_wrong_ghost_norm(kind, monkeypatch):
+    model, rows = _tiny_llama(seed=9), _labelled(_rows(4, seed=9), 3, seed=9)
+    original = GhostNormRecorder.squared_norms
+    monkeypatch.setattr(GhostNormRecorder, "squared_norms", lambda self, *a, **k: 1.01 * original(self, *a, **k))
+    forget_self_checks()
+    with pytest.raises(ValueError, match="do not match a plain backward"):
+        estimate_hessian_trace(model, rows, n_draws=1, output_probe=kind, positions_per_sequence=3)
+    monkeypatch.setattr(GhostNormRecorder, "squared_norms", original)
+    estimate_hessian_trace(model, rows, n_draws=1, output_probe=kind, positions_per_sequence=3)
+    forget_self_checks()
